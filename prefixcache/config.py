@@ -1,0 +1,140 @@
+"""CacheConfig: every setting of a PrefixCache, loadable from PREFIXCACHE_* env vars."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+WritePolicy = Literal["write_back", "write_through"]
+WRITE_POLICIES = ("write_back", "write_through")
+QueueFullPolicy = Literal["drop", "inline"]
+QUEUE_FULL_POLICIES = ("drop", "inline")
+ENV_PREFIX = "PREFIXCACHE_"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a size such as ``8G``, ``512MiB``, ``1048576`` into bytes."""
+    if isinstance(text, int):
+        return text
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    num = raw.rstrip("kmgt")
+    unit = raw[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"not a byte size: {text!r}") from None
+    if unit not in _SIZE_UNITS or value < 0:
+        raise ValueError(f"not a byte size: {text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Settings of a PrefixCache. The same names are CLI flags and env vars.
+
+    Attributes:
+        block_size: tokens per block; only full blocks are cached.
+        hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
+        hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
+        ssd_dir: directory of the SSD tier (LMDB index + payload files).
+        ssd_max_bytes: byte budget of the SSD tier's payloads.
+        ssd_min_free_bytes: free disk space the SSD tier always leaves.
+        write_policy: ``write_back`` spills on hot eviction; ``write_through``
+            writes every stored block at once.
+        write_queue_bytes: bound of the background writer's queue.
+        queue_full: ``drop`` (count and skip) or ``inline`` (write on the
+            caller's thread) when the queue is full.
+        promote: copy SSD hits into the hot tier when it has room.
+        kv_bits: KV quantization bits (as mlx-lm's ``kv_bits``), or None.
+        kv_group_size: KV quantization group size.
+        quantized_kv_start: cache length from which mlx-lm quantizes.
+        restore_headroom: extra tokens of buffer a restored cache gets beyond
+            the prompt, so decoding does not re-allocate at once.
+        snapshot_interval: keep a recurrent-state snapshot every N blocks.
+    """
+
+    block_size: int = 256
+    hot_max_bytes: int = 4 << 30
+    hot_cache_only: bool = False
+    ssd_dir: str = "~/.cache/prefixcache"
+    ssd_max_bytes: int = 64 << 30
+    ssd_min_free_bytes: int = 1 << 30
+    write_policy: WritePolicy = "write_back"
+    write_queue_bytes: int = 512 << 20
+    queue_full: QueueFullPolicy = "drop"
+    promote: bool = True
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+    restore_headroom: int = 256
+    snapshot_interval: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "snapshot_interval", "kv_group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in (
+            "hot_max_bytes",
+            "ssd_max_bytes",
+            "ssd_min_free_bytes",
+            "write_queue_bytes",
+            "quantized_kv_start",
+            "restore_headroom",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
+            )
+        if self.queue_full not in QUEUE_FULL_POLICIES:
+            raise ValueError(
+                f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}"
+            )
+        if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
+
+    @property
+    def ssd_path(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.ssd_dir))
+
+    def replace(self, **changes: object) -> CacheConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> CacheConfig:
+        """Build a config from ``PREFIXCACHE_*`` variables; keyword overrides win."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            raw = environ.get(ENV_PREFIX + field.name.upper())
+            if raw is not None:
+                values[field.name] = _parse_field(field.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _parse_field(name: str, raw: str) -> object:
+    if name in ("hot_cache_only", "promote"):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
+    if name.endswith("_bytes"):
+        return parse_bytes(raw)
+    if name in ("ssd_dir", "write_policy", "queue_full"):
+        return raw
+    if name == "kv_bits" and raw.strip().lower() in ("", "none"):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be an int, got {raw!r}") from None
