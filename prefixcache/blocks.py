@@ -56,5 +56,18 @@ class Block:
 
     def layer_arrays(self, layer: int) -> dict[str, mx.array]:
         """The payload of one layer, with the ``"{layer}."`` prefix removed."""
-        prefix = f"{layer}."
-        return {k[len(prefix) :]: v for k, v in self.arrays.items() if k.startswith(prefix)}
+        return split_layers(self.arrays).get(layer, {})
+
+
+def split_layers(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
+    """Group a flat ``"{layer}.{name}"`` payload by layer in one pass."""
+    out: dict[int, dict[str, mx.array]] = {}
+    for name, arr in arrays.items():
+        layer, _, rest = name.partition(".")
+        out.setdefault(int(layer), {})[rest] = arr
+    return out
+
+
+def join_layers(layers: list[dict[str, mx.array]]) -> dict[str, mx.array]:
+    """Flatten per-layer payloads into one ``"{layer}.{name}"`` dict."""
+    return {f"{i}.{name}": arr for i, layer in enumerate(layers) for name, arr in layer.items()}

@@ -1,0 +1,87 @@
+"""Codec for mlx-lm's KVCache: blocks are slices of the token axis (axis 2)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .base import Builder, Codec, LayoutMismatchError
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def owned_slice(x: mx.array, start: int, end: int) -> mx.array:
+    """A copy of ``x[..., start:end, :]`` that owns its memory.
+
+    ``mx.contiguous`` returns the parent buffer itself when the slice is already
+    contiguous (one head, or the whole buffer): that would pin the live cache.
+    """
+    return mx.array(x[..., start:end, :])
+
+
+def check_single(cache: Any, keys: mx.array) -> None:
+    if keys.shape[0] != 1:
+        raise LayoutMismatchError(
+            f"{type(cache).__name__} has batch size {keys.shape[0]}; store one sequence "
+            "at a time (use the batch cache's extract(i))"
+        )
+
+
+class KVCodec(Codec):
+    cache_type = KVCache
+
+    def layout(self, cache: KVCache) -> tuple[object, ...]:
+        if cache.keys is None:
+            raise LayoutMismatchError("KVCache is empty: its layout is unknown")
+        check_single(cache, cache.keys)
+        _, heads, _, k_dim = cache.keys.shape
+        return ("KVCache", dtype_name(cache.keys.dtype), heads, k_dim, cache.values.shape[-1])
+
+    def length(self, cache: KVCache) -> int:
+        return cache.offset
+
+    def cut(self, cache: KVCache, start: int, end: int) -> dict[str, mx.array]:
+        return {
+            "keys": owned_slice(cache.keys, start, end),
+            "values": owned_slice(cache.values, start, end),
+        }
+
+    def builder(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int) -> Builder:
+        return KVBuilder(fresh, num_tokens, capacity, block_size)
+
+
+class KVBuilder(Builder):
+    """Fills one preallocated (B, kv_heads, capacity, head_dim) buffer per K and V."""
+
+    def __init__(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int):
+        self.cache = fresh
+        self.num_tokens = num_tokens
+        self.capacity = capacity
+        self.block_size = block_size
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        if "keys" not in arrays:
+            raise LayoutMismatchError(f"block {index} has no full-precision keys")
+        keys, values = arrays["keys"], arrays["values"]
+        if self.keys is None:
+            b, h, _, dk = keys.shape
+            self.keys = mx.zeros((b, h, self.capacity, dk), keys.dtype)
+            self.values = mx.zeros((b, h, self.capacity, values.shape[-1]), values.dtype)
+        start = index * self.block_size
+        end = start + keys.shape[2]
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+
+    def buffers(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def finish(self) -> KVCache:
+        self.cache.keys, self.cache.values = self.keys, self.values
+        self.cache.offset = self.num_tokens
+        return self.cache

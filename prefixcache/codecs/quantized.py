@@ -1,0 +1,88 @@
+"""Codec for QuantizedKVCache: packed uint32 data, scales and biases, never dequantized.
+
+Each token row is quantized on its own (groups run along head_dim), so a slice
+of the packed arrays is exactly the quantization of the slice. Full-precision
+blocks (captured before mlx-lm switched the cache to quantized) are quantized
+on restore with ``mx.quantize``, which matches ``KVCache.to_quantized`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
+
+from .base import Builder, Codec, LayoutMismatchError
+from .kv import check_single, dtype_name, owned_slice
+
+PARTS = ("q", "scales", "biases")
+
+
+class QuantizedKVCodec(Codec):
+    cache_type = QuantizedKVCache
+
+    def layout(self, cache: QuantizedKVCache) -> tuple[object, ...]:
+        # Same signature as the KVCache it was quantized from: bits and group
+        # size belong to the namespace's kv_quant entry.
+        if cache.keys is None:
+            raise LayoutMismatchError("QuantizedKVCache is empty: its layout is unknown")
+        k_packed, k_scales, _ = cache.keys
+        check_single(cache, k_packed)
+        per_word = 32 // cache.bits
+        _, heads, _, _ = k_packed.shape
+        k_dim = k_packed.shape[-1] * per_word
+        v_dim = cache.values[0].shape[-1] * per_word
+        return ("KVCache", dtype_name(k_scales.dtype), heads, k_dim, v_dim)
+
+    def length(self, cache: QuantizedKVCache) -> int:
+        return cache.offset
+
+    def cut(self, cache: QuantizedKVCache, start: int, end: int) -> dict[str, mx.array]:
+        out = {}
+        for name, packed in (("keys", cache.keys), ("values", cache.values)):
+            for part, arr in zip(PARTS, packed, strict=True):
+                out[f"{name}.{part}"] = owned_slice(arr, start, end)
+        return out
+
+    def builder(
+        self, fresh: QuantizedKVCache, num_tokens: int, capacity: int, block_size: int
+    ) -> Builder:
+        return QuantizedBuilder(fresh, num_tokens, capacity, block_size)
+
+
+class QuantizedBuilder(Builder):
+    """Fills preallocated packed buffers; fp blocks are quantized on the way in."""
+
+    def __init__(self, fresh: QuantizedKVCache, num_tokens: int, capacity: int, block_size: int):
+        self.cache = fresh
+        self.num_tokens = num_tokens
+        self.capacity = capacity
+        self.block_size = block_size
+        self.parts: dict[str, list[mx.array]] = {}
+
+    def _packed(self, arrays: dict[str, mx.array], name: str) -> tuple[mx.array, ...]:
+        if f"{name}.q" in arrays:
+            return tuple(arrays[f"{name}.{p}"] for p in PARTS)
+        if name in arrays:
+            c = self.cache
+            return tuple(mx.quantize(arrays[name], group_size=c.group_size, bits=c.bits))
+        raise LayoutMismatchError(f"block payload has no {name!r}")
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        start = index * self.block_size
+        for name in ("keys", "values"):
+            packed = self._packed(arrays, name)
+            if name not in self.parts:
+                self.parts[name] = [
+                    mx.zeros((*p.shape[:2], self.capacity, p.shape[-1]), p.dtype) for p in packed
+                ]
+            for buf, p in zip(self.parts[name], packed, strict=True):
+                buf[..., start : start + p.shape[2], :] = p
+
+    def buffers(self) -> list[mx.array]:
+        return [b for bufs in self.parts.values() for b in bufs]
+
+    def finish(self) -> QuantizedKVCache:
+        self.cache.keys = tuple(self.parts["keys"])
+        self.cache.values = tuple(self.parts["values"])
+        self.cache.offset = self.num_tokens
+        return self.cache

@@ -1,0 +1,114 @@
+"""Hot tier: a byte-bounded LRU of blocks holding live, contiguous mx.arrays.
+
+Eviction never strands a child: only blocks with no child in the hot tier are
+evicted (leaves first). Touching a chain deepest-first keeps ancestors more
+recent than their descendants, so the LRU end is almost always a leaf.
+Not thread-safe by itself: the manager holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+
+from .blocks import Block
+
+EvictHook = Callable[[Block, bool], None]  # (block, dirty)
+
+
+class HotTier:
+    def __init__(self, max_bytes: int, on_evict: EvictHook | None = None):
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict
+        self.nbytes = 0
+        self.num_evictions = 0
+        self._lru: OrderedDict[bytes, Block] = OrderedDict()
+        self._children: dict[bytes, int] = {}
+        self._dirty: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._lru.values()))
+
+    def get(self, key: bytes) -> Block | None:
+        return self._lru.get(key)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark a chain (given root-first) as just used, ancestors most recent."""
+        for key in reversed(list(keys)):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def put(self, block: Block, *, dirty: bool = False) -> bool:
+        """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
+
+        Returns False when the block alone is larger than the whole budget.
+        """
+        if block.key in self._lru:
+            self._lru.move_to_end(block.key)
+            return True
+        if block.nbytes > self.max_bytes:
+            return False
+        self._lru[block.key] = block
+        self._children[block.parent] = self._children.get(block.parent, 0) + 1
+        self.nbytes += block.nbytes
+        if dirty:
+            self._dirty.add(block.key)
+        self.evict_to(self.max_bytes)
+        return block.key in self._lru
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Evict LRU leaves until at most ``max_bytes`` are held; returns how many."""
+        num = 0
+        while self.nbytes > max_bytes:
+            leaf = next((k for k in self._lru if not self._children.get(k)), None)
+            if leaf is None:  # unreachable: a finite forest always has a leaf
+                break
+            self._evict(leaf)
+            num += 1
+        return num
+
+    def _evict(self, key: bytes) -> None:
+        dirty = key in self._dirty
+        block = self.pop(key)
+        self.num_evictions += 1
+        if block is not None and self.on_evict is not None:
+            self.on_evict(block, dirty)
+
+    def pop(self, key: bytes) -> Block | None:
+        block = self._lru.pop(key, None)
+        if block is None:
+            return None
+        self.nbytes -= block.nbytes
+        self._dirty.discard(key)
+        left = self._children[block.parent] - 1
+        if left:
+            self._children[block.parent] = left
+        else:
+            del self._children[block.parent]
+        return block
+
+    def is_dirty(self, key: bytes) -> bool:
+        return key in self._dirty
+
+    def mark_clean(self, key: bytes) -> None:
+        self._dirty.discard(key)
+
+    def take_dirty(self) -> list[Block]:
+        """Dirty blocks (not yet on SSD) root-first, marked clean."""
+        blocks = sorted(
+            (self._lru[k] for k in self._dirty if k in self._lru), key=lambda b: b.index
+        )
+        self._dirty.clear()
+        return blocks
+
+    def clear(self) -> None:
+        self._lru.clear()
+        self._children.clear()
+        self._dirty.clear()
+        self.nbytes = 0

@@ -1,0 +1,99 @@
+"""Hot tier: byte bound, leaves-first eviction, dirty tracking, against a plain model."""
+
+import mlx.core as mx
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from prefixcache.blocks import Block
+from prefixcache.hot import HotTier
+
+ROOT = b"r" * 16
+
+
+def block(name: str, parent: bytes = ROOT, nbytes: int = 64, index: int = 0) -> Block:
+    key = name.encode().ljust(16, b".")
+    arrays = {"0.keys": mx.zeros((nbytes // 4,), mx.float32)}
+    return Block.make(key, parent, ROOT, index, b"", arrays)
+
+
+def test_byte_bound_counts_real_bytes():
+    hot = HotTier(max_bytes=200)
+    for name in "abc":
+        assert hot.put(block(name))
+    assert hot.nbytes == 192 and len(hot) == 3
+    assert hot.put(block("d"))
+    assert hot.nbytes == 192 and len(hot) == 3 and hot.num_evictions == 1
+    assert block("a").key not in hot  # LRU went first
+
+
+def test_never_strands_a_child():
+    evicted = []
+    hot = HotTier(max_bytes=3 * 64, on_evict=lambda b, dirty: evicted.append(b.key[:1]))
+    a = block("a")
+    b = block("b", parent=a.key, index=1)
+    c = block("c", parent=b.key, index=2)
+    for x in (a, b, c):
+        hot.put(x)
+    hot.touch([a.key])  # the root is most recent, but has a child
+    hot.put(block("z"))  # needs room for one block
+    assert evicted == [b"c"]  # the leaf goes, not the recently used parent
+    assert a.key in hot and b.key in hot
+
+
+def test_oversized_block_is_refused():
+    hot = HotTier(max_bytes=32)
+    assert not hot.put(block("a", nbytes=64))
+    assert len(hot) == 0 and hot.nbytes == 0
+
+
+def test_dirty_blocks_reach_the_hook_once():
+    seen = []
+    hot = HotTier(max_bytes=64, on_evict=lambda b, dirty: seen.append((b.key[:1], dirty)))
+    hot.put(block("a"), dirty=True)
+    hot.put(block("b"), dirty=False)
+    hot.put(block("c"), dirty=True)
+    assert seen == [(b"a", True), (b"b", False)]
+    assert [b.key[:1] for b in hot.take_dirty()] == [b"c"]
+    assert hot.take_dirty() == []
+
+
+class HotModel(RuleBasedStateMachine):
+    """Random puts/touches/pops against a plain-Python model of the invariants."""
+
+    def __init__(self):
+        super().__init__()
+        self.hot = HotTier(max_bytes=500, on_evict=self.on_evict)
+        self.present: dict[bytes, Block] = {}
+        self.num = 0
+
+    def on_evict(self, b: Block, dirty: bool) -> None:
+        # Invariant at eviction time: no stored block has b as parent.
+        assert not any(x.parent == b.key for x in self.present.values() if x.key != b.key)
+        self.present.pop(b.key)
+
+    @rule(size=st.integers(1, 60), parent_pick=st.integers(0, 50))
+    def put(self, size, parent_pick):
+        parents = [ROOT, *self.present]
+        parent = parents[parent_pick % len(parents)]
+        self.num += 1
+        b = block(f"k{self.num}", parent=parent, nbytes=size * 4)
+        self.present[b.key] = b
+        if not self.hot.put(b):
+            self.present.pop(b.key, None)
+
+    @rule(pick=st.integers(0, 50))
+    def touch(self, pick):
+        if self.present:
+            keys = list(self.present)
+            self.hot.touch([keys[pick % len(keys)]])
+
+    @invariant()
+    def matches_model(self):
+        assert {b.key for b in self.hot} == set(self.present)
+        assert self.hot.nbytes == sum(b.nbytes for b in self.present.values())
+        assert self.hot.nbytes <= self.hot.max_bytes
+
+
+TestHotModel = HotModel.TestCase
+TestHotModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
