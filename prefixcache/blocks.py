@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 KEY_BYTES = 16
 
@@ -71,3 +73,82 @@ def split_layers(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
 def join_layers(layers: list[dict[str, mx.array]]) -> dict[str, mx.array]:
     """Flatten per-layer payloads into one ``"{layer}.{name}"`` dict."""
     return {f"{i}.{name}": arr for i, layer in enumerate(layers) for name, arr in layer.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What the SSD index keeps about a block: everything but the payload.
+
+    Attributes:
+        key, parent, root, index, tokens: as in :class:`Block`.
+        nbytes: payload bytes of the block's arrays.
+        file_bytes: size of the payload file on disk (0 while still queued).
+        checksum: xxh3-64 of the payload file's bytes (0 while still queued).
+        created: time.time() when the block was indexed (or queued).
+        last_used: time.time() of the last load or touch (LRU order).
+    """
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    index: int
+    tokens: bytes
+    nbytes: int
+    file_bytes: int
+    checksum: int
+    created: float
+    last_used: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @classmethod
+    def of(
+        cls, block: Block, *, file_bytes: int = 0, checksum: int = 0, now: float = 0.0
+    ) -> BlockMeta:
+        nbytes = block.nbytes or sum(a.nbytes for a in block.arrays.values())
+        return cls(
+            block.key, block.parent, block.root, block.index, block.tokens,
+            nbytes, file_bytes, checksum, now, now,
+        )  # fmt: skip
+
+
+# Index entry: fixed header, the token ids, then xxh3-64 of everything before it.
+META_FORMAT = 1
+_META_HEAD = struct.Struct("<BxxxI16s16sQQQddI")
+
+
+def encode_meta(meta: BlockMeta) -> bytes:
+    """Encode a BlockMeta as a compact index value (the key is not included)."""
+    head = _META_HEAD.pack(
+        META_FORMAT, meta.index, meta.parent, meta.root, meta.nbytes, meta.file_bytes,
+        meta.checksum, meta.created, meta.last_used, len(meta.tokens) // 4,
+    )  # fmt: skip
+    body = head + meta.tokens
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def decode_meta(key: bytes, value: bytes) -> BlockMeta:
+    """Decode an index value written by :func:`encode_meta`.
+
+    Raises:
+        ValueError: the value is truncated, of another format or fails its checksum.
+    """
+    value = bytes(value)
+    if len(value) < _META_HEAD.size + 8:
+        raise ValueError(f"index entry too short ({len(value)} bytes)")
+    body, digest = value[:-8], value[-8:]
+    if xxhash.xxh3_64_digest(body) != digest:
+        raise ValueError("index entry checksum mismatch")
+    fmt, index, parent, root, nbytes, file_bytes, checksum, created, last_used, num_tokens = (
+        _META_HEAD.unpack_from(body)
+    )
+    if fmt != META_FORMAT:
+        raise ValueError(f"index entry format {fmt}, expected {META_FORMAT}")
+    tokens = body[_META_HEAD.size :]
+    if len(tokens) != 4 * num_tokens:
+        raise ValueError(f"index entry has {len(tokens)} token bytes, expected {4 * num_tokens}")
+    return BlockMeta(
+        key, parent, root, index, tokens, nbytes, file_bytes, checksum, created, last_used
+    )
