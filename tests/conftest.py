@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random-weight mlx-lm models built offline, prefill helpers."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache
+
+from prefixcache.tiny import build_model
+
+# head_dim 32 so kv_group_size 32 divides it; one kv head exercises the
+# "slice is already contiguous" trap of mx.contiguous.
+QUANT_LLAMA = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+
+
+@functools.cache
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    return build_model(arch, seed=seed, **overrides)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
+
+
+def prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+def prefill(model, tokens, cache, *, step: int = 16, kv: tuple | None = None) -> mx.array:
+    """Run ``tokens`` through the model in chunks of ``step``; last-token logits.
+
+    ``kv`` = (bits, group_size, start) applies mlx-lm's quantization schedule
+    after each chunk, as generate_step does.
+    """
+    logits = None
+    for start in range(0, len(tokens), step):
+        logits = model(mx.array([tokens[start : start + step]]), cache=cache)[:, -1, :]
+        if kv is not None:
+            maybe_quantize_kv_cache(cache, kv[2], kv[1], kv[0])
+        mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+def live_logits(model, tokens, split: int, *, step: int = 16, kv: tuple | None = None):
+    """Logits of ``tokens`` computed live, with a chunk boundary at ``split``."""
+    cache = make_prompt_cache(model)
+    if split:
+        prefill(model, tokens[:split], cache, step=step, kv=kv)
+    return prefill(model, tokens[split:], cache, step=step, kv=kv)
+
+
+def max_diff(a: mx.array, b: mx.array) -> float:
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
