@@ -229,12 +229,14 @@ class PrefixCache:
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
 
-    def _load(self, keys: list[bytes], loaded: dict[int, Block], index: int) -> dict[str, mx.array]:
+    def _load(
+        self, keys: list[bytes], loaded: dict[int, Block], index: int
+    ) -> tuple[dict[str, mx.array], bool]:
         key = keys[index]
         block = self.hot.get(key)
         if block is not None:
             self._stats.hot_block_hits += 1
-            return block.arrays
+            return block.arrays, True
         block = self.ssd.load(key) if self.ssd is not None else None
         if block is None:
             raise Shortfall(
@@ -242,7 +244,7 @@ class PrefixCache:
             )
         self._stats.ssd_block_hits += 1
         loaded[index] = block
-        return block.arrays
+        return block.arrays, False
 
     def _after_hit(self, chain: list[bytes], loaded: dict[int, Block]) -> None:
         if self.config.promote:

@@ -75,7 +75,7 @@ def rebuild(
     num_tokens: int,
     capacity: int,
     block_size: int,
-    load: Callable[[int], dict[str, mx.array]],
+    load: Callable[[int], tuple[dict[str, mx.array], bool]],
 ) -> list[Any]:
     """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
 
@@ -86,7 +86,9 @@ def rebuild(
         num_tokens: tokens the caches will hold (<= num_blocks * block_size).
         capacity: buffer length in tokens.
         block_size: tokens per block.
-        load: chain index -> the block's flat payload; raises Shortfall.
+        load: chain index -> (the block's flat payload, whether it stays in
+            memory anyway); raises Shortfall. Blocks that do not stay
+            (streamed from SSD) are written into the buffers at once.
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -100,14 +102,18 @@ def rebuild(
         for index in codec.blocks_needed(cache, num_blocks, block_size):
             users.setdefault(index, []).append(layer)
     for index in sorted(users):
-        layers = split_layers(load(index))
+        arrays, resident = load(index)
+        layers = split_layers(arrays)
         for layer in users[index]:
             try:
                 builders[layer].add(index, layers.get(layer, {}))
             except (LayoutMismatchError, KeyError) as err:
                 raise Shortfall(index, _reason(err)) from err
-        mx.eval([b.buffers() for b in builders])
-    return [b.finish() for b in builders]
+        if not resident:
+            mx.eval([b.buffers() for b in builders])
+    caches = [b.finish() for b in builders]
+    mx.eval([c.state for c in caches])
+    return caches
 
 
 def _reason(err: Exception) -> MissReason:

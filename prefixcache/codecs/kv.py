@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .base import Builder, Codec, LayoutMismatchError
+from .buffer import TokenBuffer
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -55,33 +56,27 @@ class KVCodec(Codec):
 
 
 class KVBuilder(Builder):
-    """Fills one preallocated (B, kv_heads, capacity, head_dim) buffer per K and V."""
+    """Assembles one buffer per K and V of (B, kv_heads, capacity, head_dim)."""
 
     def __init__(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
         self.num_tokens = num_tokens
-        self.capacity = capacity
         self.block_size = block_size
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys = TokenBuffer(capacity)
+        self.values = TokenBuffer(capacity)
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
         if "keys" not in arrays:
             raise LayoutMismatchError(f"block {index} has no full-precision keys")
-        keys, values = arrays["keys"], arrays["values"]
-        if self.keys is None:
-            b, h, _, dk = keys.shape
-            self.keys = mx.zeros((b, h, self.capacity, dk), keys.dtype)
-            self.values = mx.zeros((b, h, self.capacity, values.shape[-1]), values.dtype)
         start = index * self.block_size
-        end = start + keys.shape[2]
-        self.keys[..., start:end, :] = keys
-        self.values[..., start:end, :] = values
+        self.keys.add(start, arrays["keys"])
+        self.values.add(start, arrays["values"])
 
     def buffers(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 
     def finish(self) -> KVCache:
-        self.cache.keys, self.cache.values = self.keys, self.values
+        self.cache.keys = self.keys.materialize()
+        self.cache.values = self.values.materialize()
         self.cache.offset = self.num_tokens
         return self.cache

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from .base import Builder, Codec, LayoutMismatchError
+from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
 
 PARTS = ("q", "scales", "biases")
@@ -50,14 +51,13 @@ class QuantizedKVCodec(Codec):
 
 
 class QuantizedBuilder(Builder):
-    """Fills preallocated packed buffers; fp blocks are quantized on the way in."""
+    """Assembles packed buffers; fp blocks are quantized on the way in."""
 
     def __init__(self, fresh: QuantizedKVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
         self.num_tokens = num_tokens
-        self.capacity = capacity
         self.block_size = block_size
-        self.parts: dict[str, list[mx.array]] = {}
+        self.parts = {name: [TokenBuffer(capacity) for _ in PARTS] for name in ("keys", "values")}
 
     def _packed(self, arrays: dict[str, mx.array], name: str) -> tuple[mx.array, ...]:
         if f"{name}.q" in arrays:
@@ -69,20 +69,16 @@ class QuantizedBuilder(Builder):
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
         start = index * self.block_size
-        for name in ("keys", "values"):
-            packed = self._packed(arrays, name)
-            if name not in self.parts:
-                self.parts[name] = [
-                    mx.zeros((*p.shape[:2], self.capacity, p.shape[-1]), p.dtype) for p in packed
-                ]
-            for buf, p in zip(self.parts[name], packed, strict=True):
-                buf[..., start : start + p.shape[2], :] = p
+        for name, bufs in self.parts.items():
+            for buf, p in zip(bufs, self._packed(arrays, name), strict=True):
+                buf.add(start, p)
 
     def buffers(self) -> list[mx.array]:
-        return [b for bufs in self.parts.values() for b in bufs]
+        out = (b.materialize() for bufs in self.parts.values() for b in bufs)
+        return [b for b in out if b is not None]
 
     def finish(self) -> QuantizedKVCache:
-        self.cache.keys = tuple(self.parts["keys"])
-        self.cache.values = tuple(self.parts["values"])
+        self.cache.keys = tuple(b.materialize() for b in self.parts["keys"])
+        self.cache.values = tuple(b.materialize() for b in self.parts["values"])
         self.cache.offset = self.num_tokens
         return self.cache
