@@ -1,0 +1,26 @@
+# Two entry points, both self-contained on a fresh machine (Python >= 3.10):
+#   make demo   set up .venv and run the demo on a tiny locally built model
+#   make test   set up .venv, lint, and run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup lint
+
+$(BIN)/prefixcache: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/prefixcache
+
+demo: setup
+	$(BIN)/prefixcache demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest -q
