@@ -1,0 +1,192 @@
+"""Background writer of the SSD tier: one daemon thread and a queue bounded in bytes.
+
+The caller's thread only queues (the arrays are already evaluated and their
+bytes taken as zero-copy views); the thread hands batches to a write function
+that does the file and index I/O and runs no MLX computation. A queued block
+stays visible through :meth:`Writer.pending` until its batch is written and
+indexed, so there is no window in which a just-queued block is unreadable.
+Failures are counted, logged once and re-raised by :meth:`Writer.close`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .blocks import Block
+from .payload import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One queued block: the block itself (served while pending) and its byte views."""
+
+    block: Block
+    tensors: list[Tensor] = field(repr=False)
+    nbytes: int
+    queued: float = field(default_factory=time.time)
+
+
+class Writer:
+    """A daemon thread that drains a byte-bounded queue into ``write_batch``.
+
+    Args:
+        write_batch: does the I/O for a list of items (on the writer thread).
+        max_bytes: bound of the queue: the sum of ``nbytes`` of queued items,
+            including the batch being written.
+        housekeeping: called after every batch and on :meth:`wake` (e.g. to
+            apply deferred LRU touches).
+        hold: if given, the thread waits for this event before each batch; lets
+            tests keep blocks pending with a real thread.
+        batch_bytes: a batch is cut once it holds this many bytes.
+    """
+
+    def __init__(
+        self,
+        write_batch: Callable[[list[WriteItem]], None],
+        *,
+        max_bytes: int,
+        housekeeping: Callable[[], None] | None = None,
+        hold: threading.Event | None = None,
+        batch_bytes: int = 64 << 20,
+        name: str = "prefixcache-ssd-writer",
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.num_failures = 0
+        self._write_batch = write_batch
+        self._housekeeping = housekeeping
+        self._hold = hold
+        self._batch_bytes = batch_bytes
+        self._cond = threading.Condition()
+        self._queue: deque[WriteItem] = deque()
+        self._pending: dict[bytes, WriteItem] = {}
+        self._queue_bytes = 0
+        self._num_in = 0  # items ever queued
+        self._num_out = 0  # items ever finished (written, skipped or failed)
+        self._requested = 0  # housekeeping rounds asked for (wake / flush)
+        self._done = 0  # last round finished
+        self._stop = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queue_bytes(self) -> int:
+        return self._queue_bytes
+
+    def submit(self, item: WriteItem) -> bool:
+        """Queue an item; False (nothing queued) if it does not fit in the bound."""
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the SSD writer is closed")
+            if item.block.key in self._pending:
+                return True
+            if self._queue_bytes + item.nbytes > self.max_bytes:
+                return False
+            self._queue.append(item)
+            self._pending[item.block.key] = item
+            self._queue_bytes += item.nbytes
+            self._num_in += 1
+            self._cond.notify_all()
+        return True
+
+    def pending(self, key: bytes) -> WriteItem | None:
+        """The queued item of ``key``, until it is written and indexed."""
+        with self._cond:
+            return self._pending.get(key)
+
+    def wake(self) -> None:
+        """Ask for a housekeeping round without waiting for it."""
+        with self._cond:
+            self._requested += 1
+            self._cond.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every item queued so far is finished and housekeeping has run."""
+        with self._cond:
+            self._requested += 1
+            round_, target = self._requested, self._num_in
+            self._cond.notify_all()
+            while (self._done < round_ or self._num_out < target) and self._thread.is_alive():
+                self._cond.wait()
+
+    def close(self) -> None:
+        """Flush, stop the thread, and re-raise the first failure (once)."""
+        if self._thread.is_alive():
+            self.flush()
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def run_inline(self, items: list[WriteItem]) -> bool:
+        """Write on the calling thread (queue-full policy ``inline``); False on failure."""
+        return self._call(self._write_batch, items)
+
+    def record_failure(self, exc: BaseException) -> None:
+        """Count a failure, log the first one, keep it for :meth:`close`."""
+        with self._cond:
+            self.num_failures += 1
+            first = self.num_failures == 1
+            if self._failure is None:
+                self._failure = exc
+        if first:
+            logger.error("SSD writer failed (later failures are counted only): %r", exc)
+        else:
+            logger.debug("SSD writer failed again: %r", exc)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> bool:
+        try:
+            fn(*args)
+        except Exception as exc:  # a background thread records whatever broke it
+            self.record_failure(exc)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queue or self._requested > self._done or self._stop):
+                    self._cond.wait()
+                if self._stop and not self._queue:
+                    return
+                round_ = self._requested
+                batch = self._take()
+            if batch and self._hold is not None:
+                self._hold.wait()
+            if batch:
+                self._call(self._write_batch, batch)
+            if self._housekeeping is not None:
+                self._call(self._housekeeping)
+            with self._cond:
+                for item in batch:
+                    self._queue.popleft()
+                    del self._pending[item.block.key]
+                    self._queue_bytes -= item.nbytes
+                self._num_out += len(batch)
+                self._done = max(self._done, round_)
+                self._cond.notify_all()
+
+    def _take(self) -> list[WriteItem]:
+        """The next batch, left in the queue (still pending) until it is written."""
+        batch, nbytes = [], 0
+        for item in itertools.islice(self._queue, 256):
+            if batch and nbytes + item.nbytes > self._batch_bytes:
+                break
+            batch.append(item)
+            nbytes += item.nbytes
+        return batch
