@@ -1,0 +1,105 @@
+"""One shared ``lmdb.Environment`` per path per process, short transactions, map growth.
+
+LMDB forbids opening one environment twice in a process, so every opener of a
+path shares one (reference counted). Transactions run through
+:meth:`SharedEnv.txn`, which grows the map on ``MapFullError`` and adopts
+another process's growth on ``MapResizedError``. Resizing requires that no
+transaction of this process is open, which a small shared/exclusive gate ensures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar, TypeVar
+
+import lmdb
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Gate:
+    """Shared for transactions, exclusive for a map resize."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._resizing)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def resize(self, env: lmdb.Environment, map_size: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._resizing)
+            self._resizing = True
+            self._cond.wait_for(lambda: self._active == 0)
+            try:
+                env.set_mapsize(map_size)  # 0 adopts the size another process set
+            finally:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class SharedEnv:
+    """A reference-counted environment with its named databases."""
+
+    _open: ClassVar[dict[str, SharedEnv]] = {}  # realpath -> env, process-wide
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, path: str, env: lmdb.Environment, dbs: dict[str, object]) -> None:
+        self.path, self.env, self.dbs = path, env, dbs
+        self._gate = _Gate()
+        self._refs = 1
+
+    @classmethod
+    def acquire(
+        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = ()
+    ) -> SharedEnv:
+        """Open (or share the already open) environment at ``path``."""
+        with cls._lock:
+            shared = cls._open.get(path)
+            if shared is not None:
+                shared._refs += 1
+                return shared
+            env = lmdb.open(path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True)
+            env.reader_check()  # free reader slots of dead processes
+            handles = {name: env.open_db(name.encode(), dupsort=name in dupsort) for name in dbs}
+            shared = cls._open[path] = cls(path, env, handles)
+            return shared
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            if self._refs == 0:
+                del self._open[self.path]
+                self.env.close()
+
+    def txn(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
+        """Run ``fn`` in one short transaction; grow the map and retry when it is full.
+
+        ``fn`` may run again after a MapFullError, so its side effects outside
+        the transaction must be idempotent.
+        """
+        while True:
+            try:
+                with self._gate.shared(), self.env.begin(write=write) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"] * 2
+                logger.info("LMDB %s: growing the map to %d bytes", self.path, size)
+                self._gate.resize(self.env, size)
+            except lmdb.MapResizedError:
+                self._gate.resize(self.env, 0)
