@@ -6,20 +6,21 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from .blocks import Block, join_layers
+from .blocks import Block
+from .capture import prefill, store_blocks
 from .codecs import Codec, LayoutMismatchError, codec_for, round_up
 from .config import CacheConfig
 from .hashing import Namespace, chain_keys, token_bytes
 from .hot import HotTier
 from .model_id import model_fingerprint
-from .restore import Shortfall, Walk, rebuild, walk
+from .restore import Shortfall, Walk, plan, rebuild, walk
 from .stats import MissReason, Stats
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class PrefixCache:
             root = self._root(extra)
             keys = chain_keys(root, data, self.config.block_size)
             depth = self._walk(keys, root, data).depth
-            return self._usable(depth, len(data) // 4)[1]
+            return self._plan(keys, depth, len(data) // 4)[1]
 
     def store(
         self, tokens: Sequence[int], cache: Sequence[Any], *, extra: Mapping[str, str] | None = None
@@ -105,12 +106,40 @@ class PrefixCache:
         with self._lock:
             self._check_open()
             self._validate(cache, len(data) // 4)
-            root = self._root(extra)
-            keys = chain_keys(root, data, self.config.block_size)
-            blocks = self._cut_new(keys, root, data, cache)
-            self._keep(blocks)
+            num_new = store_blocks(self, data, cache, self._root(extra))
             self._stats.num_stores += 1
-            return len(blocks)
+            return num_new
+
+    def capture(
+        self,
+        tokens_so_far: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> int:
+        """``store`` for a cache being prefilled: call it after every chunk.
+
+        Window K/V are cut before the window moves on and recurrent state at
+        the boundary the cache stands on (see capture.py); e.g. from
+        ``generate_step``'s ``prompt_progress_callback``, with a
+        ``prefill_step_size`` that is a multiple of ``block_size``.
+        """
+        return self.store(tokens_so_far, cache, extra=extra)
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        prefill_step_size: int | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> tuple[list[Any], mx.array]:
+        """``fetch``, prefill the rest in block-aligned chunks, ``capture`` each.
+
+        ``prefill_step_size`` (a multiple of ``block_size``; chunks end on its
+        multiples) defaults to ``snapshot_interval`` blocks for models with
+        recurrent layers, else ~2048 tokens. Returns (cache, last logits).
+        """
+        return prefill(self, tokens, prefill_step_size=prefill_step_size, extra=extra)
 
     def stats(self) -> dict[str, object]:
         with self._lock:
@@ -190,6 +219,23 @@ class PrefixCache:
             return depth, num_tokens - 1
         return depth - 1, (depth - 1) * bs
 
+    def _plan(
+        self, keys: list[bytes], depth: int, num_tokens: int
+    ) -> tuple[int, int, MissReason | None]:
+        """(blocks, tokens, reason) restorable given which payloads blocks hold."""
+
+        def names(index: int) -> Container[str] | None:
+            block = self.hot.get(keys[index])
+            return None if block is None else block.arrays  # SSD: checked on load
+
+        return plan(
+            depth,
+            usable=lambda d: self._usable(d, num_tokens),
+            fresh=self._fresh,
+            payload=names,
+            block_size=self.config.block_size,
+        )
+
     def _fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""
         cfg = self.config
@@ -206,7 +252,8 @@ class PrefixCache:
         bs = self.config.block_size
         reason = None
         while depth > 0:
-            num_blocks, num_cached = self._usable(depth, num_tokens)
+            num_blocks, num_cached, why = self._plan(keys, depth, num_tokens)
+            reason = reason or why
             if num_blocks <= 0:
                 break
             fresh = self._fresh(num_cached)
@@ -223,7 +270,7 @@ class PrefixCache:
                     load=functools.partial(self._load, keys, loaded),
                 )
             except Shortfall as short:
-                depth, reason = short.index, short.reason
+                depth, reason = short.index, reason or short.reason
                 continue
             self._after_hit(keys[:num_blocks], loaded)
             return cache, num_cached, reason
@@ -298,25 +345,6 @@ class PrefixCache:
             if got != expected:
                 raise LayoutMismatchError(f"layer {i} layout {got} != this model's {expected}")
 
-    def _cut_new(
-        self, keys: list[bytes], root: bytes, data: bytes, cache: Sequence[Any]
-    ) -> list[Block]:
-        bs, step = self.config.block_size, self.config.block_size * 4
-        blocks = []
-        parent = root
-        for i, key in enumerate(keys):
-            if key not in self.hot and not (self.ssd is not None and self.ssd.contains(key)):
-                start, end = i * bs, (i + 1) * bs
-                layers = [codec_for(c).cut(c, start, end) for c in cache]
-                blocks.append(
-                    Block.make(
-                        key, parent, root, i, data[i * step : (i + 1) * step], join_layers(layers)
-                    )
-                )
-            parent = key
-        mx.eval([b.arrays for b in blocks])
-        return blocks
-
     def _keep(self, blocks: list[Block]) -> None:
         write_through = self.ssd is not None and self.config.write_policy == "write_through"
         dirty = self.ssd is not None and not write_through
@@ -330,6 +358,17 @@ class PrefixCache:
                 self._spill(block)  # larger than the whole hot budget
         if blocks:
             self.hot.touch([b.key for b in blocks])
+
+    def _replace(self, blocks: list[Block]) -> None:
+        """Swap stored blocks for fuller versions a later capture cut."""
+        for block in blocks:
+            self.hot.pop(block.key)
+            if self.ssd is not None and self.ssd.contains(block.key):
+                self.ssd.remove([block.key])  # that copy lacks the new payload
+        num_stored, nbytes = self._stats.stored_blocks, self._stats.stored_bytes
+        self._keep(blocks)
+        self._stats.stored_blocks, self._stats.stored_bytes = num_stored, nbytes
+        self._stats.upgraded_blocks += len(blocks)
 
     def _spill(self, block: Block) -> None:
         if self.ssd.put(block):

@@ -9,14 +9,14 @@ through and the peak is the restored cache plus one block.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 
 from .blocks import split_layers
-from .codecs import Codec, LayoutMismatchError
+from .codecs import Codec, LayoutMismatchError, codec_for
 from .stats import MissReason
 
 
@@ -99,8 +99,10 @@ def rebuild(
     ]
     users: dict[int, list[int]] = {}
     for layer, (codec, cache) in enumerate(zip(codecs, fresh, strict=True)):
-        for index in codec.blocks_needed(cache, num_blocks, block_size):
+        for index in codec.blocks_needed(cache, num_tokens, block_size):
             users.setdefault(index, []).append(layer)
+    if users and max(users) >= num_blocks:
+        raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
     for index in sorted(users):
         arrays, resident = load(index)
         layers = split_layers(arrays)
@@ -114,6 +116,76 @@ def rebuild(
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches
+
+
+def plan(
+    depth: int,
+    *,
+    usable: Callable[[int], tuple[int, int]],
+    fresh: Callable[[int], list[Any]],
+    payload: Callable[[int], Container[str] | None],
+    block_size: int,
+) -> tuple[int, int, MissReason | None]:
+    """The deepest restorable prefix of at most ``depth`` blocks, from metadata only.
+
+    A window, chunk or recurrent layer may lack its payload in some blocks
+    (cut after the window moved on, no snapshot at that boundary); this finds
+    where every layer has what it needs before anything is copied.
+
+    Args:
+        depth: blocks matched by the walk.
+        usable: blocks -> (blocks to restore, tokens cached), as the manager
+            leaves at least one token to prefill.
+        fresh: tokens cached -> empty caches for them (quantized where due).
+        payload: chain index -> the block's flat payload names, or None when
+            unknown (the rebuild then checks, and may still fall short).
+        block_size: tokens per block.
+
+    Returns:
+        (blocks to restore, tokens cached, why fewer than ``depth`` or None)
+    """
+    reason = None
+    while depth > 0:
+        num_blocks, num_tokens = usable(depth)
+        if num_blocks <= 0:
+            break
+        gap = first_gap(fresh(num_tokens), num_tokens, block_size, payload)
+        if gap is None:
+            return num_blocks, num_tokens, reason
+        # every codec's needs are suffix-closed: no depth between gap and depth works
+        depth, why = gap
+        reason = reason or why
+    return 0, 0, reason
+
+
+def first_gap(
+    caches: list[Any],
+    num_tokens: int,
+    block_size: int,
+    payload: Callable[[int], Container[str] | None],
+) -> tuple[int, MissReason] | None:
+    """A needed block whose payload cannot serve a layer, with the reason; None if all can."""
+    layers = []
+    for layer, cache in enumerate(caches):
+        codec = codec_for(cache)
+        layers.append((layer, codec, cache, codec.blocks_needed(cache, num_tokens, block_size)))
+    layers.sort(key=lambda t: len(t[3]))  # windows and snapshots first: they fail fast
+    for layer, codec, cache, needed in layers:
+        prefix = f"{layer}."
+        for index in reversed(needed):
+            names = payload(index)
+            if names is None:
+                continue
+            why = codec.covers(
+                cache,
+                index,
+                num_tokens,
+                block_size,
+                lambda n, p=prefix, names=names: p + n in names,
+            )
+            if why is not None:
+                return index, why
+    return None
 
 
 def _reason(err: Exception) -> MissReason:

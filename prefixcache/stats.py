@@ -37,6 +37,7 @@ class Stats:
     stored_bytes: int = 0
     num_spills: int = 0
     num_promotions: int = 0
+    upgraded_blocks: int = 0
     num_discarded: int = 0
     miss_reasons: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in MissReason})
 
@@ -61,6 +62,7 @@ _COUNTERS = {
     "num_stores": "store calls",
     "stored_blocks": "new blocks stored",
     "stored_bytes": "payload bytes of new blocks stored",
+    "upgraded_blocks": "stored blocks given payloads they lacked by a later capture",
     "num_spills": "hot blocks written to the ssd tier",
     "num_promotions": "ssd blocks copied into the hot tier",
     "num_discarded": "blocks evicted from hot and not kept anywhere",

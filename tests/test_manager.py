@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import QUANT_LLAMA, live_logits, max_diff, prefill, prompt, tiny_model
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, make_prompt_cache
 
 from prefixcache import (
     CacheConfig,
@@ -109,8 +109,8 @@ def test_bad_input_is_refused_and_nothing_stored_changes(llama):
             pc.store(tokens, filled(other, tokens))
         with pytest.raises(LayoutMismatchError, match="1 layers"):
             pc.store(tokens, filled(llama, tokens)[:1])
-        with pytest.raises(UnsupportedCacheError, match="ArraysCache"):
-            pc.store(tokens, [ArraysCache(1), KVCache()])
+        with pytest.raises(UnsupportedCacheError, match="ConcatenateKVCache"):
+            pc.store(tokens, [ConcatenateKVCache(), KVCache()])
         assert pc.store([], make_prompt_cache(llama)) == 0
         after = snapshot(pc)
         assert before.keys() == after.keys()

@@ -1,24 +1,41 @@
 """The codec contract: how one cache class is cut into blocks and rebuilt.
 
-A codec handles one layer's cache object. The manager cuts every new full
-block of a finished (or in-progress) cache with ``cut`` and, on a hit, rebuilds
-a fresh layer cache with a ``Builder`` fed block by block (hot blocks or SSD
-payloads streamed one at a time), in chain order.
+A codec handles one layer's cache object. The manager cuts every full block of
+a live cache with ``cut`` (during prefill, after each chunk, and when a
+finished cache is handed back) and, on a hit, rebuilds a fresh layer cache with
+a ``Builder`` fed block by block (hot blocks or SSD payloads streamed one at a
+time), in chain order.
+
+Not every payload can be cut at any time: a sliding window only holds its last
+tokens and a recurrent state exists only at the boundary where the cache
+stands. So ``cut`` may return nothing for a layer, a stored block may lack some
+layers' payloads, and a codec says which blocks it needs (``blocks_needed``)
+and whether a block's payload is enough (``covers``) before a restore copies
+anything.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from ..stats import MissReason
+
 STEP = 256  # mlx-lm's KV buffer growth step
+
+Has = Callable[[str], bool]  # is a payload name (without the layer prefix) stored?
 
 
 def round_up(n: int, step: int = STEP) -> int:
     return -(-n // step) * step
+
+
+def num_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks holding ``num_tokens`` tokens (the last one possibly in part)."""
+    return -(-num_tokens // block_size)
 
 
 class UnsupportedCacheError(TypeError):
@@ -26,7 +43,15 @@ class UnsupportedCacheError(TypeError):
 
 
 class LayoutMismatchError(ValueError):
-    """A cache does not match the layout the PrefixCache was built for."""
+    """A cache (or a stored payload) does not fit the layout it is used with.
+
+    Attributes:
+        reason: the miss reason a restore records when a payload is unusable.
+    """
+
+    def __init__(self, message: str, reason: MissReason = MissReason.LAYOUT_MISMATCH):
+        super().__init__(message)
+        self.reason = reason
 
 
 class Builder(ABC):
@@ -34,7 +59,12 @@ class Builder(ABC):
 
     @abstractmethod
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
-        """Copy block ``index``'s payload for this layer into the cache."""
+        """Copy block ``index``'s payload for this layer into the cache.
+
+        Raises:
+            LayoutMismatchError: the payload is missing or unusable (its
+                ``reason`` is recorded and the restore is shortened).
+        """
 
     @abstractmethod
     def buffers(self) -> list[mx.array]:
@@ -50,42 +80,72 @@ class Codec(ABC):
 
     Attributes:
         cache_type: the mlx-lm (or third-party) cache class handled.
+        missing_reason: the miss reason when a needed payload is absent.
     """
 
     cache_type: ClassVar[type]
+    missing_reason: ClassVar[MissReason] = MissReason.LAYOUT_MISMATCH
 
     @abstractmethod
     def layout(self, cache: Any) -> tuple[object, ...]:
         """Layer signature for the namespace, from a cache holding >= 1 token."""
-
-    def check(self, cache: Any, expected: tuple[object, ...]) -> None:
-        """Raise LayoutMismatchError if ``cache`` does not fit ``expected``."""
-        got = self.layout(cache)
-        if got != expected:
-            raise LayoutMismatchError(f"cache layer layout {got} != expected {expected}")
 
     @abstractmethod
     def length(self, cache: Any) -> int | None:
         """Tokens the cache holds, or None when the cache does not track it."""
 
     def trimmable_at(self, fresh: Any, num_tokens: int) -> bool:
-        """Whether a cache rebuilt to hold ``num_tokens`` can be trimmed by a token.
+        """Whether this layer can be rebuilt holding exactly ``num_tokens`` tokens.
 
-        A fully cached prompt is restored one token short (by trimming) when
-        every layer allows it; else one block short.
+        A fully cached prompt is restored one token short when every layer
+        allows it; else one block short.
         """
         return bool(fresh.is_trimmable())
 
-    @abstractmethod
-    def cut(self, cache: Any, start: int, end: int) -> dict[str, mx.array]:
-        """Payload of tokens ``[start, end)`` as new contiguous arrays (not evaluated).
+    def snapshots(self, cache: Any) -> bool:
+        """Whether the payload is state that exists only at block boundaries."""
+        return False
 
-        Return an empty dict when the cache no longer holds what the block needs.
+    def reach(self, cache: Any, length: int) -> int:
+        """First token whose block may gain a payload from ``cache`` now.
+
+        A block stored earlier may lack this layer's payload (a window since
+        overwritten, a boundary without a snapshot); blocks from ``reach`` on
+        are re-cut to fill such gaps. ``length`` (the default) means never.
+        """
+        return length
+
+    @abstractmethod
+    def cut(
+        self, cache: Any, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
+        """Payload of tokens ``[start, end)`` as new arrays (not evaluated).
+
+        Args:
+            cache: the live layer cache.
+            start, end: the block's token range.
+            length: tokens the cache holds now (a recurrent cache does not know).
+            snapshot: whether a boundary-state codec keeps a snapshot here.
+
+        Returns:
+            Arrays owned by the payload (never views of the live cache); empty
+            when the cache no longer holds (or never held) what the block needs.
         """
 
-    def blocks_needed(self, fresh: Any, num_blocks: int, block_size: int) -> Sequence[int]:
-        """Chain indices whose payload this layer needs to rebuild ``num_blocks`` blocks."""
-        return range(num_blocks)
+    def blocks_needed(self, fresh: Any, num_tokens: int, block_size: int) -> Sequence[int]:
+        """Chain indices whose payload this layer needs to hold ``num_tokens`` tokens."""
+        return range(num_blocks(num_tokens, block_size))
+
+    def covers(
+        self, fresh: Any, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        """Why block ``index``'s stored payload cannot serve this layer, or None.
+
+        Called before a restore copies anything, with ``has`` telling which of
+        this layer's payload names the block holds. The default trusts the
+        block; the builder's ``add`` is the backstop.
+        """
+        return None
 
     @abstractmethod
     def builder(self, fresh: Any, num_tokens: int, capacity: int, block_size: int) -> Builder:

@@ -7,7 +7,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .base import Builder, Codec, LayoutMismatchError
+from ..stats import MissReason
+from .base import Builder, Codec, Has, LayoutMismatchError
 from .buffer import TokenBuffer
 
 
@@ -45,11 +46,18 @@ class KVCodec(Codec):
     def length(self, cache: KVCache) -> int:
         return cache.offset
 
-    def cut(self, cache: KVCache, start: int, end: int) -> dict[str, mx.array]:
+    def cut(
+        self, cache: KVCache, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
         return {
             "keys": owned_slice(cache.keys, start, end),
             "values": owned_slice(cache.values, start, end),
         }
+
+    def covers(
+        self, fresh: KVCache, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        return None if has("keys") else self.missing_reason
 
     def builder(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int) -> Builder:
         return KVBuilder(fresh, num_tokens, capacity, block_size)

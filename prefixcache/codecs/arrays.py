@@ -1,0 +1,92 @@
+"""Codec for ArraysCache: recurrent state (mamba/SSM, gated delta net, conv state).
+
+The state summarises every token seen so far and cannot be sliced, so it is
+snapshotted when the cache stands exactly at a block boundary (after a prefill
+chunk that ends there) and kept with the block that ends there. A restore at
+``L`` tokens needs only the snapshot of block ``L / block_size - 1``; ``L`` is
+always a boundary (the cache cannot be trimmed). ArraysCache has no
+``offset``: the caller's token count says where the cache stands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from ..stats import MissReason
+from .base import Builder, Codec, Has, LayoutMismatchError
+from .kv import dtype_name
+
+BOUNDARY = MissReason.BOUNDARY_MISSING
+
+
+class ArraysCodec(Codec):
+    cache_type = ArraysCache
+    missing_reason = BOUNDARY
+
+    def layout(self, cache: ArraysCache) -> tuple[object, ...]:
+        if cache.empty():
+            raise LayoutMismatchError("ArraysCache is empty: its layout is unknown")
+        batch = cache.batch_size
+        if batch != 1:
+            raise LayoutMismatchError(
+                f"ArraysCache has batch size {batch}; store one sequence at a time "
+                "(use the batch cache's extract(i))"
+            )
+        slots = [None if a is None else (dtype_name(a.dtype), *a.shape[1:]) for a in cache.cache]
+        return ("ArraysCache", *slots)
+
+    def length(self, cache: ArraysCache) -> None:
+        return None
+
+    def trimmable_at(self, fresh: ArraysCache, num_tokens: int) -> bool:
+        return False
+
+    def snapshots(self, cache: ArraysCache) -> bool:
+        return True
+
+    def reach(self, cache: ArraysCache, length: int) -> int:
+        return max(0, length - 1)  # only the block ending where the cache stands
+
+    def cut(
+        self, cache: ArraysCache, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
+        if not snapshot or end != length or any(a is None for a in cache.cache):
+            return {}
+        # copies: the live arrays may be views of a batch, or be donated next step
+        return {str(i): mx.array(a) for i, a in enumerate(cache.cache)}
+
+    def blocks_needed(self, fresh: ArraysCache, num_tokens: int, block_size: int) -> Sequence[int]:
+        if num_tokens % block_size:
+            raise ValueError(f"recurrent state exists at block boundaries, not at {num_tokens}")
+        return (num_tokens // block_size - 1,) if num_tokens else ()
+
+    def covers(
+        self, fresh: ArraysCache, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        return None if all(has(str(i)) for i in range(len(fresh.cache))) else BOUNDARY
+
+    def builder(
+        self, fresh: ArraysCache, num_tokens: int, capacity: int, block_size: int
+    ) -> Builder:
+        return ArraysBuilder(fresh)
+
+
+class ArraysBuilder(Builder):
+    def __init__(self, fresh: ArraysCache):
+        self.cache = fresh
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        slots = len(self.cache.cache)
+        if any(str(i) not in arrays for i in range(slots)):
+            raise LayoutMismatchError(f"block {index} has no recurrent-state snapshot", BOUNDARY)
+        # new arrays: the live cache must never hold the hot tier's own objects
+        self.cache.cache = [mx.array(arrays[str(i)]) for i in range(slots)]
+
+    def buffers(self) -> list[mx.array]:
+        return [a for a in self.cache.cache if a is not None]
+
+    def finish(self) -> ArraysCache:
+        return self.cache

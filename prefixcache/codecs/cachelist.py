@@ -1,0 +1,107 @@
+"""Codec for CacheList (falcon_h1 and others): one layer made of several caches.
+
+Every sub-cache goes through its own registered codec; its payload names get
+the sub-cache's index as a prefix (``"{j}.{name}"``), so a block may hold the
+attention part of a layer but not its recurrent snapshot, and each part is
+checked and rebuilt on its own terms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList
+
+from ..stats import MissReason
+from .base import Builder, Codec, Has, LayoutMismatchError
+from .registry import codec_for
+
+
+def subs(cache: CacheList) -> list[tuple[Codec, Any]]:
+    return [(codec_for(c), c) for c in cache.caches]
+
+
+def split_subs(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
+    out: dict[int, dict[str, mx.array]] = {}
+    for name, arr in arrays.items():
+        sub, _, rest = name.partition(".")
+        out.setdefault(int(sub), {})[rest] = arr
+    return out
+
+
+class CacheListCodec(Codec):
+    cache_type = CacheList
+
+    def layout(self, cache: CacheList) -> tuple[object, ...]:
+        return ("CacheList", *(codec.layout(c) for codec, c in subs(cache)))
+
+    def length(self, cache: CacheList) -> int | None:
+        lengths = {codec.length(c) for codec, c in subs(cache)} - {None}
+        if len(lengths) > 1:
+            raise LayoutMismatchError(f"CacheList parts hold different lengths {sorted(lengths)}")
+        return lengths.pop() if lengths else None
+
+    def trimmable_at(self, fresh: CacheList, num_tokens: int) -> bool:
+        return all(codec.trimmable_at(c, num_tokens) for codec, c in subs(fresh))
+
+    def snapshots(self, cache: CacheList) -> bool:
+        return any(codec.snapshots(c) for codec, c in subs(cache))
+
+    def reach(self, cache: CacheList, length: int) -> int:
+        return min(codec.reach(c, length) for codec, c in subs(cache))
+
+    def cut(
+        self, cache: CacheList, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
+        out = {}
+        for j, (codec, c) in enumerate(subs(cache)):
+            part = codec.cut(c, start, end, length=length, snapshot=snapshot)
+            out.update({f"{j}.{name}": arr for name, arr in part.items()})
+        return out
+
+    def blocks_needed(self, fresh: CacheList, num_tokens: int, block_size: int) -> Sequence[int]:
+        needed = (codec.blocks_needed(c, num_tokens, block_size) for codec, c in subs(fresh))
+        return tuple(sorted(set().union(*needed)))
+
+    def covers(
+        self, fresh: CacheList, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        for j, (codec, c) in enumerate(subs(fresh)):
+            if index not in codec.blocks_needed(c, num_tokens, block_size):
+                continue
+            why = codec.covers(c, index, num_tokens, block_size, lambda n, j=j: has(f"{j}.{n}"))
+            if why is not None:
+                return why
+        return None
+
+    def builder(self, fresh: CacheList, num_tokens: int, capacity: int, block_size: int) -> Builder:
+        return CacheListBuilder(fresh, num_tokens, capacity, block_size)
+
+
+class CacheListBuilder(Builder):
+    """Feeds each part's builder the blocks that part needs."""
+
+    def __init__(self, fresh: CacheList, num_tokens: int, capacity: int, block_size: int):
+        self.cache = fresh
+        self.parts = [
+            (
+                codec.builder(c, num_tokens, capacity, block_size),
+                codec.blocks_needed(c, num_tokens, block_size),
+            )
+            for codec, c in subs(fresh)
+        ]
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        by_sub = split_subs(arrays)
+        for j, (builder, needed) in enumerate(self.parts):
+            if index in needed:
+                builder.add(index, by_sub.get(j, {}))
+
+    def buffers(self) -> list[mx.array]:
+        return [b for builder, _ in self.parts for b in builder.buffers()]
+
+    def finish(self) -> CacheList:
+        self.cache.caches = tuple(builder.finish() for builder, _ in self.parts)
+        return self.cache

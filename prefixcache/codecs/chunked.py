@@ -1,0 +1,102 @@
+"""Codec for ChunkedKVCache (llama4's chunked local attention).
+
+The cache keeps tokens ``[start_position, offset)`` and, before every forward,
+drops all but the last ``chunk_size`` of them. A block is cut while it is still
+held; a restore at ``L`` tokens needs only the blocks covering the last
+``chunk_size`` tokens and starts the buffer at the first of them. The model's
+next ``maybe_trim_front`` then leaves exactly what the live cache would hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ChunkedKVCache
+
+from ..stats import MissReason
+from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, round_up
+from .buffer import TokenBuffer
+from .kv import check_single, dtype_name, owned_slice
+
+CHUNK = MissReason.WINDOW_NOT_COVERED
+
+
+def first_block(fresh: ChunkedKVCache, num_tokens: int, block_size: int) -> int:
+    return max(0, num_tokens - fresh.chunk_size) // block_size
+
+
+class ChunkedKVCodec(Codec):
+    cache_type = ChunkedKVCache
+    missing_reason = CHUNK
+
+    def layout(self, cache: ChunkedKVCache) -> tuple[object, ...]:
+        if cache.keys is None:
+            raise LayoutMismatchError("ChunkedKVCache is empty: its layout is unknown")
+        check_single(cache, cache.keys)
+        _, heads, _, k_dim = cache.keys.shape
+        v_dim = cache.values.shape[-1]
+        dtype = dtype_name(cache.keys.dtype)
+        return ("ChunkedKVCache", dtype, heads, k_dim, v_dim, cache.chunk_size)
+
+    def length(self, cache: ChunkedKVCache) -> int:
+        return cache.offset
+
+    def reach(self, cache: ChunkedKVCache, length: int) -> int:
+        return length if cache.keys is None else cache.start_position
+
+    def cut(
+        self, cache: ChunkedKVCache, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
+        first = cache.start_position
+        if cache.keys is None or start < first or end > cache.offset:
+            return {}
+        return {
+            "keys": owned_slice(cache.keys, start - first, end - first),
+            "values": owned_slice(cache.values, start - first, end - first),
+        }
+
+    def blocks_needed(
+        self, fresh: ChunkedKVCache, num_tokens: int, block_size: int
+    ) -> Sequence[int]:
+        first = first_block(fresh, num_tokens, block_size)
+        return range(first, num_blocks(num_tokens, block_size))
+
+    def covers(
+        self, fresh: ChunkedKVCache, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        return None if has("keys") else CHUNK
+
+    def builder(
+        self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int
+    ) -> Builder:
+        return ChunkedBuilder(fresh, num_tokens, capacity, block_size)
+
+
+class ChunkedBuilder(Builder):
+    """One buffer starting at the first needed block (the new ``start_position``)."""
+
+    def __init__(self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int):
+        self.cache = fresh
+        self.num_tokens = num_tokens
+        self.block_size = block_size
+        self.first = first_block(fresh, num_tokens, block_size) * block_size
+        self.keys = TokenBuffer(round_up(capacity - self.first))
+        self.values = TokenBuffer(round_up(capacity - self.first))
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        if "keys" not in arrays:
+            raise LayoutMismatchError(f"block {index} has no chunked-attention keys", CHUNK)
+        pos = index * self.block_size - self.first
+        self.keys.add(pos, arrays["keys"])
+        self.values.add(pos, arrays["values"])
+
+    def buffers(self) -> list[mx.array]:
+        return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
+
+    def finish(self) -> ChunkedKVCache:
+        self.cache.keys = self.keys.materialize()
+        self.cache.values = self.values.materialize()
+        self.cache.offset = self.num_tokens
+        self.cache.start_position = self.first
+        return self.cache

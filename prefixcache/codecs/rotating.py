@@ -1,0 +1,187 @@
+"""Codec for RotatingKVCache: sliding-window attention kept in a ring buffer.
+
+The ring holds only the first ``keep`` tokens and the last ``max_size - keep``
+ones, so a block's K/V must be cut while its tokens are still there: after
+every prefill chunk (a chunk of S tokens leaves the last W - 1 + S in place).
+A restore needs the window only: the blocks covering the last
+``max_size - keep`` tokens plus the first ``keep``. The rebuilt buffer is in
+temporal order and holds at least ``max_size`` tokens once the prompt is that
+long, so a 1-token step never meets the W - 1 trap (see MLX_CACHES.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+from ..stats import MissReason
+from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks
+from .buffer import TokenBuffer
+from .kv import check_single, dtype_name
+
+WINDOW = MissReason.WINDOW_NOT_COVERED
+
+
+@dataclass(frozen=True, slots=True)
+class Ring:
+    """Where a live RotatingKVCache keeps its tokens.
+
+    Tokens ``[0, keep)`` sit at buffer positions ``[0, keep)``; the tail
+    ``[first, offset)`` sits in the ring ``[keep, size)``, oldest at ``oldest``.
+    """
+
+    keep: int
+    size: int
+    first: int
+    oldest: int
+
+    @classmethod
+    def of(cls, cache: RotatingKVCache) -> Ring:
+        n, idx, offset = cache.keys.shape[2], cache._idx, cache.offset
+        rotated = idx != n and idx < offset  # as RotatingKVCache._temporal_order reads it
+        size = n if idx == n or rotated else idx  # else still growing: [0, idx) is used
+        keep = min(cache.keep, size)
+        return cls(keep, size, offset - (size - keep), idx if rotated else keep)
+
+    def segments(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Buffer ranges holding tail tokens ``[start, end)`` (``start >= first``), in order."""
+        ring = self.size - self.keep
+        pos = self.keep + (self.oldest - self.keep + start - self.first) % ring
+        head = min(end - start, self.size - pos)
+        out = [(pos, pos + head)]
+        if head < end - start:
+            out.append((self.keep, self.keep + end - start - head))
+        return out
+
+
+def tail_start(fresh: RotatingKVCache, num_tokens: int, block_size: int) -> int:
+    """First window token a cache rebuilt at ``num_tokens`` holds after its ``keep`` ones."""
+    window = fresh.max_size - fresh.keep
+    if num_tokens <= fresh.max_size:
+        return fresh.keep
+    return max(fresh.keep, (num_tokens - window) // block_size * block_size)
+
+
+def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+    parts = [x[..., a:b, :] for a, b in ranges]
+    # mx.array copies a lone slice: the payload must not pin the live ring
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
+
+
+class RotatingKVCodec(Codec):
+    cache_type = RotatingKVCache
+    missing_reason = WINDOW
+
+    def layout(self, cache: RotatingKVCache) -> tuple[object, ...]:
+        if cache.keys is None:
+            raise LayoutMismatchError("RotatingKVCache is empty: its layout is unknown")
+        check_single(cache, cache.keys)
+        _, heads, _, k_dim = cache.keys.shape
+        v_dim = cache.values.shape[-1]
+        dtype = dtype_name(cache.keys.dtype)
+        return ("RotatingKVCache", dtype, heads, k_dim, v_dim, cache.max_size, cache.keep)
+
+    def length(self, cache: RotatingKVCache) -> int:
+        return cache.offset
+
+    def trimmable_at(self, fresh: RotatingKVCache, num_tokens: int) -> bool:
+        return True  # rebuilt at any length from the window's blocks, no trim needed
+
+    def reach(self, cache: RotatingKVCache, length: int) -> int:
+        return length if cache.keys is None else Ring.of(cache).first
+
+    def cut(
+        self, cache: RotatingKVCache, start: int, end: int, *, length: int, snapshot: bool = True
+    ) -> dict[str, mx.array]:
+        if cache.keys is None or end > cache.offset:
+            return {}
+        ring = Ring.of(cache)
+        head = [(start, min(end, ring.keep))] if start < ring.keep else []
+        tail = max(start, ring.keep)
+        if tail < end and tail < ring.first:  # overwritten: keep only the first tokens
+            if not head:
+                return {}
+            return {
+                "keep.keys": _gather(cache.keys, head),
+                "keep.values": _gather(cache.values, head),
+            }
+        ranges = head + (ring.segments(tail, end) if tail < end else [])
+        return {"keys": _gather(cache.keys, ranges), "values": _gather(cache.values, ranges)}
+
+    def blocks_needed(
+        self, fresh: RotatingKVCache, num_tokens: int, block_size: int
+    ) -> Sequence[int]:
+        last = num_blocks(num_tokens, block_size)
+        first = tail_start(fresh, num_tokens, block_size) // block_size
+        head = num_blocks(fresh.keep, block_size)
+        if head >= first:
+            return range(last)
+        return (*range(head), *range(first, last))
+
+    def covers(
+        self, fresh: RotatingKVCache, index: int, num_tokens: int, block_size: int, has: Has
+    ) -> MissReason | None:
+        if has("keys"):
+            return None
+        keep_only = (index + 1) * block_size <= tail_start(fresh, num_tokens, block_size)
+        return None if keep_only and has("keep.keys") else WINDOW
+
+    def builder(
+        self, fresh: RotatingKVCache, num_tokens: int, capacity: int, block_size: int
+    ) -> Builder:
+        return RotatingBuilder(fresh, num_tokens, capacity, block_size)
+
+
+class RotatingBuilder(Builder):
+    """Lays out ``keep`` tokens then the window, in temporal order.
+
+    Up to ``max_size`` tokens the cache is in its growing phase (``_idx ==
+    offset``, room up to ``max_size``); past it the buffer holds exactly the
+    tokens kept and ``_idx`` is its length, as mlx-lm leaves it after a chunk.
+    """
+
+    def __init__(self, fresh: RotatingKVCache, num_tokens: int, capacity: int, block_size: int):
+        self.cache = fresh
+        self.num_tokens = num_tokens
+        self.block_size = block_size
+        self.keep = fresh.keep
+        self.tail = tail_start(fresh, num_tokens, block_size)
+        if num_tokens <= fresh.max_size:
+            size, self.idx = min(fresh.max_size, capacity), num_tokens
+        else:
+            size = self.keep + num_tokens - self.tail
+            self.idx = size
+        self.keys = TokenBuffer(size)
+        self.values = TokenBuffer(size)
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        whole = "keys" in arrays
+        name = "keys" if whole else "keep.keys"
+        if name not in arrays:
+            raise LayoutMismatchError(f"block {index} has no sliding-window keys", WINDOW)
+        keys, values = arrays[name], arrays[name.replace("keys", "values")]
+        start = index * self.block_size
+        end = start + keys.shape[2]
+        if not whole and max(start, self.tail) < min(end, self.num_tokens):
+            raise LayoutMismatchError(f"block {index} lost its window tokens", WINDOW)
+        spans = [(start, min(end, self.keep), start)]  # (first token, end, buffer position)
+        if whole:
+            a = max(start, self.tail)
+            spans.append((a, min(end, self.num_tokens), self.keep + a - self.tail))
+        for a, b, pos in spans:
+            if a < b:
+                self.keys.add(pos, keys[..., a - start : b - start, :])
+                self.values.add(pos, values[..., a - start : b - start, :])
+
+    def buffers(self) -> list[mx.array]:
+        return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
+
+    def finish(self) -> RotatingKVCache:
+        self.cache.keys = self.keys.materialize()
+        self.cache.values = self.values.materialize()
+        self.cache.offset = self.num_tokens
+        self.cache._idx = self.idx
+        return self.cache
