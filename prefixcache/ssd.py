@@ -275,13 +275,17 @@ class SsdTier:
                 self._count("num_dropped_writes", len(items))
                 return
             headers = {it.block.key: encode_header(it.tensors, it.block.key) for it in items}
-            wanted = [(it.block.key, len(headers[it.block.key]) + it.nbytes) for it in items]
+            fs = os.statvfs(self._payloads)
+            wanted = []
+            for it in items:
+                file_bytes = len(headers[it.block.key]) + it.nbytes
+                wanted.append((it.block.key, file_bytes, _footprint(file_bytes, fs.f_frsize)))
             try:
                 res = self.index.reserve(
                     wanted,
                     max_bytes=self.max_bytes,
                     min_free_bytes=self.min_free_bytes,
-                    free_bytes=_free_bytes(self._payloads),
+                    free_bytes=fs.f_bavail * fs.f_frsize,
                 )
             except lmdb.DiskError as e:
                 self._disable(e)
@@ -330,9 +334,9 @@ class SsdTier:
         return written
 
 
-def _free_bytes(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+def _footprint(file_bytes: int, fs_block: int) -> int:
+    """Disk space a payload write takes: whole fs blocks plus slack for index and dirs."""
+    return -(-file_bytes // fs_block) * fs_block + 4 * fs_block
 
 
 def _fresh(block: Block) -> Block:

@@ -39,6 +39,7 @@ FORMAT_NAME = b"prefixcache-ssd"
 FORMAT_VERSION = 1
 _U64 = struct.Struct("<Q")
 _WRITING = struct.Struct("<IQQ")  # pid, native thread id, file bytes
+Wanted = tuple[bytes, int, int]  # key, file bytes, disk footprint
 _DBS = ("meta", "blocks", "lru", "children", "writing")
 _DUPSORT = ("children",)
 
@@ -143,14 +144,14 @@ class SsdIndex:
         return self._txn(read)
 
     def reserve(
-        self, wanted: Sequence[tuple[bytes, int]], *, max_bytes: int, min_free_bytes: int,
+        self, wanted: Sequence[Wanted], *, max_bytes: int, min_free_bytes: int,
         free_bytes: int,
     ) -> Reservation:  # fmt: skip
-        """Reserve room for payloads (key, file bytes) about to be written.
+        """Reserve room for payloads (key, file bytes, disk footprint) about to be written.
 
-        Evicts LRU leaves so that indexed + reserved bytes stay <= ``max_bytes``
-        and ``free_bytes`` (free disk now) stays >= ``min_free_bytes``. Keys that
-        are indexed or being written already are skipped.
+        Evicts LRU leaves so that indexed + reserved file bytes stay <= ``max_bytes``
+        and ``free_bytes`` (free disk now) minus the footprints stays >=
+        ``min_free_bytes``. Keys that are indexed or being written already are skipped.
         """
         owner = (os.getpid(), threading.get_native_id())
         return self._txn(
@@ -259,32 +260,32 @@ class SsdIndex:
             txn.delete(key, db=self._db["writing"])
 
     def _reserve(
-        self, txn: lmdb.Transaction, wanted: Sequence[tuple[bytes, int]], owner: tuple[int, int],
+        self, txn: lmdb.Transaction, wanted: Sequence[Wanted], owner: tuple[int, int],
         max_bytes: int, min_free: int, free: int,
     ) -> Reservation:  # fmt: skip
         res = Reservation()
         records = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db["writing"])]
         self._clear_writes(txn, [(k, v) for k, v in records if not _alive(_WRITING.unpack(v)[0])])
         reserved = sum(_WRITING.unpack(v)[2] for _, v in txn.cursor(db=self._db["writing"]))
-        for key, nbytes in wanted:
+        for key, nbytes, footprint in wanted:
             if txn.get(key, db=self._db["blocks"]) or txn.get(key, db=self._db["writing"]):
                 res.num_existing += 1
                 continue
             budget = max_bytes - reserved - nbytes
             total = self._counter(txn, b"total_bytes")
-            if budget < 0 or free + total < min_free + nbytes:
+            if budget < 0 or free + total < min_free + footprint:
                 res.num_no_room += 1  # would not fit even with everything evicted
                 continue
-            need = min_free + nbytes - free  # disk bytes to free
+            need = min_free + footprint - free  # disk bytes to free
             num, freed = self._evict(txn, lambda tot, fr, b=budget, n=need: tot <= b and fr >= n)
             res.num_evicted += num
             free += freed
-            if self._counter(txn, b"total_bytes") > budget or free < min_free + nbytes:
+            if self._counter(txn, b"total_bytes") > budget or free < min_free + footprint:
                 res.num_no_room += 1
                 continue
             txn.put(key, _WRITING.pack(*owner, nbytes), db=self._db["writing"])
             reserved += nbytes
-            free -= nbytes
+            free -= footprint
             res.accepted.append(key)
         return res
 

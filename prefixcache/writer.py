@@ -164,10 +164,12 @@ class Writer:
                     self._cond.wait()
                 if self._stop and not self._queue:
                     return
+                has_work = bool(self._queue)
+            if has_work and self._hold is not None:
+                self._hold.wait()
+            with self._cond:
                 round_ = self._requested
                 batch = self._take()
-            if batch and self._hold is not None:
-                self._hold.wait()
             if batch:
                 self._call(self._write_batch, batch)
             if self._housekeeping is not None:
