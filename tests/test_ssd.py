@@ -1,0 +1,471 @@
+"""SSD tier: real LMDB, real files, real processes (no mocks, no sleeps)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import lmdb
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ssd_child import ROOT, block_key, check_block, make_block
+
+from prefixcache.blocks import Block, BlockMeta
+from prefixcache.ssd import SsdFormatError, SsdTier
+
+CHILD = os.path.join(os.path.dirname(__file__), "ssd_child.py")
+
+
+@pytest.fixture
+def open_tier(tmp_path):
+    """Open tiers (default dir: tmp_path/ssd); every one is closed at teardown."""
+    tiers: list[SsdTier] = []
+
+    def opener(path=None, **kwargs) -> SsdTier:
+        kwargs.setdefault("max_bytes", 1 << 30)
+        tier = SsdTier(str(path or tmp_path / "ssd"), **kwargs)
+        tiers.append(tier)
+        return tier
+
+    yield opener
+    for tier in tiers:
+        tier.close()
+
+
+@contextlib.contextmanager
+def tmpfs(path, options: str):
+    """Mount a tmpfs at ``path`` (yields False if mounting is not permitted)."""
+    path.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                         capture_output=True, text=True)  # fmt: skip
+    try:
+        yield res.returncode == 0 or res.stderr.strip()
+    finally:
+        if res.returncode == 0:
+            subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path, request):
+    """A small tmpfs (2 MiB, or the mount options of indirect parametrization)."""
+    with tmpfs(tmp_path / "tiny", getattr(request, "param", "size=2m")) as mounted:
+        if mounted is not True:
+            pytest.skip(f"cannot mount a tmpfs to get a real ENOSPC: {mounted}")
+        yield tmp_path / "tiny"
+
+
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A roomy tmpfs where fsync is free, else a plain directory."""
+    with tmpfs(tmp_path / "fast", "size=256m"):
+        yield tmp_path / "fast"
+
+
+def payload_files(path) -> list[str]:
+    """Every file under blocks/ (payloads and temp files)."""
+    root = os.path.join(path, "blocks")
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
+
+
+def disk_bytes(path) -> int:
+    return sum(os.stat(f).st_size for f in payload_files(path))
+
+
+def run_child(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, CHILD, *args], stdout=subprocess.PIPE, text=True, **kwargs
+    )
+
+
+# -- round trip -----------------------------------------------------------
+
+
+def test_round_trip_is_bit_exact_for_every_dtype(open_tier, tmp_path):
+    tier = open_tier()
+    blocks = [make_block(seed, i) for seed in (1, 2) for i in range(5)]
+    assert all(tier.put(b) for b in blocks)
+    tier.flush()
+    for block in blocks:
+        loaded = tier.load(block.key)
+        check_block(loaded)
+        assert (loaded.parent, loaded.root, loaded.index) == (block.parent, ROOT, block.index)
+        assert loaded.nbytes == block.nbytes
+        meta = tier.get_meta(block.key)
+        assert meta.checksum != 0 and meta.file_bytes > meta.nbytes == block.nbytes
+    stats = tier.stats()
+    assert stats["num_blocks"] == 10 and stats["nbytes"] == disk_bytes(tmp_path / "ssd")
+    assert stats["num_writes"] == 10 and stats["num_corrupt"] == 0
+    assert tier.load(block_key(9, 0)) is None  # negative control: never stored
+    assert tier.get_meta(block_key(9, 0)) is None and not tier.contains(block_key(9, 0))
+
+
+def test_put_is_idempotent(open_tier):
+    tier = open_tier()
+    block = make_block(1, 0)
+    assert tier.put(block) and tier.put(block)
+    tier.flush()
+    assert tier.put(block)
+    tier.flush()
+    assert tier.stats()["num_blocks"] == 1 and tier.stats()["num_writes"] == 1
+
+
+def test_reopen_in_a_new_process_sees_the_blocks(open_tier, tmp_path):
+    tier = open_tier()
+    for i in range(20):
+        tier.put(make_block(3, i))
+    tier.close()
+    out = subprocess.run(
+        [sys.executable, CHILD, "verify", str(tmp_path / "ssd")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == ["ok", "20"]
+
+
+def test_other_format_version_is_refused(open_tier, tmp_path):
+    open_tier().close()
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(b"version", b"99")
+    env.close()
+    with pytest.raises(SsdFormatError, match=r"version 99.*version 1"):
+        SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20)
+
+
+# -- crashes and processes ------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_sigkill_while_writing_never_leaves_a_torn_block(open_tier, tmp_path, seed):
+    path = str(tmp_path / "ssd")
+    kill_after = random.Random(seed).randrange(1, 120)
+    child = run_child("write", path, str(seed), "400")
+    for _ in range(kill_after):  # kill at a random point of the write stream
+        if not child.stdout.readline():
+            break
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+
+    tier = open_tier(path)
+    assert not [f for f in payload_files(path) if f.endswith(".tmp")]  # cleaned on open
+    metas = list(tier.iter_meta())
+    for meta in metas:
+        check_block(tier.load(meta.key))
+    assert tier.stats()["num_corrupt"] == 0
+    assert tier.reconcile() == (0, 0)  # open-time recovery left nothing behind
+    assert len(payload_files(path)) == len(metas) == tier.stats()["num_blocks"]
+
+
+def test_two_processes_write_one_directory_at_once(open_tier, tmp_path):
+    path = str(tmp_path / "ssd")
+    open_tier(path).close()
+    # seeds 21 and 22, plus an overlap: both write chain 23
+    children = [run_child("write", path, seed, "60", "--wait", stdin=subprocess.PIPE)
+                for seed in ("21", "22", "23", "23")]  # fmt: skip
+    for child in children:
+        assert child.stdout.readline() == "ready\n"
+    for child in children:
+        child.stdin.write("go\n")
+        child.stdin.close()
+    for child in children:
+        assert child.stdout.read().endswith("done\n")
+        child.stdout.close()
+        assert child.wait() == 0
+    tier = open_tier(path)
+    for seed in (21, 22, 23):
+        for i in range(60):
+            check_block(tier.load(block_key(seed, i)))
+    assert tier.stats()["num_blocks"] == 180 and tier.stats()["num_corrupt"] == 0
+    assert len(payload_files(path)) == 180
+
+
+def test_opening_a_10000_block_directory_is_fast(fast_dir, open_tier):
+    # On a tmpfs so that 10,000 fsyncs do not dominate the suite; tools/bench_ssd.py
+    # measures the open on the real disk, cold.
+    tier = open_tier(fast_dir / "ssd", queue_bytes=64 << 20)
+    template = make_block(0, 0)
+    for i in range(10_000):  # shared arrays, distinct keys: content does not matter here
+        tier.put(Block(block_key(30, i), ROOT, ROOT, 0, template.tokens, template.arrays))
+    tier.close()
+    start = time.perf_counter()
+    tier = open_tier(fast_dir / "ssd")
+    elapsed = time.perf_counter() - start
+    assert tier.stats()["num_blocks"] == 10_000
+    print(f"\nopen of a 10,000-block SSD tier: {elapsed * 1e3:.1f} ms")
+    assert elapsed < 1.0  # O(1): no scan of payload files (measured: a few ms)
+
+
+# -- corruption -----------------------------------------------------------
+
+
+def _corrupt_file(path: str, how: str) -> None:
+    size = os.path.getsize(path)
+    if how == "delete":
+        os.unlink(path)
+    elif how == "truncate":
+        os.truncate(path, size - 100)
+    else:
+        offset = {"flip_data": size - 50, "flip_header": 20, "flip_length": 0}[how]
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("how", ["flip_data", "flip_header", "flip_length", "truncate", "delete"])
+def test_corrupt_payload_is_quarantined(open_tier, tmp_path, caplog, how):
+    tier = open_tier()
+    blocks = [make_block(4, i) for i in range(3)]
+    for b in blocks:
+        tier.put(b)
+    tier.flush()
+    path = payload_files(tmp_path / "ssd")
+    victim = next(p for p in path if blocks[1].key.hex() in p)
+    _corrupt_file(victim, how)
+    with caplog.at_level(logging.WARNING, logger="prefixcache.ssd"):
+        assert tier.load(blocks[1].key) is None
+        assert tier.load(blocks[1].key) is None  # now simply absent
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert not os.path.exists(victim) and not tier.contains(blocks[1].key)
+    stats = tier.stats()
+    assert stats["num_corrupt"] == 1 and stats["num_corrupt_total"] == 1
+    assert stats["num_blocks"] == 2 and stats["nbytes"] == disk_bytes(tmp_path / "ssd")
+    check_block(tier.load(blocks[0].key))  # neighbours unharmed
+    check_block(tier.load(blocks[2].key))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip", "garbage", "empty"])
+def test_corrupt_index_entry_is_quarantined(open_tier, tmp_path, how):
+    tier = open_tier()
+    blocks = [make_block(5, i) for i in range(3)]
+    for b in blocks:
+        tier.put(b)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        value = bytearray(txn.get(blocks[2].key))
+        value = {
+            "truncate": value[:-9], "flip": value[:40] + b"\xff" + value[41:],
+            "garbage": os.urandom(len(value)), "empty": b"",
+        }[how]  # fmt: skip
+        txn.put(blocks[2].key, bytes(value))
+    env.close()
+    tier = open_tier()
+    assert tier.get_meta(blocks[2].key) is None
+    assert tier.load(blocks[2].key) is None
+    assert tier.stats()["num_corrupt"] == 1 and tier.stats()["num_blocks"] == 2
+    assert len(payload_files(tmp_path / "ssd")) == 2  # its payload went too
+    assert tier.stats()["nbytes"] == disk_bytes(tmp_path / "ssd")
+    for b in blocks[:2]:
+        check_block(tier.load(b.key))
+    tier.put(make_block(5, 3, parent=blocks[1].key))  # the index still works
+    tier.evict_to(0)
+    assert tier.stats()["num_blocks"] == 0 and disk_bytes(tmp_path / "ssd") == 0
+
+
+def test_reconcile_removes_orphans_and_dangling_entries(open_tier, tmp_path):
+    tier = open_tier()
+    blocks = [make_block(6, i) for i in range(4)]
+    for b in blocks:
+        tier.put(b)
+    tier.flush()
+    files = payload_files(tmp_path / "ssd")
+    os.unlink(next(p for p in files if blocks[3].key.hex() in p))  # dangling entry
+    orphan = os.path.join(os.path.dirname(files[0]), "ab" * 16 + ".safetensors")
+    stray_temp = os.path.join(os.path.dirname(files[0]), ".x.999999999.1.tmp")  # dead pid
+    for p in (orphan, stray_temp):
+        with open(p, "wb") as f:
+            f.write(b"junk")
+    assert tier.reconcile() == (2, 1)
+    assert sorted(payload_files(tmp_path / "ssd")) == sorted(
+        p for p in files if blocks[3].key.hex() not in p
+    )
+    assert tier.stats()["nbytes"] == disk_bytes(tmp_path / "ssd")
+    for b in blocks[:3]:
+        check_block(tier.load(b.key))
+
+
+# -- capacity -------------------------------------------------------------
+
+
+def _leaves_first(tier: SsdTier, before: dict[bytes, BlockMeta]) -> dict[bytes, BlockMeta]:
+    """No block left the index while a child it had stayed in it."""
+    after = {m.key: m for m in tier.iter_meta()}
+    gone = before.keys() - after.keys()
+    assert not [c for c in after.values() if c.parent in gone and c.key in before]
+    return after
+
+
+def test_capacity_is_never_exceeded_and_leaves_go_first(open_tier, tmp_path):
+    tier = open_tier(max_bytes=40_000, queue_bytes=1 << 20)
+    rng, lengths, seen = random.Random(0), [0] * 6, {}
+    for step in range(120):
+        chain = rng.randrange(6)
+        tier.put(make_block(chain, lengths[chain]))
+        lengths[chain] += 1
+        if step % 3 == 2:
+            tier.flush()
+            assert disk_bytes(tmp_path / "ssd") <= 40_000
+            assert tier.stats()["nbytes"] == disk_bytes(tmp_path / "ssd")
+            seen = _leaves_first(tier, seen)
+    assert tier.stats()["num_evictions"] > 0
+
+
+def test_lru_order_spares_recently_used_chains(open_tier, tmp_path):
+    probe = make_block(0, 0)
+    tier = open_tier(queue_bytes=1 << 20)
+    tier.put(probe)
+    tier.flush()
+    per_block = tier.stats()["nbytes"]
+    tier.remove([probe.key])
+    tier.max_bytes = 8 * per_block
+    for i in range(4):
+        tier.put(make_block(1, i))
+        tier.put(make_block(2, i))
+    tier.flush()
+    tier.touch([block_key(1, i) for i in range(4)])  # chain 1 is hot
+    for i in range(4):
+        tier.put(make_block(3, i))
+        tier.flush()
+    kept = {m.key for m in tier.iter_meta()}
+    assert all(block_key(1, i) in kept for i in range(4))
+    assert not any(block_key(2, i) in kept for i in range(4))  # the whole cold chain
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ops=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=30),
+    cap_blocks=st.integers(0, 6),
+)
+def test_capacity_property(tmp_path_factory, ops, cap_blocks):
+    path = tmp_path_factory.mktemp("prop")
+    per_block = 2 * 1024 + 300  # rough file size of one block
+    with SsdTier(str(path), max_bytes=cap_blocks * per_block, queue_bytes=1 << 20) as tier:
+        lengths, seen = [0] * 4, {}
+        for chain, touch in ops:
+            tier.put(make_block(chain, lengths[chain]))
+            lengths[chain] += 1
+            if touch:
+                tier.touch([block_key(chain, 0)])
+            tier.flush()
+            assert disk_bytes(path) <= cap_blocks * per_block
+            seen = _leaves_first(tier, seen)
+        for meta in tier.iter_meta():
+            check_block(tier.load(meta.key))
+
+
+# -- queue policies and pending blocks ------------------------------------
+
+
+def test_pending_blocks_are_served_before_they_reach_disk(open_tier, tmp_path):
+    hold = threading.Event()
+    tier = open_tier(writer_hold=hold)
+    block = make_block(7, 0)
+    assert tier.put(block)
+    assert tier.contains(block.key) and payload_files(tmp_path / "ssd") == []
+    meta = tier.get_meta(block.key)
+    assert isinstance(meta, BlockMeta) and meta.checksum == 0 and meta.nbytes == block.nbytes
+    loaded = tier.load(block.key)
+    check_block(loaded)
+    assert all(loaded.arrays[n] is not block.arrays[n] for n in block.arrays)
+    assert tier.stats()["queue_depth"] == 1 and tier.stats()["num_pending_loads"] == 1
+    hold.set()
+    tier.flush()
+    assert len(payload_files(tmp_path / "ssd")) == 1 and tier.get_meta(block.key).checksum
+    check_block(tier.load(block.key))
+
+
+@pytest.mark.parametrize("policy", ["drop", "inline"])
+def test_queue_full_policy(open_tier, tmp_path, policy):
+    hold = threading.Event()
+    one = make_block(8, 0).nbytes
+    tier = open_tier(writer_hold=hold, queue_bytes=3 * one, queue_full=policy)
+    results = [tier.put(make_block(8, i)) for i in range(5)]
+    stats = tier.stats()
+    assert stats["queue_bytes"] == 3 * one and stats["queue_depth"] == 3
+    if policy == "drop":
+        assert results == [True, True, True, False, False]
+        assert stats["num_dropped_writes"] == 2 and not tier.contains(block_key(8, 4))
+    else:
+        assert results == [True] * 5 and stats["num_inline_writes"] == 2
+        assert tier.get_meta(block_key(8, 4)).checksum != 0  # indexed while the writer waits
+    hold.set()
+    tier.flush()
+    assert tier.stats()["num_blocks"] == (3 if policy == "drop" else 5)
+
+
+def test_writer_failure_is_counted_and_reraised_on_close(tmp_path, caplog):
+    tier = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20)
+    block = make_block(9, 0)
+    with open(os.path.join(tmp_path, "ssd", "blocks", block.key.hex()[:2]), "wb"):
+        pass  # a file where the fan-out directory should be: a real OSError
+    sibling = Block.make(block.key[:1] + b"\1" * 15, block.key, ROOT, 1, block.tokens, block.arrays)
+    with caplog.at_level(logging.ERROR, logger="prefixcache.writer"):
+        tier.put(block)
+        tier.flush()
+        tier.put(sibling)  # same fan-out directory: fails again
+        tier.flush()
+    assert tier.stats()["num_write_failures"] == 2
+    assert tier.load(block.key) is None and tier.load(sibling.key) is None
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    with pytest.raises(OSError):
+        tier.close()
+    tier.close()  # once
+
+
+# -- disk full ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiny_fs", ["size=4m,nr_inodes=64"], indirect=True)
+def test_disk_full_disables_the_tier_and_keeps_serving(tiny_fs, caplog):
+    # Out of inodes: a real ENOSPC that no free-bytes check can foresee.
+    with SsdTier(str(tiny_fs / "ssd"), max_bytes=1 << 30, queue_bytes=1 << 20) as tier:
+        first = [make_block(10, i) for i in range(3)]
+        for b in first:
+            tier.put(b)
+        tier.flush()
+        with caplog.at_level(logging.ERROR):
+            for i in range(3, 200):
+                tier.put(make_block(10, i))
+                tier.flush()
+        stats = tier.stats()
+        assert not tier.enabled and stats["enabled"] == 0 and stats["num_disk_full"] >= 1
+        disabled = [r for r in caplog.records if "disabled" in r.getMessage()]
+        assert len(disabled) == 1 and disabled[0].levelname == "ERROR"
+        assert tier.put(make_block(10, 99)) is False  # a no-op now
+        for b in first:
+            check_block(tier.load(b.key))
+        assert not [f for f in payload_files(tiny_fs / "ssd") if f.endswith(".tmp")]
+
+
+def test_min_free_bytes_is_kept_by_evicting(tiny_fs):
+    with SsdTier(str(tiny_fs / "ssd"), max_bytes=1 << 30, min_free_bytes=1 << 20) as tier:
+        for i in range(60):
+            tier.put(make_block(11, i, scale=8))
+            tier.flush()
+            st_ = os.statvfs(tiny_fs)
+            assert st_.f_bavail * st_.f_frsize >= 1 << 20
+        assert tier.enabled and tier.stats()["num_evictions"] > 0
+
+
+def test_map_grows_when_full(open_tier, caplog):
+    tier = open_tier(map_size=64 << 10)  # tiny on purpose
+    blocks = [make_block(12, i) for i in range(300)]
+    with caplog.at_level(logging.INFO, logger="prefixcache.lmdb_env"):
+        for b in blocks:
+            tier.put(b)
+        tier.flush()
+    assert any("growing the map" in r.getMessage() for r in caplog.records)
+    assert tier.stats()["num_blocks"] == 300
+    check_block(tier.load(blocks[-1].key))

@@ -1,0 +1,122 @@
+"""Writer: a real daemon thread draining a byte-bounded queue (no mocks, no sleeps)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from ssd_child import make_block
+
+from prefixcache.payload import tensors_of
+from prefixcache.writer import WriteItem, Writer
+
+
+def item(index: int, nbytes: int = 100) -> WriteItem:
+    block = make_block(40, index)
+    return WriteItem(block, tensors_of(block.arrays), nbytes)
+
+
+class Sink:
+    """A real write function: records batches, can be told to fail."""
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.batches: list[list[bytes]] = []
+        self.fail_on = fail_on
+        self.rounds = 0
+        self.thread_names: set[str] = set()
+
+    def write(self, items: list[WriteItem]) -> None:
+        self.thread_names.add(threading.current_thread().name)
+        keys = [it.block.key for it in items]
+        if self.fail_on is not None and make_block(40, self.fail_on).key in keys:
+            raise OSError(5, "injected I/O error")
+        self.batches.append(keys)
+
+    def housekeeping(self) -> None:
+        self.rounds += 1
+
+
+@pytest.fixture
+def writers():
+    made: list[Writer] = []
+
+    def make(sink: Sink, **kwargs) -> Writer:
+        kwargs.setdefault("max_bytes", 1000)
+        writer = Writer(sink.write, housekeeping=sink.housekeeping, **kwargs)
+        made.append(writer)
+        return writer
+
+    yield make
+    for writer in made:
+        writer.close()
+
+
+def test_items_are_written_in_order_on_the_writer_thread(writers):
+    sink = Sink()
+    writer = writers(sink)
+    items = [item(i) for i in range(8)]
+    assert all(writer.submit(it) for it in items)
+    writer.flush()
+    assert [k for batch in sink.batches for k in batch] == [it.block.key for it in items]
+    assert sink.thread_names == {"prefixcache-ssd-writer"}
+    assert writer.queue_depth == 0 and writer.queue_bytes == 0
+
+
+def test_queue_is_bounded_in_bytes_and_items_stay_pending_until_written(writers):
+    hold, sink = threading.Event(), Sink()
+    writer = writers(sink, max_bytes=250, hold=hold)
+    a, b, c = item(0), item(1), item(2)
+    assert writer.submit(a) and writer.submit(b)
+    assert not writer.submit(c)  # 300 > 250 bytes
+    assert writer.queue_bytes == 200 and writer.queue_depth == 2
+    assert writer.pending(a.block.key) is a and writer.pending(c.block.key) is None
+    assert writer.submit(a)  # already queued: accepted, not queued twice
+    assert writer.queue_depth == 2
+    hold.set()
+    writer.flush()
+    assert writer.pending(a.block.key) is None and sink.batches == [[a.block.key, b.block.key]]
+    assert writer.submit(c)
+
+
+def test_batches_are_cut_by_bytes(writers):
+    hold, sink = threading.Event(), Sink()
+    writer = writers(sink, max_bytes=10_000, batch_bytes=250, hold=hold)
+    for i in range(5):
+        writer.submit(item(i))
+    hold.set()
+    writer.flush()
+    assert [len(batch) for batch in sink.batches] == [2, 2, 1]
+
+
+def test_flush_runs_housekeeping_even_with_nothing_queued(writers):
+    sink = Sink()
+    writer = writers(sink)
+    writer.flush()
+    rounds = sink.rounds
+    writer.flush()
+    assert sink.rounds > rounds >= 1
+
+
+def test_failures_are_counted_logged_once_and_reraised_on_close(caplog):
+    sink = Sink(fail_on=1)
+    writer = Writer(sink.write, max_bytes=1000, batch_bytes=1)
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.writer"):
+        for i in range(3):
+            writer.submit(item(i))
+        writer.flush()
+        assert writer.run_inline([item(1)]) is False  # the same failure on the caller's thread
+    assert writer.num_failures == 2
+    assert [r.levelname for r in caplog.records] == ["ERROR", "DEBUG"]
+    assert len(sink.batches) == 2  # the others were written: the thread lives on
+    assert writer.pending(item(1).block.key) is None  # a failed item does not stay pending
+    with pytest.raises(OSError, match="injected"):
+        writer.close()
+    writer.close()  # raised once
+
+
+def test_submit_after_close_raises(writers):
+    writer = writers(Sink())
+    writer.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(item(0))
