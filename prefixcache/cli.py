@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .server import add_serve_args, run_serve
+
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
@@ -20,6 +22,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     make.add_argument("path")
     make.add_argument("--arch", default="llama")
     make.add_argument("--seed", type=int, default=0)
+    add_serve_args(sub.add_parser("serve", help="mlx-lm's server with the tiered cache"))
     return parser
 
 
@@ -35,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
             system_tokens=args.system_tokens,
         )
         return 0 if all(r["same"] for r in rows) else 1
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "make-model":
         from .tiny import save_model
 

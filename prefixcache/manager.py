@@ -163,6 +163,15 @@ class PrefixCache:
                 self._spill(block)
             self.ssd.flush()
 
+    def trim_hot(self, max_bytes: int) -> int:
+        """Evict LRU hot blocks (leaves first) until at most ``max_bytes`` are held.
+
+        Dirty blocks spill to the SSD tier as on any eviction. Returns how many
+        blocks left the hot tier.
+        """
+        with self._lock:
+            return self.hot.evict_to(max(0, max_bytes))
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
