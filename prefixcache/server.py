@@ -60,13 +60,10 @@ def check_mlx_lm_version(version: str | None = None) -> str:
     return version
 
 
-def _release(version: str) -> tuple[int, int, int]:
-    """(0, 32, 2) from "0.32.2", "0.32.2.dev1" or "0.33"."""
-    found = re.match(r"\d+(\.\d+)*", version)
-    if found is None:
-        raise MlxLmVersionError(f"cannot read the mlx-lm version {version!r}")
-    parts = [int(p) for p in found.group().split(".")][:3]
-    return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
+def _release(version: str) -> tuple[int, ...]:
+    """(0, 32, 2, 0) from "0.32.2", "0.32.2.dev1" or "0.32.2rc1"; (0, 33, 0, 0) from "0.33"."""
+    parts = [int(p) for p in re.findall(r"\d+", version.split("rc")[0].split(".dev")[0])]
+    return tuple([*parts, 0, 0, 0, 0][:4])
 
 
 class ModelPair(nn.Module):
@@ -82,8 +79,7 @@ class ModelPair(nn.Module):
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model) + make_prompt_cache(self.draft)
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        cache = cache if cache is not None else self.make_cache()
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         n = self.num_model_layers
         self.draft(inputs, cache=cache[n:])
         return self.model(inputs, cache=cache[:n])
@@ -248,21 +244,23 @@ class TieredPromptCache:
 
 
 _SUMMARY = (
-    "num_fetches",
-    "num_hits",
-    "prompt_tokens",
-    "cached_tokens",
-    "hot_block_hits",
-    "ssd_block_hits",
-    "stored_blocks",
-    "num_spills",
-)
+    "num_fetches", "num_hits", "prompt_tokens", "cached_tokens", "hot_block_hits",
+    "ssd_block_hits", "stored_blocks", "num_spills",
+)  # fmt: skip
 
 
 def _held(tokens: Sequence[int], prompt_cache: list[Any]) -> Sequence[int]:
-    """The tokens the cache holds: speculative decoding leaves the last one unfed."""
-    lengths = {codec_for(c).length(c) for c in prompt_cache} - {None}
-    held = min(lengths, default=len(tokens))
+    """The tokens every layer holds (the cache is ours once inserted, so it may be trimmed).
+
+    Speculative decoding leaves the last token unfed and the draft's layers
+    one token apart from the model's: layers holding more than the others, or
+    more than ``tokens``, are trimmed, and the token list is cut to match.
+    """
+    lengths = [codec_for(c).length(c) for c in prompt_cache]
+    held = min([n for n in lengths if n is not None] + [len(tokens)])
+    for layer, length in zip(prompt_cache, lengths, strict=True):
+        if length is not None and length > held and layer.is_trimmable():
+            layer.trim(length - held)
     return tokens[:held] if held < len(tokens) else tokens
 
 

@@ -1,0 +1,271 @@
+"""TieredPromptCache: mlx-lm's server prompt-cache interface over PrefixCache.
+
+Requests are served the way mlx-lm 0.32.2's server serves them: the batch
+path (BatchGenerator, caches extracted from the batch) and the sequential
+path (generate_step on the fetched cache, quantized KV, speculative decoding),
+and compared token for token with a cold run and with mlx-lm's LRUPromptCache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import mlx.core as mx
+import pytest
+from conftest import QUANT_LLAMA, prompt, tiny_model
+from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
+
+from prefixcache import server
+from prefixcache.cli import setup_arg_parser
+from prefixcache.config import CacheConfig
+from prefixcache.server import MlxLmVersionError, ModelPair, TieredPromptCache
+from prefixcache.tiny import build_model
+
+KEY = ("/models/tiny", None, None)
+HOT = CacheConfig(block_size=16, hot_cache_only=True)
+
+
+class NoCache:
+    """The cold reference: every fetch misses."""
+
+    def fetch_nearest_cache(self, model_key, tokens):
+        return None, list(tokens)
+
+    def insert_cache(self, model_key, tokens, prompt_cache, *, cache_type="assistant"):
+        pass
+
+
+def serve_batched(cache, model, tokens, max_tokens=6):
+    """One request through BatchGenerator as mlx-lm's server's batch path runs it."""
+    restored, rest = cache.fetch_nearest_cache(KEY, tokens)
+    num_cached = len(tokens) - len(rest)
+    gen = BatchGenerator(model)
+    try:
+        gen.insert_segments(
+            segments=[[rest]],
+            max_tokens=[max_tokens],
+            caches=[restored],
+            all_tokens=[tokens[:num_cached]],
+        )
+        out = []
+        for _ in range(max_tokens + len(rest) + 2):  # bounded: one step per token at least
+            _, responses = gen.next()
+            for r in responses:
+                out.append(r.token)
+                if r.finish_reason is not None:
+                    cache.insert_cache(KEY, r.all_tokens[:], r.prompt_cache)
+                    return out, num_cached
+    finally:
+        gen.close()
+    raise AssertionError("generation did not finish")
+
+
+def serve_single(cache, model, tokens, max_tokens=6, **kwargs):
+    """One request as the server's sequential path runs it (generate_step on the cache)."""
+    restored, rest = cache.fetch_nearest_cache(KEY, tokens)
+    num_cached = len(tokens) - len(rest)
+    restored = restored if restored is not None else make_prompt_cache(model)
+    key = list(tokens)
+    steps = generate_step(
+        mx.array(rest), model, prompt_cache=restored, max_tokens=max_tokens, **kwargs
+    )
+    for token, _ in steps:
+        key.append(token)
+    cache.insert_cache(KEY, key, restored)
+    return key[len(tokens) :], num_cached
+
+
+def conversations(serve, cache, model, *, num=2, turns=3, system=64, user=21):
+    """Interleaved chats sharing a system prompt; (outputs, cached counts) per request."""
+    histories = [prompt(1, system) for _ in range(num)]
+    outputs, cached = [], []
+    for turn in range(turns):
+        for conv in range(num):
+            tokens = histories[conv] + prompt(100 * conv + turn, user)
+            out, num_cached = serve(cache, model, tokens)
+            outputs.append(out)
+            cached.append(num_cached)
+            histories[conv] = tokens + out
+    return outputs, cached
+
+
+def test_has_the_interface_mlx_lm_server_calls():
+    for name in ("fetch_nearest_cache", "insert_cache", "trim_to", "stats_by_type", "__len__"):
+        ours = inspect.signature(getattr(TieredPromptCache, name)).parameters
+        theirs = inspect.signature(getattr(LRUPromptCache, name)).parameters
+        assert [p.kind for p in ours.values()] == [p.kind for p in theirs.values()], name
+        keyword = [n for n, p in theirs.items() if p.kind is p.KEYWORD_ONLY]
+        assert [n for n in ours if n in keyword] == keyword, name
+    assert isinstance(inspect.getattr_static(TieredPromptCache, "nbytes"), property)
+
+
+@pytest.mark.parametrize("serve", [serve_batched, serve_single])
+def test_multi_turn_exact_and_cached_grows(llama, serve):
+    cold, _ = conversations(serve, NoCache(), llama)
+    lru, lru_cached = conversations(serve, LRUPromptCache(), llama)
+    with TieredPromptCache(lambda key: llama, HOT) as tiered:
+        ours, cached = conversations(serve, tiered, llama)
+        stats = tiered.stats()
+    assert ours == cold == lru
+    # conversation 1 starts on conversation 0's system prompt (64 tokens = 4 blocks)
+    assert cached[:2] == [0, 64]
+    assert cached[2:] == sorted(cached[2:]) and min(cached[2:]) > 64
+    assert stats["hot_block_hits"] > 0 and stats["num_rejected"] == 0
+    assert sum(cached) >= sum(lru_cached) - 16 * len(cached)  # block granularity at most
+
+
+class Poisoned(TieredPromptCache):
+    """Negative control: restored keys are scaled, so a hit must change the outputs."""
+
+    def fetch_nearest_cache(self, model_key, tokens):
+        restored, rest = super().fetch_nearest_cache(model_key, tokens)
+        for layer in restored or ():
+            layer.keys = layer.keys * 3
+        return restored, rest
+
+
+def test_outputs_depend_on_the_restored_cache(llama):
+    cold, _ = conversations(serve_batched, NoCache(), llama)
+    with Poisoned(lambda key: llama, HOT) as poisoned:
+        wrong, cached = conversations(serve_batched, poisoned, llama)
+    assert max(cached) > 64 and wrong != cold
+
+
+def test_quantized_kv_sequential_path():
+    model = tiny_model("llama", **QUANT_LLAMA)
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    cold, _ = conversations(lambda c, m, t: serve_single(c, m, t, **kv), NoCache(), model)
+    config = HOT.replace(**kv)
+    with TieredPromptCache(lambda key: model, config) as tiered:
+        serve = lambda c, m, t: serve_single(c, m, t, **kv)  # noqa: E731
+        ours, cached = conversations(serve, tiered, model)
+        assert tiered.stats()["num_rejected"] == 0
+    assert ours == cold and cached[-1] > 64
+
+
+def test_draft_model_pair(llama):
+    draft = tiny_model("llama", seed=1)
+    pair = ModelPair(llama, draft)
+
+    def serve(cache, model, tokens, max_tokens=6):
+        restored, rest = cache.fetch_nearest_cache(KEY, tokens)
+        restored = restored if restored is not None else pair.make_cache()
+        steps = speculative_generate_step(
+            mx.array(rest), llama, draft, prompt_cache=restored, max_tokens=max_tokens
+        )
+        out = [token for token, _, _ in steps]
+        cache.insert_cache(KEY, tokens + out, restored)  # the last token is not in the cache
+        return out, len(tokens) - len(rest)
+
+    cold, _ = conversations(serve, NoCache(), pair)
+    with TieredPromptCache(lambda key: pair, HOT) as tiered:
+        ours, cached = conversations(serve, tiered, pair)
+        assert tiered.stats()["num_rejected"] == 0
+    assert ours == cold and cached[-1] > 64
+
+
+def test_trim_to_len_nbytes_and_stats_by_type(llama):
+    with TieredPromptCache(lambda key: llama, HOT) as tiered:
+        assert (len(tiered), tiered.nbytes) == (0, 0)
+        conversations(serve_batched, tiered, llama)
+        full = tiered.nbytes
+        by_type = tiered.stats_by_type()
+        assert by_type == {"hot": {"n_sequences": len(tiered), "n_bytes": full}}
+        tiered.trim_to(n_sequences=3)  # sequences share blocks: a count keeps them
+        assert tiered.nbytes == full
+        tiered.trim_to(n_bytes=full // 2)
+        assert 0 < tiered.nbytes <= full // 2
+        tiered.trim_to(n_bytes=-5)
+        assert (len(tiered), tiered.nbytes) == (0, 0)
+        conversations(serve_batched, tiered, llama, turns=1)
+        tiered.trim_to(n_sequences=0)
+        assert tiered.nbytes == 0
+
+
+def test_bad_insert_is_refused_without_raising(llama, caplog):
+    with TieredPromptCache(lambda key: llama, HOT) as tiered, caplog.at_level(logging.WARNING):
+        cache = make_prompt_cache(llama)[:1]  # one layer of two
+        llama(mx.array([prompt(0, 20)]), cache=make_prompt_cache(llama))
+        tiered.insert_cache(KEY, prompt(0, 20), cache)
+        tiered.insert_cache(KEY, prompt(0, 20), cache)
+        assert tiered.stats()["num_rejected"] == 2
+    assert len([r for r in caplog.records if "not stored" in r.message]) == 1
+
+
+class OddCache(KVCache):
+    """A cache class without a codec (the registry is keyed by exact class)."""
+
+
+def test_model_without_codec_is_served_uncached(caplog):
+    model = build_model("llama")
+    model.make_cache = lambda: [OddCache() for _ in model.layers]
+    tokens = prompt(0, 40)
+    with TieredPromptCache(lambda key: model, HOT) as tiered, caplog.at_level(logging.WARNING):
+        out, _ = serve_single(tiered, model, tokens)
+        assert tiered.fetch_nearest_cache(KEY, tokens + out) == (None, tokens + out)
+    assert any("without a prompt cache" in r.message for r in caplog.records)
+
+
+def test_model_switch_opens_one_cache_at_a_time(llama):
+    other = tiny_model("llama", seed=2)
+    models = {"a": llama, "b": other}
+    calls = []
+
+    def model_for(key):
+        calls.append(key)
+        return models[key]
+
+    tokens = prompt(3, 40)
+    with TieredPromptCache(model_for, HOT) as tiered:
+        for key in ("a", "b", "b", "a"):
+            restored, rest = tiered.fetch_nearest_cache(key, tokens)
+            cache = restored or make_prompt_cache(models[key])
+            models[key](mx.array([rest]), cache=cache)
+            tiered.insert_cache(key, tokens, cache)
+        assert calls == ["a", "b", "a"] and tiered.stats()["model_key"] == "a"
+
+
+def test_ssd_restart_serves_old_conversation(llama, tmp_path):
+    config = CacheConfig(block_size=16, ssd_dir=str(tmp_path / "ssd"))
+    cold, _ = conversations(serve_batched, NoCache(), llama)
+    with TieredPromptCache(lambda key: llama, config) as tiered:
+        conversations(serve_batched, tiered, llama)
+    with TieredPromptCache(lambda key: llama, config) as tiered:
+        ours, cached = conversations(serve_batched, tiered, llama)
+        stats = tiered.stats()
+    assert ours == cold
+    assert cached[0] > 64 and stats["ssd_block_hits"] > 0
+
+
+def test_version_check(monkeypatch):
+    assert server.check_mlx_lm_version() == "0.32.2"
+    for ok in ("0.32.2", "0.32.9", "0.32.2.post1"):
+        server.check_mlx_lm_version(ok)
+    for bad in ("0.31.0", "0.33.0", "0.33.0rc1", "1.0"):
+        with pytest.raises(MlxLmVersionError, match=rf"{bad}.*installed") as err:
+            server.check_mlx_lm_version(bad)
+        assert ">=0.32.2,<0.33" in str(err.value)
+    monkeypatch.setattr(server, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
+    with pytest.raises(MlxLmVersionError, match=r">=0\.40,<0\.41.*0\.32\.2 is installed"):
+        TieredPromptCache(lambda key: None, HOT)
+
+
+def test_serve_on_unsupported_mlx_lm_exits_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr(server, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
+    args = setup_arg_parser().parse_args(["serve", "--model", "m"])
+    assert server.run_serve(args) == 2
+    assert "mlx-lm 0.32.2 is installed" in capsys.readouterr().err
+
+
+def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
+    argv = "serve --port 9 --model m --ssd-dir d --max-tokens 5 --hot-max-bytes 1M --temp 0.5"
+    args = setup_arg_parser().parse_args(argv.split())
+    assert args.mlx_lm_args == ["--port", "9", "--max-tokens", "5", "--temp", "0.5"]
+    monkeypatch.setenv("PREFIXCACHE_BLOCK_SIZE", "32")
+    config = server.serve_config(args)
+    assert (config.ssd_dir, config.hot_max_bytes, config.block_size) == ("d", 1 << 20, 32)
+    assert config.hot_cache_only is False
+    args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])
+    assert server.serve_config(args).hot_cache_only and args.mlx_lm_args == []
