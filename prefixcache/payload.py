@@ -7,10 +7,12 @@ pid and thread id in the same directory, fsync, rename, fsync of the directory.
 The xxh3-64 of the whole file's bytes is computed while writing and verified on
 every read.
 
-Reading uses ``mx.load`` (it reads straight into fresh MLX buffers with a
-thread pool; measured faster than parsing the header and copying
-``np.frombuffer`` views, see tools/bench_ssd.py) and hashes the arrays in file
-order, which covers every byte of the file since safetensors has no holes.
+Reading picks the faster of two readers by file size (tools/bench_ssd.py
+measures both): small files are read whole, verified, and copied into MLX once
+(the arrays are views of that copy); large ones go through ``mx.load``, which
+reads each array straight into fresh MLX memory with a thread pool, and are
+verified by hashing the arrays in file order (safetensors has no holes, so
+that covers every byte of the file).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import mlx.core as mx
+import numpy as np
 import xxhash
 
 SUFFIX = ".safetensors"
@@ -36,6 +40,11 @@ _DTYPES: dict[mx.Dtype, str] = {
     mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
 }  # fmt: skip
 _ITEMSIZE = {name: dtype.size for dtype, name in _DTYPES.items()}
+_MX_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+_Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
+# Up to this file size one read + one copy beats mx.load's per-array reads
+# (tools/bench_ssd.py: ~1.5-2x at 0.5-8 MiB; mx.load wins from ~16 MiB on).
+SMALL_PAYLOAD = 8 << 20
 
 
 class PayloadError(ValueError):
@@ -125,61 +134,102 @@ def write_payload(final: str, header: bytes, tensors: list[Tensor]) -> tuple[int
 
 
 def read_payload(
-    path: str, key: bytes, file_bytes: int, checksum: int
+    path: str, key: bytes, file_bytes: int, checksum: int, *, reader: str = "auto"
 ) -> tuple[dict[str, mx.array], int]:
     """Read and verify a payload file; returns (fresh arrays, their nbytes).
+
+    Args:
+        reader: ``"buffer"`` (one read, verify, one copy into MLX, arrays are
+            views of that copy), ``"mx_load"`` (``mx.load`` reads each array
+            with its thread pool; verified after), or ``"auto"``: buffer up to
+            SMALL_PAYLOAD bytes, where per-array reads cost more than the copy.
 
     Raises:
         FileNotFoundError: the file does not exist.
         PayloadError: wrong size, bad header, wrong key or checksum mismatch.
     """
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size != file_bytes:
             raise PayloadError(f"payload has {size} bytes, index says {file_bytes}")
-        head = f.read(8)
-        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-        if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise PayloadError(f"bad safetensors header length {length}")
-        text = f.read(length)
-    order = _parse_header(text, key, size - 8 - length)
+        if reader == "auto":
+            reader = "buffer" if size <= SMALL_PAYLOAD else "mx_load"
+        if reader == "buffer":
+            arrays = _read_buffered(f, key, size, checksum)
+        else:
+            arrays = _read_mx_load(f, path, key, size, checksum)
+    return arrays, sum(a.nbytes for a in arrays.values())
+
+
+def _read_buffered(f: BinaryIO, key: bytes, size: int, checksum: int) -> dict[str, mx.array]:
+    buf = np.empty(size, dtype=np.uint8)
+    if f.readinto(buf) != size:
+        raise PayloadError("short read")
+    if xxhash.xxh3_64_intdigest(buf) != checksum:
+        raise PayloadError("payload checksum mismatch")
+    length = _header_length(bytes(buf[:8]), size)
+    spans = _parse_header(bytes(buf[8 : 8 + length]), key, size - 8 - length)
+    flat = mx.array(buf[8 + length :])  # the one copy
+    arrays = {
+        name: flat[start:end].view(_MX_DTYPES[dtype]).reshape(shape)
+        for name, dtype, shape, start, end in spans
+    }
+    mx.eval(arrays)
+    return arrays
+
+
+def _read_mx_load(
+    f: BinaryIO, path: str, key: bytes, size: int, checksum: int
+) -> dict[str, mx.array]:
+    head = f.read(8)
+    length = _header_length(head, size)
+    text = f.read(length)
+    spans = _parse_header(text, key, size - 8 - length)
     hasher = xxhash.xxh3_64(head)
     hasher.update(text)
     try:
-        arrays = mx.load(path)
-        for name in order:
-            mx.eval(arrays[name])
-            if arrays[name].size:
-                hasher.update(memoryview(arrays[name]).cast("B"))
+        loaded = mx.load(path)
+        arrays = {name: loaded[name] for name, *_ in spans}  # in file order
+        mx.eval(arrays)
     except (RuntimeError, ValueError, KeyError) as e:
         raise PayloadError(f"mx.load failed: {e}") from None
+    for arr in arrays.values():
+        if arr.size:
+            hasher.update(memoryview(arr).cast("B"))
     if hasher.intdigest() != checksum:
         raise PayloadError("payload checksum mismatch")
-    ordered = {name: arrays[name] for name in order}  # the order they were stored in
-    return ordered, sum(a.nbytes for a in ordered.values())
+    return arrays
 
 
-def _parse_header(text: bytes, key: bytes, data_bytes: int) -> list[str]:
-    """Validate a header; returns the tensor names in file order."""
+def _header_length(head: bytes, size: int) -> int:
+    (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+    if not 0 < length <= min(_MAX_HEADER, size - 8):
+        raise PayloadError(f"bad safetensors header length {length}")
+    return length
+
+
+def _parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
+    """Validate a header; returns its tensors in file order."""
     try:
         entries = json.loads(text)
         meta = entries.pop("__metadata__", {})
-        spans = sorted((tuple(v["data_offsets"]), name, v) for name, v in entries.items())
+        raw = sorted((tuple(v["data_offsets"]), name, v) for name, v in entries.items())
+        spans = [(name, v["dtype"], tuple(v["shape"]), s, e) for (s, e), name, v in raw]
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise PayloadError(f"bad safetensors header: {e}") from None
     if meta != {"format": PAYLOAD_FORMAT, "key": key.hex()}:
         raise PayloadError(f"payload metadata {meta!r} does not match key {key.hex()}")
     offset = 0
-    for (start, end), name, v in spans:
+    for name, dtype, shape, start, end in spans:
         count = 1
-        for dim in v.get("shape", ()):
+        for dim in shape:
             count *= dim
-        if start != offset or end - start != count * _ITEMSIZE.get(v.get("dtype"), -1):
+        if start != offset or end - start != count * _ITEMSIZE.get(dtype, -1):
             raise PayloadError(f"tensor {name!r} has bad offsets or dtype")
         offset = end
     if offset != data_bytes:
         raise PayloadError(f"tensors cover {offset} of {data_bytes} data bytes")
-    return [name for _, name, _ in spans]
+    return spans
 
 
 def list_files(root: str) -> tuple[dict[bytes, str], list[str]]:

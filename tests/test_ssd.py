@@ -13,12 +13,23 @@ import threading
 import time
 
 import lmdb
+import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ssd_child import ROOT, block_key, check_block, make_block
 
 from prefixcache.blocks import Block, BlockMeta
+from prefixcache.payload import (
+    SMALL_PAYLOAD,
+    PayloadError,
+    encode_header,
+    payload_path,
+    read_payload,
+    tensors_of,
+    write_payload,
+)  # fmt: skip
 from prefixcache.ssd import SsdFormatError, SsdTier
 
 CHILD = os.path.join(os.path.dirname(__file__), "ssd_child.py")
@@ -105,6 +116,46 @@ def test_round_trip_is_bit_exact_for_every_dtype(open_tier, tmp_path):
     assert stats["num_writes"] == 10 and stats["num_corrupt"] == 0
     assert tier.load(block_key(9, 0)) is None  # negative control: never stored
     assert tier.get_meta(block_key(9, 0)) is None and not tier.contains(block_key(9, 0))
+
+
+@pytest.mark.parametrize("reader", ["buffer", "mx_load"])
+def test_both_payload_readers_are_exact_and_reject_corruption(tmp_path, reader):
+    arrays = {
+        "a": mx.arange(-7, 29, dtype=mx.int32).astype(mx.int8).reshape(4, 9),
+        "b": mx.array([True, False, True]),
+        "c": mx.array(np.arange(60000, 65536, 7, dtype=np.uint16)).view(mx.bfloat16),
+        "d": mx.array(2.5, dtype=mx.float16),
+        "e": mx.zeros((0, 3), dtype=mx.float32),
+        "f": mx.arange(5, dtype=mx.int64) * -(1 << 40),
+    }
+    mx.eval(arrays)
+    key = block_key(50, 0)
+    path = payload_path(str(tmp_path), key)
+    tensors = tensors_of(arrays)
+    size, checksum = write_payload(path, encode_header(tensors, key), tensors)
+    got, nbytes = read_payload(path, key, size, checksum, reader=reader)
+    assert list(got) == list(arrays) and nbytes == sum(a.nbytes for a in arrays.values())
+    for name, arr in arrays.items():
+        assert got[name].dtype == arr.dtype and got[name].shape == arr.shape
+        assert bytes(memoryview(got[name])) == bytes(memoryview(arr)), name
+    with pytest.raises(PayloadError):
+        read_payload(path, block_key(50, 1), size, checksum, reader=reader)  # wrong key
+    with pytest.raises(PayloadError):
+        read_payload(path, key, size, checksum ^ 1, reader=reader)
+    _corrupt_file(path, "flip_data")
+    with pytest.raises(PayloadError):
+        read_payload(path, key, size, checksum, reader=reader)
+
+
+def test_large_blocks_round_trip_through_mx_load(open_tier):
+    tier = open_tier()
+    big = make_block(51, 0, scale=3400)  # > SMALL_PAYLOAD: read with mx.load
+    assert big.nbytes > SMALL_PAYLOAD
+    tier.put(big)
+    tier.flush()
+    check_block(tier.load(big.key), scale=3400)
+    _corrupt_file(payload_path(os.path.join(tier.path, "blocks"), big.key), "flip_data")
+    assert tier.load(big.key) is None and tier.stats()["num_corrupt"] == 1
 
 
 def test_put_is_idempotent(open_tier):
