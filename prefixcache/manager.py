@@ -121,8 +121,9 @@ class PrefixCache:
 
         Window K/V are cut before the window moves on and recurrent state at
         the boundary the cache stands on (see capture.py); e.g. from
-        ``generate_step``'s ``prompt_progress_callback``, with a
-        ``prefill_step_size`` that is a multiple of ``block_size``.
+        ``generate_step``'s ``prompt_progress_callback`` (``prefill_step_size``
+        a multiple of ``block_size``; skip its last call, ``done == total``,
+        made once the first generated token is in the cache).
         """
         return self.store(tokens_so_far, cache, extra=extra)
 

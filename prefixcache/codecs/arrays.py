@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError
+from .base import Builder, Codec, Has, LayoutMismatchError, owned
 from .kv import dtype_name
 
 BOUNDARY = MissReason.BOUNDARY_MISSING
@@ -56,7 +56,7 @@ class ArraysCodec(Codec):
         if not snapshot or end != length or any(a is None for a in cache.cache):
             return {}
         # copies: the live arrays may be views of a batch, or be donated next step
-        return {str(i): mx.array(a) for i, a in enumerate(cache.cache)}
+        return {str(i): owned(a) for i, a in enumerate(cache.cache)}
 
     def blocks_needed(self, fresh: ArraysCache, num_tokens: int, block_size: int) -> Sequence[int]:
         if num_tokens % block_size:

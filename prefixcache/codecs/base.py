@@ -33,6 +33,18 @@ def round_up(n: int, step: int = STEP) -> int:
     return -(-n // step) * step
 
 
+def owned(x: mx.array, parent: mx.array | None = None) -> mx.array:
+    """A row-contiguous copy of ``x`` (a slice of ``parent``) sharing no memory with it.
+
+    ``mx.array`` copies but keeps a transposed layout (a ring filled straight
+    from the attention's K/V is one), which payload files cannot hold;
+    ``mx.contiguous`` returns the buffer itself when it is row-contiguous.
+    """
+    if memoryview(x if parent is None else parent).c_contiguous:
+        return mx.array(x)
+    return mx.array(mx.contiguous(x))
+
+
 def num_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks holding ``num_tokens`` tokens (the last one possibly in part)."""
     return -(-num_tokens // block_size)

@@ -15,9 +15,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, round_up
+from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned, round_up
 from .buffer import TokenBuffer
-from .kv import check_single, dtype_name, owned_slice
+from .kv import check_single, dtype_name
 
 CHUNK = MissReason.WINDOW_NOT_COVERED
 
@@ -51,9 +51,11 @@ class ChunkedKVCodec(Codec):
         first = cache.start_position
         if cache.keys is None or start < first or end > cache.offset:
             return {}
+        a, b = start - first, end - first
+        # after maybe_trim_front the buffer itself is a slice of an older one
         return {
-            "keys": owned_slice(cache.keys, start - first, end - first),
-            "values": owned_slice(cache.values, start - first, end - first),
+            "keys": owned(cache.keys[..., a:b, :], cache.keys),
+            "values": owned(cache.values[..., a:b, :], cache.values),
         }
 
     def blocks_needed(

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks
+from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name
 
@@ -67,8 +67,8 @@ def tail_start(fresh: RotatingKVCache, num_tokens: int, block_size: int) -> int:
 
 def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
     parts = [x[..., a:b, :] for a, b in ranges]
-    # mx.array copies a lone slice: the payload must not pin the live ring
-    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
+    # new arrays either way: the payload must not pin the live ring
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else owned(parts[0], x)
 
 
 class RotatingKVCodec(Codec):
