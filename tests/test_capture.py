@@ -1,0 +1,184 @@
+"""Capture during prefill: generate_step's progress callback, upgrades, snapshots, miss reasons."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+from conftest import max_diff, prompt, tiny_model
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.capture import chunk_ends, chunk_step
+
+BLOCK = 16
+
+
+def hot_pc(model, **settings) -> PrefixCache:
+    return PrefixCache(
+        model, CacheConfig(block_size=BLOCK, hot_cache_only=True, **settings), model_id="tiny"
+    )
+
+
+def cold(model, tokens, step: int = BLOCK):
+    """A cache and last logits prefilled live, in chunks ending on multiples of ``step``."""
+    cache, pos, logits = make_prompt_cache(model), 0, None
+    for end in chunk_ends(0, len(tokens), step):
+        logits = model(mx.array([tokens[pos:end]]), cache=cache)[:, -1, :]
+        mx.eval(logits, [c.state for c in cache])
+        pos = end
+    return cache, logits
+
+
+def run(model, tokens, cache, *, n: int = 6, callback=None) -> tuple[list[int], mx.array]:
+    out, logprobs = [], []
+    for token, lp in generate_step(
+        mx.array(tokens),
+        model,
+        prompt_cache=cache,
+        prefill_step_size=BLOCK,
+        max_tokens=n,
+        prompt_progress_callback=callback,
+    ):
+        out.append(int(token))
+        logprobs.append(lp)
+    return out, mx.stack(logprobs)
+
+
+def reasons(pc: PrefixCache) -> dict[str, int]:
+    return {k: v for k, v in pc.stats()["miss_reasons"].items() if v}
+
+
+def test_chunk_plan():
+    assert chunk_ends(0, 50, 16) == [16, 32, 48, 50]
+    assert chunk_ends(20, 50, 16) == [32, 48, 50]  # absolute multiples, as a cold run
+    assert chunk_ends(48, 48, 16) == []
+    assert chunk_step(None, 16, 3, snapshots=True) == 48
+    assert chunk_step(None, 16, 1, snapshots=False) == 2048
+    assert chunk_step(32, 16, 1, snapshots=False) == 32
+    for bad in (24, 0, -16):
+        with pytest.raises(ValueError, match="multiple of block_size=16"):
+            chunk_step(bad, 16, 1, snapshots=False)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "falcon_h1"])
+def test_capture_from_generate_step_progress_callback(arch):
+    """A scheduler's own loop: generate_step + prompt_progress_callback -> capture."""
+    model = tiny_model(arch)
+    shared = prompt(1, 56)
+    a, b = shared + prompt(2, 30), shared + prompt(3, 25)
+    with hot_pc(model) as pc:
+        cache, num_cached = pc.fetch(a)
+        assert num_cached == 0
+
+        def progress(done: int, total: int) -> None:
+            if done < total:  # the last call comes once a generated token is in the cache
+                pc.capture(a[: num_cached + done], cache)
+
+        run(model, a[num_cached:], cache, callback=progress)
+        assert pc.match(b) == 48
+        restored, num_cached = pc.fetch(b)
+        assert num_cached == 48
+        tokens, logprobs = run(model, b[num_cached:], restored)
+        cold_tokens, cold_logprobs = run(model, b, make_prompt_cache(model))
+        assert tokens == cold_tokens
+        assert max_diff(logprobs, cold_logprobs) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("arch", "reason"),
+    [("gemma3_text", "window_not_covered"), ("mamba2", "boundary_state_missing")],
+)
+def test_partial_blocks_are_upgraded_by_a_later_capture(arch, reason):
+    """A finished cache lacks old windows / snapshots; a later prefill fills them in."""
+    model = tiny_model(arch)
+    shared = prompt(1, 56)
+    a, b, c = (shared + prompt(s, 30) for s in (2, 3, 4))
+    with hot_pc(model) as pc:
+        finished, _ = cold(model, a)
+        assert pc.store(a, finished) == len(a) // BLOCK  # window / state payloads are partial
+        _, num_cached = pc.fetch(b)
+        assert num_cached == 0
+        assert reasons(pc)[reason] == 1
+        pc.prefill(b, prefill_step_size=BLOCK)  # misses again, then captures everything
+        assert pc.stats()["upgraded_blocks"] >= 3  # the 3 shared blocks
+        restored, num_cached = pc.fetch(c)
+        assert num_cached == 48
+        assert reasons(pc)[reason] == 2  # no new miss for c
+        logits = model(mx.array([c[48:]]), cache=restored)[:, -1, :]
+        live, _ = cold(model, c[:48])
+        assert max_diff(logits, model(mx.array([c[48:]]), cache=live)[:, -1, :]) == 0.0
+
+
+def test_snapshots_only_at_chunk_ends_shorten_the_match():
+    """Recurrent state exists where a chunk ended: 32, not 48, with 32-token chunks."""
+    model = tiny_model("mamba2")
+    shared = prompt(1, 56)
+    a, b = shared + prompt(2, 30), shared + prompt(3, 30)
+    with hot_pc(model) as pc:
+        pc.prefill(a, prefill_step_size=32)
+        assert pc.match(b) == 32
+        _, logits = pc.prefill(b, prefill_step_size=32)
+        assert pc.stats()["cached_tokens"] == 32
+        assert reasons(pc)["boundary_state_missing"] == 1
+        assert max_diff(logits, cold(model, b, step=32)[1]) == 0.0
+
+
+def test_snapshot_interval_bounds_snapshots():
+    model = tiny_model("mamba2")
+    tokens = prompt(1, 100)
+    with hot_pc(model, snapshot_interval=2) as pc:
+        pc.prefill(tokens, prefill_step_size=BLOCK)
+        with_state = [b.index for b in pc.hot if any(n.startswith("0.") for n in b.arrays)]
+        assert sorted(with_state) == [1, 3, 5]  # boundaries 32, 64, 96
+        assert pc.match(prompt(1, 90) + [7] * 20) == 64
+
+
+def test_default_step_of_a_recurrent_model_snapshots_every_interval():
+    model = tiny_model("qwen3_next")
+    tokens = prompt(1, 70)
+    with hot_pc(model) as pc:
+        pc.prefill(tokens)  # default chunk: one block (snapshot_interval=1)
+        assert pc.match([*tokens[:64], 1, 2, 3]) == 64
+
+
+def test_layout_mismatch_when_a_payload_is_missing():
+    """A block whose attention payload is gone shortens the restore (layout_mismatch)."""
+    model = tiny_model("llama")
+    tokens = prompt(1, 70)
+    with hot_pc(model) as pc:
+        pc.prefill(tokens, prefill_step_size=BLOCK)
+        block = next(b for b in pc.hot if b.index == 2)
+        del block.arrays["1.keys"], block.arrays["1.values"]
+        _, num_cached = pc.fetch(tokens)
+        assert num_cached == 32
+        assert reasons(pc)["layout_mismatch"] == 1
+        assert pc.match(tokens) == 32
+
+
+def test_capture_checks_the_cache_length():
+    model = tiny_model("gemma3_text")
+    tokens = prompt(1, 40)
+    cache, _ = cold(model, tokens)
+    with hot_pc(model) as pc, pytest.raises(ValueError, match="holds 40 tokens but 32"):
+        pc.capture(tokens[:32], cache)
+
+
+def test_no_snapshot_outlives_its_request():
+    """Memory is flat across requests once the hot tier is full (snapshots live in blocks)."""
+    model = tiny_model("qwen3_next")
+    with hot_pc(model, hot_max_bytes=256 << 10) as pc:
+
+        def requests(first: int, n: int) -> int:
+            for i in range(first, first + n):
+                pc.prefill(prompt(100 + i, 40 + i % 7), prefill_step_size=BLOCK)
+            gc.collect()
+            return mx.get_active_memory() - pc.hot.nbytes
+
+        requests(0, 10)
+        after_10 = requests(10, 1)
+        after_40 = requests(11, 30)
+        assert pc.hot.nbytes <= 256 << 10
+        assert after_40 <= after_10 + (64 << 10)
