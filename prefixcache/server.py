@@ -1,12 +1,9 @@
 """mlx-lm server adapter: its prompt-cache interface backed by PrefixCache, and ``serve``.
 
-mlx-lm's OpenAI-compatible server (``mlx_lm.server``) keeps a RAM-only,
-whole-prompt ``LRUPromptCache`` that deep-copies on every fetch and forgets
-everything on restart. ``TieredPromptCache`` answers the same calls
-(``fetch_nearest_cache``, ``insert_cache``, ``trim_to``, ``len``, ``nbytes``,
-``stats_by_type``) from blocks: shared between conversations, hot in RAM and,
-unless hot-only, on SSD across restarts. ``prefixcache serve`` runs mlx-lm's
-own ``main()`` with it in place.
+mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
+``TieredPromptCache`` answers the same calls from blocks shared between
+conversations, hot in RAM and, unless hot-only, on SSD across restarts.
+``prefixcache serve`` runs mlx-lm's own ``main()`` with it in place.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import os
 import re
 import signal
 import sys
@@ -27,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .codecs import UnsupportedCacheError, codec_for
-from .config import WRITE_POLICIES, CacheConfig, parse_bytes
+from .config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
 from .manager import PrefixCache
 
 log = logging.getLogger(__name__)
@@ -43,11 +41,7 @@ class MlxLmVersionError(RuntimeError):
 
 
 def check_mlx_lm_version(version: str | None = None) -> str:
-    """Return the installed mlx-lm version if the adapter supports it.
-
-    Raises:
-        MlxLmVersionError: the version is outside ``SUPPORTED_MLX_LM``.
-    """
+    """The installed (or given) mlx-lm version; MlxLmVersionError if it is not supported."""
     if version is None:
         version = importlib.metadata.version("mlx-lm")
     low, high = SUPPORTED_MLX_LM
@@ -314,8 +308,15 @@ _CONFIG_FLAGS = (
 
 
 def serve_config(args: argparse.Namespace) -> CacheConfig:
-    """CacheConfig from ``serve``'s options over ``PREFIXCACHE_*`` variables."""
-    return CacheConfig.from_env(**{name: getattr(args, name, None) for name in _CONFIG_FLAGS})
+    """CacheConfig from ``serve``'s options over ``PREFIXCACHE_*`` variables.
+
+    ``restore_headroom`` defaults to 0: the batch path copies a restored cache
+    into its batch at once, so headroom would only be allocated and dropped.
+    """
+    config = CacheConfig.from_env(**{name: getattr(args, name, None) for name in _CONFIG_FLAGS})
+    if ENV_PREFIX + "RESTORE_HEADROOM" not in os.environ:
+        config = config.replace(restore_headroom=0)
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:

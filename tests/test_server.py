@@ -266,6 +266,8 @@ def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_BLOCK_SIZE", "32")
     config = server.serve_config(args)
     assert (config.ssd_dir, config.hot_max_bytes, config.block_size) == ("d", 1 << 20, 32)
-    assert config.hot_cache_only is False
+    assert config.hot_cache_only is False and config.restore_headroom == 0
+    monkeypatch.setenv("PREFIXCACHE_RESTORE_HEADROOM", "512")
+    assert server.serve_config(args).restore_headroom == 512
     args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])
     assert server.serve_config(args).hot_cache_only and args.mlx_lm_args == []
