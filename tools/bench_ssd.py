@@ -1,0 +1,329 @@
+"""SSD tier benchmark: load and write throughput against the raw disk, in one run.
+
+For each block shape (layers x kv_heads x tokens x head_dim, K and V, bf16) it
+writes N blocks (~``--total-mib`` MiB) and measures, interleaved and repeated
+(median), with the page cache dropped (cold) and primed (warm):
+
+  raw_seq     sequential read of ONE file of the same total size (reused buffer):
+              the disk / page-cache reference of the 70 % target
+  raw_files   read of each payload-sized file into fresh memory (``f.read()``)
+  load        SsdTier.load (index lookup, read, xxh3 verify, fresh mx.arrays),
+              with the reader it picks by size (payload.SMALL_PAYLOAD)
+  buf_load    the "buffer" reader forced: read whole file, verify, one copy into MLX
+  mxl_load    the "mx_load" reader forced: mx.load, then verify
+  lmdb_load   payloads stored as LMDB values instead of files: zero-copy get,
+              verify, one copy into MLX (the best reader for that layout)
+  raw_write   write + fsync of N files of the same size (reference)
+  writer      SsdTier.put of all blocks until flush() returns (background writer)
+  lmdb_write  the same payloads as LMDB values, one synced commit per block
+  put_us      caller-side cost of one put() (median)
+
+and the open time of a directory holding ``--open-blocks`` blocks (cold and warm).
+
+    python tools/bench_ssd.py                  # 32, 8 and 5.6 MiB blocks (8B, 1B, 135M models)
+    python tools/bench_ssd.py --shapes 32x8x256x128 --total-mib 512 --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import tempfile
+import time
+
+import lmdb
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from prefixcache.blocks import Block
+from prefixcache.payload import encode_header, payload_path, read_payload, tensors_of
+from prefixcache.ssd import SsdTier
+
+MiB = 1 << 20
+_MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32}
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["32x8x256x128", "16x8x256x64", "30x3x256x64"])
+    p.add_argument("--total-mib", type=int, default=1024, help="bytes per shape")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--open-blocks", type=int, default=10_000, help="0: skip the open test")
+    p.add_argument("--dir", default=None, help="parent directory (default: system temp)")
+    return p
+
+
+def make_blocks(shape: str, num: int) -> list[Block]:
+    """``num`` chained blocks sharing one set of random arrays (distinct keys)."""
+    layers, heads, tokens, dim = (int(x) for x in shape.split("x"))
+    arrays = {
+        f"{layer}.{kv}": mx.random.normal((1, heads, tokens, dim)).astype(mx.bfloat16)
+        for layer in range(layers)
+        for kv in ("keys", "values")
+    }  # (B, kv_heads, T, head_dim)
+    mx.eval(arrays)
+    blocks, parent = [], b"\0" * 16
+    toks = np.arange(tokens, dtype="<u4").tobytes()
+    for i in range(num):
+        key = xxhash.xxh3_128_digest(f"{shape}/{i}".encode())
+        blocks.append(Block.make(key, parent, b"\0" * 16, i, toks, arrays))
+        parent = key
+    return blocks
+
+
+def drop_caches(paths: list[str]) -> None:
+    """Empty the page cache (as root), else advise the kernel to drop these files."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return
+    except OSError:
+        pass
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def raw_seq_read(path: str) -> None:
+    buf = bytearray(MiB)  # dd bs=1M: the destination stays in cache (the strict reference)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def raw_files_read(paths: list[str]) -> None:
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            f.read()
+
+
+def arrays_from_buffer(buf, checksum: int) -> dict[str, mx.array]:
+    """Verify a safetensors image in memory, copy it into MLX once, view the tensors."""
+    if xxhash.xxh3_64_intdigest(buf) != checksum:
+        raise ValueError("checksum mismatch")
+    (length,) = struct.unpack_from("<Q", buf)
+    header = json.loads(bytes(buf[8 : 8 + length]))
+    header.pop("__metadata__", None)
+    flat = mx.array(np.frombuffer(buf, np.uint8, offset=8 + length))
+    out = {
+        name: flat[v["data_offsets"][0] : v["data_offsets"][1]].view(_MX[v["dtype"]])
+        for name, v in header.items()
+    }
+    out = {name: arr.reshape(header[name]["shape"]) for name, arr in out.items()}
+    mx.eval(out)
+    return out
+
+
+def forced_load(tier: SsdTier, keys: list[bytes], reader: str) -> None:
+    for key in keys:
+        meta = tier.get_meta(key)
+        path = payload_path(os.path.join(tier.path, "blocks"), key)
+        read_payload(path, key, meta.file_bytes, meta.checksum, reader=reader)
+
+
+def lmdb_load(path: str, keys: list[bytes], sums: dict[bytes, int]) -> None:
+    # Opened per run: pages of a live mapping survive drop_caches.
+    env = lmdb.open(path, map_size=1 << 40, readonly=True, lock=False)
+    with env.begin(buffers=True) as txn:
+        for key in keys:
+            arrays_from_buffer(txn.get(key), sums[key])
+    env.close()
+
+
+def write_refs(blocks: list[Block], work: str) -> dict[str, float]:
+    """Raw files + fsync, the SSD writer, and LMDB-stored payloads; seconds each."""
+    image = encode_header(tensors_of(blocks[0].arrays), blocks[0].key)
+    image += b"".join(t.data for t in tensors_of(blocks[0].arrays))
+    os.makedirs(f"{work}/raw", exist_ok=True)
+
+    def raw_write() -> None:
+        for i in range(len(blocks)):
+            fd = os.open(f"{work}/raw/{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.write(fd, image)
+            os.fsync(fd)
+            os.close(fd)
+
+    out = {"raw_write": seconds(raw_write)}
+    total = sum(b.nbytes for b in blocks)
+    tier = SsdTier(f"{work}/ssd", max_bytes=1 << 50, queue_bytes=total + 1)
+    put_times = []
+    start = time.perf_counter()
+    for block in blocks:
+        put_times.append(seconds(lambda b=block: tier.put(b)))
+    tier.flush()
+    out["writer"] = time.perf_counter() - start
+    out["put_us"] = statistics.median(put_times) * 1e6
+    tier.close()
+    env = lmdb.open(f"{work}/lmdb", map_size=1 << 40)
+
+    def lmdb_write() -> None:
+        for block in blocks:
+            tensors = tensors_of(block.arrays)
+            value = encode_header(tensors, block.key) + b"".join(t.data for t in tensors)
+            with env.begin(write=True) as txn:
+                txn.put(block.key, value)
+
+    out["lmdb_write"] = seconds(lmdb_write)
+    env.close()
+    return out
+
+
+def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[str, float]:
+    """GB/s of each reader, cold and warm, interleaved (medians over ``repeat``).
+
+    Ratios ``load_{mode}_vs_{ref}`` are medians of per-repetition ratios, each
+    taken against the reference measured just before: the disk drifts.
+    """
+    tier = SsdTier(f"{work}/ssd", max_bytes=1 << 50)
+    keys = [b.key for b in blocks]
+    sums = {k: tier.get_meta(k).checksum for k in keys}
+    files = [payload_path(f"{work}/ssd/blocks", k) for k in keys]
+    with open(f"{work}/seq", "wb") as f:  # one file of the same total size
+        for path in files:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, f, 16 * MiB)
+    readers = {
+        "raw_seq": lambda: raw_seq_read(f"{work}/seq"),
+        "raw_files": lambda: raw_files_read(files),
+        "load": lambda: [tier.load(k) for k in keys] and None,
+        "buf_load": lambda: forced_load(tier, keys, "buffer"),
+        "mxl_load": lambda: forced_load(tier, keys, "mx_load"),
+        "lmdb_load": lambda: lmdb_load(f"{work}/lmdb", keys, sums),
+    }
+    all_paths = [f"{work}/seq", *files, f"{work}/lmdb/data.mdb"]
+    speed: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        for mode in ("cold", "warm"):
+            for name, fn in readers.items():
+                if mode == "cold":
+                    drop_caches(all_paths)
+                else:
+                    fn()  # prime the page cache (and the allocator)
+                speed.setdefault(f"{name}_{mode}", []).append(total / seconds(fn) / 1e9)
+    tier.close()
+    out = {name: statistics.median(v) for name, v in speed.items()}
+    for mode in ("cold", "warm"):
+        for ref in ("raw_seq", "raw_files"):
+            pairs = zip(speed[f"load_{mode}"], speed[f"{ref}_{mode}"], strict=True)
+            out[f"load_{mode}_vs_{ref}"] = statistics.median(x / y for x, y in pairs)
+    return out
+
+
+def bench_shape(shape: str, args: argparse.Namespace, work: str) -> dict[str, float]:
+    one = make_blocks(shape, 1)[0]
+    num = max(4, args.total_mib * MiB // one.nbytes)
+    blocks = make_blocks(shape, num)
+    total = len(blocks) * (one.nbytes + len(encode_header(tensors_of(one.arrays), one.key)))
+    row: dict[str, float] = {"block_mib": one.nbytes / MiB, "num": num}
+    for name, secs in write_refs(blocks, work).items():
+        row[name] = secs if name == "put_us" else total / secs / 1e9
+    row.update(read_all(blocks, work, args.repeat, total))
+    return row
+
+
+def bench_open(num: int, work: str) -> dict[str, float]:
+    """Open (+ stats) of a directory holding ``num`` small blocks."""
+    template = make_blocks("2x2x16x64", 1)[0]
+    tier = SsdTier(f"{work}/open", max_bytes=1 << 50, queue_bytes=1 << 30)
+    start = time.perf_counter()
+    for i in range(num):
+        key = xxhash.xxh3_128_digest(b"open/%d" % i)
+        tier.put(Block(key, b"\0" * 16, b"\0" * 16, 0, template.tokens, template.arrays))
+    tier.close()
+    out = {"build_s": time.perf_counter() - start}
+    for mode in ("cold", "warm"):
+        if mode == "cold":
+            drop_caches([f"{work}/open/index/data.mdb"])
+        start = time.perf_counter()
+        tier = SsdTier(f"{work}/open", max_bytes=1 << 50)
+        assert tier.stats()["num_blocks"] == num
+        out[f"open_{mode}_ms"] = (time.perf_counter() - start) * 1e3
+        tier.close()
+    return out
+
+
+COLUMNS = [  # (key, header, format)
+    ("block_mib", "MiB", "{:.1f}"), ("num", "N", "{:.0f}"),
+    ("raw_seq_cold", "seq", "{:.2f}"), ("raw_files_cold", "files", "{:.2f}"),
+    ("load_cold", "load", "{:.2f}"), ("buf_load_cold", "buf", "{:.2f}"),
+    ("mxl_load_cold", "mxl", "{:.2f}"), ("lmdb_load_cold", "lmdb", "{:.2f}"),
+    ("raw_seq_warm", "seq", "{:.2f}"), ("raw_files_warm", "files", "{:.2f}"),
+    ("load_warm", "load", "{:.2f}"), ("buf_load_warm", "buf", "{:.2f}"),
+    ("mxl_load_warm", "mxl", "{:.2f}"), ("lmdb_load_warm", "lmdb", "{:.2f}"),
+    ("raw_write", "raw", "{:.2f}"), ("writer", "writer", "{:.2f}"),
+    ("lmdb_write", "lmdb", "{:.2f}"), ("put_us", "put us", "{:.0f}"),
+    ("load_cold_vs_raw_seq", "c/seq", "{:.0%}"), ("load_cold_vs_raw_files", "c/files", "{:.0%}"),
+    ("load_warm_vs_raw_seq", "w/seq", "{:.0%}"), ("load_warm_vs_raw_files", "w/files", "{:.0%}"),
+    ("write_ratio", "w/raw", "{:.0%}"),
+]  # fmt: skip
+
+
+def print_table(rows: dict[str, dict[str, float]]) -> None:
+    print(
+        "\nGB/s of payload file bytes. Reads: cold (page cache dropped) | warm; writes.\n"
+        "seq: one file of the same total size read with a 1 MiB buffer; files: each payload\n"
+        "file read into fresh memory; load: SsdTier.load; buf / mxl: the two payload readers\n"
+        "forced; lmdb: payloads as LMDB values. Ratios: load vs seq / files (median of\n"
+        "per-repetition ratios), writer vs raw write + fsync."
+    )
+    head = ["shape", *(h for _, h, _ in COLUMNS)]
+    lines = [head, ["", "", "", *["cold"] * 6, *["warm"] * 6, *["write"] * 3]]
+    lines[1] += [""] * (len(head) - len(lines[1]))
+    for shape, r in rows.items():
+        r = {**r, "write_ratio": r["writer"] / r["raw_write"]}
+        lines.append([shape, *(fmt.format(r[key]) for key, _, fmt in COLUMNS)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    rows = {}
+    for shape in args.shapes:
+        work = tempfile.mkdtemp(prefix="bench_ssd_", dir=args.dir)
+        try:
+            rows[shape] = row = bench_shape(shape, args, work)
+        finally:
+            shutil.rmtree(work)
+        print(
+            f"{shape}: block {row['block_mib']:.1f} MiB x {row['num']:.0f} | "
+            f"cold load {row['load_cold']:.2f} vs raw {row['raw_seq_cold']:.2f} GB/s "
+            f"({row['load_cold_vs_raw_seq']:.0%}) | "
+            f"warm load {row['load_warm']:.2f} vs raw {row['raw_seq_warm']:.2f} GB/s "
+            f"({row['load_warm_vs_raw_seq']:.0%}; vs fresh-memory reads "
+            f"{row['load_warm_vs_raw_files']:.0%}) | "
+            f"writer {row['writer']:.2f} vs raw write {row['raw_write']:.2f} GB/s | "
+            f"put {row['put_us']:.0f} us",
+            flush=True,
+        )
+    if args.open_blocks:
+        work = tempfile.mkdtemp(prefix="bench_ssd_open_", dir=args.dir)
+        try:
+            res = bench_open(args.open_blocks, work)
+        finally:
+            shutil.rmtree(work)
+        print(
+            f"open of {args.open_blocks} blocks: cold {res['open_cold_ms']:.1f} ms, "
+            f"warm {res['open_warm_ms']:.1f} ms (built in {res['build_s']:.1f} s, "
+            f"{args.open_blocks / res['build_s']:.0f} small blocks/s)",
+            flush=True,
+        )
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()
