@@ -154,8 +154,7 @@ def test_layout_mismatch_when_a_payload_is_missing():
         del block.arrays["1.keys"], block.arrays["1.values"]
         _, num_cached = pc.fetch(tokens)
         assert num_cached == 32
-        assert reasons(pc)["layout_mismatch"] == 1
-        assert pc.match(tokens) == 32
+        assert reasons(pc)["layout_mismatch"] == 1  # found while rebuilding
 
 
 def test_capture_checks_the_cache_length():

@@ -154,8 +154,10 @@ class Codec(ABC):
         """Why block ``index``'s stored payload cannot serve this layer, or None.
 
         Called before a restore copies anything, with ``has`` telling which of
-        this layer's payload names the block holds. The default trusts the
-        block; the builder's ``add`` is the backstop.
+        this layer's payload names the block holds. A codec whose ``cut``
+        always gives a payload (KV, quantized) keeps this default: the check
+        is skipped for it (it would cost a lookup per block and layer), and
+        its builder's ``add`` raising LayoutMismatchError is the backstop.
         """
         return None
 

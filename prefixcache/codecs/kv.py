@@ -7,8 +7,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError
+from .base import Builder, Codec, LayoutMismatchError
 from .buffer import TokenBuffer
 
 
@@ -53,11 +52,6 @@ class KVCodec(Codec):
             "keys": owned_slice(cache.keys, start, end),
             "values": owned_slice(cache.values, start, end),
         }
-
-    def covers(
-        self, fresh: KVCache, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        return None if has("keys") else self.missing_reason
 
     def builder(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int) -> Builder:
         return KVBuilder(fresh, num_tokens, capacity, block_size)

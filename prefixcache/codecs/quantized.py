@@ -11,8 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
-from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError
+from .base import Builder, Codec, LayoutMismatchError
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
 
@@ -46,14 +45,6 @@ class QuantizedKVCodec(Codec):
             for part, arr in zip(PARTS, packed, strict=True):
                 out[f"{name}.{part}"] = owned_slice(arr, start, end)
         return out
-
-    def covers(
-        self, fresh: QuantizedKVCache, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        # fp blocks (captured before mlx-lm switched to quantized) are quantized on restore
-        if (has("keys") or has("keys.q")) and (has("values") or has("values.q")):
-            return None
-        return self.missing_reason
 
     def builder(
         self, fresh: QuantizedKVCache, num_tokens: int, capacity: int, block_size: int
