@@ -371,10 +371,12 @@ class PrefixCache:
 
     def _replace(self, blocks: list[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
+        on_ssd = [b.key for b in blocks if self.ssd is not None and self.ssd.contains(b.key)]
+        if on_ssd:  # those copies lack the new payloads; a queued one must land first
+            self.ssd.flush()
+            self.ssd.remove(on_ssd)
         for block in blocks:
             self.hot.pop(block.key)
-            if self.ssd is not None and self.ssd.contains(block.key):
-                self.ssd.remove([block.key])  # that copy lacks the new payload
         num_stored, nbytes = self._stats.stored_blocks, self._stats.stored_bytes
         self._keep(blocks)
         self._stats.stored_blocks, self._stats.stored_bytes = num_stored, nbytes

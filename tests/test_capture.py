@@ -181,3 +181,40 @@ def test_no_snapshot_outlives_its_request():
         after_40 = requests(11, 30)
         assert pc.hot.nbytes <= 256 << 10
         assert after_40 <= after_10 + (64 << 10)
+
+
+def test_upgrades_reach_the_ssd_tier(tmp_path):
+    """write_through: the fuller block replaces the SSD copy; it serves after a restart."""
+    model = tiny_model("gemma3_text")
+    shared = prompt(1, 56)
+    a, b, c = (shared + prompt(s, 30) for s in (2, 3, 4))
+    config = CacheConfig(
+        block_size=BLOCK, hot_cache_only=False, ssd_dir=str(tmp_path), write_policy="write_through"
+    )
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        pc.store(a, cold(model, a)[0])
+        pc.prefill(b, prefill_step_size=BLOCK)
+        assert pc.stats()["upgraded_blocks"] == 3
+    with PrefixCache(model, config, model_id="tiny") as pc:  # a restart: the hot tier is empty
+        restored, num_cached = pc.fetch(c)
+        assert num_cached == 48
+        assert pc.stats()["ssd_block_hits"] >= 3
+        live, _ = cold(model, c[:48])
+        tail = mx.array([c[48:]])
+        assert max_diff(model(tail, cache=restored), model(tail, cache=live)) == 0.0
+
+
+def test_partial_blocks_on_the_ssd_tier_are_found_while_loading(tmp_path):
+    """The SSD index does not list payload names: the rebuild finds the gap instead."""
+    model = tiny_model("gemma3_text")
+    shared = prompt(1, 56)
+    a, b = shared + prompt(2, 30), shared + prompt(3, 30)
+    config = CacheConfig(
+        block_size=BLOCK, hot_cache_only=False, ssd_dir=str(tmp_path), hot_max_bytes=1
+    )
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        pc.store(a, cold(model, a)[0])
+        pc.flush()
+        _, num_cached = pc.fetch(b)
+        assert num_cached == 0
+        assert reasons(pc) == {"window_not_covered": 1}
