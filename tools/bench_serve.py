@@ -1,0 +1,241 @@
+"""Multi-turn serving benchmark: mlx-lm's LRUPromptCache vs TieredPromptCache.
+
+Replays one multi-turn trace (conversations over a few shared system prompts,
+growing histories, a window of active conversations interleaved at random, a
+restart in the middle) through each prompt cache, driven the way mlx-lm
+0.32.2's server drives it on its batch path: ``fetch_nearest_cache``, then a
+``BatchGenerator`` prefilling the system / user segments with a cache insert
+at each segment end and at the end of generation, and
+``trim_to(n_bytes=budget - active)`` after each admission (as
+``--prompt-cache-bytes`` does). Real prefill and greedy decoding on a small
+random-weight llama, in process. Systems, at each RAM budget (``--budget``):
+
+  mlx-lm LRU     LRUPromptCache (RAM only, whole sequences)
+  ours hot-only  TieredPromptCache(hot_cache_only=True)
+  ours + SSD     TieredPromptCache with an SSD tier (write_back; closed and
+                 reopened at the restart, as ``prefixcache serve`` does on SIGTERM)
+
+Per system: cached / prompt tokens, prefill tokens computed, time to first
+token (median, p90), peak bytes the cache held in RAM, the cached share of the
+first request of each conversation resumed after the restart, and whether the
+generated tokens equal mlx-lm LRU's. Timings are of a 2-core CPU shared with
+whatever else runs: compare systems within one run.
+
+    python tools/bench_serve.py
+    python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache
+
+from prefixcache.config import CacheConfig, parse_bytes
+from prefixcache.server import TieredPromptCache
+from prefixcache.tiny import build_model
+
+KEY = ("bench-llama", None, None)
+MiB = 1 << 20
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--active", type=int, default=4, help="conversations interleaved at once")
+    p.add_argument("--systems", type=int, default=3, help="distinct shared system prompts")
+    p.add_argument("--system-tokens", type=int, default=384)
+    p.add_argument("--user-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
+    p.add_argument(
+        "--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB], help="RAM budgets"
+    )
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
+    p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    conv: int
+    turn: int
+    system: int
+    user: list[int]
+
+
+def make_trace(args: argparse.Namespace) -> tuple[list[list[int]], list[Turn]]:
+    """(system prompts, turns in arrival order) from ``args.seed``."""
+    rng = random.Random(args.seed)
+    tokens = lambda n: [rng.randrange(1, 500) for _ in range(n)]  # noqa: E731
+    systems = [tokens(args.system_tokens) for _ in range(args.systems)]
+    pending, active, done = list(range(args.conversations)), [], [0] * args.conversations
+    trace = []
+    while pending or active:
+        while len(active) < args.active and pending:
+            active.append(pending.pop(0))
+        conv = rng.choice(active)
+        trace.append(Turn(conv, done[conv], conv % args.systems, tokens(args.user_tokens)))
+        done[conv] += 1
+        if done[conv] == args.turns:
+            active.remove(conv)
+    return systems, trace
+
+
+@dataclass(slots=True)
+class Result:
+    name: str
+    budget: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    resumed_prompt: int = 0  # first request of each conversation resumed after the restart
+    resumed_cached: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def serve(cache: Any, gen: BatchGenerator, prompt: list[int], sys_end: int, args, result: Result):
+    """One request, as mlx-lm's server batch path runs it; returns (tokens, cached)."""
+    start = time.perf_counter()
+    restored, rest = cache.fetch_nearest_cache(KEY, prompt)
+    num_cached = len(prompt) - len(rest)
+    segments = [prompt[num_cached:sys_end], prompt[max(sys_end, num_cached) :]]
+    types = [t for s, t in zip(segments, ("system", "user"), strict=True) if s][::-1]
+    gen.insert_segments(
+        segments=[[s for s in segments if s]],
+        max_tokens=[args.max_tokens],
+        caches=[restored],
+        all_tokens=[prompt[:num_cached]],
+    )
+    cache.trim_to(n_bytes=result.budget - gen.prompt_cache_nbytes)
+    out: list[int] = []
+    for _ in range(len(prompt) + args.max_tokens + 8):  # bounded: >= one token per step
+        prompt_done, generated = gen.next()
+        ends = [r.uid for r in prompt_done if r.end_of_segment and not r.end_of_prompt and types]
+        for layers, tokens in gen.extract_cache(ends).values():
+            cache.insert_cache(KEY, tokens[:], layers, cache_type=types.pop())
+            result.peak_bytes = max(result.peak_bytes, cache.nbytes)
+        for r in generated:
+            if not out:
+                result.ttfts.append(time.perf_counter() - start)
+            out.append(r.token)
+            if r.finish_reason is not None:
+                cache.insert_cache(KEY, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
+                result.peak_bytes = max(result.peak_bytes, cache.nbytes)
+                return out, num_cached
+    raise RuntimeError("generation did not finish")
+
+
+def run(name: str, budget: int, make_cache, model, systems, trace, args) -> Result:
+    """Replay ``trace``; the cache and the batch generator are rebuilt halfway (restart)."""
+    result = Result(name, budget)
+    histories: dict[int, list[int]] = {}
+    restart_at, resumed = len(trace) // 2, set()
+    cache, gen = make_cache(), BatchGenerator(model)
+    began = time.perf_counter()
+    for i, turn in enumerate(trace):
+        if i == restart_at:
+            gen.close()
+            _close(cache)
+            cache, gen = make_cache(), BatchGenerator(model)
+            resumed = set(histories)
+        prompt = histories.get(turn.conv, systems[turn.system]) + turn.user
+        out, num_cached = serve(cache, gen, prompt, len(systems[turn.system]), args, result)
+        histories[turn.conv] = prompt + out
+        result.outputs.append(out)
+        result.prompt_tokens += len(prompt)
+        result.cached_tokens += num_cached
+        if turn.conv in resumed:
+            resumed.discard(turn.conv)
+            result.resumed_prompt += len(prompt)
+            result.resumed_cached += num_cached
+    gen.close()
+    _close(cache)
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def _close(cache: Any) -> None:
+    if isinstance(cache, TieredPromptCache):
+        cache.close()
+
+
+def summary(r: Result, reference: Result) -> dict[str, str]:
+    p50 = statistics.median(r.ttfts)
+    p90 = statistics.quantiles(r.ttfts, n=10)[-1]
+    resumed = r.resumed_cached / r.resumed_prompt if r.resumed_prompt else 0.0
+    return {
+        "budget": f"{r.budget / MiB:.1f} MiB",
+        "system": r.name,
+        "cached/prompt": f"{r.cached_tokens / r.prompt_tokens:6.1%}",
+        "prefill tokens": f"{r.prompt_tokens - r.cached_tokens:,}",
+        "TTFT p50": f"{p50 * 1e3:7.1f} ms",
+        "TTFT p90": f"{p90 * 1e3:7.1f} ms",
+        "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
+        "after restart": f"{resumed:6.1%}",
+        "same tokens": "ref" if r is reference else str(r.outputs == reference.outputs),
+        "wall": f"{r.seconds:5.1f} s",
+    }
+
+
+def print_table(rows: list[dict[str, str]]) -> None:
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
+    print("  ".join(k.ljust(w) for k, w in widths.items()))
+    for row in rows:
+        print("  ".join(row[k].ljust(w) for k, w in widths.items()))
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    model = build_model(
+        "llama", seed=args.seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=4, num_attention_heads=args.hidden // 32,
+        num_key_value_heads=max(1, args.hidden // 64), head_dim=32,
+    )  # fmt: skip
+    systems, trace = make_trace(args)
+    print(
+        f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
+        f"requests), {args.systems} system prompts of {args.system_tokens} tokens, "
+        f"{args.active} active, restart after request {len(trace) // 2}; "
+        f"block size {args.block_size}"
+    )
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for budget in args.budget:
+            # restore_headroom 0 as ``prefixcache serve`` sets it (the batch path copies at once)
+            hot = CacheConfig(
+                block_size=args.block_size,
+                hot_max_bytes=budget,
+                hot_cache_only=True,
+                restore_headroom=0,
+            )
+            ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
+            systems_run = [
+                ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
+                ("ours hot-only", lambda hot=hot: TieredPromptCache(lambda key: model, hot)),
+                ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
+            ]
+            reference = None
+            for name, make_cache in systems_run:
+                result = run(name, budget, make_cache, model, systems, trace, args)
+                reference = reference or result
+                results.append((result, reference))
+                row = summary(result, reference)
+                print(" | ".join(f"{k} {v.strip()}" for k, v in row.items()), flush=True)
+    print()
+    print_table([summary(r, ref) for r, ref in results])
+
+
+if __name__ == "__main__":
+    main()
