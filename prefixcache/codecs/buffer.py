@@ -49,4 +49,5 @@ class TokenBuffer:
 
 
 def _zeros_like(x: mx.array, tokens: int) -> mx.array:
-    return mx.zeros((*x.shape[:2], tokens, x.shape[3]), x.dtype)
+    # a broadcast: concatenate reads it without a transient buffer of zeros
+    return mx.broadcast_to(mx.zeros((1, 1, 1, 1), x.dtype), (*x.shape[:2], tokens, x.shape[3]))
