@@ -44,10 +44,14 @@ class HotTier:
             if key in self._lru:
                 self._lru.move_to_end(key)
 
-    def put(self, block: Block, *, dirty: bool = False) -> bool:
+    def put(self, block: Block, *, dirty: bool = False, cold: bool = False) -> bool:
         """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
 
-        Returns False when the block alone is larger than the whole budget.
+        Returns False, inserting nothing, when the block alone is larger than
+        the whole budget. A block evicted again by its own insertion (the only
+        leaf of a chain larger than the budget) went through ``on_evict``.
+        ``cold`` inserts at the LRU end: a block whose parent is not hot is the
+        first to go, so a chain larger than the budget keeps its root-most part.
         """
         if block.key in self._lru:
             self._lru.move_to_end(block.key)
@@ -55,12 +59,14 @@ class HotTier:
         if block.nbytes > self.max_bytes:
             return False
         self._lru[block.key] = block
+        if cold:
+            self._lru.move_to_end(block.key, last=False)
         self._children[block.parent] = self._children.get(block.parent, 0) + 1
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
         self.evict_to(self.max_bytes)
-        return block.key in self._lru
+        return True
 
     def evict_to(self, max_bytes: int) -> int:
         """Evict LRU leaves until at most ``max_bytes`` are held; returns how many."""

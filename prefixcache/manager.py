@@ -358,16 +358,22 @@ class PrefixCache:
     def _keep(self, blocks: list[Block]) -> None:
         write_through = self.ssd is not None and self.config.write_policy == "write_through"
         dirty = self.ssd is not None and not write_through
+        warm = []
         for block in blocks:
             self._stats.stored_blocks += 1
             self._stats.stored_bytes += block.nbytes
             self._forget_evicted(block.key)
             if write_through:
                 self._spill(block)
-            if not self.hot.put(block, dirty=dirty) and dirty:
+            cold = block.parent != block.root and block.parent not in self.hot
+            if cold and self.ssd is None:  # its parent is gone: no fetch can reach it
+                self._on_hot_evict(block, False)
+                continue
+            if not self.hot.put(block, dirty=dirty, cold=cold) and dirty:
                 self._spill(block)  # larger than the whole hot budget
-        if blocks:
-            self.hot.touch([b.key for b in blocks])
+            if not cold:
+                warm.append(block.key)
+        self.hot.touch(warm)  # ancestors end up more recent than descendants
 
     def _replace(self, blocks: list[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""

@@ -97,3 +97,17 @@ class HotModel(RuleBasedStateMachine):
 
 TestHotModel = HotModel.TestCase
 TestHotModel.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_chain_larger_than_the_budget_evicts_each_block_once():
+    evicted = []
+    hot = HotTier(max_bytes=2 * 64, on_evict=lambda b, dirty: evicted.append(b.index))
+    parent = ROOT
+    for i in range(5):
+        b = block(f"c{i}", parent=parent, index=i)
+        # accepted, even when evicted at once; the manager marks a block cold
+        # when its parent is not hot
+        assert hot.put(b, dirty=True, cold=parent != ROOT and parent not in hot)
+        parent = b.key
+    assert sorted(evicted) == [2, 3, 4] and len(evicted) == 3
+    assert {b.index for b in hot} == {0, 1}  # the root-most blocks stay

@@ -235,3 +235,12 @@ def test_quantized_cache_must_match_kv_bits():
             pc.store(tokens, [c.to_quantized(group_size=32, bits=4) for c in filled(model, tokens)])
             == 2
         )
+
+
+def test_a_prompt_longer_than_the_hot_budget_keeps_its_first_blocks(llama):
+    tokens = prompt(16, 6 * BLOCK)
+    with hot_pc(llama, hot_max_bytes=2 * 8192) as pc:
+        pc.store(tokens, filled(llama, tokens))
+        st = pc.stats()
+        assert st["hot"]["num_blocks"] == 2 and st["num_discarded"] == 4
+        assert pc.match(tokens) == 2 * BLOCK  # the kept blocks are reachable
