@@ -280,7 +280,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Every other option is mlx_lm.server's and is passed to it unchanged (--host, "
         "--port, --max-tokens, --prompt-cache-bytes, --kv-bits, ...: see `mlx_lm.server "
-        "--help`). SIGINT/SIGTERM flush the hot tier to SSD before exiting."
+        "--help`). --prompt-cache-bytes trims the hot tier as it trims mlx-lm's cache; "
+        "--prompt-cache-size has no effect (blocks are shared, not counted per sequence). "
+        "SIGINT/SIGTERM flush the hot tier to SSD before exiting."
     )
     parser.add_argument("--model", required=True, help="model path or repo (mlx_lm.server's)")
     group = parser.add_argument_group("prefix cache (defaults from PREFIXCACHE_* variables)")
