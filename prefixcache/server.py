@@ -61,8 +61,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 class ModelPair(nn.Module):
-    """A model and its draft model as one cache list (model layers first), as mlx-lm's
-    server builds it for speculative decoding."""
+    """A model and its draft as one cache list, model layers first (mlx-lm's speculative)."""
 
     def __init__(self, model: nn.Module, draft: nn.Module):
         super().__init__()
@@ -116,11 +115,12 @@ class TieredPromptCache:
     ) -> tuple[list[Any] | None, list[int]]:
         """(cache holding the longest cached prefix or None, tokens still to prefill)."""
         tokens = list(tokens)
+        text = _text_prefix(tokens)
         with self._lock:
             cache = self._open(model_key)
-            if cache is None or not tokens:
+            if cache is None or not text:
                 return None, tokens
-            restored, num_cached = cache.fetch(tokens)
+            restored, num_cached = cache.fetch(text)
         if num_cached == 0:
             return None, tokens
         return restored, tokens[num_cached:]
@@ -141,10 +141,11 @@ class TieredPromptCache:
         """
         with self._lock:
             cache = self._open(model_key)
-            if cache is None or not tokens:
+            text = _text_prefix(tokens)
+            if cache is None or not text:
                 return
             try:
-                cache.store(_held(tokens, prompt_cache), prompt_cache)
+                cache.store(_held(text, prompt_cache), prompt_cache)
             except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
                 # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
                 self.num_rejected += 1
@@ -193,12 +194,6 @@ class TieredPromptCache:
             out = self._cache.stats() if self._cache is not None else {}
             return {**out, "model_key": self._key, "num_rejected": self.num_rejected}
 
-    def flush(self) -> None:
-        """Persist the hot tier's dirty blocks to SSD (no-op when hot-only)."""
-        with self._lock:
-            if self._cache is not None:
-                self._cache.flush()
-
     def close(self) -> None:
         """Flush and close the open PrefixCache; logs its counters."""
         with self._lock:
@@ -241,6 +236,12 @@ _SUMMARY = (
     "num_fetches", "num_hits", "prompt_tokens", "cached_tokens", "hot_block_hits",
     "ssd_block_hits", "stored_blocks", "num_spills",
 )  # fmt: skip
+
+
+def _text_prefix(tokens: Sequence[int]) -> Sequence[int]:
+    """The tokens before the first image: mlx-lm keys image patches by negative ids."""
+    first = next((i for i, t in enumerate(tokens) if t < 0), None)
+    return tokens if first is None else tokens[:first]
 
 
 def _held(tokens: Sequence[int], prompt_cache: list[Any]) -> Sequence[int]:

@@ -211,6 +211,19 @@ def test_bad_insert_is_refused_without_raising(llama, caplog):
     assert len([r for r in caplog.records if "not stored" in r.message]) == 1
 
 
+def test_image_prompts_cache_the_text_before_the_first_image(llama):
+    # mlx-lm's vision cache key: image patch tokens replaced by a negative id per image
+    text, image = prompt(4, 40), [-(1 << 59)] * 8
+    with TieredPromptCache(lambda key: llama, HOT) as tiered:
+        cache = make_prompt_cache(llama)
+        llama(mx.array([text + [7] * 8]), cache=cache)  # patches embedded as some token
+        tiered.insert_cache(KEY, text + image, cache)
+        restored, rest = tiered.fetch_nearest_cache(KEY, text + image + text)
+        assert rest == text[32:] + image + text and restored[0].offset == 32
+        assert tiered.fetch_nearest_cache(KEY, image + text) == (None, image + text)
+        assert tiered.stats()["num_rejected"] == 0
+
+
 class OddCache(KVCache):
     """A cache class without a codec (the registry is keyed by exact class)."""
 
