@@ -43,8 +43,8 @@ _ITEMSIZE = {name: dtype.size for dtype, name in _DTYPES.items()}
 _MX_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 # Up to this file size one read + one copy beats mx.load's per-array reads
-# (tools/bench_ssd.py: ~1.5-2x at 0.5-8 MiB; mx.load wins from ~16 MiB on).
-SMALL_PAYLOAD = 8 << 20
+# (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
+SMALL_PAYLOAD = 2 << 20
 
 
 class PayloadError(ValueError):

@@ -268,7 +268,8 @@ class SsdIndex:
         self._clear_writes(txn, [(k, v) for k, v in records if not _alive(_WRITING.unpack(v)[0])])
         reserved = sum(_WRITING.unpack(v)[2] for _, v in txn.cursor(db=self._db["writing"]))
         for key, nbytes, footprint in wanted:
-            if txn.get(key, db=self._db["blocks"]) or txn.get(key, db=self._db["writing"]):
+            busy = txn.get(key, db=self._db["writing"]) is not None
+            if busy or txn.get(key, db=self._db["blocks"]) is not None:
                 res.num_existing += 1
                 continue
             budget = max_bytes - reserved - nbytes

@@ -149,13 +149,29 @@ def test_both_payload_readers_are_exact_and_reject_corruption(tmp_path, reader):
 
 def test_large_blocks_round_trip_through_mx_load(open_tier):
     tier = open_tier()
-    big = make_block(51, 0, scale=3400)  # > SMALL_PAYLOAD: read with mx.load
+    big = make_block(51, 0, scale=900)  # > SMALL_PAYLOAD: read with mx.load
     assert big.nbytes > SMALL_PAYLOAD
     tier.put(big)
     tier.flush()
-    check_block(tier.load(big.key), scale=3400)
+    check_block(tier.load(big.key), scale=900)
     _corrupt_file(payload_path(os.path.join(tier.path, "blocks"), big.key), "flip_data")
     assert tier.load(big.key) is None and tier.stats()["num_corrupt"] == 1
+
+
+def test_load_many_streams_a_chain_in_order(open_tier):
+    tier = open_tier()
+    blocks = [make_block(52, i) for i in range(6)]
+    for b in blocks[:5]:
+        tier.put(b)
+    tier.flush()
+    tier.put(blocks[5])  # may still be pending: served from the queue
+    keys = [b.key for b in blocks] + [block_key(52, 99)]
+    got = list(tier.load_many(keys, ahead=2))
+    for block, loaded in zip(blocks, got[:6], strict=True):
+        assert loaded.key == block.key
+        check_block(loaded)
+    assert got[6] is None
+    tier.prefetch([block_key(52, 98)])  # unknown keys are fine
 
 
 def test_put_is_idempotent(open_tier):
@@ -319,6 +335,7 @@ def test_corrupt_index_entry_is_quarantined(open_tier, tmp_path, how):
     for b in blocks[:2]:
         check_block(tier.load(b.key))
     tier.put(make_block(5, 3, parent=blocks[1].key))  # the index still works
+    tier.flush()
     tier.evict_to(0)
     assert tier.stats()["num_blocks"] == 0 and disk_bytes(tmp_path / "ssd") == 0
 
@@ -473,6 +490,24 @@ def test_writer_failure_is_counted_and_reraised_on_close(tmp_path, caplog):
     with pytest.raises(OSError):
         tier.close()
     tier.close()  # once
+
+
+def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path):
+    hold = threading.Event()
+    tier = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20, writer_hold=hold)
+    good, bad = make_block(9, 1), make_block(9, 0)
+    assert good.key.hex()[:2] != bad.key.hex()[:2]
+    with open(os.path.join(tmp_path, "ssd", "blocks", bad.key.hex()[:2]), "wb"):
+        pass  # the bad block's fan-out directory cannot be created
+    tier.put(good)
+    tier.put(bad)  # one batch: good, then bad
+    hold.set()
+    tier.flush()
+    check_block(tier.load(good.key))
+    assert tier.load(bad.key) is None and tier.stats()["num_write_failures"] == 1
+    assert tier.reconcile() == (0, 0)  # nothing orphaned
+    with pytest.raises(OSError):
+        tier.close()
 
 
 # -- disk full ------------------------------------------------------------
