@@ -45,6 +45,7 @@ _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start,
 # Up to this file size one read + one copy beats mx.load's per-array reads
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
 SMALL_PAYLOAD = 2 << 20
+_HASH_CHUNK = 1 << 20  # xxhash holds the GIL: hash in slices so callers are not stalled
 
 
 class PayloadError(ValueError):
@@ -120,7 +121,8 @@ def write_payload(final: str, header: bytes, tensors: list[Tensor]) -> tuple[int
         try:
             _write_all(fd, memoryview(header))
             for t in tensors:
-                hasher.update(t.data)
+                for start in range(0, t.data.nbytes, _HASH_CHUNK):
+                    hasher.update(t.data[start : start + _HASH_CHUNK])  # holds the GIL
                 _write_all(fd, t.data)
             os.fsync(fd)
         finally:
