@@ -10,7 +10,9 @@ at each segment end and at the end of generation, and
 ``--prompt-cache-bytes`` does). Real prefill and greedy decoding on a small
 random-weight llama, in process. Systems, at each RAM budget (``--budget``):
 
-  mlx-lm LRU     LRUPromptCache (RAM only, whole sequences)
+  mlx-lm LRU     LRUPromptCache (RAM only, whole sequences) as the server makes it:
+                 the budget is applied by trim_to only, so inserts overshoot it
+  LRU strict     LRUPromptCache(max_bytes=budget): enforced at every insert too
   ours hot-only  TieredPromptCache(hot_cache_only=True)
   ours + SSD     TieredPromptCache with an SSD tier (write_back; closed and
                  reopened at the restart, as ``prefixcache serve`` does on SIGTERM)
@@ -223,6 +225,7 @@ def main() -> None:
             ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
             systems_run = [
                 ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
+                ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
                 ("ours hot-only", lambda hot=hot: TieredPromptCache(lambda key: model, hot)),
                 ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
             ]
