@@ -10,7 +10,7 @@ into the tiers, so no boundary snapshot is held anywhere else.
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
-union of both payloads (see ``PrefixCache._replace``).
+union of both payloads (see ``Tiers.replace``).
 """
 
 from __future__ import annotations
@@ -166,8 +166,8 @@ def store_blocks(
         stored=lambda k: k in pc.hot or (ssd is not None and ssd.contains(k)),
         resident=pc.hot.get,
     )
-    pc._keep(cut.new)
-    pc._replace(cut.upgraded)
+    pc.tiers.keep(cut.new)
+    pc.tiers.replace(cut.upgraded)
     return len(cut.new)
 
 

@@ -3,28 +3,28 @@
 from __future__ import annotations
 
 import functools
-import logging
 import threading
-from collections import deque
 from collections.abc import Container, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import Block
 from .capture import prefill, store_blocks
-from .codecs import Codec, LayoutMismatchError, codec_for, round_up
+from .codecs import codec_for, round_up
 from .config import CacheConfig
 from .hashing import Namespace, chain_keys, token_bytes
 from .hot import HotTier
+from .layout import ModelLayout
 from .model_id import model_fingerprint
 from .restore import Shortfall, Walk, plan, rebuild, walk
 from .stats import MissReason, Stats
+from .tiers import Tiers
 
-log = logging.getLogger(__name__)
-_EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
+if TYPE_CHECKING:
+    from .ssd import SsdTier
 
 
 class PrefixCache:
@@ -44,19 +44,21 @@ class PrefixCache:
         self.config = config if config is not None else CacheConfig.from_env()
         self._lock = threading.RLock()
         self._stats = Stats()
-        probe = _probe_cache(model)
-        self._template = make_prompt_cache(model)  # read-only: classes and settings
-        self.codecs: list[Codec] = [codec_for(c) for c in probe]
-        self.layout = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
-        cfg = self.config
-        kv_quant = (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
-        self.namespace = Namespace(model_id or model_fingerprint(model), self.layout, kv_quant)
+        self.layout = ModelLayout(model, self.config)
+        self.namespace = Namespace(
+            model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
+        )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
-        self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
-        self._evicted_set: set[bytes] = set()
-        self.hot = HotTier(cfg.hot_max_bytes, on_evict=self._on_hot_evict)
-        self.ssd = _build_ssd(cfg)
+        self.tiers = Tiers(self.config, self._stats)
         self._closed = False
+
+    @property
+    def hot(self) -> HotTier:
+        return self.tiers.hot
+
+    @property
+    def ssd(self) -> SsdTier | None:
+        return self.tiers.ssd
 
     # -- public API -------------------------------------------------------
 
@@ -105,7 +107,7 @@ class PrefixCache:
         data = token_bytes(tokens)
         with self._lock:
             self._check_open()
-            self._validate(cache, len(data) // 4)
+            self.layout.validate(cache, len(data) // 4)
             num_new = store_blocks(self, data, cache, self._root(extra))
             self._stats.num_stores += 1
             return num_new
@@ -144,25 +146,12 @@ class PrefixCache:
 
     def stats(self) -> dict[str, object]:
         with self._lock:
-            out = self._stats.as_dict()
-            out["hot"] = {
-                "num_blocks": len(self.hot),
-                "nbytes": self.hot.nbytes,
-                "max_bytes": self.hot.max_bytes,
-                "num_evictions": self.hot.num_evictions,
-            }
-            if self.ssd is not None:
-                out["ssd"] = self.ssd.stats()
-            return out
+            return self._stats.as_dict() | self.tiers.snapshot()
 
     def flush(self) -> None:
         """Persist every dirty hot block to the SSD tier and wait for the writer."""
         with self._lock:
-            if self.ssd is None:
-                return
-            for block in self.hot.take_dirty():
-                self._spill(block)
-            self.ssd.flush()
+            self.tiers.flush()
 
     def trim_hot(self, max_bytes: int) -> int:
         """Evict LRU hot blocks (leaves first) until at most ``max_bytes`` are held.
@@ -177,12 +166,8 @@ class PrefixCache:
         with self._lock:
             if self._closed:
                 return
-            try:
-                self.flush()
-            finally:
-                self._closed = True
-                if self.ssd is not None:
-                    self.ssd.close()
+            self._closed = True
+            self.tiers.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -204,28 +189,16 @@ class PrefixCache:
             self._roots[items] = root
         return root
 
-    def _lookup(self, key: bytes):
-        block = self.hot.get(key)
-        if block is not None:
-            return block
-        return self.ssd.get_meta(key) if self.ssd is not None else None
-
-    def _missing_reason(self, key: bytes) -> MissReason:
-        return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
-
     def _walk(self, keys: list[bytes], root: bytes, data: bytes) -> Walk:
         bs = self.config.block_size
-        return walk(keys, root, data, bs, self._lookup, self._missing_reason)
+        return walk(keys, root, data, bs, self.tiers.lookup, self.tiers.missing_reason)
 
     def _usable(self, depth: int, num_tokens: int) -> tuple[int, int]:
         """(blocks to restore, tokens cached): at least one token is left to prefill."""
         bs = self.config.block_size
         if depth * bs < num_tokens:
             return depth, depth * bs
-        if all(
-            codec.trimmable_at(c, num_tokens - 1)
-            for codec, c in zip(self.codecs, self._template, strict=True)
-        ):
+        if self.layout.trimmable_at(num_tokens - 1):
             return depth, num_tokens - 1
         return depth - 1, (depth - 1) * bs
 
@@ -241,20 +214,10 @@ class PrefixCache:
         return plan(
             depth,
             usable=lambda d: self._usable(d, num_tokens),
-            fresh=self._fresh,
+            fresh=self.layout.fresh,
             payload=names,
             block_size=self.config.block_size,
         )
-
-    def _fresh(self, num_tokens: int) -> list[Any]:
-        """Empty caches for the model, quantized where mlx-lm would have quantized."""
-        cfg = self.config
-        fresh = make_prompt_cache(self.model)
-        if cfg.kv_bits is not None and num_tokens >= cfg.quantized_kv_start:
-            for i, c in enumerate(fresh):
-                if type(c) is KVCache:
-                    fresh[i] = QuantizedKVCache(group_size=cfg.kv_group_size, bits=cfg.kv_bits)
-        return fresh
 
     def _restore(
         self, keys: list[bytes], depth: int, num_tokens: int
@@ -266,9 +229,9 @@ class PrefixCache:
             reason = reason or why
             if num_blocks <= 0:
                 break
-            fresh = self._fresh(num_cached)
+            fresh = self.layout.fresh(num_cached)
             capacity = round_up(num_tokens + self.config.restore_headroom)
-            loaded: dict[int, Block] = {}
+            loaded: list[Block] = []
             try:
                 cache = rebuild(
                     fresh,
@@ -282,36 +245,20 @@ class PrefixCache:
             except Shortfall as short:
                 depth, reason = short.index, reason or short.reason
                 continue
-            self._after_hit(keys[:num_blocks], loaded)
+            self.tiers.after_hit(keys[:num_blocks], loaded)
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
 
     def _load(
-        self, keys: list[bytes], loaded: dict[int, Block], index: int
+        self, keys: list[bytes], loaded: list[Block], index: int
     ) -> tuple[dict[str, mx.array], bool]:
-        key = keys[index]
-        block = self.hot.get(key)
-        if block is not None:
-            self._stats.hot_block_hits += 1
-            return block.arrays, True
-        block = self.ssd.load(key) if self.ssd is not None else None
+        block, hot = self.tiers.load(keys[index])
         if block is None:
-            raise Shortfall(
-                index, MissReason.CORRUPT if self.ssd is not None else MissReason.EVICTED
-            )
-        self._stats.ssd_block_hits += 1
-        loaded[index] = block
-        return block.arrays, False
-
-    def _after_hit(self, chain: list[bytes], loaded: dict[int, Block]) -> None:
-        if self.config.promote:
-            for index in sorted(loaded):
-                block = loaded[index]
-                if self.hot.nbytes + block.nbytes <= self.hot.max_bytes and self.hot.put(block):
-                    self._stats.num_promotions += 1
-        self.hot.touch(chain)
-        if self.ssd is not None:
-            self.ssd.touch([k for k in chain if k not in self.hot])
+            reason = MissReason.CORRUPT if self.ssd is not None else MissReason.EVICTED
+            raise Shortfall(index, reason)
+        if not hot:
+            loaded.append(block)
+        return block.arrays, hot
 
     def _record(
         self, num_cached: int, found: Walk, reason: MissReason | None, num_tokens: int
@@ -328,112 +275,9 @@ class PrefixCache:
         if reason is not None:
             stats.miss(reason)
 
-    def _validate(self, cache: Sequence[Any], num_tokens: int) -> None:
-        if len(cache) != len(self.layout):
-            raise LayoutMismatchError(
-                f"cache has {len(cache)} layers, the model has {len(self.layout)}"
-            )
-        cfg = self.config
-        for i, (layer, expected) in enumerate(zip(cache, self.layout, strict=True)):
-            codec = codec_for(layer)
-            length = codec.length(layer)
-            if length is not None and length != num_tokens:
-                raise ValueError(
-                    f"cache layer {i} holds {length} tokens but {num_tokens} tokens were given"
-                )
-            if num_tokens == 0:
-                continue
-            if isinstance(layer, QuantizedKVCache) and (layer.bits, layer.group_size) != (
-                cfg.kv_bits,
-                cfg.kv_group_size,
-            ):
-                raise LayoutMismatchError(
-                    f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
-                    f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
-                )
-            got = codec.layout(layer)
-            if got != expected:
-                raise LayoutMismatchError(f"layer {i} layout {got} != this model's {expected}")
-
-    def _keep(self, blocks: list[Block]) -> None:
-        write_through = self.ssd is not None and self.config.write_policy == "write_through"
-        dirty = self.ssd is not None and not write_through
-        warm = []
-        for block in blocks:
-            self._stats.stored_blocks += 1
-            self._stats.stored_bytes += block.nbytes
-            self._forget_evicted(block.key)
-            if write_through:
-                self._spill(block)
-            cold = block.parent != block.root and block.parent not in self.hot
-            if cold and self.ssd is None:  # its parent is gone: no fetch can reach it
-                self._on_hot_evict(block, False)
-                continue
-            if not self.hot.put(block, dirty=dirty, cold=cold) and dirty:
-                self._spill(block)  # larger than the whole hot budget
-            if not cold:
-                warm.append(block.key)
-        self.hot.touch(warm)  # ancestors end up more recent than descendants
-
-    def _replace(self, blocks: list[Block]) -> None:
-        """Swap stored blocks for fuller versions a later capture cut."""
-        on_ssd = [b.key for b in blocks if self.ssd is not None and self.ssd.contains(b.key)]
-        if on_ssd:  # those copies lack the new payloads; a queued one must land first
-            self.ssd.flush()
-            self.ssd.remove(on_ssd)
-        for block in blocks:
-            self.hot.pop(block.key)
-        num_stored, nbytes = self._stats.stored_blocks, self._stats.stored_bytes
-        self._keep(blocks)
-        self._stats.stored_blocks, self._stats.stored_bytes = num_stored, nbytes
-        self._stats.upgraded_blocks += len(blocks)
-
-    def _spill(self, block: Block) -> None:
-        if self.ssd.put(block):
-            self._stats.num_spills += 1
-
-    def _on_hot_evict(self, block: Block, dirty: bool) -> None:
-        if dirty and self.ssd is not None:
-            self._spill(block)
-        elif self.ssd is None:
-            self._stats.num_discarded += 1
-            self._remember_evicted(block.key)
-
-    def _remember_evicted(self, key: bytes) -> None:
-        if len(self._evicted) == self._evicted.maxlen:
-            self._evicted_set.discard(self._evicted[0])
-        self._evicted.append(key)
-        self._evicted_set.add(key)
-
-    def _forget_evicted(self, key: bytes) -> None:
-        self._evicted_set.discard(key)
-
 
 def _nonempty(tokens: Sequence[int]) -> bytes:
     data = token_bytes(tokens)
     if not data:
         raise ValueError("tokens is empty: a prompt needs at least one token")
     return data
-
-
-def _probe_cache(model: nn.Module) -> list[Any]:
-    """A cache holding one token, to read the layout (classes, dtypes, shapes)."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return cache
-
-
-def _build_ssd(config: CacheConfig):
-    """The SSD tier, or None: the only place ``hot_cache_only`` is read."""
-    if config.hot_cache_only:
-        return None
-    from .ssd import SsdTier
-
-    return SsdTier(
-        config.ssd_path,
-        max_bytes=config.ssd_max_bytes,
-        min_free_bytes=config.ssd_min_free_bytes,
-        queue_bytes=config.write_queue_bytes,
-        queue_full=config.queue_full,
-    )

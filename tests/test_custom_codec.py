@@ -182,7 +182,7 @@ def test_third_party_cache_is_stored_restored_quantized_and_exact(registered, ti
     shared = prompt(1, 56)
     a, b, wrong = shared + prompt(2, 20), shared + prompt(3, 21), prompt(4, 70)
     with PrefixCache(model, CacheConfig(block_size=BLOCK, **settings), model_id="tq") as pc:
-        assert pc.layout[0][0] == "TurboQuantCache"
+        assert pc.layout.signature[0][0] == "TurboQuantCache"
         pc.prefill(a, prefill_step_size=BLOCK)
         pc.prefill(wrong, prefill_step_size=BLOCK)
         pc.flush()

@@ -1,0 +1,96 @@
+"""ModelLayout: a model's cache layout, read once, to validate and rebuild caches.
+
+The layout (cache class per layer with its dtype, heads, dims, window...) is
+read from a one-token probe cache, so it names what the model really makes.
+It is part of the namespace: blocks of another layout are never served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from .codecs import Codec, LayoutMismatchError, codec_for
+from .config import CacheConfig
+
+
+class ModelLayout:
+    """Per-layer codecs and signatures of one model under one config.
+
+    Raises:
+        UnsupportedCacheError: a layer's cache type has no codec.
+    """
+
+    def __init__(self, model: nn.Module, config: CacheConfig):
+        self.model = model
+        self.config = config
+        probe = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=probe)
+        mx.eval([c.state for c in probe])
+        self.codecs: list[Codec] = [codec_for(c) for c in probe]
+        self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
+        self.template = make_prompt_cache(model)  # read-only: classes and settings
+        cfg = config
+        self.kv_quant = (
+            (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
+        )
+
+    def __len__(self) -> int:
+        return len(self.signature)
+
+    def fresh(self, num_tokens: int) -> list[Any]:
+        """Empty caches for the model, quantized where mlx-lm would have quantized."""
+        cfg = self.config
+        fresh = make_prompt_cache(self.model)
+        if cfg.kv_bits is not None and num_tokens >= cfg.quantized_kv_start:
+            for i, c in enumerate(fresh):
+                if type(c) is KVCache:
+                    fresh[i] = QuantizedKVCache(group_size=cfg.kv_group_size, bits=cfg.kv_bits)
+        return fresh
+
+    def trimmable_at(self, num_tokens: int) -> bool:
+        """Whether a rebuilt cache holding ``num_tokens`` can be trimmed by one token."""
+        return all(
+            codec.trimmable_at(c, num_tokens)
+            for codec, c in zip(self.codecs, self.template, strict=True)
+        )
+
+    def validate(self, cache: Sequence[Any], num_tokens: int) -> None:
+        """Refuse a cache that does not fit this layout or does not hold ``num_tokens``.
+
+        Raises:
+            UnsupportedCacheError: a layer's cache type has no codec.
+            LayoutMismatchError: layers, classes, dtypes, shapes or quantization differ.
+            ValueError: a layer holds another number of tokens.
+        """
+        if len(cache) != len(self.signature):
+            raise LayoutMismatchError(
+                f"cache has {len(cache)} layers, the model has {len(self.signature)}"
+            )
+        for i, (layer, expected) in enumerate(zip(cache, self.signature, strict=True)):
+            codec = codec_for(layer)
+            length = codec.length(layer)
+            if length is not None and length != num_tokens:
+                raise ValueError(
+                    f"cache layer {i} holds {length} tokens but {num_tokens} tokens were given"
+                )
+            if num_tokens == 0:
+                continue
+            self._check_quantized(i, layer)
+            got = codec.layout(layer)
+            if got != expected:
+                raise LayoutMismatchError(f"layer {i} layout {got} != this model's {expected}")
+
+    def _check_quantized(self, i: int, layer: Any) -> None:
+        cfg = self.config
+        if not isinstance(layer, QuantizedKVCache):
+            return
+        if (layer.bits, layer.group_size) != (cfg.kv_bits, cfg.kv_group_size):
+            raise LayoutMismatchError(
+                f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
+                f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
+            )
