@@ -42,6 +42,16 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.signature)
 
+    @property
+    def needs_capture(self) -> bool:
+        """Whether some layer's payload exists only while prefilling.
+
+        Sliding windows, recurrent state and chunked attention lose what
+        earlier blocks need once the prefill moves on; their codecs check
+        payload coverage, plain KV codecs do not.
+        """
+        return any(type(codec).covers is not Codec.covers for codec in self.codecs)
+
     def fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""
         cfg = self.config

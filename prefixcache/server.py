@@ -120,7 +120,10 @@ class TieredPromptCache:
             cache = self._open(model_key)
             if cache is None or not text:
                 return None, tokens
-            restored, num_cached = cache.fetch(text)
+            if cache.layout.needs_capture:
+                restored, num_cached = _fetch_extended(cache, text)
+            else:
+                restored, num_cached = cache.fetch(text)
         if num_cached == 0:
             return None, tokens
         return restored, tokens[num_cached:]
@@ -230,6 +233,21 @@ class TieredPromptCache:
             cache.close()
         summary = " ".join(f"{k}={stats[k]}" for k in _SUMMARY)
         log.info("prefixcache: closed cache for %s: %s", self._key, summary)
+
+
+def _fetch_extended(cache: PrefixCache, text: list[int]) -> tuple[list[Any], int]:
+    """Fetch, then prefill up to the last block boundary here, capturing each block.
+
+    Window and recurrent state exist only while prefilling and mlx-lm's prefill
+    does not hand them out, so for such models the block-aligned part of the
+    prompt is prefilled by ``PrefixCache.prefill``; the server prefills the rest.
+    """
+    bs = cache.config.block_size
+    aligned = (len(text) - 1) // bs * bs
+    if aligned == 0:
+        return cache.fetch(text)
+    restored, _ = cache.prefill(text[:aligned])
+    return restored, aligned
 
 
 _SUMMARY = (
