@@ -19,8 +19,8 @@ demo: setup
 	$(BIN)/prefixcache demo
 
 lint: setup
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check prefixcache tests tools
+	$(BIN)/ruff format --check prefixcache tests tools
 
 test: lint
 	$(BIN)/pytest -q

@@ -13,6 +13,7 @@ synthetically, stores it, and measures in one run:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 
@@ -106,10 +107,10 @@ def run(args, model, num_tokens: int) -> dict[str, float]:
         # The reference copies the same bytes, one layer's K or V at a time, into
         # fresh buffers of the size fetch allocates: a memcpy with the same faults.
         sources = [a for c in cache for a in (c.keys, c.values)]
-        t_copy, _ = timed(lambda: plain_copy(sources), args.repeat)
+        t_copy, _ = timed(functools.partial(plain_copy, sources), args.repeat)
         del cache, sources
         gc.collect()
-        probe = tokens + [1]  # one token to prefill after the hit
+        probe = [*tokens, 1]  # one token to prefill after the hit
         t_fetch, peak_fetch = timed(lambda: [c.state for c in pc.fetch(probe)[0]], args.repeat)
         restored = pc.fetch(probe)[0]
         restored_bytes = sum(c.keys.nbytes + c.values.nbytes for c in restored)
