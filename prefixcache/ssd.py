@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import lmdb
 import mlx.core as mx
 
-from .blocks import Block, BlockMeta, decode_meta
+from .blocks import Block, BlockMeta
 from .payload import (
     PayloadError,
     encode_header,
@@ -35,7 +35,7 @@ from .payload import (
     tensors_of,
     unlink,
     write_payload,
-)  # fmt: skip
+)
 from .ssd_index import SsdFormatError, SsdIndex, decode_or_none
 from .writer import WriteItem, Writer
 
@@ -141,15 +141,17 @@ class SsdTier:
             self._count("num_pending_loads")
             return _fresh(item.block)
         raw = self.index.get(key)
-        if raw is None:
+        meta = decode_or_none(key, raw)
+        if meta is None:
+            if raw is not None:
+                self._quarantine(key, raw, "bad index entry")
             return None
         try:
-            meta = decode_meta(key, raw)
             path = payload_path(self._payloads, key)
             arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
             if nbytes != meta.nbytes:
                 raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
-        except (ValueError, FileNotFoundError) as e:  # PayloadError is a ValueError
+        except (PayloadError, FileNotFoundError) as e:
             self._quarantine(key, raw, str(e) or type(e).__name__)
             return None
         except OSError as e:  # unreadable now (EMFILE, EIO...): a miss, not a verdict
