@@ -23,4 +23,4 @@ lint: setup
 	$(BIN)/ruff format --check prefixcache tests tools
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest
