@@ -20,6 +20,7 @@ from .hot import HotTier
 from .layout import ModelLayout
 from .model_id import model_fingerprint
 from .restore import Shortfall, Walk, plan, rebuild, walk
+from .ssd_records import counter_delta
 from .stats import MissReason, Stats
 from .tiers import Tiers
 
@@ -50,6 +51,12 @@ class PrefixCache:
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
         self.tiers = Tiers(self.config, self._stats)
+        self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
+        if self.ssd is not None:
+            cfg = self.config
+            self.ssd.records.note_limits(
+                max_bytes=cfg.ssd_max_bytes, min_free_bytes=cfg.ssd_min_free_bytes
+            )
         self._closed = False
 
     @property
@@ -152,6 +159,7 @@ class PrefixCache:
         """Persist every dirty hot block to the SSD tier and wait for the writer."""
         with self._lock:
             self.tiers.flush()
+            self._save_counters()
 
     def trim_hot(self, max_bytes: int) -> int:
         """Evict LRU hot blocks (leaves first) until at most ``max_bytes`` are held.
@@ -167,7 +175,11 @@ class PrefixCache:
             if self._closed:
                 return
             self._closed = True
-            self.tiers.close()
+            try:
+                self.tiers.flush()
+                self._save_counters()
+            finally:
+                self.tiers.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -185,9 +197,19 @@ class PrefixCache:
         items = tuple(sorted(extra.items())) if extra else ()
         root = self._roots.get(items)
         if root is None:
-            root = self.namespace.with_extra(extra).root_key()
-            self._roots[items] = root
+            namespace = self.namespace.with_extra(extra)
+            root = self._roots[items] = namespace.root_key()
+            if self.ssd is not None:  # once per root per process: `prefixcache stats` per model
+                self.ssd.records.note_namespace(root, namespace.to_json())
         return root
+
+    def _save_counters(self) -> None:
+        """Add the counters since the last save to the SSD index's record of this model."""
+        if self.ssd is None:
+            return
+        now = self._stats.as_dict()
+        self.ssd.records.add_counters(self._root(None), counter_delta(now, self._saved))
+        self._saved = now
 
     def _walk(self, keys: list[bytes], root: bytes, data: bytes) -> Walk:
         bs = self.config.block_size

@@ -37,6 +37,7 @@ from .payload import (
     write_payload,
 )
 from .ssd_index import SsdFormatError, SsdIndex, decode_or_none
+from .ssd_records import SsdRecords
 from .writer import WriteItem, Writer
 
 __all__ = ["SsdFormatError", "SsdTier"]
@@ -83,6 +84,7 @@ class SsdTier:
         self._payloads = os.path.join(self.path, "blocks")
         os.makedirs(self._payloads, exist_ok=True)
         self.index = SsdIndex(os.path.join(self.path, "index"), self._payloads, map_size=map_size)
+        self.records = SsdRecords(self.index.path)  # namespaces, counters (the CLI)
         self._enabled, self._closed = True, False
         self._lock = threading.Lock()  # counters and touches
         self._write_lock = threading.Lock()  # writer thread vs inline writes
@@ -208,6 +210,7 @@ class SsdTier:
         try:
             self.writer.close()
         finally:
+            self.records.close()
             self.index.close()
 
     def __enter__(self) -> SsdTier:

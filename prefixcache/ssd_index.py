@@ -1,6 +1,6 @@
 """LMDB index of the SSD tier: entries, LRU of leaves, child links, in-flight writes.
 
-Named databases of one environment (one ``lmdb.Environment`` per path per process)::
+Named databases of one environment (one per path per process; + ssd_records.py)::
 
     meta      format name and version, total payload bytes, corrupt-block count
     blocks    key -> encode_meta(BlockMeta)
@@ -32,6 +32,7 @@ import lmdb
 from .blocks import BlockMeta, decode_meta, encode_meta
 from .lmdb_env import SharedEnv
 from .payload import list_files, payload_path, temp_owner, temp_path, unlink
+from .ssd_records import RECORD_DBS
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ FORMAT_VERSION = 1
 _U64 = struct.Struct("<Q")
 _WRITING = struct.Struct("<IQQ")  # pid, native thread id, file bytes
 Wanted = tuple[bytes, int, int]  # key, file bytes, disk footprint
-_DBS = ("meta", "blocks", "lru", "children", "writing")
+_DBS = ("meta", "blocks", "lru", "children", "writing", *RECORD_DBS)
 _DUPSORT = ("children",)
 
 
