@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -50,59 +51,92 @@ class Stats:
         return out
 
 
-# name -> (prometheus type, help); names missing here are exported as gauges.
-_COUNTERS = {
-    "num_fetches": "fetch calls",
-    "num_hits": "fetches that reused at least one block",
-    "num_misses": "fetches that reused nothing",
-    "prompt_tokens": "prompt tokens seen by fetch",
-    "cached_tokens": "prompt tokens served from the cache",
-    "hot_block_hits": "blocks served from the hot tier",
-    "ssd_block_hits": "blocks served from the ssd tier",
-    "num_stores": "store calls",
-    "stored_blocks": "new blocks stored",
-    "stored_bytes": "payload bytes of new blocks stored",
-    "upgraded_blocks": "stored blocks given payloads they lacked by a later capture",
-    "num_spills": "hot blocks written to the ssd tier",
-    "num_promotions": "ssd blocks copied into the hot tier",
-    "num_discarded": "blocks evicted from hot and not kept anywhere",
-}
-
-
-def _metric_name(key: str) -> str:
-    name = key.removeprefix("num_")
-    return f"prefixcache_{name}"
+# stats() key (``tier.key`` for a tier's dict) -> (metric name, type, help). Counters
+# end in ``_total``; sizes are in bytes and say so. Keys missing here are gauges
+# named after the key (``num_`` dropped, ``nbytes`` -> ``bytes``).
+_C, _G = "counter", "gauge"
+_METRICS: dict[str, tuple[str, str, str]] = {
+    "num_fetches": ("fetches_total", _C, "fetch calls"),
+    "num_hits": ("hits_total", _C, "fetches that reused at least one block"),
+    "num_misses": ("misses_total", _C, "fetches that reused nothing"),
+    "prompt_tokens": ("prompt_tokens_total", _C, "prompt tokens seen by fetch"),
+    "cached_tokens": ("cached_tokens_total", _C, "prompt tokens served from the cache"),
+    "hot_block_hits": ("hot_block_hits_total", _C, "blocks served from the hot tier"),
+    "ssd_block_hits": ("ssd_block_hits_total", _C, "blocks served from the ssd tier"),
+    "num_stores": ("stores_total", _C, "store calls"),
+    "stored_blocks": ("stored_blocks_total", _C, "new blocks stored"),
+    "stored_bytes": ("stored_bytes_total", _C, "payload bytes of new blocks stored"),
+    "num_spills": ("spills_total", _C, "hot blocks written to the ssd tier"),
+    "num_promotions": ("promotions_total", _C, "ssd blocks copied into the hot tier"),
+    "upgraded_blocks": ("upgraded_blocks_total", _C, "blocks given payloads a later capture cut"),
+    "num_discarded": ("discarded_blocks_total", _C, "blocks evicted from hot, kept nowhere"),
+    "num_rejected": ("rejected_inserts_total", _C, "server inserts refused (type or layout)"),
+    "hot.num_blocks": ("hot_blocks", _G, "blocks in the hot tier"),
+    "hot.nbytes": ("hot_bytes", _G, "payload bytes in the hot tier"),
+    "hot.max_bytes": ("hot_max_bytes", _G, "byte budget of the hot tier"),
+    "hot.num_evictions": ("hot_evictions_total", _C, "blocks evicted from the hot tier"),
+    "ssd.enabled": ("ssd_enabled", _G, "1 while the ssd tier accepts writes (0: disk full)"),
+    "ssd.num_blocks": ("ssd_blocks", _G, "blocks indexed in the ssd tier"),
+    "ssd.nbytes": ("ssd_bytes", _G, "payload file bytes in the ssd tier"),
+    "ssd.num_corrupt_total": (
+        "ssd_index_corrupt_blocks_total", _C, "corrupt blocks quarantined by any process",
+    ),
+    "ssd.max_bytes": ("ssd_max_bytes", _G, "byte budget of the ssd tier"),
+    "ssd.queue_depth": ("ssd_write_queue_blocks", _G, "blocks waiting for the ssd writer"),
+    "ssd.queue_bytes": ("ssd_write_queue_bytes", _G, "payload bytes waiting for the ssd writer"),
+    "ssd.num_write_failures": ("ssd_write_failures_total", _C, "failed ssd writer batches"),
+    "ssd.num_writes": ("ssd_writes_total", _C, "payload files written"),
+    "ssd.written_bytes": ("ssd_written_bytes_total", _C, "payload file bytes written"),
+    "ssd.num_dropped_writes": ("ssd_dropped_writes_total", _C, "blocks not written (queue, room)"),
+    "ssd.num_inline_writes": ("ssd_inline_writes_total", _C, "writes on the caller's thread"),
+    "ssd.num_existing": ("ssd_existing_writes_total", _C, "writes skipped: already stored"),
+    "ssd.num_no_room": ("ssd_no_room_total", _C, "writes refused by the cap or free disk"),
+    "ssd.num_evictions": ("ssd_evictions_total", _C, "blocks evicted from the ssd tier"),
+    "ssd.num_disk_full": ("ssd_disk_full_total", _C, "disk-full errors of the ssd tier"),
+    "ssd.num_corrupt": ("ssd_corrupt_blocks_total", _C, "corrupt blocks quarantined here"),
+    "ssd.num_loads": ("ssd_loads_total", _C, "payload files read"),
+    "ssd.load_bytes": ("ssd_loaded_bytes_total", _C, "payload bytes read"),
+    "ssd.num_pending_loads": ("ssd_pending_loads_total", _C, "blocks served from the queue"),
+}  # fmt: skip
+_MISSES = "prefixcache_misses_by_reason_total"
 
 
 def prometheus_text(stats: dict[str, object]) -> str:
-    """Render a ``PrefixCache.stats()`` dict in the Prometheus text format."""
+    """Render a ``PrefixCache.stats()`` dict in the Prometheus text format (0.0.4).
+
+    Every metric gets one HELP and one TYPE line; a name seen twice is emitted once.
+    """
     lines: list[str] = []
+    seen: set[str] = set()
     for key, value in stats.items():
-        if key == "miss_reasons":
+        if key == "miss_reasons" and isinstance(value, dict):
             lines += [
-                "# HELP prefixcache_misses_by_reason_total fetch misses by reason",
-                "# TYPE prefixcache_misses_by_reason_total counter",
+                f"# HELP {_MISSES} fetches by why they fell short",
+                f"# TYPE {_MISSES} counter",
             ]
-            lines += [
-                f'prefixcache_misses_by_reason_total{{reason="{r}"}} {n}'
-                for r, n in value.items()  # type: ignore[union-attr]
-            ]
+            lines += [f'{_MISSES}{{reason="{r}"}} {n}' for r, n in value.items()]
         elif isinstance(value, dict):
             for sub, sub_value in value.items():
-                lines += _one(f"{key}_{sub}", sub_value)
+                lines += _one(f"{key}.{sub}", sub_value, seen)
         else:
-            lines += _one(key, value)
+            lines += _one(key, value, seen)
     return "\n".join(lines) + "\n"
 
 
-def _one(key: str, value: object) -> list[str]:
+def _one(key: str, value: object, seen: set[str]) -> list[str]:
     if isinstance(value, bool):
         value = int(value)
     if not isinstance(value, (int, float)):
         return []
-    help_text = _COUNTERS.get(key) or _COUNTERS.get(key.split("_", 1)[-1])
-    if help_text is not None:
-        name = _metric_name(key) + "_total"
-        return [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
-    name = _metric_name(key)
-    return [f"# TYPE {name} gauge", f"{name} {value}"]
+    name, kind, help_text = _METRICS.get(key) or _gauge(key)
+    name = "prefixcache_" + name
+    if name in seen:
+        return []
+    seen.add(name)
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
+def _gauge(key: str) -> tuple[str, str, str]:
+    parts = [p.removeprefix("num_").replace("nbytes", "bytes") for p in key.split(".")]
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(parts)).removesuffix("_total")
+    return name, _G, key

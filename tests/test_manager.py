@@ -195,7 +195,7 @@ def test_stats_and_prometheus(llama):
     assert st["num_hits"] == 1 and st["num_misses"] == 1 and st["cached_tokens"] == 32
     assert "prefixcache_hits_total 1" in text
     assert 'prefixcache_misses_by_reason_total{reason="no_prefix"} 1' in text
-    assert "prefixcache_hot_nbytes" in text
+    assert "prefixcache_hot_bytes " in text
 
 
 def test_closed_cache_refuses(llama):
