@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -56,3 +57,29 @@ def live_logits(model, tokens, split: int, *, step: int = 16, kv: tuple | None =
 
 def max_diff(a: mx.array, b: mx.array) -> float:
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
+def store_fetch_in_threads(pc, users, caches, rounds: int) -> None:
+    """Each thread stores its prompt's cache and fetches it back ``rounds`` times.
+
+    Every restored prefix must equal the live cache's keys; failures in any
+    thread are re-raised here.
+    """
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            for _ in range(rounds):
+                pc.store(users[i], caches[i])
+                cache, n = pc.fetch(users[i])
+                want = np.array(caches[i][0].keys[..., :n, :])
+                assert np.array_equal(np.array(cache[0].keys[..., :n, :]), want)
+        except BaseException as err:  # re-raised in the calling thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(users))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import threading
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import QUANT_LLAMA, live_logits, max_diff, prefill, prompt, tiny_model
+from conftest import (
+    QUANT_LLAMA,
+    live_logits,
+    max_diff,
+    prefill,
+    prompt,
+    store_fetch_in_threads,
+    tiny_model,
+)
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, make_prompt_cache
 
 from prefixcache import (
@@ -158,29 +164,8 @@ def test_threads_fetch_and_store_concurrently(llama):
     system = prompt(11, 2 * BLOCK)
     users = [system + prompt(20 + i, 2 * BLOCK + 3) for i in range(4)]
     caches = [filled(llama, u) for u in users]
-    reference = {
-        i: np.array(c[0].keys[..., : len(u) // BLOCK * BLOCK, :])
-        for i, (u, c) in enumerate(zip(users, caches, strict=True))
-    }
-    errors: list[BaseException] = []
     with hot_pc(llama, hot_max_bytes=10 * 8192) as pc:
-
-        def worker(i: int) -> None:
-            try:
-                for _ in range(15):
-                    pc.store(users[i], caches[i])
-                    cache, n = pc.fetch(users[i])
-                    got = np.array(cache[0].keys[..., :n, :])
-                    assert np.array_equal(got, reference[i][..., :n, :])
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        store_fetch_in_threads(pc, users, caches, rounds=15)
         assert pc.stats()["hot"]["nbytes"] <= 10 * 8192
 
 

@@ -8,9 +8,8 @@ import sys
 import textwrap
 import threading
 
-import numpy as np
 import pytest
-from conftest import live_logits, max_diff, prefill, prompt
+from conftest import live_logits, max_diff, prefill, prompt, store_fetch_in_threads
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
@@ -163,24 +162,7 @@ def test_threads_fetch_and_store_while_the_writer_spills(tmp_path, llama):
     system = prompt(8, 2 * BLOCK)
     users = [system + prompt(30 + i, 2 * BLOCK + 1) for i in range(4)]
     caches = [filled(llama, u) for u in users]
-    errors: list[BaseException] = []
     cfg = config(tmp_path, hot_max_bytes=3 * BLOCK_BYTES)
     with PrefixCache(llama, cfg, model_id="m") as pc:
-
-        def worker(i: int) -> None:
-            try:
-                for _ in range(10):
-                    pc.store(users[i], caches[i])
-                    cache, n = pc.fetch(users[i])
-                    want = np.array(caches[i][0].keys[..., :n, :])
-                    assert np.array_equal(np.array(cache[0].keys[..., :n, :]), want)
-            except BaseException as err:
-                errors.append(err)
-
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        store_fetch_in_threads(pc, users, caches, rounds=10)
         assert pc.stats()["num_spills"] > 0
