@@ -5,20 +5,24 @@ One named database ``records`` of the index's LMDB environment (see ssd_index.py
     namespace/<root key>   the namespace's canonical JSON (``Namespace.to_json()``)
     counters/<root key>    JSON of summed ``Stats`` counters (with ``miss_reasons``)
     limits                 JSON {"max_bytes": ..., "min_free_bytes": ...}
+    process/<pid>          a process that caches here, from its PrefixCache's start to close
 
 A PrefixCache writes the namespace record when it first uses a root key (once
 per root per process) and adds its counters since the last save on ``flush()``
 and ``close()``. Counters are kept per *base* namespace (model id, layout, KV
 quantization; roots with extra keys roll up into it), summed over every process
 that used the directory. ``limits`` is the last writer's cap, for ``prefixcache
-stats``. Failures to write a record (e.g. disk full) are logged once and ignored:
-these records are for operators, never needed to serve a block.
+stats``; ``process/`` records tell the CLI which other processes have the
+directory open (those of dead processes are ignored). Failures to write a
+record (e.g. disk full) are logged once and ignored: these records are for
+operators, never needed to serve a block.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable
 
 import lmdb
@@ -31,6 +35,7 @@ RECORD_DBS = ("records",)
 _NAMESPACE = b"namespace/"
 _COUNTERS = b"counters/"
 _LIMITS = b"limits"
+_PROCESS = b"process/"
 
 Counters = dict[str, object]  # int counters and one nested dict[str, int] ("miss_reasons")
 
@@ -79,10 +84,13 @@ class SsdRecords:
         self._db = self._shared.dbs["records"]
         self._closed = False
         self._warned = False
+        self._registered = False
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._registered:
+                self._write(lambda t: t.delete(_process_key(os.getpid()), db=self._db))
             self._shared.release()
 
     # -- writers (a PrefixCache) -------------------------------------------------
@@ -92,9 +100,15 @@ class SsdRecords:
         self._put_if_changed(_NAMESPACE + root, namespace_json.encode())
 
     def note_limits(self, *, max_bytes: int, min_free_bytes: int) -> None:
-        """Record the tier's cap and free-disk headroom (as the last writer set them)."""
+        """Record the tier's cap and free-disk headroom, and this process until :meth:`close`.
+
+        Called by a PrefixCache (a writer), not by the CLI.
+        """
         doc = {"max_bytes": max_bytes, "min_free_bytes": min_free_bytes}
         self._put_if_changed(_LIMITS, json.dumps(doc, sort_keys=True).encode())
+        if not self._registered:
+            self._registered = True
+            self._write(lambda t: t.put(_process_key(os.getpid()), b"", db=self._db))
 
     def add_counters(self, root: bytes, delta: Counters) -> None:
         """Add ``delta`` to the counters record of ``root`` (one write transaction)."""
@@ -127,6 +141,11 @@ class SsdRecords:
         doc = _loads(raw)
         return {k: v for k, v in doc.items() if isinstance(v, int)} if doc else None
 
+    def other_pids(self) -> list[int]:
+        """Other live processes whose PrefixCache has the directory open."""
+        pids = [int.from_bytes(key, "big") for key in self._prefixed(_PROCESS)]
+        return sorted(pid for pid in pids if pid != os.getpid() and _alive(pid))
+
     # -- internals ---------------------------------------------------------------
 
     def _prefixed(self, prefix: bytes) -> dict[bytes, bytes]:
@@ -154,6 +173,20 @@ class SsdRecords:
             log = logger.debug if self._warned else logger.warning
             self._warned = True
             log("SSD index %s: could not write a record: %s", self._shared.path, e)
+
+
+def _process_key(pid: int) -> bytes:
+    return _PROCESS + pid.to_bytes(4, "big")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _loads(raw: bytes | None) -> dict | None:
