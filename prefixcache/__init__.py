@@ -1,10 +1,28 @@
 """prefixcache: a tiered, block-aware prefix cache for MLX language models."""
 
-from .codecs import Codec, LayoutMismatchError, UnsupportedCacheError, register_codec
-from .config import CacheConfig
-from .manager import PrefixCache
-from .stats import MissReason, prometheus_text
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .codecs import Codec, LayoutMismatchError, UnsupportedCacheError, register_codec
+    from .config import CacheConfig
+    from .manager import PrefixCache
+    from .stats import MissReason, prometheus_text
+
+# Exported names are imported on first use: the inspection CLI (``prefixcache
+# stats``...) then starts without importing mlx-lm (~1 s of transformers).
+_EXPORTS = {
+    "CacheConfig": ".config",
+    "Codec": ".codecs",
+    "LayoutMismatchError": ".codecs",
+    "MissReason": ".stats",
+    "PrefixCache": ".manager",
+    "UnsupportedCacheError": ".codecs",
+    "prometheus_text": ".stats",
+    "register_codec": ".codecs",
+}
 __all__ = [
     "CacheConfig",
     "Codec",
@@ -16,3 +34,12 @@ __all__ = [
     "register_codec",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefixcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
