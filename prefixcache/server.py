@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .codecs import UnsupportedCacheError, codec_for
 from .config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
 from .manager import PrefixCache
+from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +312,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per block")
     group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
+    group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
     parser.allow_abbrev = False  # "--host" must not be taken for a prefix of ours
     parse_known = parser.parse_known_args
 
@@ -357,6 +359,9 @@ def run_serve(args: argparse.Namespace) -> int:
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(sys, "argv", argv),
         _sigterm_interrupts(),
+        serve_metrics(
+            args.metrics_port, lambda: generators[-1].tiered.stats() if generators else {}
+        ),
     ):
         try:
             server.main()
