@@ -1,15 +1,25 @@
-"""The ``prefixcache`` command: demo, make-model (and inspection commands)."""
+"""The ``prefixcache`` command: serve, inspect the SSD tier, demo, make-model.
+
+Inspection: ``stats``, ``ls``, ``show``, ``tree`` (cli_show.py), ``verify``,
+``gc``, ``clear`` (cli_maintain.py); see cli_inspect.py for what they share.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .server import add_serve_args, run_serve
+from . import cli_inspect, cli_maintain, cli_show
+
+_INSPECT = (cli_inspect, cli_show, cli_maintain)
+COMMANDS = {name: fn for module in _INSPECT for name, fn in module.COMMANDS.items()}
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
+def setup_arg_parser(*, serve: bool = True) -> argparse.ArgumentParser:
+    """The parser of every subcommand (``serve=False``: all but serve, no mlx-lm import)."""
+    parser = argparse.ArgumentParser(
+        prog="prefixcache", description="A tiered prefix cache for MLX: serve, inspect, maintain."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="multi-turn demo on a tiny local model")
@@ -22,12 +32,21 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     make.add_argument("path")
     make.add_argument("--arch", default="llama")
     make.add_argument("--seed", type=int, default=0)
-    add_serve_args(sub.add_parser("serve", help="mlx-lm's server with the tiered cache"))
+    if serve:
+        from .server import add_serve_args
+
+        add_serve_args(sub.add_parser("serve", help="mlx-lm's server with the tiered cache"))
+    for module in _INSPECT:
+        module.add_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    inspecting = bool(argv) and argv[0] in COMMANDS  # starts fast: mlx-lm is not imported
+    args = setup_arg_parser(serve=not inspecting).parse_args(argv)
+    if args.command in COMMANDS:
+        return cli_inspect.run_with_tier(args, COMMANDS[args.command])
     if args.command == "demo":
         from .demo import run_demo
 
@@ -39,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if all(r["same"] for r in rows) else 1
     if args.command == "serve":
+        from .server import run_serve
+
         return run_serve(args)
     if args.command == "make-model":
         from .tiny import save_model

@@ -1,0 +1,261 @@
+"""Inspection subcommands of ``prefixcache``: stats and ls, and what every subcommand shares.
+
+``show`` and ``tree`` are in cli_show.py, ``verify``, ``gc`` and ``clear`` in
+cli_maintain.py.
+
+Every command opens an existing SSD tier directory (``--ssd-dir``, else
+``PREFIXCACHE_SSD_DIR``, else CacheConfig's default) and never creates one.
+``--json`` prints one JSON object with stable keys: sizes are bytes (``nbytes``:
+payload file bytes on disk), times are Unix seconds, keys are 32 hex digits.
+Exit status: 0 done, 1 nothing found or problems found, 2 unusable directory
+or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .config import CacheConfig, parse_bytes
+from .inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
+from .report import format_age, format_bytes, parse_duration, table
+from .ssd import SsdFormatError, SsdTier
+from .ssd_index import FORMAT_NAME, FORMAT_VERSION
+from .ssd_records import add_counters
+from .stats import Stats
+
+Doc = dict[str, Any]  # a --json document
+
+
+def add_common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    parser.add_argument(
+        "--ssd-dir",
+        help="SSD tier directory (default: $PREFIXCACHE_SSD_DIR, else ~/.cache/prefixcache)",
+    )
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stats", help="blocks, tokens, bytes and hit counters per model")
+    add_common(p)
+    p = sub.add_parser("ls", help="list blocks (or chains), filtered and sorted")
+    add_common(p)
+    p.add_argument("--model", help="model id (or 4+ hex digits of a namespace root key)")
+    p.add_argument("--chains", action="store_true", help="one row per chain (leaf block)")
+    p.add_argument("--older-than", type=duration, help="last used before, e.g. 7d, 12h")
+    p.add_argument("--newer-than", type=duration, help="last used within, e.g. 30m")
+    p.add_argument("--min-bytes", type=parse_bytes, help="at least this size, e.g. 1M")
+    p.add_argument("--sort", choices=("age", "size", "tokens"), default="age",
+                   help="age: most recently used first; size, tokens: largest first")  # fmt: skip
+    p.add_argument("--reverse", action="store_true", help="reverse the order")
+    p.add_argument("--limit", type=int, help="print at most this many rows")
+
+
+def duration(text: str) -> float:
+    """argparse type of --older-than / --newer-than."""
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def ssd_dir(args: argparse.Namespace) -> str:
+    """--ssd-dir, else PREFIXCACHE_SSD_DIR, else CacheConfig's default."""
+    if args.ssd_dir:
+        return os.path.abspath(os.path.expanduser(args.ssd_dir))
+    env = os.environ.get("PREFIXCACHE_SSD_DIR")
+    return CacheConfig(ssd_dir=env).ssd_path if env else CacheConfig().ssd_path
+
+
+def run_with_tier(args: argparse.Namespace, command: Callable[[SsdTier, Any], int]) -> int:
+    """Open the directory, run ``command``; a missing or foreign directory exits 2."""
+    try:
+        tier = open_tier(ssd_dir(args))
+    except (CacheDirError, SsdFormatError) as err:
+        print(f"prefixcache {args.command}: {err}", file=sys.stderr)
+        return 2
+    try:
+        return command(tier, args)
+    finally:
+        tier.close()
+
+
+def emit(args: argparse.Namespace, doc: Doc, human: Callable[[], str]) -> None:
+    print(json.dumps(doc, indent=2) if args.json else human())
+
+
+# -- stats ----------------------------------------------------------------------
+
+
+def cmd_stats(tier: SsdTier, args: argparse.Namespace) -> int:
+    inv = Inventory.load(tier)
+    counters = tier.records.counters()
+    limits = tier.records.limits() or {}
+    disk = shutil.disk_usage(tier.path)
+    namespaces = [_ns_doc(inv, inv.namespaces[r], counters.get(r)) for r in inv.roots()]
+    namespaces = [ns for ns in namespaces if ns["num_blocks"] or ns["counters"] is not None]
+    models: dict[str | None, Doc] = {}
+    for ns in namespaces:
+        m = models.setdefault(ns["model"], {"model": ns["model"], "num_namespaces": 0,
+                                            "num_blocks": 0, "num_tokens": 0, "nbytes": 0,
+                                            "counters": _counters(None)})  # fmt: skip
+        m["num_namespaces"] += 1
+        for name in ("num_blocks", "num_tokens", "nbytes"):
+            m[name] += ns[name]
+        m["counters"] = add_counters(m["counters"], ns["counters"] or {})
+    totals = tier.index.totals()
+    doc = {
+        "ssd_dir": tier.path,
+        "format": {"name": FORMAT_NAME.decode(), "version": FORMAT_VERSION},
+        "num_blocks": len(inv.entries),
+        "num_tokens": sum(e.num_tokens for e in inv.entries.values()),
+        "nbytes": sum(e.file_bytes for e in inv.entries.values()),
+        "num_bad_entries": len(inv.bad),
+        "num_corrupt_total": totals["num_corrupt_total"],
+        "max_bytes": limits.get("max_bytes"),
+        "min_free_bytes": limits.get("min_free_bytes"),
+        "disk": {"total_bytes": disk.total, "free_bytes": disk.free},
+        "other_pids": tier.records.other_pids(),
+        "models": sorted(models.values(), key=lambda m: m["model"] or ""),
+        "namespaces": namespaces,
+        "counters": functools.reduce(
+            add_counters, [ns["counters"] or {} for ns in namespaces], _counters(None)
+        ),
+    }
+    emit(args, doc, lambda: _stats_text(doc))
+    return 0
+
+
+def _ns_doc(inv: Inventory, ns: NamespaceInfo, counters: dict | None) -> Doc:
+    blocks = inv.blocks([ns.root])
+    return {
+        "root": ns.root.hex(),
+        "model": ns.model,
+        "extra": dict(ns.extra),
+        "kv_quant": list(ns.kv_quant) if ns.kv_quant else None,
+        "num_layers": ns.num_layers,
+        "num_blocks": len(blocks),
+        "num_tokens": sum(e.num_tokens for e in blocks),
+        "nbytes": sum(e.file_bytes for e in blocks),
+        "num_chains": len(inv.leaves([ns.root])),
+        "last_used": max((e.last_used for e in blocks), default=None),
+        "counters": _counters(counters) if counters is not None else None,
+    }
+
+
+def _counters(saved: dict | None) -> Doc:
+    """Every Stats counter (zero if never saved), so the keys are stable."""
+    return add_counters(Stats().as_dict(), saved or {})
+
+
+def _stats_text(doc: Doc) -> str:
+    cap = doc["max_bytes"]
+    used = format_bytes(doc["nbytes"])
+    if cap:
+        used += f" of {format_bytes(cap)} cap ({100 * doc['nbytes'] / cap:.1f}%)"
+    disk = doc["disk"]
+    lines = [
+        f"SSD tier {doc['ssd_dir']} ({doc['format']['name']} v{doc['format']['version']})",
+        f"  {doc['num_blocks']} blocks, {doc['num_tokens']} tokens, {used}",
+        f"  disk: {format_bytes(disk['free_bytes'])} free of {format_bytes(disk['total_bytes'])}",
+    ]
+    if doc["other_pids"]:
+        lines.append(f"  open in: pid {', '.join(map(str, doc['other_pids']))}")
+    if doc["num_bad_entries"] or doc["num_corrupt_total"]:
+        lines.append(f"  unreadable entries: {doc['num_bad_entries']}, "
+                     f"corrupt blocks quarantined so far: {doc['num_corrupt_total']}")  # fmt: skip
+    rows = []
+    for m in doc["models"]:
+        c = m["counters"]
+        rate = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        rows.append([
+            m["model"] or "(unrecorded)", m["num_blocks"], m["num_tokens"],
+            format_bytes(m["nbytes"]), c["num_fetches"], c["num_hits"],
+            f"{c['cached_tokens']}/{c['prompt_tokens']} ({100 * rate:.0f}%)",
+            c["hot_block_hits"], c["ssd_block_hits"],
+        ])  # fmt: skip
+    heads = ("model", "blocks", "tokens", "size", "fetches", "hits", "cached tokens",
+             "hot hits", "ssd hits")  # fmt: skip
+    lines += ["", table(heads, rows, "lrrrrrrrr")] if rows else ["", "(no blocks)"]
+    reasons = {k: v for k, v in doc["counters"]["miss_reasons"].items() if v}
+    if reasons:
+        lines.append("")
+        lines.append("miss reasons: " + ", ".join(f"{k} {v}" for k, v in reasons.items()))
+    return "\n".join(lines)
+
+
+# -- ls -------------------------------------------------------------------------
+
+
+def cmd_ls(tier: SsdTier, args: argparse.Namespace) -> int:
+    inv = Inventory.load(tier)
+    roots = inv.roots(args.model)
+    labels = {r: inv.namespaces[r].label for r in roots}
+    rows = [_chain_row(inv, e) for e in inv.leaves(roots)] if args.chains else [
+        _block_row(inv, e) for e in inv.blocks(roots)
+    ]  # fmt: skip
+    now = time.time()
+    if args.older_than is not None:
+        rows = [r for r in rows if now - r["last_used"] > args.older_than]
+    if args.newer_than is not None:
+        rows = [r for r in rows if now - r["last_used"] <= args.newer_than]
+    if args.min_bytes is not None:
+        rows = [r for r in rows if r["nbytes"] >= args.min_bytes]
+    sort_key = {"age": "last_used", "size": "nbytes", "tokens": "prefix_tokens"}[args.sort]
+    rows.sort(key=lambda r: (r[sort_key], r["key"]), reverse=not args.reverse)
+    doc = {"ssd_dir": tier.path, "kind": "chains" if args.chains else "blocks",
+           "num_matched": len(rows), "rows": rows[: args.limit]}  # fmt: skip
+    emit(args, doc, lambda: _ls_text(doc, labels, now))
+    return 0 if rows else 1
+
+
+def _block_row(inv: Inventory, e: Entry) -> Doc:
+    return {
+        "key": e.key.hex(), "model": inv.namespaces[e.root].model, "root": e.root.hex(),
+        "index": e.index, "num_tokens": e.num_tokens, "prefix_tokens": (e.index + 1) * e.num_tokens,
+        "nbytes": e.file_bytes, "payload_nbytes": e.nbytes, "created": e.created,
+        "last_used": e.last_used, "num_children": len(inv.children.get(e.key, ())),
+        "detached": inv.link_error(e) is not None,
+    }  # fmt: skip
+
+
+def _chain_row(inv: Inventory, leaf: Entry) -> Doc:
+    chain, missing = inv.chain(leaf.key)
+    return {
+        "key": leaf.key.hex(), "model": inv.namespaces[leaf.root].model, "root": leaf.root.hex(),
+        "num_blocks": len(chain), "prefix_tokens": sum(e.num_tokens for e in chain),
+        "nbytes": sum(e.file_bytes for e in chain), "created": leaf.created,
+        "last_used": leaf.last_used, "complete": missing is None,
+    }  # fmt: skip
+
+
+def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
+    rows = doc["rows"]
+    label = {r.hex(): name for r, name in labels.items()}
+    if doc["kind"] == "chains":
+        heads = ("leaf key", "model", "blocks", "tokens", "size", "used", "complete")
+        body = [[r["key"], label[r["root"]], r["num_blocks"], r["prefix_tokens"],
+                 format_bytes(r["nbytes"]), format_age(now - r["last_used"]) + " ago",
+                 "yes" if r["complete"] else "no"] for r in rows]  # fmt: skip
+        align = "llrrrrl"
+    else:
+        heads = ("key", "model", "block", "tokens", "size", "used", "children")
+        body = [[r["key"], label[r["root"]], r["index"],
+                 f"{r['prefix_tokens'] - r['num_tokens']}-{r['prefix_tokens']}",
+                 format_bytes(r["nbytes"]), format_age(now - r["last_used"]) + " ago",
+                 r["num_children"]] for r in rows]  # fmt: skip
+        align = "llrrrrr"
+    more = doc["num_matched"] - len(rows)
+    tail = f"\n... {more} more (--limit)" if more > 0 else ""
+    return (table(heads, body, align) if rows else f"(no {doc['kind']} match)") + tail
+
+
+COMMANDS = {"stats": cmd_stats, "ls": cmd_ls}

@@ -1,0 +1,224 @@
+"""``prefixcache show`` (one block and its chain) and ``prefixcache tree`` (forks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from .blocks import BlockMeta
+from .cli_inspect import Doc, add_common, emit
+from .inventory import Inventory, NamespaceInfo, Segment
+from .payload import payload_path
+from .report import format_age, format_bytes, short, table, tree_lines
+from .ssd import SsdTier
+from .ssd_index import decode_or_none
+
+Decoder = Callable[[list[int]], str]
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="one block: metadata, chain back to the root, tokens")
+    add_common(p)
+    p.add_argument("key", help="block key in hex (a unique prefix is enough)")
+    p.add_argument("--tokenizer", help="tokenizer.json or model directory (offline)")
+    p.add_argument("--full", action="store_true", help="also the whole prefix's token ids")
+    p = sub.add_parser("tree", help="chains of each namespace as a tree: shared prefixes, forks")
+    add_common(p)
+    p.add_argument("--model", help="only this model (or 4+ hex digits of a root key)")
+
+
+def load_decoder(path: str) -> Decoder:
+    """Token ids -> text with a local tokenizer; never downloads.
+
+    ``path`` is a ``tokenizer.json`` (read with ``tokenizers``) or a model
+    directory (its ``tokenizer.json`` if any, else ``transformers.AutoTokenizer``).
+    """
+    path = os.path.expanduser(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if os.path.isfile(file):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(file)
+        return lambda ids: tok.decode(ids, skip_special_tokens=False)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no tokenizer at {path}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return lambda ids: auto.decode(ids)
+
+
+# -- show ---------------------------------------------------------------------
+
+
+def cmd_show(tier: SsdTier, args: argparse.Namespace) -> int:
+    keys = _resolve(tier, args.key)
+    if len(keys) != 1:
+        what = "no block matches" if not keys else "several blocks match"
+        print(f"prefixcache show: {what} {args.key!r} {[k.hex() for k in keys]}", file=sys.stderr)
+        return 1
+    decode = None
+    if args.tokenizer:
+        try:
+            decode = load_decoder(args.tokenizer)
+        except Exception as err:  # tokenizers raises bare Exception; transformers OSError, ...
+            print(f"prefixcache show: cannot load tokenizer: {err}", file=sys.stderr)
+            return 2
+    chain = _chain(tier, keys[0])
+    if not chain:
+        print(f"prefixcache show: block {keys[0].hex()} is gone", file=sys.stderr)
+        return 1
+    ns = NamespaceInfo.parse(chain[-1].root, tier.records.namespaces().get(chain[-1].root))
+    doc = _show_doc(tier, chain, ns, decode, full=args.full)
+    emit(args, doc, lambda: _show_text(doc, ns))
+    return 0
+
+
+def _resolve(tier: SsdTier, text: str) -> list[bytes]:
+    """Keys whose hex starts with ``text`` (at most 3: enough to call it ambiguous)."""
+    prefix = text.strip().lower()
+    try:
+        start = bytes.fromhex(prefix + "0" * (len(prefix) % 2))
+    except ValueError:
+        return []
+    return [k for k, _ in tier.index.scan(start, 3) if k.hex().startswith(prefix)]
+
+
+def _chain(tier: SsdTier, key: bytes) -> list[BlockMeta]:
+    """The block and its stored ancestors, root-first (stops at a missing parent)."""
+    chain: list[BlockMeta] = []
+    meta = decode_or_none(key, tier.index.get(key))
+    limit = meta.index + 1 if meta is not None else 0  # a chain has no loops
+    while meta is not None and len(chain) < limit:
+        chain.append(meta)
+        if meta.parent == meta.root:
+            break
+        meta = decode_or_none(meta.parent, tier.index.get(meta.parent))
+    return chain[::-1]
+
+
+def _ids(meta: BlockMeta) -> list[int]:
+    return np.frombuffer(meta.tokens, dtype="<u4").tolist()
+
+
+def _show_doc(
+    tier: SsdTier, chain: list[BlockMeta], ns: NamespaceInfo, decode: Decoder | None, *, full: bool
+) -> Doc:
+    m = chain[-1]
+    path = payload_path(os.path.join(tier.path, "blocks"), m.key)
+    complete = chain[0].parent == chain[0].root and chain[0].index == 0
+    doc: Doc = {
+        "key": m.key.hex(), "model": ns.model, "root": m.root.hex(),
+        "namespace": json.loads(ns.text) if ns.model is not None else None,
+        "index": m.index, "num_tokens": m.num_tokens, "prefix_tokens": (m.index + 1) * m.num_tokens,
+        "nbytes": m.file_bytes, "payload_nbytes": m.nbytes, "checksum": f"{m.checksum:016x}",
+        "created": m.created, "last_used": m.last_used, "payload_path": path,
+        "payload_exists": os.path.exists(path), "complete": complete,
+        "missing_parent": None if complete else chain[0].parent.hex(),
+        "chain": [{"key": c.key.hex(), "index": c.index, "num_tokens": c.num_tokens,
+                   "nbytes": c.file_bytes} for c in chain],
+        "tokens": _ids(m), "text": decode(_ids(m)) if decode else None,
+    }  # fmt: skip
+    if full:
+        prefix = [t for c in chain for t in _ids(c)]
+        doc["prefix_token_ids"] = prefix
+        doc["prefix_text"] = decode(prefix) if decode else None
+    return doc
+
+
+def _show_text(doc: Doc, ns: NamespaceInfo) -> str:
+    now = time.time()
+    lines = [
+        f"block {doc['key']}",
+        f"  model       {ns.label}  (root {doc['root']})",
+        f"  position    block {doc['index']}, tokens "
+        f"{doc['prefix_tokens'] - doc['num_tokens']}-{doc['prefix_tokens']}",
+        f"  size        {format_bytes(doc['nbytes'])} on disk, "
+        f"{format_bytes(doc['payload_nbytes'])} of arrays",
+        f"  checksum    xxh3-64 {doc['checksum']}",
+        f"  created     {format_age(now - doc['created'])} ago",
+        f"  last used   {format_age(now - doc['last_used'])} ago",
+        f"  payload     {doc['payload_path']}" + ("" if doc["payload_exists"] else "  (MISSING)"),
+        "",
+        f"chain ({len(doc['chain'])} blocks, root first)"
+        + ("" if doc["complete"] else f": parent {doc['missing_parent']} is NOT stored"),
+    ]
+    rows = [
+        [c["index"], c["key"], c["num_tokens"], format_bytes(c["nbytes"])] for c in doc["chain"]
+    ]
+    lines += [
+        "  " + line for line in table(("block", "key", "tokens", "size"), rows, "rlrr").split("\n")
+    ]
+    lines += ["", f"token ids ({doc['num_tokens']}): {' '.join(map(str, doc['tokens']))}"]
+    if doc["text"] is not None:
+        lines.append(f"text: {doc['text']!r}")
+    if "prefix_token_ids" in doc:
+        lines.append(f"prefix token ids: {' '.join(map(str, doc['prefix_token_ids']))}")
+        if doc["prefix_text"] is not None:
+            lines.append(f"prefix text: {doc['prefix_text']!r}")
+    return "\n".join(lines)
+
+
+# -- tree ---------------------------------------------------------------------
+
+
+def cmd_tree(tier: SsdTier, args: argparse.Namespace) -> int:
+    inv = Inventory.load(tier)
+    namespaces = []
+    for root in inv.roots(args.model):
+        top, detached = inv.tree(root)
+        blocks = inv.blocks([root])
+        if not blocks:
+            continue
+        namespaces.append({
+            "root": root.hex(), "model": inv.namespaces[root].model,
+            "label": inv.namespaces[root].label, "num_blocks": len(blocks),
+            "num_tokens": sum(e.num_tokens for e in blocks),
+            "nbytes": sum(e.file_bytes for e in blocks),
+            "num_chains": len(inv.leaves([root])),
+            "num_forks": sum(len(inv.children.get(e.key, ())) > 1 for e in blocks)
+            + (len(top) > 1),
+            "tree": [_node(s) for s in top], "detached": [_node(s) for s in detached],
+        })  # fmt: skip
+    doc = {"ssd_dir": tier.path, "namespaces": namespaces}
+    emit(args, doc, lambda: _tree_text(doc, inv))
+    return 0 if namespaces else 1
+
+
+def _node(seg: Segment) -> Doc:
+    """A segment as JSON (recursive: depth is the number of nested forks)."""
+    return {
+        "first_key": seg.keys[0].hex(), "last_key": seg.keys[-1].hex(),
+        "num_blocks": len(seg.keys), "start_token": seg.start_token,
+        "end_token": seg.end_token, "nbytes": seg.nbytes,
+        "children": [_node(c) for c in seg.children],
+    }  # fmt: skip
+
+
+def _tree_text(doc: Doc, inv: Inventory) -> str:
+    if not doc["namespaces"]:
+        return "(no blocks)"
+    lines: list[str] = []
+    for ns in doc["namespaces"]:
+        root = bytes.fromhex(ns["root"])
+        top, detached = inv.tree(root)
+        lines.append(
+            f"{ns['label']}  root {short(root)}: {ns['num_chains']} chains, "
+            f"{ns['num_blocks']} blocks, {ns['num_tokens']} tokens, {format_bytes(ns['nbytes'])}"
+        )
+        lines += tree_lines(top)
+        if detached:
+            lines.append("  detached (parent not stored):")
+            lines += tree_lines(detached, "  ")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+COMMANDS = {"show": cmd_show, "tree": cmd_tree}

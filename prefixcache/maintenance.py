@@ -1,0 +1,173 @@
+"""Maintenance of an SSD tier directory: verify, garbage-collect, clear.
+
+Each operation reads the index, decides, then removes blocks through the index
+(entries and payload files go together, in short write transactions), so it
+is safe while servers use the directory. A block whose parent is not stored
+is *detached*: no fetch can reach it through the SSD tier. While another
+process has the directory open that is normal under ``write_back`` (the parent
+may still be in its RAM), so detached blocks are only reported then, never
+removed and never counted as errors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .inventory import Entry, Inventory, scan
+from .payload import PayloadError, list_files, payload_path, read_payload
+from .ssd import SsdTier
+
+_REMOVE_CHUNK = 256
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """Outcome of :func:`verify`. ``bad``: key -> reason (payload or entry)."""
+
+    num_blocks: int = 0
+    num_checked: int = 0
+    bad: dict[bytes, str] = field(default_factory=dict)
+    unreadable: dict[bytes, str] = field(default_factory=dict)  # I/O errors: no verdict
+    detached: dict[bytes, str] = field(default_factory=dict)
+    num_unreachable: int = 0  # blocks in detached subtrees, their tops included
+    quarantined: list[bytes] = field(default_factory=list)
+    other_pids: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad or self.unreadable or (self.detached and not self.other_pids))
+
+
+def verify(
+    tier: SsdTier, *, quarantine: bool = False, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
+    """Check every payload's checksum and every chain's links.
+
+    Args:
+        quarantine: drop bad blocks (entry and file), as a load that found them would.
+        progress: called with (blocks checked, total) after each block.
+    """
+    report = VerifyReport(other_pids=tier.records.other_pids())
+    rows = [(key, raw, meta) for key, raw, meta in scan(tier)]
+    report.num_blocks = len(rows)
+    for key, raw, meta in rows:
+        if meta is None:
+            report.bad[key] = "index entry does not decode"
+        else:
+            try:
+                path = payload_path(os.path.join(tier.path, "blocks"), key)
+                _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
+                if nbytes != meta.nbytes:
+                    raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
+            except FileNotFoundError:
+                report.bad[key] = "payload file is missing"
+            except PayloadError as e:
+                report.bad[key] = str(e)
+            except OSError as e:
+                report.unreadable[key] = f"cannot read: {e}"
+        report.num_checked += 1
+        if key in report.bad and quarantine and tier.index.quarantine(key, raw):
+            report.quarantined.append(key)
+        if progress is not None:
+            progress(report.num_checked, report.num_blocks)
+    inv = Inventory.load(tier)
+    report.detached = inv.broken()
+    report.num_unreachable = len(inv.descendants(report.detached))
+    return report
+
+
+@dataclass(slots=True)
+class GcPlan:
+    """What :func:`plan_gc` selected: blocks to remove (leaves first) and why."""
+
+    remove: list[bytes] = field(default_factory=list)
+    num_selected: int = 0  # matched --model / --older-than
+    num_below: int = 0  # descendants of selected blocks (unreachable once they go)
+    num_evicted: int = 0  # LRU leaves evicted for --max-bytes
+    num_detached: int = 0  # detached subtrees (only when no other process is open)
+    nbytes: int = 0
+    num_tokens: int = 0
+
+
+def plan_gc(
+    inv: Inventory,
+    *,
+    model: str | None = None,
+    older_than: float | None = None,
+    max_bytes: int | None = None,
+    drop_detached: bool = True,
+    now: float | None = None,
+) -> GcPlan:
+    """Choose blocks to remove.
+
+    ``model`` scopes everything else (alone, it selects all of the model's
+    blocks); ``older_than`` (seconds) selects blocks not used for that long;
+    descendants of a selected block go too. Then LRU leaves of the scope are
+    evicted until the scope holds at most ``max_bytes`` payload file bytes.
+    """
+    now = time.time() if now is None else now
+    roots = inv.roots(model)
+    scope = inv.blocks(roots)
+    if older_than is not None:
+        chosen = {e.key for e in scope if now - e.last_used > older_than}
+    elif model is not None and max_bytes is None:
+        chosen = {e.key for e in scope}
+    else:
+        chosen = set()
+    plan = GcPlan(num_selected=len(chosen))
+    if drop_detached:
+        detached = inv.descendants(inv.broken(roots)) - chosen
+        plan.num_detached = len(detached)
+        chosen |= detached
+    below = inv.descendants(chosen)
+    plan.num_below = len(below) - len(chosen)
+    if max_bytes is not None:
+        evicted = _evict_lru(inv, [e for e in scope if e.key not in below], max_bytes)
+        plan.num_evicted = len(evicted)
+        below |= evicted
+    gone = sorted((inv.entries[k] for k in below), key=lambda e: (-e.index, e.key))
+    plan.remove = [e.key for e in gone]
+    plan.nbytes = sum(e.file_bytes for e in gone)
+    plan.num_tokens = sum(e.num_tokens for e in gone)
+    return plan
+
+
+def _evict_lru(inv: Inventory, kept: list[Entry], max_bytes: int) -> set[bytes]:
+    """Least recently used leaves of ``kept`` until it holds at most ``max_bytes``."""
+    alive = {e.key: e for e in kept}
+    total = sum(e.file_bytes for e in kept)
+    num_kids = {k: sum(c in alive for c in inv.children.get(k, [])) for k in alive}
+    heap = [(e.last_used, e.key) for e in kept if num_kids[e.key] == 0]
+    heapq.heapify(heap)
+    out: set[bytes] = set()
+    while total > max_bytes and heap:
+        _, key = heapq.heappop(heap)
+        e = alive[key]
+        out.add(key)
+        total -= e.file_bytes
+        if e.parent in num_kids:
+            num_kids[e.parent] -= 1
+            if num_kids[e.parent] == 0:
+                heapq.heappush(heap, (alive[e.parent].last_used, e.parent))
+    return out
+
+
+def remove(tier: SsdTier, keys: list[bytes]) -> int:
+    """Remove blocks in short transactions (leaves first); returns how many were indexed."""
+    return sum(tier.remove(keys[i : i + _REMOVE_CHUNK]) for i in range(0, len(keys), _REMOVE_CHUNK))
+
+
+def stray_files(tier: SsdTier, inv: Inventory) -> tuple[int, int]:
+    """(payload or temp files no entry owns, entries without a payload file), read only.
+
+    Counts files being written right now as stray; ``tier.reconcile()`` does not.
+    """
+    files, temps = list_files(os.path.join(tier.path, "blocks"))
+    indexed = set(inv.entries) | set(inv.bad)
+    orphans = sum(key not in indexed for key in files) + len(temps)
+    dangling = sum(key not in files for key in indexed)
+    return orphans, dangling
