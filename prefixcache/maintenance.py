@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .blocks import BlockMeta
 from .inventory import Entry, Inventory, scan
 from .payload import PayloadError, list_files, payload_path, read_payload
 from .ssd import SsdTier
@@ -52,32 +53,42 @@ def verify(
         progress: called with (blocks checked, total) after each block.
     """
     report = VerifyReport(other_pids=tier.records.other_pids())
-    rows = [(key, raw, meta) for key, raw, meta in scan(tier)]
+    rows = list(scan(tier))
     report.num_blocks = len(rows)
     for key, raw, meta in rows:
-        if meta is None:
-            report.bad[key] = "index entry does not decode"
-        else:
-            try:
-                path = payload_path(os.path.join(tier.path, "blocks"), key)
-                _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
-                if nbytes != meta.nbytes:
-                    raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
-            except FileNotFoundError:
-                report.bad[key] = "payload file is missing"
-            except PayloadError as e:
-                report.bad[key] = str(e)
-            except OSError as e:
-                report.unreadable[key] = f"cannot read: {e}"
+        problem = _check(tier, key, meta)
+        if problem is not None and tier.index.get(key) != raw:
+            problem = None  # evicted or rewritten while we read: a race, not a verdict
+        if problem is not None:
+            bad, why = problem
+            (report.bad if bad else report.unreadable)[key] = why
+            if bad and quarantine and tier.index.quarantine(key, raw):
+                report.quarantined.append(key)
         report.num_checked += 1
-        if key in report.bad and quarantine and tier.index.quarantine(key, raw):
-            report.quarantined.append(key)
         if progress is not None:
             progress(report.num_checked, report.num_blocks)
     inv = Inventory.load(tier)
     report.detached = inv.broken()
     report.num_unreachable = len(inv.descendants(report.detached))
     return report
+
+
+def _check(tier: SsdTier, key: bytes, meta: BlockMeta | None) -> tuple[bool, str] | None:
+    """None if the block reads back intact, else (is it bad, why); I/O errors are not bad."""
+    if meta is None:
+        return True, "index entry does not decode"
+    try:
+        path = payload_path(os.path.join(tier.path, "blocks"), key)
+        _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
+    except FileNotFoundError:
+        return True, "payload file is missing"
+    except PayloadError as e:
+        return True, str(e)
+    except OSError as e:
+        return False, f"cannot read: {e}"
+    if nbytes != meta.nbytes:
+        return True, f"payload holds {nbytes} bytes, index says {meta.nbytes}"
+    return None
 
 
 @dataclass(slots=True)

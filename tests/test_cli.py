@@ -8,11 +8,14 @@ on its own copy. Also: the Prometheus exposition and the metrics endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pty
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -251,6 +254,33 @@ def test_clear_asks_and_removes_only_that_model(made, copy):
     assert cli("stats", "--ssd-dir", copy, "--json")["num_blocks"] == 0
 
 
+def answer_on_a_tty(args: list[str], answer: bytes) -> tuple[int, str]:
+    """Run ``prefixcache ARGS`` on a pseudo-terminal and answer its question."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: becomes the command
+        os.execvp(BASE[0], [*BASE, *args])
+    out = b""
+    while b"[y/N]" not in out:
+        chunk = os.read(fd, 1024)  # OSError (EIO) if the child exits without asking
+        assert chunk, out
+        out += chunk
+    os.write(fd, answer)
+    with contextlib.suppress(OSError):  # EIO once the child has exited
+        while chunk := os.read(fd, 1024):
+            out += chunk
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode().replace("\r", "")
+
+
+def test_clear_confirms_on_a_terminal(copy):
+    rc, out = answer_on_a_tty(["clear", "--ssd-dir", copy, "--model", B], b"n\n")
+    assert rc == 1 and "Remove 3 blocks" in out and "nothing removed" in out
+    rc, out = answer_on_a_tty(["clear", "--ssd-dir", copy, "--model", B], b"y\n")
+    assert rc == 0 and "removed 3 blocks" in out
+    assert cli("stats", "--ssd-dir", copy, "--json")["num_blocks"] == 6
+
+
 def test_unusable_directories_are_refused(copy, tmp_path):
     missing = tmp_path / "nothing-here"
     foreign = tmp_path / "other"
@@ -343,6 +373,36 @@ def test_prometheus_text_and_the_metrics_endpoint(llama, tmp_path, caplog):
     assert families["prefixcache_ssd_written_bytes_total"][0] == "counter"
     assert len(families["prefixcache_misses_by_reason_total"][1]) == 9
     assert not [n for n in families if "nbytes" in n or n.endswith("_total_total")]
+
+
+def test_serve_metrics_port_and_stats_after_the_server_stopped(tmp_path):
+    from test_serve_e2e import SYSTEM, running
+
+    from prefixcache.tiny import save_model
+
+    model, ssd = save_model(tmp_path / "model", "llama"), str(tmp_path / "ssd")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [*BASE, "serve", "--model", str(model), "--ssd-dir", ssd, "--block-size", "16",
+            "--metrics-port", str(port)]  # fmt: skip
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When?"}]
+    with running(argv, tmp_path / "serve.log") as server:
+        server.chat(messages)
+        _, cached = server.chat(messages)
+        url = f"http://127.0.0.1:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            families = parse_prometheus(resp.read().decode())
+        live = cli("stats", "--ssd-dir", ssd, "--json")
+    assert cached > 0 and server.proc.returncode == 0
+    assert families["prefixcache_fetches_total"] == ("counter", [2.0])
+    assert families["prefixcache_cached_tokens_total"] == ("counter", [float(cached)])
+    assert live["other_pids"] == [server.proc.pid]
+    doc = cli("stats", "--ssd-dir", ssd, "--json")  # the counters outlive the server
+    (only,) = doc["models"]
+    assert only["model"].startswith("fp:") and only["num_blocks"] > 0
+    assert only["counters"]["num_fetches"] == 2 and only["counters"]["cached_tokens"] == cached
+    assert doc["other_pids"] == []
 
 
 def test_readable_sizes_ages_and_durations():
