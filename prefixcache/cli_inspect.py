@@ -56,7 +56,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sort", choices=("age", "size", "tokens"), default="age",
                    help="age: most recently used first; size, tokens: largest first")  # fmt: skip
     p.add_argument("--reverse", action="store_true", help="reverse the order")
-    p.add_argument("--limit", type=int, help="print at most this many rows")
+    p.add_argument("--limit", type=count, help="print at most this many rows")
 
 
 def duration(text: str) -> float:
@@ -65,6 +65,13 @@ def duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def count(text: str) -> int:
+    """argparse type of --limit: an int >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return int(text)
 
 
 def ssd_dir(args: argparse.Namespace) -> str:

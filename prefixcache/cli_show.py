@@ -209,8 +209,9 @@ def _tree_text(doc: Doc, inv: Inventory) -> str:
     for ns in doc["namespaces"]:
         root = bytes.fromhex(ns["root"])
         top, detached = inv.tree(root)
+        chains = f"{ns['num_chains']} chain" + "s" * (ns["num_chains"] != 1)
         lines.append(
-            f"{ns['label']}  root {short(root)}: {ns['num_chains']} chains, "
+            f"{ns['label']}  root {short(root)}: {chains}, "
             f"{ns['num_blocks']} blocks, {ns['num_tokens']} tokens, {format_bytes(ns['nbytes'])}"
         )
         lines += tree_lines(top)
