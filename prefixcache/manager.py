@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .blocks import Block
 from .capture import prefill, store_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
@@ -22,7 +21,7 @@ from .model_id import model_fingerprint
 from .restore import Shortfall, Walk, plan, rebuild, walk
 from .ssd_records import counter_delta
 from .stats import MissReason, Stats
-from .tiers import Tiers
+from .tiers import ChainLoad, Tiers
 
 if TYPE_CHECKING:
     from .ssd import SsdTier
@@ -253,7 +252,7 @@ class PrefixCache:
                 break
             fresh = self.layout.fresh(num_cached)
             capacity = round_up(num_tokens + self.config.restore_headroom)
-            loaded: list[Block] = []
+            loader = self.tiers.chain_load(keys)
             try:
                 cache = rebuild(
                     fresh,
@@ -262,24 +261,23 @@ class PrefixCache:
                     num_tokens=num_cached,
                     capacity=capacity,
                     block_size=bs,
-                    load=functools.partial(self._load, keys, loaded),
+                    load=functools.partial(self._load, loader),
+                    prepare=loader.prepare,
                 )
             except Shortfall as short:
                 depth, reason = short.index, reason or short.reason
                 continue
-            self.tiers.after_hit(keys[:num_blocks], loaded)
+            finally:
+                loader.close()
+            self.tiers.after_hit(keys[:num_blocks], loader.loaded)
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
 
-    def _load(
-        self, keys: list[bytes], loaded: list[Block], index: int
-    ) -> tuple[dict[str, mx.array], bool]:
-        block, hot = self.tiers.load(keys[index])
+    def _load(self, loader: ChainLoad, index: int) -> tuple[dict[str, Any], bool]:
+        block, hot = loader.load(index)
         if block is None:
             reason = MissReason.CORRUPT if self.ssd is not None else MissReason.EVICTED
             raise Shortfall(index, reason)
-        if not hot:
-            loaded.append(block)
         return block.arrays, hot
 
     def _record(

@@ -4,7 +4,10 @@ Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
 up to mlx-lm's 256-token step) filled block by block by slice assignment, so
 there is no growing concatenation and the suffix prefill writes in place.
 Blocks are fed block-major and evaluated one at a time: SSD payloads stream
-through and the peak is the restored cache plus one block.
+through and the peak is the restored cache plus one block (two read buffers).
+Streamed blocks come as HostArrays (views of the SSD stream's read buffer):
+builders that take them copy the bytes straight into their buffers; the others
+get MLX arrays of them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import mlx.core as mx
 
 from .blocks import split_layers
 from .codecs import Codec, LayoutMismatchError, codec_for
+from .host import HostArray
 from .stats import MissReason
 
 
@@ -75,7 +79,8 @@ def rebuild(
     num_tokens: int,
     capacity: int,
     block_size: int,
-    load: Callable[[int], tuple[dict[str, mx.array], bool]],
+    load: Callable[[int], tuple[dict[str, mx.array | HostArray], bool]],
+    prepare: Callable[[list[int]], None] | None = None,
 ) -> list[Any]:
     """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
 
@@ -88,7 +93,10 @@ def rebuild(
         block_size: tokens per block.
         load: chain index -> (the block's flat payload, whether it stays in
             memory anyway); raises Shortfall. Blocks that do not stay
-            (streamed from SSD) are written into the buffers at once.
+            (streamed from SSD) are written into the buffers at once; their
+            arrays may be HostArrays, valid until the next ``load``.
+        prepare: called once with every chain index ``load`` will be asked
+            for, in that order (e.g. to start reading them ahead).
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -103,12 +111,21 @@ def rebuild(
             users.setdefault(index, []).append(layer)
     if users and max(users) >= num_blocks:
         raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
-    for index in sorted(users):
+    order = sorted(users)
+    if prepare is not None:
+        prepare(order)
+    for index in order:
         arrays, resident = load(index)
         layers = split_layers(arrays)
+        if not resident:  # fault in new buffers on MLX's thread while earlier layers copy
+            mx.async_eval([_reserve(builders[i], index, layers.get(i, {})) for i in users[index]])
         for layer in users[index]:
+            builder = builders[layer]
+            part = layers.get(layer, {})
+            if not getattr(builder, "takes_host", False):
+                part = {n: a.to_mx() if isinstance(a, HostArray) else a for n, a in part.items()}
             try:
-                builders[layer].add(index, layers.get(layer, {}))
+                builder.add(index, part)
             except (LayoutMismatchError, KeyError) as err:
                 raise Shortfall(index, _reason(err)) from err
         if not resident:
@@ -188,6 +205,11 @@ def first_gap(
             if why is not None:
                 return index, why
     return None
+
+
+def _reserve(builder: Any, index: int, arrays: dict[str, Any]) -> list[mx.array]:
+    reserve = getattr(builder, "reserve", None)
+    return reserve(index, arrays) if reserve is not None else []
 
 
 def _reason(err: Exception) -> MissReason:

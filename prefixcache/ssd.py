@@ -159,10 +159,7 @@ class SsdTier:
         except OSError as e:  # unreadable now (EMFILE, EIO...): a miss, not a verdict
             logger.warning("SSD tier: cannot read block %s: %s", key.hex(), e)
             return None
-        with self._lock:
-            self._counts["num_loads"] += 1
-            self._counts["load_bytes"] += nbytes
-            self._touches.add(key)
+        self._note_load(key, nbytes)
         return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
 
     def load_many(self, keys: Sequence[bytes], *, ahead: int = 4) -> Iterator[Block | None]:
@@ -264,6 +261,13 @@ class SsdTier:
     def _count(self, name: str, num: int = 1) -> None:
         with self._lock:
             self._counts[name] += num
+
+    def _note_load(self, key: bytes, nbytes: int) -> None:
+        """Count a served payload read (also ssd_stream's) and touch it for the LRU."""
+        with self._lock:
+            self._counts["num_loads"] += 1
+            self._counts["load_bytes"] += nbytes
+            self._touches.add(key)
 
     def _quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""

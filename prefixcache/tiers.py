@@ -10,6 +10,7 @@ evicted block is discarded (and remembered, to explain the next miss).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .blocks import Block, BlockMeta
@@ -19,6 +20,7 @@ from .stats import MissReason, Stats
 
 if TYPE_CHECKING:
     from .ssd import SsdTier
+    from .ssd_stream import StreamedBlock
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -59,6 +61,10 @@ class Tiers:
         if block is not None:
             self.stats.ssd_block_hits += 1
         return block, False
+
+    def chain_load(self, keys: list[bytes]) -> ChainLoad:
+        """A loader for one restore of ``keys``: SSD blocks stream, read ahead."""
+        return ChainLoad(self, keys)
 
     def after_hit(self, chain: list[bytes], loaded: list[Block]) -> None:
         """Promote ssd blocks into hot while it has room; mark the chain used."""
@@ -147,6 +153,53 @@ class Tiers:
                 self._evicted_set.discard(self._evicted[0])
             self._evicted.append(block.key)
             self._evicted_set.add(block.key)
+
+
+class ChainLoad:
+    """Loads the blocks of one restore in chain order: hot ones from hot, the
+    rest streamed from SSD (ssd_stream.py: a reader thread reads block i + 1
+    while block i is copied; streamed blocks are HostArray views, valid until
+    the next load). ``loaded`` collects SSD blocks to promote, as MLX copies,
+    while hot has room for them (and ``promote`` is on)."""
+
+    def __init__(self, tiers: Tiers, keys: list[bytes]):
+        self.tiers, self.keys = tiers, keys
+        self.loaded: list[Block] = []
+        self._room = tiers.hot.max_bytes - tiers.hot.nbytes if tiers.config.promote else 0
+        self._stream: Iterator[Block | StreamedBlock | None] | None = None
+        self._order: deque[bytes] = deque()
+
+    def prepare(self, indices: list[int]) -> None:
+        """Start reading the SSD blocks among ``indices`` (the order of the loads)."""
+        self.close()
+        if self.tiers.ssd is None:
+            return
+        from .ssd_stream import stream
+
+        self._order = deque(self.keys[i] for i in indices if self.keys[i] not in self.tiers.hot)
+        if self._order:
+            self._stream = stream(self.tiers.ssd, list(self._order))
+
+    def load(self, index: int) -> tuple[Block | StreamedBlock | None, bool]:
+        """(block, whether it is hot); (None, False) if unusable."""
+        key = self.keys[index]
+        if self._stream is None or not self._order or self._order[0] != key:
+            block, hot = self.tiers.load(key)  # unplanned: one synchronous load
+        else:
+            self._order.popleft()
+            block, hot = next(self._stream), False
+            if block is not None:
+                self.tiers.stats.ssd_block_hits += 1
+        if block is not None and not hot and block.nbytes <= self._room:
+            self._room -= block.nbytes
+            self.loaded.append(block if isinstance(block, Block) else block.to_block())
+        return block, hot
+
+    def close(self) -> None:
+        """Stop the stream (its reader thread); safe to call more than once."""
+        if self._stream is not None:
+            self._stream.close()  # type: ignore[attr-defined]
+            self._stream = None
 
 
 def _build_ssd(config: CacheConfig) -> SsdTier | None:

@@ -10,6 +10,7 @@ next ``maybe_trim_front`` then leaves exactly what the live cache would hold.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
@@ -78,6 +79,8 @@ class ChunkedKVCodec(Codec):
 class ChunkedBuilder(Builder):
     """One buffer starting at the first needed block (the new ``start_position``)."""
 
+    takes_host = True  # TokenBuffer copies streamed HostArrays in directly
+
     def __init__(self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
         self.num_tokens = num_tokens
@@ -92,6 +95,10 @@ class ChunkedBuilder(Builder):
         pos = index * self.block_size - self.first
         self.keys.add(pos, arrays["keys"])
         self.values.add(pos, arrays["values"])
+
+    def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
+        """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
+        return self.keys.reserve(arrays.get("keys")) + self.values.reserve(arrays.get("values"))
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

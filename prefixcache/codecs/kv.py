@@ -60,6 +60,8 @@ class KVCodec(Codec):
 class KVBuilder(Builder):
     """Assembles one buffer per K and V of (B, kv_heads, capacity, head_dim)."""
 
+    takes_host = True  # TokenBuffer copies streamed HostArrays in directly
+
     def __init__(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
         self.num_tokens = num_tokens
@@ -73,6 +75,10 @@ class KVBuilder(Builder):
         start = index * self.block_size
         self.keys.add(start, arrays["keys"])
         self.values.add(start, arrays["values"])
+
+    def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
+        """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
+        return self.keys.reserve(arrays.get("keys")) + self.values.reserve(arrays.get("values"))
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
