@@ -33,7 +33,7 @@ def setup_arg_parser(*, serve: bool = True) -> argparse.ArgumentParser:
     make.add_argument("--arch", default="llama")
     make.add_argument("--seed", type=int, default=0)
     if serve:
-        from .server import add_serve_args
+        from .serve import add_serve_args
 
         add_serve_args(sub.add_parser("serve", help="mlx-lm's server with the tiered cache"))
     for module in _INSPECT:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if all(r["same"] for r in rows) else 1
     if args.command == "serve":
-        from .server import run_serve
+        from .serve import run_serve
 
         return run_serve(args)
     if args.command == "make-model":

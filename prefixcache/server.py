@@ -1,23 +1,18 @@
-"""mlx-lm server adapter: its prompt-cache interface backed by PrefixCache, and ``serve``.
+"""mlx-lm server adapter: its prompt-cache interface backed by PrefixCache.
 
 mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
-``prefixcache serve`` runs mlx-lm's own ``main()`` with it in place.
+``prefixcache serve`` (serve.py) runs mlx-lm's own ``main()`` with it in place.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import logging
-import os
 import re
-import signal
-import sys
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -25,9 +20,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .codecs import UnsupportedCacheError, codec_for
-from .config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
+from .config import CacheConfig
 from .manager import PrefixCache
-from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -276,144 +270,3 @@ def _held(tokens: Sequence[int], prompt_cache: list[Any]) -> Sequence[int]:
         if length is not None and length > held and layer.is_trimmable():
             layer.trim(length - held)
     return tokens[:held] if held < len(tokens) else tokens
-
-
-def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
-    """``model_for`` over mlx-lm's ``ModelProvider`` (the model it has loaded)."""
-
-    def model_for(model_key: ModelKey) -> nn.Module:
-        if provider.model_key != model_key:
-            raise ValueError(f"model {model_key} is not loaded (loaded: {provider.model_key})")
-        if provider.draft_model is not None:
-            return ModelPair(provider.model, provider.draft_model)
-        return provider.model
-
-    return model_for
-
-
-# -- prefixcache serve -----------------------------------------------------------
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``serve``'s options; every option it does not know goes to mlx_lm.server."""
-    parser.description = "mlx-lm's OpenAI-compatible server with the tiered prefix cache."
-    parser.epilog = (
-        "Every other option is mlx_lm.server's and is passed to it unchanged (--host, "
-        "--port, --max-tokens, --prompt-cache-bytes, --kv-bits, ...: see `mlx_lm.server "
-        "--help`). --prompt-cache-bytes trims the hot tier as it trims mlx-lm's cache; "
-        "--prompt-cache-size has no effect (blocks are shared, not counted per sequence). "
-        "SIGINT/SIGTERM flush the hot tier to SSD before exiting."
-    )
-    parser.add_argument("--model", required=True, help="model path or repo (mlx_lm.server's)")
-    group = parser.add_argument_group("prefix cache (defaults from PREFIXCACHE_* variables)")
-    group.add_argument("--ssd-dir", help="SSD tier directory")
-    group.add_argument("--hot-max-bytes", type=parse_bytes, help="RAM budget, e.g. 8G")
-    group.add_argument("--ssd-max-bytes", type=parse_bytes, help="SSD budget, e.g. 64G")
-    group.add_argument("--block-size", type=int, help="tokens per block")
-    group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
-    group.add_argument("--write-policy", choices=WRITE_POLICIES)
-    group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
-    parser.allow_abbrev = False  # "--host" must not be taken for a prefix of ours
-    parse_known = parser.parse_known_args
-
-    def keep_unknown(args=None, namespace=None):
-        # argparse would reject unknown options at the top level: keep them for mlx-lm.
-        ns, rest = parse_known(args, namespace)
-        ns.mlx_lm_args = [*getattr(ns, "mlx_lm_args", []), *rest]
-        return ns, []
-
-    parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
-
-
-_CONFIG_FLAGS = (
-    "ssd_dir", "hot_max_bytes", "ssd_max_bytes", "block_size", "hot_cache_only", "write_policy",
-)  # fmt: skip
-
-
-def serve_config(args: argparse.Namespace) -> CacheConfig:
-    """CacheConfig from ``serve``'s options over ``PREFIXCACHE_*`` variables.
-
-    ``restore_headroom`` defaults to 0: the batch path copies a restored cache
-    into its batch at once, so headroom would only be allocated and dropped.
-    """
-    config = CacheConfig.from_env(**{name: getattr(args, name, None) for name in _CONFIG_FLAGS})
-    if ENV_PREFIX + "RESTORE_HEADROOM" not in os.environ:
-        config = config.replace(restore_headroom=0)
-    return config
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """Run mlx-lm's server (its ``main()``) with a TieredPromptCache in place."""
-    try:
-        check_mlx_lm_version()
-    except MlxLmVersionError as err:
-        print(f"prefixcache serve: {err}", file=sys.stderr)
-        return 2
-    from mlx_lm import server
-
-    config = serve_config(args)
-    generators: list[Any] = []
-    argv = ["prefixcache serve", "--model", args.model, *getattr(args, "mlx_lm_args", [])]
-    generator_class = _generator_class(server.ResponseGenerator, config, generators)
-    with (
-        _swapped(server, "ResponseGenerator", generator_class),
-        _swapped(sys, "argv", argv),
-        _sigterm_interrupts(),
-        serve_metrics(
-            args.metrics_port, lambda: generators[-1].tiered.stats() if generators else {}
-        ),
-    ):
-        try:
-            server.main()
-        finally:
-            for generator in generators:  # idempotent: mlx-lm's shutdown did it already
-                generator.stop_and_join()
-    return 0
-
-
-def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
-    """mlx-lm's ResponseGenerator with our cache swapped in through its constructor."""
-
-    class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
-        def __init__(self, model_provider: Any, prompt_cache: Any):
-            del prompt_cache  # the empty LRUPromptCache mlx-lm's run() made
-            cli = model_provider.cli_args
-            kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
-            cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
-            self.tiered = TieredPromptCache(provider_models(model_provider), cfg)
-            made.append(self)
-            super().__init__(model_provider, self.tiered)
-
-        def stop_and_join(self) -> None:
-            try:
-                super().stop_and_join()
-            finally:
-                self.tiered.close()
-
-    return TieredResponseGenerator
-
-
-@contextmanager
-def _swapped(owner: object, name: str, value: object) -> Iterator[None]:
-    previous = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, previous)
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the server as Ctrl-C does: mlx-lm's shutdown path, then our flush."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM exits at once
-        log.info("prefixcache serve: SIGTERM, shutting down")
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

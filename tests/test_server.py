@@ -17,7 +17,7 @@ from conftest import QUANT_LLAMA, prompt, tiny_model
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
-from prefixcache import server
+from prefixcache import serve, server
 from prefixcache.cli import setup_arg_parser
 from prefixcache.config import CacheConfig
 from prefixcache.server import MlxLmVersionError, ModelPair, TieredPromptCache
@@ -291,7 +291,7 @@ def test_version_check(monkeypatch):
 def test_serve_on_unsupported_mlx_lm_exits_with_a_message(monkeypatch, capsys):
     monkeypatch.setattr(server, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
     args = setup_arg_parser().parse_args(["serve", "--model", "m"])
-    assert server.run_serve(args) == 2
+    assert serve.run_serve(args) == 2
     assert "mlx-lm 0.32.2 is installed" in capsys.readouterr().err
 
 
@@ -300,10 +300,10 @@ def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
     args = setup_arg_parser().parse_args(argv.split())
     assert args.mlx_lm_args == ["--port", "9", "--max-tokens", "5", "--temp", "0.5"]
     monkeypatch.setenv("PREFIXCACHE_BLOCK_SIZE", "32")
-    config = server.serve_config(args)
+    config = serve.serve_config(args)
     assert (config.ssd_dir, config.hot_max_bytes, config.block_size) == ("d", 1 << 20, 32)
     assert config.hot_cache_only is False and config.restore_headroom == 0
     monkeypatch.setenv("PREFIXCACHE_RESTORE_HEADROOM", "512")
-    assert server.serve_config(args).restore_headroom == 512
+    assert serve.serve_config(args).restore_headroom == 512
     args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])
-    assert server.serve_config(args).hot_cache_only and args.mlx_lm_args == []
+    assert serve.serve_config(args).hot_cache_only and args.mlx_lm_args == []
