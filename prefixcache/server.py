@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .codecs import UnsupportedCacheError, codec_for
 from .config import CacheConfig
 from .manager import PrefixCache
+from .model_id import model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +211,8 @@ class TieredPromptCache:
         self._close_current()
         self._key, self._opened = model_key, True
         try:
-            self._cache = PrefixCache(self._model_for(model_key), self.config)
+            model = self._model_for(model_key)
+            self._cache = PrefixCache(model, self.config, model_id=_model_id(model_key, model))
         except UnsupportedCacheError as err:
             log.warning("prefixcache: %s is served without a prompt cache: %s", model_key, err)
             return None
@@ -228,6 +230,14 @@ class TieredPromptCache:
             cache.close()
         summary = " ".join(f"{k}={stats[k]}" for k in _SUMMARY)
         log.info("prefixcache: closed cache for %s: %s", self._key, summary)
+
+
+def _model_id(model_key: ModelKey, model: nn.Module) -> str:
+    """``path[+adapter][+draft]@fp:...``: readable in ``prefixcache stats``, and
+    still the weights' fingerprint, so new weights at the same path never hit."""
+    parts = model_key if isinstance(model_key, tuple) else (model_key,)
+    name = "+".join(str(p) for p in parts if p)
+    return f"{name}@{model_fingerprint(model)}"
 
 
 def _fetch_extended(cache: PrefixCache, text: list[int]) -> tuple[list[Any], int]:

@@ -307,3 +307,14 @@ def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
     assert serve.serve_config(args).restore_headroom == 512
     args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])
     assert serve.serve_config(args).hot_cache_only and args.mlx_lm_args == []
+
+
+def test_namespace_names_the_model_path_and_its_weights(llama):
+    with TieredPromptCache(lambda key: llama, HOT) as tiered:
+        serve_batched(tiered, llama, prompt(1, 40))
+        model_id = tiered._cache.namespace.model_id
+    assert model_id.startswith("/models/tiny@fp:")
+    other = tiny_model("llama", seed=1)
+    with TieredPromptCache(lambda key: other, HOT) as tiered:
+        serve_batched(tiered, other, prompt(1, 40))
+        assert tiered._cache.namespace.model_id != model_id  # same path, other weights
