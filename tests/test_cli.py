@@ -400,8 +400,8 @@ def test_serve_metrics_port_and_stats_after_the_server_stopped(tmp_path):
     assert live["other_pids"] == [server.proc.pid]
     doc = cli("stats", "--ssd-dir", ssd, "--json")  # the counters outlive the server
     (only,) = doc["models"]
-    assert only["model"].endswith("/model@" + only["model"].split("@")[-1])
-    assert only["model"].split("@")[-1].startswith("fp:") and only["num_blocks"] > 0
+    path, fingerprint = only["model"].split("@")
+    assert path.endswith("/model") and fingerprint.startswith("fp:") and only["num_blocks"] > 0
     assert only["counters"]["num_fetches"] == 2 and only["counters"]["cached_tokens"] == cached
     assert doc["other_pids"] == []
 
