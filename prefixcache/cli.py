@@ -26,7 +26,10 @@ def setup_arg_parser(*, serve: bool = True) -> argparse.ArgumentParser:
     demo.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
     demo.add_argument("--conversations", type=int, default=3)
     demo.add_argument("--turns", type=int, default=3)
-    demo.add_argument("--system-tokens", type=int, default=768)
+    demo.add_argument("--system-words", type=int, default=500)
+    demo.add_argument(
+        "--model", default=None, help="a local mlx-lm model dir (default: a tiny one built here)"
+    )
 
     make = sub.add_parser("make-model", help="write a tiny random-weight model directory")
     make.add_argument("path")
@@ -51,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         rows = run_demo(
+            model_path=args.model,
             ssd_dir=args.ssd_dir,
             num_conversations=args.conversations,
             num_turns=args.turns,
-            system_tokens=args.system_tokens,
+            system_words=args.system_words,
         )
         return 0 if all(r["same"] for r in rows) else 1
     if args.command == "serve":

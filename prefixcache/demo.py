@@ -1,11 +1,13 @@
 """``prefixcache demo``: multi-turn chats sharing a system prompt, with and without the cache.
 
-Builds a small random-weight llama locally (no downloads), runs a few
-interleaved conversations, and prints per turn: prompt tokens, tokens served
-from the cache, time-to-first-token cold (no cache) and warm (PrefixCache),
-whether the first token is the same, and the hot/ssd tier bytes. Then it
-reopens the cache as a restarted process would and serves an old conversation
-from the SSD tier.
+Writes a small random-weight llama with a tokenizer trained on the shipped
+corpus (``tiny.save_model``: no downloads) and loads it with ``mlx_lm.load``,
+or loads ``--model PATH`` (a local mlx-lm model directory). It runs a few
+interleaved chats through the model's chat template and prints per turn:
+prompt tokens, tokens served from the cache, time-to-first-token cold (no
+cache) and warm (PrefixCache), whether the first token is the same, and the
+hot tier's bytes. Then it reopens the cache as a restarted process would and
+serves an old conversation from the SSD tier.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .config import CacheConfig
 from .manager import PrefixCache
-from .tiny import build_model
+from .tiny import CORPUS_PATH, save_model
 
 DEMO_MODEL = {
     "hidden_size": 256,
@@ -57,54 +58,75 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
+def _load(model_path: str | None, workdir: str):
+    from mlx_lm import load
+
+    if model_path is None:
+        model_path = str(save_model(f"{workdir}/model", "llama", seed=0, **DEMO_MODEL))
+    model, tokenizer = load(model_path)
+    return model, tokenizer, model_path
+
+
+def _texts(num: int, words: int) -> list[str]:
+    """``num`` passages of about ``words`` words from the shipped corpus."""
+    corpus = CORPUS_PATH.read_text().split()
+    return [" ".join(corpus[(i * words) % len(corpus) :][:words]) for i in range(num)]
+
+
 def run_demo(
     *,
+    model_path: str | None = None,
     ssd_dir: str | None = None,
     num_conversations: int = 3,
     num_turns: int = 3,
-    system_tokens: int = 768,
-    turn_tokens: int = 96,
+    system_words: int = 500,
+    turn_words: int = 60,
     reply_tokens: int = 16,
     print_fn: Callable[[str], None] = print,
 ) -> list[dict[str, float]]:
     """Run the demo; returns one row per turn (also printed)."""
-    model = build_model("llama", seed=0, **DEMO_MODEL)
-    rng = np.random.default_rng(0)
-    system = rng.integers(3, 512, system_tokens).tolist()
-    histories = [list(system) for _ in range(num_conversations)]
-    tmp = None
-    if ssd_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="prefixcache-demo-")
-        ssd_dir = tmp.name
-    config = CacheConfig(block_size=64, ssd_dir=ssd_dir, hot_max_bytes=256 << 20)
-    rows = []
-    print_fn(f"demo model: llama {DEMO_MODEL} (random weights, built locally)")
-    print_fn(f"cache: block_size={config.block_size} ssd_dir={ssd_dir}")
-    header = f"{'conv':>4} {'turn':>4} {'prompt':>6} {'cached':>6} {'cold ms':>8} {'warm ms':>8} {'speedup':>7} {'same':>5} {'hot MiB':>8}"  # noqa: E501
-    print_fn(header)
-    with PrefixCache(model, config, model_id="demo/llama-random") as pc:
-        for turn in range(num_turns):
-            for conv, history in enumerate(histories):
-                history += rng.integers(3, 512, turn_tokens).tolist()
-                row = _turn(model, pc, history, reply_tokens)
-                history += row.pop("reply")
-                row.update(conv=conv, turn=turn)
-                rows.append(row)
-                print_fn(_format(row))
-    with PrefixCache(model, config, model_id="demo/llama-random") as pc:
-        row = _turn(model, pc, histories[0] + [5], reply_tokens)
-        row.pop("reply")
-        row.update(conv=0, turn=num_turns)
-        rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="prefixcache-demo-") as tmp:
+        model, tokenizer, model_path = _load(model_path, tmp)
+        ssd_dir = ssd_dir or f"{tmp}/ssd"
+        config = CacheConfig(block_size=64, ssd_dir=ssd_dir, hot_max_bytes=256 << 20)
+        system, *users = _texts(1 + num_conversations * num_turns, system_words)
+        users = [" ".join(u.split()[:turn_words]) for u in users]
+        chats = [[{"role": "system", "content": system}] for _ in range(num_conversations)]
+        print_fn(f"model: {model_path}")
+        print_fn(f"cache: block_size={config.block_size} ssd_dir={ssd_dir}")
+        print_fn(_HEADER)
+        rows = []
+        with PrefixCache(model, config, model_id=f"demo:{model_path}") as pc:
+            for turn in range(num_turns):
+                for conv, chat in enumerate(chats):
+                    chat.append({"role": "user", "content": users.pop()})
+                    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+                    row = _turn(model, pc, prompt, reply_tokens)
+                    reply = tokenizer.decode(row.pop("reply"))
+                    chat.append({"role": "assistant", "content": reply})
+                    rows.append(row | {"conv": conv, "turn": turn})
+                    print_fn(_format(rows[-1]))
         print_fn("after a restart (a new PrefixCache on the same ssd_dir):")
-        print_fn(_format(row))
-        ssd = pc.stats().get("ssd", {})
-        print_fn(
-            f"ssd tier: {ssd.get('num_blocks', 0)} blocks, {ssd.get('nbytes', 0) / 2**20:.1f} MiB"
-        )
-    if tmp is not None:
-        tmp.cleanup()
+        with PrefixCache(model, config, model_id=f"demo:{model_path}") as pc:
+            chats[0].append({"role": "user", "content": "And one more question."})
+            prompt = tokenizer.apply_chat_template(chats[0], add_generation_prompt=True)
+            row = _turn(model, pc, prompt, reply_tokens)
+            row.pop("reply")
+            rows.append(row | {"conv": 0, "turn": num_turns})
+            print_fn(_format(rows[-1]))
+            ssd = pc.stats().get("ssd", {})
+            print_fn(
+                f"ssd tier: {ssd.get('num_blocks', 0)} blocks, "
+                f"{ssd.get('nbytes', 0) / 2**20:.1f} MiB; served from it: "
+                f"{pc.stats()['ssd_block_hits']} blocks"
+            )
     return rows
+
+
+_HEADER = (
+    f"{'conv':>4} {'turn':>4} {'prompt':>6} {'cached':>6} {'cold ms':>8} {'warm ms':>8} "
+    f"{'speedup':>7} {'same':>5} {'hot MiB':>8}"
+)
 
 
 def _turn(model, pc: PrefixCache, prompt: list[int], reply_tokens: int) -> dict[str, Any]:
