@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import time
 
 import mlx.core as mx
 import numpy as np
+from benchlib import rss
 from mlx.utils import tree_flatten
 
 from prefixcache import CacheConfig, PrefixCache
@@ -68,11 +68,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def nbytes(cache) -> int:
     leaves = tree_flatten([c.state for c in cache])
     return sum(x.nbytes for _, x in leaves if isinstance(x, mx.array))
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def tokens(seed: int, n: int) -> list[int]:

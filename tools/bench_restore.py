@@ -19,10 +19,10 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from benchlib import shaped_model, synthetic_cache
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
 
 MiB = 1 << 20
 
@@ -36,30 +36,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
     return p
-
-
-def shaped_model(args):
-    return build_model(
-        "llama",
-        dtype=mx.bfloat16,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.kv_heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-    )
-
-
-def synthetic_cache(args, num_tokens: int) -> list[KVCache]:
-    cache = []
-    for _ in range(args.layers):
-        c = KVCache()
-        shape = (1, args.kv_heads, num_tokens, args.head_dim)
-        c.update_and_fetch(
-            mx.random.normal(shape).astype(mx.bfloat16), mx.random.normal(shape).astype(mx.bfloat16)
-        )
-        mx.eval(c.keys, c.values)
-        cache.append(c)
-    return cache
 
 
 def timed(fn, repeat: int) -> tuple[float, float]:

@@ -40,6 +40,7 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import xxhash
+from benchlib import drop_caches
 
 from prefixcache.blocks import Block
 from prefixcache.payload import encode_header, payload_path, read_payload, tensors_of
@@ -75,21 +76,6 @@ def make_blocks(shape: str, num: int) -> list[Block]:
         blocks.append(Block.make(key, parent, b"\0" * 16, i, toks, arrays))
         parent = key
     return blocks
-
-
-def drop_caches(paths: list[str]) -> None:
-    """Empty the page cache (as root), else advise the kernel to drop these files."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return
-    except OSError:
-        pass
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def seconds(fn) -> float:

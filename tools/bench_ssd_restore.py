@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import statistics
 import tempfile
@@ -33,11 +32,10 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from benchlib import drop_caches, peak_rss, reset_peak_rss, rss, shaped_model, synthetic_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.payload import payload_path
-from prefixcache.tiny import build_model
 
 MiB = 1 << 20
 
@@ -61,44 +59,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def shaped_model(args):
-    return build_model(
-        "llama",
-        dtype=mx.bfloat16,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.kv_heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-    )
-
-
-def synthetic_cache(args, num_tokens: int) -> list[KVCache]:
-    cache = []
-    for _ in range(args.layers):
-        c = KVCache()
-        shape = (1, args.kv_heads, num_tokens, args.head_dim)
-        k = mx.random.normal(shape).astype(mx.bfloat16)
-        c.update_and_fetch(k, mx.random.normal(shape).astype(mx.bfloat16))
-        mx.eval(c.keys, c.values)
-        cache.append(c)
-    return cache
-
-
-def drop_caches(paths: list[str]) -> None:
-    """Empty the page cache (as root), else advise the kernel to drop these files."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return
-    except OSError:
-        pass
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
 def read_reused(paths: list[str], buf: bytearray) -> None:
     view = memoryview(buf)
     for path in paths:
@@ -111,30 +71,6 @@ def read_fresh(paths: list[str]) -> None:
     for path in paths:
         with open(path, "rb", buffering=0) as f:
             f.read()
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def run(args, model, num_tokens: int, work: str) -> dict[str, float]:

@@ -1,0 +1,78 @@
+"""Pieces the benchmarks share: a model-shaped cache, page-cache dropping, RSS.
+
+Imported by the scripts beside it (``python tools/bench_*.py`` puts tools/ on
+sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from prefixcache.tiny import build_model
+
+
+def shaped_model(args):
+    """A tiny-weight llama whose cache has the benchmark's layers, kv heads and head_dim."""
+    return build_model(
+        "llama",
+        dtype=mx.bfloat16,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.kv_heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+    )
+
+
+def synthetic_cache(args, num_tokens: int) -> list[KVCache]:
+    """A filled bf16 KVCache per layer (random values), without running the model."""
+    cache = []
+    for _ in range(args.layers):
+        c = KVCache()
+        shape = (1, args.kv_heads, num_tokens, args.head_dim)
+        k = mx.random.normal(shape).astype(mx.bfloat16)
+        c.update_and_fetch(k, mx.random.normal(shape).astype(mx.bfloat16))
+        mx.eval(c.keys, c.values)
+        cache.append(c)
+    return cache
+
+
+def drop_caches(paths: list[str]) -> None:
+    """Empty the page cache (as root), else advise the kernel to drop these files."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return
+    except OSError:
+        pass
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def rss() -> int:
+    return _status("VmRSS:")
+
+
+def peak_rss() -> int:
+    return _status("VmHWM:")
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
