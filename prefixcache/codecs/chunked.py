@@ -10,15 +10,13 @@ next ``maybe_trim_front`` then leaves exactly what the live cache would hold.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..stats import MissReason
 from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned, round_up
-from .buffer import TokenBuffer
-from .kv import check_single, dtype_name
+from .kv import KVBuilder, check_single, dtype_name
 
 CHUNK = MissReason.WINDOW_NOT_COVERED
 
@@ -76,36 +74,16 @@ class ChunkedKVCodec(Codec):
         return ChunkedBuilder(fresh, num_tokens, capacity, block_size)
 
 
-class ChunkedBuilder(Builder):
+class ChunkedBuilder(KVBuilder):
     """One buffer starting at the first needed block (the new ``start_position``)."""
 
-    takes_host = True  # TokenBuffer copies streamed HostArrays in directly
+    missing = CHUNK
 
     def __init__(self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int):
-        self.cache = fresh
-        self.num_tokens = num_tokens
-        self.block_size = block_size
-        self.first = first_block(fresh, num_tokens, block_size) * block_size
-        self.keys = TokenBuffer(round_up(capacity - self.first))
-        self.values = TokenBuffer(round_up(capacity - self.first))
-
-    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
-        if "keys" not in arrays:
-            raise LayoutMismatchError(f"block {index} has no chunked-attention keys", CHUNK)
-        pos = index * self.block_size - self.first
-        self.keys.add(pos, arrays["keys"])
-        self.values.add(pos, arrays["values"])
-
-    def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
-        """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
-        return self.keys.reserve(arrays.get("keys")) + self.values.reserve(arrays.get("values"))
-
-    def buffers(self) -> list[mx.array]:
-        return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
+        first = first_block(fresh, num_tokens, block_size) * block_size
+        super().__init__(fresh, num_tokens, round_up(capacity - first), block_size, first=first)
 
     def finish(self) -> ChunkedKVCache:
-        self.cache.keys = self.keys.materialize()
-        self.cache.values = self.values.materialize()
-        self.cache.offset = self.num_tokens
-        self.cache.start_position = self.first
-        return self.cache
+        cache = super().finish()
+        cache.start_position = self.first
+        return cache

@@ -7,6 +7,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from ..stats import MissReason
 from .base import Builder, Codec, LayoutMismatchError
 from .buffer import TokenBuffer
 
@@ -58,23 +59,31 @@ class KVCodec(Codec):
 
 
 class KVBuilder(Builder):
-    """Assembles one buffer per K and V of (B, kv_heads, capacity, head_dim)."""
+    """Assembles one buffer per K and V of (B, kv_heads, capacity, head_dim).
+
+    ``first`` is the token the buffers start at (a chunked cache keeps only
+    its current chunk); ``missing`` is the miss reason of a block without keys.
+    """
 
     takes_host = True  # TokenBuffer copies streamed HostArrays in directly
+    missing = MissReason.LAYOUT_MISMATCH
 
-    def __init__(self, fresh: KVCache, num_tokens: int, capacity: int, block_size: int):
+    def __init__(
+        self, fresh: Any, num_tokens: int, capacity: int, block_size: int, *, first: int = 0
+    ):
         self.cache = fresh
         self.num_tokens = num_tokens
         self.block_size = block_size
+        self.first = first
         self.keys = TokenBuffer(capacity)
         self.values = TokenBuffer(capacity)
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
         if "keys" not in arrays:
-            raise LayoutMismatchError(f"block {index} has no full-precision keys")
-        start = index * self.block_size
-        self.keys.add(start, arrays["keys"])
-        self.values.add(start, arrays["values"])
+            raise LayoutMismatchError(f"block {index} has no keys for this layer", self.missing)
+        pos = index * self.block_size - self.first
+        self.keys.add(pos, arrays["keys"])
+        self.values.add(pos, arrays["values"])
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
         """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
@@ -83,7 +92,7 @@ class KVBuilder(Builder):
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 
-    def finish(self) -> KVCache:
+    def finish(self) -> Any:
         self.cache.keys = self.keys.materialize()
         self.cache.values = self.values.materialize()
         self.cache.offset = self.num_tokens
