@@ -6,7 +6,6 @@ import struct
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 import xxhash
 
 KEY_BYTES = 16
@@ -52,13 +51,6 @@ class Block:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
-
-    def token_ids(self) -> np.ndarray:
-        return np.frombuffer(self.tokens, dtype="<u4")
-
-    def layer_arrays(self, layer: int) -> dict[str, mx.array]:
-        """The payload of one layer, with the ``"{layer}."`` prefix removed."""
-        return split_layers(self.arrays).get(layer, {})
 
 
 def split_layers(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:

@@ -99,12 +99,6 @@ class HotTier:
             del self._children[block.parent]
         return block
 
-    def is_dirty(self, key: bytes) -> bool:
-        return key in self._dirty
-
-    def mark_clean(self, key: bytes) -> None:
-        self._dirty.discard(key)
-
     def take_dirty(self) -> list[Block]:
         """Dirty blocks (not yet on SSD) root-first, marked clean."""
         blocks = sorted(
@@ -112,9 +106,3 @@ class HotTier:
         )
         self._dirty.clear()
         return blocks
-
-    def clear(self) -> None:
-        self._lru.clear()
-        self._children.clear()
-        self._dirty.clear()
-        self.nbytes = 0
