@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned, round_up
-from .kv import KVBuilder, check_single, dtype_name
+from .base import Builder, Codec, Has, num_blocks, owned, round_up
+from .kv import KVBuilder, kv_signature
 
 CHUNK = MissReason.WINDOW_NOT_COVERED
 
@@ -30,13 +30,7 @@ class ChunkedKVCodec(Codec):
     missing_reason = CHUNK
 
     def layout(self, cache: ChunkedKVCache) -> tuple[object, ...]:
-        if cache.keys is None:
-            raise LayoutMismatchError("ChunkedKVCache is empty: its layout is unknown")
-        check_single(cache, cache.keys)
-        _, heads, _, k_dim = cache.keys.shape
-        v_dim = cache.values.shape[-1]
-        dtype = dtype_name(cache.keys.dtype)
-        return ("ChunkedKVCache", dtype, heads, k_dim, v_dim, cache.chunk_size)
+        return (*kv_signature(cache), cache.chunk_size)
 
     def length(self, cache: ChunkedKVCache) -> int:
         return cache.offset

@@ -33,15 +33,21 @@ def check_single(cache: Any, keys: mx.array) -> None:
         )
 
 
+def kv_signature(cache: Any) -> tuple[object, ...]:
+    """(class name, dtype, kv heads, k dim, v dim) of a K/V-array cache holding tokens."""
+    name = type(cache).__name__
+    if cache.keys is None:
+        raise LayoutMismatchError(f"{name} is empty: its layout is unknown")
+    check_single(cache, cache.keys)
+    _, heads, _, k_dim = cache.keys.shape
+    return (name, dtype_name(cache.keys.dtype), heads, k_dim, cache.values.shape[-1])
+
+
 class KVCodec(Codec):
     cache_type = KVCache
 
     def layout(self, cache: KVCache) -> tuple[object, ...]:
-        if cache.keys is None:
-            raise LayoutMismatchError("KVCache is empty: its layout is unknown")
-        check_single(cache, cache.keys)
-        _, heads, _, k_dim = cache.keys.shape
-        return ("KVCache", dtype_name(cache.keys.dtype), heads, k_dim, cache.values.shape[-1])
+        return kv_signature(cache)
 
     def length(self, cache: KVCache) -> int:
         return cache.offset

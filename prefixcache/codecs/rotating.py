@@ -20,7 +20,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from ..stats import MissReason
 from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned
 from .buffer import TokenBuffer
-from .kv import check_single, dtype_name
+from .kv import kv_signature
 
 WINDOW = MissReason.WINDOW_NOT_COVERED
 
@@ -76,13 +76,7 @@ class RotatingKVCodec(Codec):
     missing_reason = WINDOW
 
     def layout(self, cache: RotatingKVCache) -> tuple[object, ...]:
-        if cache.keys is None:
-            raise LayoutMismatchError("RotatingKVCache is empty: its layout is unknown")
-        check_single(cache, cache.keys)
-        _, heads, _, k_dim = cache.keys.shape
-        v_dim = cache.values.shape[-1]
-        dtype = dtype_name(cache.keys.dtype)
-        return ("RotatingKVCache", dtype, heads, k_dim, v_dim, cache.max_size, cache.keep)
+        return (*kv_signature(cache), cache.max_size, cache.keep)
 
     def length(self, cache: RotatingKVCache) -> int:
         return cache.offset
