@@ -40,7 +40,7 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import drop_caches
+from benchlib import drop_caches, read_fresh
 
 from prefixcache.blocks import Block
 from prefixcache.payload import encode_header, payload_path, read_payload, tensors_of
@@ -89,12 +89,6 @@ def raw_seq_read(path: str) -> None:
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buf):
             pass
-
-
-def raw_files_read(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            f.read()
 
 
 def arrays_from_buffer(buf, checksum: int) -> dict[str, mx.array]:
@@ -190,7 +184,7 @@ def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[st
                 shutil.copyfileobj(src, f, 16 * MiB)
     readers = {
         "raw_seq": lambda: raw_seq_read(f"{work}/seq"),
-        "raw_files": lambda: raw_files_read(files),
+        "raw_files": lambda: read_fresh(files),
         "load": lambda: consume(tier.load(k) for k in keys),
         "stream": lambda: consume(tier.load_many(keys)),
         "buf_load": lambda: forced_load(tier, keys, "buffer"),

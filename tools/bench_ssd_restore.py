@@ -32,7 +32,15 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from benchlib import drop_caches, peak_rss, reset_peak_rss, rss, shaped_model, synthetic_cache
+from benchlib import (
+    drop_caches,
+    peak_rss,
+    read_fresh,
+    reset_peak_rss,
+    rss,
+    shaped_model,
+    synthetic_cache,
+)
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.payload import payload_path
@@ -65,12 +73,6 @@ def read_reused(paths: list[str], buf: bytearray) -> None:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(view):
                 pass
-
-
-def read_fresh(paths: list[str]) -> None:
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            f.read()
 
 
 def run(args, model, num_tokens: int, work: str) -> dict[str, float]:

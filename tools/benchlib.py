@@ -54,6 +54,13 @@ def drop_caches(paths: list[str]) -> None:
         os.close(fd)
 
 
+def read_fresh(paths: list[str]) -> None:
+    """Read each file whole into fresh memory (the raw reference of a file set)."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            f.read()
+
+
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
