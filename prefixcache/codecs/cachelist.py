@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
+from ..blocks import join_layers, split_layers
 from ..stats import MissReason
 from .base import Builder, Codec, Has, LayoutMismatchError
 from .registry import codec_for
@@ -21,14 +22,6 @@ from .registry import codec_for
 
 def subs(cache: CacheList) -> list[tuple[Codec, Any]]:
     return [(codec_for(c), c) for c in cache.caches]
-
-
-def split_subs(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
-    out: dict[int, dict[str, mx.array]] = {}
-    for name, arr in arrays.items():
-        sub, _, rest = name.partition(".")
-        out.setdefault(int(sub), {})[rest] = arr
-    return out
 
 
 class CacheListCodec(Codec):
@@ -55,11 +48,10 @@ class CacheListCodec(Codec):
     def cut(
         self, cache: CacheList, start: int, end: int, *, length: int, snapshot: bool = True
     ) -> dict[str, mx.array]:
-        out = {}
-        for j, (codec, c) in enumerate(subs(cache)):
-            part = codec.cut(c, start, end, length=length, snapshot=snapshot)
-            out.update({f"{j}.{name}": arr for name, arr in part.items()})
-        return out
+        # the same "{index}.{name}" scheme as a block's layers, one level down
+        return join_layers(
+            [codec.cut(c, start, end, length=length, snapshot=snapshot) for codec, c in subs(cache)]
+        )
 
     def blocks_needed(self, fresh: CacheList, num_tokens: int, block_size: int) -> Sequence[int]:
         needed = (codec.blocks_needed(c, num_tokens, block_size) for codec, c in subs(fresh))
@@ -94,7 +86,7 @@ class CacheListBuilder(Builder):
         ]
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
-        by_sub = split_subs(arrays)
+        by_sub = split_layers(arrays)
         for j, (builder, needed) in enumerate(self.parts):
             if index in needed:
                 builder.add(index, by_sub.get(j, {}))
