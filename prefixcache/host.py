@@ -1,9 +1,11 @@
-"""HostArray: a block's tensor as bytes in host memory (a view into a read buffer).
+"""A block's tensor as bytes in host memory, as the SSD stream hands it over.
 
-The SSD stream (ssd_stream.py) hands a restore its blocks as HostArrays: views
-into a reused, already-touched read buffer, verified and valid until the next
-block. A builder that takes them (``takes_host``) copies the bytes straight into
-its restore buffer; any other gets MLX arrays from ``to_mx`` (one copy).
+The SSD stream (ssd_stream.py) reads each tensor straight into the restore
+buffer that will hold it when the builder offers a destination (``Placed``:
+the bytes are already where they belong), and otherwise into a reused read
+buffer (``HostArray``: a view, verified, valid until the next block). A builder
+that takes them (``takes_host``) copies a HostArray straight into its restore
+buffer; any other gets MLX arrays from ``to_mx`` (one copy).
 """
 
 from __future__ import annotations
@@ -39,6 +41,41 @@ class HostArray:
         out = mx.array(self.data).view(self.dtype).reshape(self.shape)
         mx.eval(out)
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A tensor the stream already read into the destination its builder gave.
+
+    ``views`` are the destination's contiguous runs in row-major order (valid
+    while the restore buffer is).
+    """
+
+    views: tuple[memoryview, ...]
+    dtype: mx.Dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+    def to_mx(self) -> mx.array:
+        """An evaluated MLX array owning a copy of the bytes (e.g. to promote into hot)."""
+        if self.nbytes == 0:
+            return mx.zeros(self.shape, self.dtype)
+        flat = np.concatenate([np.frombuffer(v, np.uint8) for v in self.views])
+        out = mx.array(flat).view(self.dtype).reshape(self.shape)
+        mx.eval(out)
+        return out
+
+
+def host_bytes(x: mx.array) -> np.ndarray:
+    """A read-only uint8 numpy view of an evaluated MLX array's bytes, shaped like ``host_view``."""
+    if not memoryview(x).c_contiguous:
+        x = mx.array(x)  # copy: numpy needs row-major bytes
+        mx.eval(x)
+    view = np.frombuffer(memoryview(x).cast("B"), np.uint8)
+    return view.reshape(*x.shape[:-1], x.shape[-1] * x.dtype.size) if x.ndim else view
 
 
 def host_view(x: mx.array) -> np.ndarray:

@@ -263,6 +263,7 @@ class PrefixCache:
                     block_size=bs,
                     load=functools.partial(self._load, loader),
                     prepare=loader.prepare,
+                    close=loader.close,
                 )
             except Shortfall as short:
                 depth, reason = short.index, reason or short.reason

@@ -3,11 +3,13 @@
 Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
 up to mlx-lm's 256-token step) filled block by block by slice assignment, so
 there is no growing concatenation and the suffix prefill writes in place.
-Blocks are fed block-major and evaluated one at a time: SSD payloads stream
-through and the peak is the restored cache plus one block (two read buffers).
-Streamed blocks come as HostArrays (views of the SSD stream's read buffer):
-builders that take them copy the bytes straight into their buffers; the others
-get MLX arrays of them.
+Blocks are fed block-major and evaluated one at a time. SSD payloads stream
+through: once the first streamed block has been copied in (which allocates the
+buffers), the stream's reader threads read every later tensor straight into the
+buffer it belongs to (``place``: one copy from the page cache, no read buffer),
+so the peak is the restored cache plus one block. Tensors without such a
+destination come as HostArrays (views of a read buffer): builders that take
+them copy the bytes in; the others get MLX arrays of them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import mlx.core as mx
 
 from .blocks import split_layers
 from .codecs import Codec, LayoutMismatchError, codec_for
-from .host import HostArray
+from .host import HostArray, Placed
 from .stats import MissReason
 
 
@@ -79,8 +81,9 @@ def rebuild(
     num_tokens: int,
     capacity: int,
     block_size: int,
-    load: Callable[[int], tuple[dict[str, mx.array | HostArray], bool]],
-    prepare: Callable[[list[int]], None] | None = None,
+    load: Callable[[int], tuple[dict[str, mx.array | HostArray | Placed], bool]],
+    prepare: Callable[[list[int], Place], None] | None = None,
+    close: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
 
@@ -96,7 +99,11 @@ def rebuild(
             (streamed from SSD) are written into the buffers at once; their
             arrays may be HostArrays, valid until the next ``load``.
         prepare: called once with every chain index ``load`` will be asked
-            for, in that order (e.g. to start reading them ahead).
+            for, in that order, and the ``Place`` function that gives a
+            streamed tensor its destination (e.g. to start reading ahead).
+        close: stops whatever ``prepare`` started; called before the buffers
+            are let go, whether the rebuild succeeds or not (a reader thread
+            must never write into a freed buffer).
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -112,27 +119,55 @@ def rebuild(
     if users and max(users) >= num_blocks:
         raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
     order = sorted(users)
-    if prepare is not None:
-        prepare(order)
-    for index in order:
-        arrays, resident = load(index)
-        layers = split_layers(arrays)
-        if not resident:  # fault in new buffers on MLX's thread while earlier layers copy
-            mx.async_eval([_reserve(builders[i], index, layers.get(i, {})) for i in users[index]])
-        for layer in users[index]:
-            builder = builders[layer]
-            part = layers.get(layer, {})
-            if not getattr(builder, "takes_host", False):
-                part = {n: a.to_mx() if isinstance(a, HostArray) else a for n, a in part.items()}
-            try:
-                builder.add(index, part)
-            except (LayoutMismatchError, KeyError) as err:
-                raise Shortfall(index, _reason(err)) from err
-        if not resident:
-            mx.eval([b.buffers() for b in builders])
+    try:
+        if prepare is not None:
+            prepare(order, _placer(builders, users))
+        for index in order:
+            arrays, resident = load(index)
+            layers = split_layers(arrays)
+            if not resident:  # fault in new buffers on MLX's threads while earlier layers copy
+                reserve = [_reserve(builders[i], index, layers.get(i, {})) for i in users[index]]
+                mx.async_eval(reserve)
+            for layer in users[index]:
+                builder = builders[layer]
+                part = layers.get(layer, {})
+                if not getattr(builder, "takes_host", False):
+                    part = {n: _to_mx(a) for n, a in part.items()}
+                try:
+                    builder.add(index, part)
+                except (LayoutMismatchError, KeyError) as err:
+                    raise Shortfall(index, _reason(err)) from err
+            if not resident:
+                mx.eval([b.buffers() for b in builders])
+    finally:
+        if close is not None:
+            close()
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches
+
+
+Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
+
+
+def _placer(builders: list[Any], users: dict[int, list[int]]) -> Place:
+    """(chain index, flat payload name, dtype, shape) -> where a reader thread may
+    write that tensor, or None. Only for layers that use the block, and only once
+    their builder's buffer exists (``destination``); runs no MLX."""
+    wanted = {index: set(layers) for index, layers in users.items()}
+
+    def place(index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]):
+        head, _, rest = name.partition(".")
+        if not head.isdigit() or int(head) not in wanted.get(index, ()):
+            return None
+        destination = getattr(builders[int(head)], "destination", None)
+        return None if destination is None else destination(index, rest, dtype, shape)
+
+    return place
+
+
+def _to_mx(a: Any) -> Any:
+    return a.to_mx() if isinstance(a, HostArray | Placed) else a
 
 
 def plan(

@@ -1,19 +1,31 @@
-"""Streamed SSD reads for a restore: reader threads fill reused host buffers.
+"""Streamed SSD reads for a restore: reader threads read payloads into their places.
 
-``stream(tier, keys)`` yields the blocks of a chain in order. Blocks on disk are
-read by two reader threads (plain file I/O, xxh3 and header checks: no MLX call
-leaves the caller's thread), each into its own reused read buffer, so block
-i + 1 is read and verified while the caller copies block i into its restore
-buffers. Each file is read and hashed in 1 MiB slices (hashed while still in
-the CPU cache). The kernel is asked to read the next files ahead meanwhile
-(POSIX_FADV_WILLNEED), so the disk queue never runs dry.
+``stream(tier, keys, place)`` yields the blocks of a chain in order. Blocks on
+disk are read by reader threads (plain file I/O, xxh3 and header checks: no MLX
+call leaves the caller's thread), several files in flight, so later blocks are
+read while the caller handles earlier ones. A reader parses the payload's
+header first and asks ``place`` where each tensor goes: once the restore's
+buffers exist (after the first block), that is a slice of the buffer itself,
+so the tensor is read from the page cache straight into the restored cache (one
+copy) and hashed there while it is still in the CPU cache. A tensor with no
+place is read into the reader's reused read buffer.
 
-A yielded :class:`StreamedBlock` holds HostArrays: zero-copy views into the read
-buffer, already verified, valid until the next block is requested. A block
-still queued for the writer is served from the queue (a fresh :class:`Block`),
-as ``SsdTier.load`` does. A block that is missing or fails its checks is
-quarantined (on the caller's thread), counted, and yielded as None: a miss.
-Peak memory: the two read buffers (two payload files).
+Readers other than the first wait until the caller has taken the first block
+(whose copy allocates the buffers), so no read buffer beyond the first block's
+is needed; while they wait they read their next files into a small scratch
+buffer, so the disk fills the page cache during the allocation. Otherwise the
+kernel's own readahead serves each file: asking it to read further ahead
+(POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
+queueing in front of the reads that wait for them.
+
+A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
+place) and HostArrays (zero-copy views into a read buffer, verified, valid until
+the next block is requested). A block still queued for the writer is served
+from the queue (a fresh :class:`Block`), as ``SsdTier.load`` does. A block that
+is missing or fails its checks is quarantined (on the caller's thread), counted,
+and yielded as None: a miss. Its bytes may already be in the restore buffer: the
+restore then stops before that block (the buffers are discarded or the block is
+never exposed).
 """
 
 from __future__ import annotations
@@ -22,15 +34,16 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 import numpy as np
 import xxhash
 
 from .blocks import Block, BlockMeta
-from .host import HostArray
+from .host import HostArray, Placed
 from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header, payload_path
 from .ssd_index import decode_or_none
 
@@ -42,10 +55,15 @@ logger = logging.getLogger(__name__)
 # Read and hash in slices: each is hashed while still in the CPU cache, and
 # xxhash (which holds the GIL) never stalls the caller for long.
 _CHUNK = 1 << 20
-_ADVISE_AHEAD = 4  # payload files handed to the kernel's readahead beyond the one being read
-# Reader threads, each with one read buffer: two reads in flight read a cold file
-# set faster than one (tools/bench_ssd_restore.py); memory: two payload files.
-_READERS = 2
+_IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
+# Reader threads: four reads in flight restored fastest here, cold and warm
+# (2 and 6 were slower); each is mostly in the kernel (GIL released).
+_READERS = 4
+
+# Bytes each waiting reader pulls into the page cache while the buffers are allocated.
+_PRIME_BYTES = 256 << 20
+
+Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +75,7 @@ class StreamedBlock:
     root: bytes
     index: int
     tokens: bytes
-    arrays: dict[str, HostArray]
+    arrays: dict[str, HostArray | Placed]
     nbytes: int
 
     def to_block(self) -> Block:
@@ -74,13 +92,22 @@ class _Job:
     path: str
 
 
-def stream(tier: SsdTier, keys: Sequence[bytes]) -> Iterator[Block | StreamedBlock | None]:
+def stream(
+    tier: SsdTier, keys: Sequence[bytes], place: Place | None = None
+) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
-    Closing the generator early (a restore falling short) stops the reader.
+    Args:
+        place: (chain index, payload tensor name, dtype, shape) -> the
+            destination's contiguous runs in row-major order, or None. Called
+            from reader threads; the destinations must stay valid until the
+            generator is closed.
+
+    Closing the generator (a restore done or falling short) stops the readers
+    and waits for them: after that nothing writes into a destination.
     """
     jobs = [_job(tier, key) for key in keys]
-    readers = _Readers(jobs, min(_READERS, len(jobs)) or 1)
+    readers = _Readers(jobs, min(_READERS, len(jobs)) or 1, place)
     try:
         for i, job in enumerate(jobs):
             buf, result = readers.take(i)
@@ -88,6 +115,7 @@ def stream(tier: SsdTier, keys: Sequence[bytes]) -> Iterator[Block | StreamedBlo
                 yield _result(tier, job, result)
             finally:
                 readers.give_back(i, buf)
+                readers.first_taken.set()
     finally:
         readers.stop()
 
@@ -121,13 +149,13 @@ def _result(
 class _Readers:
     """Reader threads that read and verify the jobs' payload files in parallel.
 
-    Job ``i`` goes to reader ``i % n``, each with ONE reused buffer: a reader
-    starts its next file once the caller gave back the buffer of its last one,
-    so at most ``n`` files are in memory and up to ``n`` reads are in flight.
+    Job ``i`` goes to reader ``i % n``, each with ONE reused read buffer: a
+    reader starts its next file once the caller gave back the buffer of its
+    last one, so up to ``n`` reads are in flight.
     """
 
-    def __init__(self, jobs: list[_Job], n: int):
-        self.jobs, self.n = jobs, n
+    def __init__(self, jobs: list[_Job], n: int, place: Place | None):
+        self.jobs, self.n, self.place = jobs, n, place
         self._free: list[queue.SimpleQueue[np.ndarray | None]] = []
         self._done: list[queue.SimpleQueue[tuple[np.ndarray | None, object]]] = []
         for _ in range(n):
@@ -135,8 +163,7 @@ class _Readers:
             self._done.append(queue.SimpleQueue())
             self._free[-1].put(np.empty(0, np.uint8))
         self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._advised = 0
+        self.first_taken = threading.Event()  # the caller has the first block: places exist
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"prefixcache-ssd-read-{k}")
             for k in range(n)
@@ -157,10 +184,33 @@ class _Readers:
 
     def stop(self) -> None:
         self._stopped.set()
+        self.first_taken.set()  # wakes a reader waiting for the first block
         for free in self._free:
             free.put(None)  # wakes a reader waiting for its buffer
         for t in self._threads:
             t.join()
+
+    def _prime(self, k: int, i: int) -> None:
+        """Until the caller has the first block (its copy allocates the restore
+        buffers, seconds per GiB of fresh memory on some machines), read reader
+        ``k``'s next files from job ``i`` on into a small scratch buffer: the disk
+        fills the page cache meanwhile and the placed reads later copy from it."""
+        scratch = memoryview(bytearray(_CHUNK))
+        budget = _PRIME_BYTES
+        for job in self.jobs[i :: self.n]:
+            if job.meta is None:
+                continue
+            try:
+                with open(job.path, "rb", buffering=0) as f:
+                    while budget > 0 and not self.first_taken.is_set():
+                        n = f.readinto(scratch)
+                        if not n:
+                            break
+                        budget -= n
+            except OSError:
+                pass  # the real read will tell
+            if budget <= 0 or self.first_taken.is_set():
+                return
 
     def _run(self, k: int) -> None:
         try:
@@ -169,36 +219,19 @@ class _Readers:
                 if job.meta is None:
                     self._done[k].put((None, None))
                     continue
-                self._advise(i + 1, i + 1 + _ADVISE_AHEAD)
+                if i > 0:
+                    self._prime(k, i)
+                    self.first_taken.wait()
                 buf = self._free[k].get()
                 if buf is None or self._stopped.is_set():
                     return
                 try:
-                    buf, result = _read(job, buf)
+                    buf, result = _read(job, buf, self.place)
                 except (PayloadError, OSError) as e:
                     result = e
                 self._done[k].put((buf, result))
         except BaseException as e:  # a bug: hand it to the caller instead of hanging it
             self._done[k].put((None, _Crash(e)))
-
-    def _advise(self, start: int, end: int) -> None:
-        """Hand the files of jobs ``[start, end)`` to the kernel's readahead (no waiting)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        with self._lock:
-            todo = self.jobs[max(self._advised, start) : end]
-            self._advised = max(self._advised, end)
-        for job in todo:
-            if job.meta is None:
-                continue
-            try:
-                fd = os.open(job.path, os.O_RDONLY)
-            except OSError:
-                continue  # the read will tell
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
 
 
 class _Crash:
@@ -206,37 +239,87 @@ class _Crash:
         self.error = error
 
 
-def _read(job: _Job, buf: np.ndarray) -> tuple[np.ndarray, StreamedBlock]:
-    """Read, size-check, checksum and parse one payload file into ``buf`` (grown if small)."""
+def _read(job: _Job, buf: np.ndarray, place: Place | None) -> tuple[np.ndarray, StreamedBlock]:
+    """Read, size-check, checksum and parse one payload file; each tensor goes to
+    its place, or into ``buf`` (grown if small)."""
     meta = job.meta
     assert meta is not None
     with open(job.path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
         if size != meta.file_bytes:
             raise PayloadError(f"payload has {size} bytes, index says {meta.file_bytes}")
-        if buf.nbytes < size:
-            buf = np.empty(size, np.uint8)
-        view = memoryview(buf)[:size]
-        hasher = xxhash.xxh3_64()
-        got = 0
-        while got < size:  # hash each chunk while it is still in the CPU cache
-            n = f.readinto(view[got : got + _CHUNK])
-            if not n:
-                raise PayloadError("short read")
-            hasher.update(view[got : got + n])
-            got += n
-    data = buf[:size]
+        head = os.pread(fd, 8, 0)
+        length = _header_length(head, size)
+        text = os.pread(fd, length, 8)
+        if len(text) != length:
+            raise PayloadError("short read")
+        spans = _parse_header(text, job.key, size - 8 - length)
+        hasher = xxhash.xxh3_64(head)
+        hasher.update(text)
+        base = 8 + length
+        dests = []
+        for name, dtype, shape, start, end in spans:
+            dest = place(meta.index, name, _MX_DTYPES[dtype], shape) if place else None
+            dests.append(dest if dest is not None and _nbytes(dest) == end - start else None)
+        pairs = list(zip(spans, dests, strict=True))
+        loose = sum(end - start for (*_, start, end), dest in pairs if dest is None)
+        if buf.nbytes < loose:
+            buf = np.empty(loose, np.uint8)
+        arrays: dict[str, HostArray | Placed] = {}
+        used = 0
+        for (name, dtype, shape, start, end), dest in pairs:
+            if dest is None:
+                data = buf[used : used + end - start]
+                used += end - start
+                dest = [memoryview(data)]
+                arrays[name] = HostArray(data, _MX_DTYPES[dtype], shape)
+            else:
+                arrays[name] = Placed(tuple(dest), _MX_DTYPES[dtype], shape)
+            _read_into(fd, dest, base + start, hasher)
     if hasher.intdigest() != meta.checksum:
         raise PayloadError("payload checksum mismatch")
-    length = _header_length(bytes(data[:8]), size)
-    spans = _parse_header(bytes(data[8 : 8 + length]), job.key, size - 8 - length)
-    base = 8 + length
-    arrays = {
-        name: HostArray(data[base + start : base + end], _MX_DTYPES[dtype], shape)
-        for name, dtype, shape, start, end in spans
-    }
     nbytes = size - base
     if nbytes != meta.nbytes:
         raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
     block = StreamedBlock(meta.key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
     return buf, block
+
+
+def _nbytes(views: list[memoryview]) -> int:
+    return sum(v.nbytes for v in views)
+
+
+def _read_into(fd: int, views: list[memoryview], offset: int, hasher: xxhash.xxh3_64) -> None:
+    """Fill ``views`` in order from ``offset`` of ``fd`` and hash them, in slices of
+    about _CHUNK bytes (each hashed while still in the CPU cache)."""
+    views = [v.cast("B") for v in views if v.nbytes]
+    todo: list[memoryview] = []
+    for v in views:  # split big runs so each slice is hashed while cached
+        todo += [v[i : i + _CHUNK] for i in range(0, v.nbytes, _CHUNK)]
+    while todo:
+        batch, size = [], 0
+        while todo and size < _CHUNK and len(batch) < _IOV_MAX:
+            batch.append(todo.pop(0))
+            size += batch[-1].nbytes
+        got = 0
+        while got < size:
+            n = os.preadv(fd, _skip(batch, got), offset + got)
+            if n <= 0:
+                raise PayloadError("short read")
+            got += n
+        for v in batch:
+            hasher.update(v)
+        offset += size
+
+
+def _skip(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes (after a short read)."""
+    out = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        out.append(v[n:])
+        n = 0
+    return out

@@ -19,6 +19,7 @@ from .hot import HotTier
 from .stats import MissReason, Stats
 
 if TYPE_CHECKING:
+    from .restore import Place
     from .ssd import SsdTier
     from .ssd_stream import StreamedBlock
 
@@ -157,10 +158,11 @@ class Tiers:
 
 class ChainLoad:
     """Loads the blocks of one restore in chain order: hot ones from hot, the
-    rest streamed from SSD (ssd_stream.py: a reader thread reads block i + 1
-    while block i is copied; streamed blocks are HostArray views, valid until
-    the next load). ``loaded`` collects SSD blocks to promote, as MLX copies,
-    while hot has room for them (and ``promote`` is on)."""
+    rest streamed from SSD (ssd_stream.py: reader threads read later blocks,
+    straight into their place in the restore buffers, while earlier ones are
+    handled; HostArray views are valid until the next load). ``loaded``
+    collects SSD blocks to promote, as MLX copies, while hot has room for them
+    (and ``promote`` is on)."""
 
     def __init__(self, tiers: Tiers, keys: list[bytes]):
         self.tiers, self.keys = tiers, keys
@@ -169,8 +171,9 @@ class ChainLoad:
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: deque[bytes] = deque()
 
-    def prepare(self, indices: list[int]) -> None:
-        """Start reading the SSD blocks among ``indices`` (the order of the loads)."""
+    def prepare(self, indices: list[int], place: Place | None = None) -> None:
+        """Start reading the SSD blocks among ``indices`` (the order of the loads),
+        each tensor into its ``place`` when it has one (see ssd_stream)."""
         self.close()
         if self.tiers.ssd is None:
             return
@@ -178,7 +181,7 @@ class ChainLoad:
 
         self._order = deque(self.keys[i] for i in indices if self.keys[i] not in self.tiers.hot)
         if self._order:
-            self._stream = stream(self.tiers.ssd, list(self._order))
+            self._stream = stream(self.tiers.ssd, list(self._order), place)
 
     def load(self, index: int) -> tuple[Block | StreamedBlock | None, bool]:
         """(block, whether it is hot); (None, False) if unusable."""
@@ -196,7 +199,7 @@ class ChainLoad:
         return block, hot
 
     def close(self) -> None:
-        """Stop the stream (its reader thread); safe to call more than once."""
+        """Stop the stream and wait for its readers; safe to call more than once."""
         if self._stream is not None:
             self._stream.close()  # type: ignore[attr-defined]
             self._stream = None

@@ -1,19 +1,26 @@
-"""ssd_stream: verified zero-copy views, misses for bad blocks, queued blocks, early stop."""
+"""ssd_stream: verified zero-copy views, reads into their place, misses for bad blocks,
+queued blocks, early stop."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from ssd_child import block_key, check_block, make_block
+from conftest import QUANT_LLAMA, live_logits, max_diff, prefill, prompt, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache import manager as manager_module
 from prefixcache.blocks import Block
 from prefixcache.codecs.base import LayoutMismatchError
 from prefixcache.codecs.buffer import TokenBuffer
-from prefixcache.host import HostArray
+from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.host import HostArray, Placed
 from prefixcache.payload import payload_path
 from prefixcache.ssd import SsdTier
 from prefixcache.ssd_stream import StreamedBlock, stream
@@ -122,3 +129,146 @@ def test_token_buffer_copies_host_arrays_in_place():
     assert not out[:, :, 12:].any()  # headroom is zero
     with pytest.raises(LayoutMismatchError):
         buf.add(12, HostArray(np.zeros(64, np.uint8), mx.bfloat16, (1, 1, 4, 8)))
+
+
+def placed_into(dest: dict[str, np.ndarray], skip: set[int], names: set[str]):
+    """A place function writing tensors of ``names`` into ``dest`` (chain-long, per name)."""
+
+    def place(index, name, dtype, shape):
+        if index in skip or name not in names:
+            return None
+        region = dest[name][:, :, index * 16 : (index + 1) * 16, :]
+        return [memoryview(region[b, h]) for b in range(shape[0]) for h in range(shape[1])]
+
+    return place
+
+
+def chain_dest(n: int) -> dict[str, np.ndarray]:
+    out = {}
+    for name, (dtype, _, shape) in LAYOUT.items():
+        out[name] = np.zeros((*shape[:2], 16 * n, shape[3] * dtype.size), np.uint8)
+    return out
+
+
+def test_tensors_are_read_straight_into_their_place(tier):
+    keys = stored(tier, 6, 4)
+    dest = chain_dest(4)
+    place = placed_into(dest, skip={0}, names={"0.keys", "0.values", "1.keys"})
+    for block in stream(tier, keys, place):
+        kinds = {name: type(a) for name, a in block.arrays.items()}
+        if block.index == 0:  # no place for it: the read buffer
+            assert set(kinds.values()) == {HostArray}
+        else:
+            assert kinds == {
+                "0.keys": Placed,
+                "0.values": Placed,
+                "1.keys": Placed,
+                "1.values": HostArray,
+            }
+        check_block(block.to_block())  # Placed.to_mx reads the bytes back from the place
+    for name, bits in expected_bits(block_key(6, 1)).items():
+        if name != "1.values":
+            got = dest[name][:, :, 16:32, :].view(bits.dtype)
+            np.testing.assert_array_equal(got, bits)  # the bytes landed where they belong
+    assert not dest["0.keys"][:, :, :16].any()  # block 0 was not placed: untouched
+    assert not dest["1.values"].any()
+
+
+def test_a_bad_placed_block_is_still_a_miss(tier):
+    keys = stored(tier, 7, 4)
+    path = payload_path(os.path.join(tier.path, "blocks"), keys[2])
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dest = chain_dest(4)
+    out = list(stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
+    assert out[2] is None  # its bytes may sit in the place: the caller stops before it
+    assert all(isinstance(a, Placed) for a in out[3].arrays.values())
+    assert tier.stats()["num_corrupt"] == 1 and tier.get_meta(keys[2]) is None
+
+
+def test_no_reader_writes_into_a_place_after_close(tier):
+    keys = stored(tier, 8, 12)
+    dest = chain_dest(12)
+    gen = stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT)))
+    next(gen)
+    gen.close()
+    assert not reader_threads()  # stopped AND joined before close returned
+    before = {name: d.copy() for name, d in dest.items()}
+    time.sleep(0.05)
+    for name, d in dest.items():
+        np.testing.assert_array_equal(d, before[name])
+    assert not dest["0.keys"][:, :, 16 * 8 :].any()  # readers never got that far
+
+
+def test_token_buffer_stays_in_place_once_streamed_into():
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(0, 1 << 16, (1, 2, 4, 8), dtype=np.uint16) for _ in range(3)]
+    buf = TokenBuffer(16)
+    assert buf.destination(0, mx.bfloat16, (1, 2, 4, 8)) is None  # no buffer yet
+    buf.add(0, HostArray(parts[0].reshape(-1).view(np.uint8), mx.bfloat16, parts[0].shape))
+    array = buf.array
+    address = np.asarray(memoryview(array).cast("B")).ctypes.data
+    buf.add(4, mx.array(parts[1]).view(mx.bfloat16))  # a hot block after a streamed one
+    views = buf.destination(8, mx.bfloat16, (1, 2, 4, 8))
+    for view, row in zip(views, parts[2].reshape(2, 4, 8), strict=True):
+        np.asarray(view)[...] = row.view(np.uint8)
+    buf.add(8, Placed(tuple(views), mx.bfloat16, (1, 2, 4, 8)))
+    out = buf.materialize()
+    assert out is array and np.asarray(memoryview(out).cast("B")).ctypes.data == address
+    got = np.array(out.view(mx.uint16))
+    np.testing.assert_array_equal(got[:, :, :12], np.concatenate(parts, axis=2))
+    assert buf.destination(8, mx.float16, (1, 2, 4, 8)) is None  # wrong dtype
+    assert buf.destination(14, mx.bfloat16, (1, 2, 4, 8)) is None  # past the end
+    assert buf.destination(0, mx.bfloat16, (1, 1, 4, 8)) is None  # wrong heads
+
+
+@pytest.mark.parametrize("kv", [None, (8, 32, 0)], ids=["fp", "kv8"])
+def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypatch, kv):
+    """Through a real fetch: every block after the first arrives Placed, and the
+    restore is exact; a block corrupted in the middle cuts the match there."""
+    model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
+    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    if kv is not None:
+        cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
+    seen: list[tuple[int, set[type]]] = []
+    real = manager_module.rebuild
+
+    def watched(*args, load, **kwargs):
+        def load_and_note(index):
+            arrays, resident = load(index)
+            seen.append((index, {type(a) for a in arrays.values()}))
+            return arrays, resident
+
+        return real(*args, load=load_and_note, **kwargs)
+
+    monkeypatch.setattr(manager_module, "rebuild", watched)
+    tokens = prompt(9, 6 * 16 + 5)
+    with PrefixCache(model, cfg, model_id="tiny") as pc:
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache, kv=kv)
+        pc.store(tokens, cache)
+        pc.flush()
+        assert pc.stats()["hot"]["num_blocks"] == 0  # every block is on the SSD only
+        restored, num = pc.fetch(tokens)
+        assert num == 6 * 16
+        assert seen[0] == (0, {HostArray})  # the first block allocates the buffers
+        assert all(kinds == {Placed} for _, kinds in seen[1:]) and len(seen) == 6
+        logits = prefill(model, tokens[num:], restored, kv=kv)
+        assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
+
+        victim = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[3])
+        path = payload_path(os.path.join(pc.ssd.path, "blocks"), victim.key)
+        with open(path, "r+b") as f:  # flip a byte of the last tensor
+            f.seek(-2, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x55]))
+        restored, num = pc.fetch(tokens)
+        assert num == 3 * 16  # cut before the bad block, whose bytes were placed
+        logits = prefill(model, tokens[num:], restored, kv=kv)
+        assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
+        negative = prefill(model, tokens[num + 1 :], pc.fetch(tokens)[0], kv=kv)
+        assert max_diff(negative, live_logits(model, tokens, num, kv=kv)) > 0.0

@@ -5,18 +5,24 @@ head_dim 128, bf16), stores it through a real PrefixCache on the SSD tier
 (``hot_max_bytes=1, promote=False``, then ``flush()``), and measures in ONE run,
 interleaved and repeated (medians), cold (page cache dropped, as root) and warm:
 
-  seq         sequential read of ONE file of the same total size, 1 MiB reused
-              buffer (``dd bs=1M``): the disk / page-cache reference
-  files       read of the payload files themselves, in chain order, into one
-              reused buffer: the same I/O the fetch has to do, nothing else
-  files_new   the payload files read into fresh memory (``f.read()``)
-  fetch       PrefixCache.fetch of the whole chain (GB/s of payload file bytes);
-              the restored cache is dropped before the next run
+  seq          ONE file of the same total size read sequentially into a reused
+               1 MiB buffer (``dd bs=1M``): what the disk / page cache delivers
+  seq_new      that file read whole into fresh memory (``f.read()``): the raw
+               read whose result, like a restore's, is the bytes in new RAM
+  seq_full     that file read into a reused buffer of its size (already touched)
+  files        the payload files themselves into one reused buffer (diagnostic)
+  fetch        PrefixCache.fetch of the whole chain (GB/s of payload file
+               bytes); the restored cache is dropped before the next run
+  fetch_reuse  the same with MLX's buffer cache large enough to keep the freed
+               restore buffers (``mx.set_cache_limit``: MLX's default on Metal,
+               a setting on the CPU), so no fresh page is touched: vs seq_full
 
 plus the fetch's peak memory (MLX peak above the start, and the process's
 peak RSS above the start) against the restored bytes + one block. Ratios are
 medians of per-repetition ratios (each against the reference measured just
-before it: the disk drifts).
+before it: the disk drifts). Cold drops the page cache only by default
+(``--drop 1``, as after a process restart); ``--drop 3`` drops dentries and
+inodes too (as after a reboot: every payload file's metadata is read again).
 
     python tools/bench_ssd_restore.py --tokens 4096 8192 --repeat 5
 """
@@ -57,13 +63,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default=None, help="parent directory (default: system temp)")
-    p.add_argument(
-        "--mx-cache-limit",
-        type=int,
-        default=None,
-        metavar="MIB",
-        help="mx.set_cache_limit: let MLX keep freed buffers (a server's steady state)",
-    )
+    p.add_argument("--drop", type=int, choices=(1, 3), default=1, help="drop_caches level")
     return p
 
 
@@ -98,11 +98,13 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
     files = [payload_path(f"{work}/ssd/blocks", m.key) for m in metas]
     total = sum(m.file_bytes for m in metas)
     block_bytes = max(m.nbytes for m in metas)
-    with open(f"{work}/seq", "wb") as out:  # one file of the same total size
+    seq = f"{work}/seq"
+    with open(seq, "wb") as out:  # one file of the same total size
         for path in files:
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, out, 16 * MiB)
-    seq_buf, file_buf = bytearray(MiB), bytearray(max(m.file_bytes for m in metas))
+    small, file_buf = bytearray(MiB), bytearray(max(m.file_bytes for m in metas))
+    full = np.ones(total, np.uint8)  # touched once, reused
     restored: dict[str, int] = {}
 
     def fetch() -> None:
@@ -111,21 +113,31 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
         restored["bytes"] = sum(c.keys.nbytes + c.values.nbytes for c in caches)
         del caches
 
+    def fetch_reuse() -> None:
+        mx.set_cache_limit(4 * total)
+        fetch()
+
     readers = {
-        "seq": lambda: read_reused([f"{work}/seq"], seq_buf),
+        "seq": lambda: read_reused([seq], small),
+        "seq_new": lambda: read_fresh([seq]),
+        "seq_full": lambda: read_into(seq, full),
         "files": lambda: read_reused(files, file_buf),
-        "files_new": lambda: read_fresh(files),
         "fetch": fetch,
+        "fetch_reuse": fetch_reuse,
     }
+    default_limit = mx.set_cache_limit(0)
     speed: dict[str, list[float]] = {}
     peaks_mx, peaks_rss = [], []
     for _ in range(args.repeat):
         for mode in ("cold", "warm"):
             for name, fn in readers.items():
+                mx.set_cache_limit(default_limit)
+                if name != "fetch_reuse":
+                    mx.clear_cache()  # fresh buffers: nothing left from a reuse run
+                if mode == "warm" or name == "fetch_reuse":
+                    fn()  # prime the page cache / MLX's buffer cache
                 if mode == "cold":
-                    drop_caches([f"{work}/seq", *files])
-                else:
-                    fn()  # prime the page cache
+                    drop_caches([seq, *files], args.drop)
                 gc.collect()
                 base_mx, base_rss = mx.get_active_memory(), rss()
                 mx.reset_peak_memory()
@@ -137,13 +149,15 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
                 if name == "fetch":
                     peaks_mx.append(mx.get_peak_memory() - base_mx)
                     peaks_rss.append(peak_rss() - base_rss)
+    mx.set_cache_limit(default_limit)
+    mx.clear_cache()
     stats = pc.stats()
     pc.close()
     out = {name: statistics.median(v) for name, v in speed.items()}
     for mode in ("cold", "warm"):
-        for ref in ("seq", "files", "files_new"):
-            pairs = zip(speed[f"fetch_{mode}"], speed[f"{ref}_{mode}"], strict=True)
-            out[f"{mode}_vs_{ref}"] = statistics.median(x / y for x, y in pairs)
+        for got, ref in RATIOS:
+            pairs = zip(speed[f"{got}_{mode}"], speed[f"{ref}_{mode}"], strict=True)
+            out[f"{mode}_{got}_vs_{ref}"] = statistics.median(x / y for x, y in pairs)
     out.update(
         tokens=num_tokens,
         payload_mib=total / MiB,
@@ -157,41 +171,55 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
     return out
 
 
-COLUMNS = [  # (key, header, format)
-    ("tokens", "tokens", "{:.0f}"), ("payload_mib", "MiB", "{:.0f}"),
-    ("seq_cold", "seq", "{:.2f}"), ("files_cold", "files", "{:.2f}"),
-    ("files_new_cold", "files_new", "{:.2f}"), ("fetch_cold", "fetch", "{:.2f}"),
-    ("seq_warm", "seq", "{:.2f}"), ("files_warm", "files", "{:.2f}"),
-    ("files_new_warm", "files_new", "{:.2f}"), ("fetch_warm", "fetch", "{:.2f}"),
-    ("cold_vs_seq", "c/seq", "{:.0%}"), ("cold_vs_files", "c/files", "{:.0%}"),
-    ("warm_vs_seq", "w/seq", "{:.0%}"), ("warm_vs_files", "w/files", "{:.0%}"),
-    ("warm_vs_files_new", "w/new", "{:.0%}"),
-    ("restored_mib", "cache", "{:.0f}"), ("budget_mib", "+1 blk", "{:.0f}"),
-    ("peak_mx_mib", "peak mx", "{:.0f}"), ("peak_rss_mib", "peak rss", "{:.0f}"),
-]  # fmt: skip
+def read_into(path: str, buf: np.ndarray) -> None:
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(buf)
+        got = 0
+        while n := f.readinto(view[got:]):
+            got += n
+
+
+RATIOS = [
+    ("fetch", "seq_new"),
+    ("fetch_reuse", "seq_full"),
+    ("fetch", "seq"),
+    ("fetch_reuse", "seq"),
+]
+SPEEDS = ["seq", "seq_new", "seq_full", "files", "fetch", "fetch_reuse"]
 
 
 def print_table(rows: list[dict[str, float]]) -> None:
     print(
         "\nGB/s of payload file bytes; cold = page cache dropped, warm = from page cache.\n"
-        "seq: one file of the same total size (1 MiB reused buffer); files: the payload files\n"
-        "into one reused buffer; files_new: the payload files into fresh memory (f.read());\n"
-        "fetch: PrefixCache.fetch of the chain from the SSD tier. Ratios: fetch vs reference\n"
-        "(median of per-repetition ratios). Memory in MiB: restored cache, cache + one block,\n"
-        "fetch peak above the start (MLX allocations; process RSS incl. host read buffers)."
+        "seq: one file of the same total size into a reused 1 MiB buffer; seq_new: that file\n"
+        "into fresh memory (f.read()); seq_full: into a reused, touched buffer of its size;\n"
+        "files: the payload files into one reused buffer; fetch: PrefixCache.fetch of the chain\n"
+        "from the SSD tier; fetch_reuse: the same with MLX keeping freed buffers for reuse.\n"
+        "Ratios: medians of per-repetition ratios. Memory in MiB (fetch): restored cache,\n"
+        "cache + one block, peak above the start (MLX; process RSS incl. read buffers)."
     )
-    head = [h for _, h, _ in COLUMNS]
-    lines = [head, ["", "", *["cold"] * 4, *["warm"] * 4, *["ratio"] * 5, *["memory"] * 4]]
-    lines += [[fmt.format(r[key]) for key, _, fmt in COLUMNS] for r in rows]
+    head = ["tokens", "MiB", "mode", *SPEEDS, *(f"{a}/{b}" for a, b in RATIOS)]
+    lines = [head]
+    for r in rows:
+        for mode in ("cold", "warm"):
+            lines.append(
+                [f"{r['tokens']:.0f}", f"{r['payload_mib']:.0f}", mode]
+                + [f"{r[f'{name}_{mode}']:.2f}" for name in SPEEDS]
+                + [f"{r[f'{mode}_{a}_vs_{b}']:.0%}" for a, b in RATIOS]
+            )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+    print("\ntokens  cache  +1 blk  peak mx  peak rss")
+    for r in rows:
+        print(
+            f"{r['tokens']:6.0f}  {r['restored_mib']:5.0f}  {r['budget_mib']:6.0f}  "
+            f"{r['peak_mx_mib']:7.0f}  {r['peak_rss_mib']:8.0f}"
+        )
 
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
-    if args.mx_cache_limit is not None:
-        mx.set_cache_limit(args.mx_cache_limit * MiB)
     model = shaped_model(args)
     rows = []
     for num_tokens in args.tokens:
@@ -202,10 +230,10 @@ def main() -> None:
             shutil.rmtree(work)
         print(
             f"{num_tokens} tokens ({row['payload_mib']:.0f} MiB): fetch cold "
-            f"{row['fetch_cold']:.2f} GB/s ({row['cold_vs_seq']:.0%} of seq, "
-            f"{row['cold_vs_files']:.0%} of files) | warm {row['fetch_warm']:.2f} GB/s "
-            f"({row['warm_vs_seq']:.0%} of seq, {row['warm_vs_files']:.0%} of files) | "
-            f"peak {row['peak_mx_mib']:.0f} MiB (cache + 1 block: {row['budget_mib']:.0f})",
+            f"{row['fetch_cold']:.2f} GB/s ({row['cold_fetch_vs_seq_new']:.0%} of seq_new, "
+            f"{row['cold_fetch_vs_seq']:.0%} of seq) | warm {row['fetch_warm']:.2f} GB/s "
+            f"({row['warm_fetch_vs_seq_new']:.0%} of seq_new, {row['warm_fetch_vs_seq']:.0%} of "
+            f"seq) | peak {row['peak_mx_mib']:.0f} MiB (cache + 1 block: {row['budget_mib']:.0f})",
             flush=True,
         )
     print_table(rows)

@@ -39,12 +39,13 @@ def synthetic_cache(args, num_tokens: int) -> list[KVCache]:
     return cache
 
 
-def drop_caches(paths: list[str]) -> None:
-    """Empty the page cache (as root), else advise the kernel to drop these files."""
+def drop_caches(paths: list[str], level: int = 3) -> None:
+    """Empty the kernel's caches (as root; level 1: the page cache, 3: also dentries
+    and inodes), else advise the kernel to drop these files' pages."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
+            f.write(str(level))
         return
     except OSError:
         pass

@@ -1,19 +1,25 @@
 """TokenBuffer: one (B, heads, capacity, dim) buffer assembled from token-axis segments.
 
 Segments of blocks already in memory (hot) are joined by ONE concatenate with
-the zero headroom: every byte is written once. Blocks streamed from SSD arrive
-as HostArrays (views into the stream's read buffer) and are copied straight
-into the evaluated buffer at once (one memcpy per head, no MLX array per
-block), so only one block is in flight. Either way the result is a single
-buffer of final length plus headroom that the next prefill writes into in place.
+the zero headroom: every byte is written once. Blocks streamed from SSD need the
+buffer at once: it is allocated (faulted in on MLX's threads, see ``reserve``)
+and from then on written only through a host view of its memory, so its address
+never changes: the SSD stream reads later blocks straight into it
+(``destination``; they arrive as ``Placed``), a HostArray is copied in at once,
+and a hot segment after that is copied in the same way. Either way the result is
+a single buffer of final length plus headroom that the next prefill writes into
+in place.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import mlx.core as mx
 import numpy as np
 
-from ..host import HostArray, host_view
+from ..host import HostArray, Placed, host_bytes, host_view
 from .base import LayoutMismatchError
 
 
@@ -22,15 +28,23 @@ class TokenBuffer:
         self.capacity = capacity
         self.array: mx.array | None = None
         self._pending: list[tuple[int, mx.array]] = []
-        self._host: np.ndarray | None = None  # byte view of ``array`` while it is current
+        # Byte view of ``array`` once it is written in place; set once, never reset
+        # (reader threads hold destinations into it).
+        self._host: np.ndarray | None = None
 
-    def add(self, start: int, x: mx.array | HostArray) -> None:
+    def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
 
-        A HostArray is copied in at once (it is only valid until the next block).
+        A HostArray is copied in at once (it is only valid until the next block);
+        a Placed tensor is already in place.
         """
-        if isinstance(x, HostArray):
-            self._write(start, x)
+        if isinstance(x, Placed):
+            if self._host is None or self._fit(start, x) is None:
+                raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
+        elif isinstance(x, HostArray):
+            self._write(start, x, x.rows())
+        elif self._host is not None:
+            self._write(start, x, host_bytes(x))
         else:
             self._pending.append((start, x))
 
@@ -38,21 +52,38 @@ class TokenBuffer:
         """Allocate (lazily) the zero buffer a first streamed ``x`` will be copied into.
 
         Returns the new buffer to schedule (``mx.async_eval``), so the pages of
-        every layer's buffer are faulted in on MLX's thread while earlier layers
+        every layer's buffer are faulted in on MLX's threads while earlier layers
         are copied; [] when there is nothing to allocate.
         """
         if not isinstance(x, HostArray) or self.array is not None or self._pending:
             return []
         if len(x.shape) != 4:
             return []  # _write reports it
-        self.array = mx.zeros((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+        shape = (*x.shape[:2], self.capacity, x.shape[3])
+        self.array = mx.zeros(shape, x.dtype, stream=_alloc_stream())
         return [self.array]
+
+    def destination(
+        self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]
+    ) -> list[memoryview] | None:
+        """Where a streamed tensor of ``dtype`` and ``shape`` for tokens from
+        ``start`` goes: the contiguous runs of the buffer in row-major order,
+        or None when the buffer is not written in place yet or it does not fit.
+
+        Safe from a reader thread: reads only the view, which never changes once set.
+        """
+        host = self._host
+        region = None if host is None else self._fit(start, Placed((), dtype, shape))
+        if region is None:
+            return None
+        # each (batch, head) row is contiguous; never reshape: a copy would swallow the bytes
+        batch, heads = region.shape[:2]
+        return [memoryview(region[b, h]) for b in range(batch) for h in range(heads)]
 
     def materialize(self) -> mx.array | None:
         """Write the queued segments; returns the buffer (lazy) or None if empty."""
         if not self._pending:
             return self.array
-        self._host = None
         if self.array is None:
             self.array = self._allocate(self._pending[0][1])
         else:
@@ -61,24 +92,32 @@ class TokenBuffer:
         self._pending.clear()
         return self.array
 
-    def _write(self, start: int, x: HostArray) -> None:
+    def _fit(self, start: int, x: HostArray | Placed) -> np.ndarray | None:
+        """The region of the host view for ``x`` at ``start``, or None if it does not fit."""
+        host, array = self._host, self.array
+        if host is None or array is None or len(x.shape) != 4 or x.dtype != array.dtype:
+            return None
+        b, h, cap, d = array.shape
+        n = x.shape[2]
+        if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or not 0 <= start <= cap - n:
+            return None
+        return host[:, :, start : start + n, :]
+
+    def _write(self, start: int, x: HostArray | mx.array, rows: np.ndarray) -> None:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-        self.reserve(x)
-        self.materialize()
         if self._host is None:
+            self.reserve(x)
+            self.materialize()  # hot segments queued before: joined once, then in place
             mx.eval(self.array)
             self._host = host_view(self.array)
-        b, h, cap, d = self.array.shape
-        n = x.shape[2]
-        if x.dtype != self.array.dtype or (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d):
+        region = self._fit(start, x)
+        if region is None:
             raise LayoutMismatchError(
-                f"block tensor {x.dtype}{x.shape} does not fit buffer {self.array.dtype}"
-                f"{self.array.shape}"
+                f"block tensor {x.dtype}{tuple(x.shape)} at token {start} does not fit "
+                f"buffer {self.array.dtype}{self.array.shape}"
             )
-        if not 0 <= start <= cap - n:
-            raise LayoutMismatchError(f"tokens {start}..{start + n} outside the buffer ({cap})")
-        self._host[:, :, start : start + n, :] = x.rows()  # releases the GIL
+        region[...] = rows  # releases the GIL
 
     def _allocate(self, like: mx.array) -> mx.array:
         parts: list[mx.array] = []
@@ -97,3 +136,20 @@ class TokenBuffer:
 def _zeros_like(x: mx.array, tokens: int) -> mx.array:
     # a broadcast: concatenate reads it without a transient buffer of zeros
     return mx.broadcast_to(mx.zeros((1, 1, 1, 1), x.dtype), (*x.shape[:2], tokens, x.shape[3]))
+
+
+_streams: itertools.cycle | None = None
+_streams_lock = threading.Lock()
+
+
+def _alloc_stream() -> mx.Stream:
+    """Alternate new restore buffers between two CPU streams (each its own thread):
+    faulting in fresh pages is the bulk of a restore's cost on the CPU, and two
+    threads do it ~1.7x faster (tools/bench_ssd_restore.py). Other devices: the default."""
+    global _streams
+    with _streams_lock:
+        if _streams is None:
+            default = mx.default_stream(mx.default_device())
+            extra = [mx.new_stream(mx.cpu)] if default.device == mx.cpu else []
+            _streams = itertools.cycle([default, *extra])
+        return next(_streams)

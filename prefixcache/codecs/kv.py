@@ -71,7 +71,7 @@ class KVBuilder(Builder):
     its current chunk); ``missing`` is the miss reason of a block without keys.
     """
 
-    takes_host = True  # TokenBuffer copies streamed HostArrays in directly
+    takes_host = True  # TokenBuffer takes streamed HostArrays and Placed tensors
     missing = MissReason.LAYOUT_MISMATCH
 
     def __init__(
@@ -94,6 +94,15 @@ class KVBuilder(Builder):
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
         """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
         return self.keys.reserve(arrays.get("keys")) + self.values.reserve(arrays.get("values"))
+
+    def destination(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
+    ) -> list[memoryview] | None:
+        """Where the SSD stream may read block ``index``'s ``name`` tensor (see TokenBuffer)."""
+        buf = {"keys": self.keys, "values": self.values}.get(name)
+        if buf is None:
+            return None
+        return buf.destination(index * self.block_size - self.first, dtype, shape)
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

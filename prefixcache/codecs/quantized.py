@@ -8,9 +8,12 @@ on restore with ``mx.quantize``, which matches ``KVCache.to_quantized`` bit for 
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
+from ..host import HostArray
 from .base import Builder, Codec, LayoutMismatchError
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
@@ -55,6 +58,8 @@ class QuantizedKVCodec(Codec):
 class QuantizedBuilder(Builder):
     """Assembles packed buffers; fp blocks are quantized on the way in."""
 
+    takes_host = True  # TokenBuffer takes streamed packed parts; fp ones become MLX arrays
+
     def __init__(self, fresh: QuantizedKVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
         self.num_tokens = num_tokens
@@ -66,7 +71,9 @@ class QuantizedBuilder(Builder):
             return tuple(arrays[f"{name}.{p}"] for p in PARTS)
         if name in arrays:
             c = self.cache
-            return tuple(mx.quantize(arrays[name], group_size=c.group_size, bits=c.bits))
+            x = arrays[name]
+            x = x.to_mx() if isinstance(x, HostArray) else x
+            return tuple(mx.quantize(x, group_size=c.group_size, bits=c.bits))
         raise LayoutMismatchError(f"block payload has no {name!r}")
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
@@ -74,6 +81,24 @@ class QuantizedBuilder(Builder):
         for name, bufs in self.parts.items():
             for buf, p in zip(bufs, self._packed(arrays, name), strict=True):
                 buf.add(start, p)
+
+    def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
+        """Buffers to allocate for a streamed packed block (see TokenBuffer.reserve)."""
+        out: list[mx.array] = []
+        for name, bufs in self.parts.items():
+            for buf, p in zip(bufs, PARTS, strict=True):
+                out += buf.reserve(arrays.get(f"{name}.{p}"))
+        return out
+
+    def destination(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
+    ) -> list[memoryview] | None:
+        """Where the SSD stream may read a packed part of block ``index`` (see TokenBuffer)."""
+        kind, _, part = name.partition(".")
+        if kind not in self.parts or part not in PARTS:
+            return None
+        buf = self.parts[kind][PARTS.index(part)]
+        return buf.destination(index * self.block_size, dtype, shape)
 
     def buffers(self) -> list[mx.array]:
         out = (b.materialize() for bufs in self.parts.values() for b in bufs)
