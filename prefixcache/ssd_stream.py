@@ -56,9 +56,10 @@ logger = logging.getLogger(__name__)
 # xxhash (which holds the GIL) never stalls the caller for long.
 _CHUNK = 1 << 20
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
-# Reader threads: four reads in flight restored fastest here, cold and warm
-# (2 and 6 were slower); each is mostly in the kernel (GIL released).
-_READERS = 4
+# Reader threads, one per core up to four: each is mostly in the kernel copying
+# (GIL released). On 2 cores, 2 readers streamed from the page cache at ~6.9 GB/s
+# and 4 at ~5.2; cold, 2-4 were alike (tools/bench_ssd_restore.py).
+_READERS = min(4, max(2, os.cpu_count() or 2))
 
 # Bytes each waiting reader pulls into the page cache while the buffers are allocated.
 _PRIME_BYTES = 256 << 20
@@ -195,6 +196,8 @@ class _Readers:
         buffers, seconds per GiB of fresh memory on some machines), read reader
         ``k``'s next files from job ``i`` on into a small scratch buffer: the disk
         fills the page cache meanwhile and the placed reads later copy from it."""
+        if not hasattr(os, "RWF_NOWAIT"):
+            return  # cannot tell a cached file: priming a warm one only costs CPU
         scratch = memoryview(bytearray(_CHUNK))
         budget = _PRIME_BYTES
         for job in self.jobs[i :: self.n]:
@@ -202,6 +205,8 @@ class _Readers:
                 continue
             try:
                 with open(job.path, "rb", buffering=0) as f:
+                    if _cached(f.fileno(), job.meta.file_bytes):
+                        continue
                     while budget > 0 and not self.first_taken.is_set():
                         n = f.readinto(scratch)
                         if not n:
@@ -232,6 +237,15 @@ class _Readers:
                 self._done[k].put((buf, result))
         except BaseException as e:  # a bug: hand it to the caller instead of hanging it
             self._done[k].put((None, _Crash(e)))
+
+
+def _cached(fd: int, size: int) -> bool:
+    """Whether the file's last byte is in the page cache (files are written and
+    read whole, so it stands for the file)."""
+    try:
+        return os.preadv(fd, [bytearray(1)], max(size - 1, 0), os.RWF_NOWAIT) == 1
+    except OSError:
+        return False  # EAGAIN: not cached (or the flag is unsupported here)
 
 
 class _Crash:

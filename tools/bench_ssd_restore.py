@@ -17,8 +17,9 @@ interleaved and repeated (medians), cold (page cache dropped, as root) and warm:
                restore buffers (``mx.set_cache_limit``: MLX's default on Metal,
                a setting on the CPU), so no fresh page is touched: vs seq_full
 
-plus the fetch's peak memory (MLX peak above the start, and the process's
-peak RSS above the start) against the restored bytes + one block. Ratios are
+plus the fetch's peak MLX memory above the start against the restored bytes +
+one block (the only read buffer is the first block's: a numpy array of one
+payload file; every later tensor is read straight into the cache). Ratios are
 medians of per-repetition ratios (each against the reference measured just
 before it: the disk drifts). Cold drops the page cache only by default
 (``--drop 1``, as after a process restart); ``--drop 3`` drops dentries and
@@ -40,10 +41,7 @@ import mlx.core as mx
 import numpy as np
 from benchlib import (
     drop_caches,
-    peak_rss,
     read_fresh,
-    reset_peak_rss,
-    rss,
     shaped_model,
     synthetic_cache,
 )
@@ -127,7 +125,7 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
     }
     default_limit = mx.set_cache_limit(0)
     speed: dict[str, list[float]] = {}
-    peaks_mx, peaks_rss = [], []
+    peaks_mx = []
     for _ in range(args.repeat):
         for mode in ("cold", "warm"):
             for name, fn in readers.items():
@@ -139,16 +137,14 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
                 if mode == "cold":
                     drop_caches([seq, *files], args.drop)
                 gc.collect()
-                base_mx, base_rss = mx.get_active_memory(), rss()
+                base_mx = mx.get_active_memory()
                 mx.reset_peak_memory()
-                reset_peak_rss()
                 t0 = time.perf_counter()
                 fn()
                 secs = time.perf_counter() - t0
                 speed.setdefault(f"{name}_{mode}", []).append(total / secs / 1e9)
                 if name == "fetch":
                     peaks_mx.append(mx.get_peak_memory() - base_mx)
-                    peaks_rss.append(peak_rss() - base_rss)
     mx.set_cache_limit(default_limit)
     mx.clear_cache()
     stats = pc.stats()
@@ -164,7 +160,6 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
         block_mib=block_bytes / MiB,
         restored_mib=restored["bytes"] / MiB,
         peak_mx_mib=max(peaks_mx) / MiB,
-        peak_rss_mib=max(peaks_rss) / MiB,
         budget_mib=(restored["bytes"] + block_bytes) / MiB,
         ssd_block_hits=stats["ssd_block_hits"],
     )
@@ -196,7 +191,7 @@ def print_table(rows: list[dict[str, float]]) -> None:
         "files: the payload files into one reused buffer; fetch: PrefixCache.fetch of the chain\n"
         "from the SSD tier; fetch_reuse: the same with MLX keeping freed buffers for reuse.\n"
         "Ratios: medians of per-repetition ratios. Memory in MiB (fetch): restored cache,\n"
-        "cache + one block, peak above the start (MLX; process RSS incl. read buffers)."
+        "cache + one block, MLX peak above the start."
     )
     head = ["tokens", "MiB", "mode", *SPEEDS, *(f"{a}/{b}" for a, b in RATIOS)]
     lines = [head]
@@ -210,11 +205,11 @@ def print_table(rows: list[dict[str, float]]) -> None:
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
-    print("\ntokens  cache  +1 blk  peak mx  peak rss")
+    print("\ntokens  cache  +1 blk  peak mx")
     for r in rows:
         print(
             f"{r['tokens']:6.0f}  {r['restored_mib']:5.0f}  {r['budget_mib']:6.0f}  "
-            f"{r['peak_mx_mib']:7.0f}  {r['peak_rss_mib']:8.0f}"
+            f"{r['peak_mx_mib']:7.0f}"
         )
 
 

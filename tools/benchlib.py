@@ -72,15 +72,3 @@ def _status(field: str) -> int:
 
 def rss() -> int:
     return _status("VmRSS:")
-
-
-def peak_rss() -> int:
-    return _status("VmHWM:")
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
