@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
@@ -59,6 +60,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
     group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
+    group.add_argument(
+        "--mx-cache-limit",
+        type=parse_bytes,
+        help="MLX's buffer cache limit, e.g. 4G: restores then reuse freed cache buffers "
+        "instead of faulting in fresh memory (MLX's CPU default is 32 MiB)",
+    )
     parser.allow_abbrev = False  # "--host" must not be taken for a prefix of ours
     parse_known = parser.parse_known_args
 
@@ -88,6 +95,16 @@ def serve_config(args: argparse.Namespace) -> CacheConfig:
     return config
 
 
+def set_mx_cache_limit(args: argparse.Namespace) -> int | None:
+    """Apply ``--mx-cache-limit``; returns the previous limit (None if not given)."""
+    limit = getattr(args, "mx_cache_limit", None)
+    if limit is None:
+        return None
+    previous = mx.set_cache_limit(limit)
+    log.info("MLX buffer cache limit %d MiB (was %d MiB)", limit >> 20, previous >> 20)
+    return previous
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run mlx-lm's server (its ``main()``) with a TieredPromptCache in place."""
     try:
@@ -98,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from mlx_lm import server
 
     config = serve_config(args)
+    set_mx_cache_limit(args)
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", args.model, *getattr(args, "mlx_lm_args", [])]
     generator_class = _generator_class(server.ResponseGenerator, config, generators)

@@ -307,6 +307,19 @@ def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
     assert serve.serve_config(args).restore_headroom == 512
     args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])
     assert serve.serve_config(args).hot_cache_only and args.mlx_lm_args == []
+    assert serve.set_mx_cache_limit(args) is None  # not given: MLX's own default stays
+
+
+def test_serve_sets_mlx_buffer_cache_limit():
+    args = setup_arg_parser().parse_args(["serve", "--model", "m", "--mx-cache-limit", "3G"])
+    assert args.mx_cache_limit == 3 << 30 and args.mlx_lm_args == []
+    before = serve.set_mx_cache_limit(args)
+    try:
+        assert mx.set_cache_limit(before) == 3 << 30  # it was in force
+    finally:
+        mx.set_cache_limit(before)
+    with pytest.raises(SystemExit):
+        setup_arg_parser().parse_args(["serve", "--model", "m", "--mx-cache-limit", "lots"])
 
 
 def test_namespace_names_the_model_path_and_its_weights(llama):
