@@ -10,13 +10,14 @@ so the tensor is read from the page cache straight into the restored cache (one
 copy) and hashed there while it is still in the CPU cache. A tensor with no
 place is read into the reader's reused read buffer.
 
-Readers other than the first wait until the caller has taken the first block
-(whose copy allocates the buffers), so no read buffer beyond the first block's
-is needed; while they wait they read their next files into a small scratch
-buffer, so the disk fills the page cache during the allocation. Otherwise the
-kernel's own readahead serves each file: asking it to read further ahead
-(POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
-queueing in front of the reads that wait for them.
+The first block is read into a read buffer: its copy allocates the restore
+buffers, layer by layer. Readers of later blocks do not wait for all of that:
+until the caller has taken the first block, a tensor whose buffer does not
+exist yet is asked for again, so the readers follow the allocation layer by
+layer and the disk and the copies overlap it; no read buffer beyond the first
+block's is needed. The kernel's own readahead serves each file: asking it to
+read further ahead (POSIX_FADV_WILLNEED) made cold restores slower here, the
+extra requests queueing in front of the reads that wait for them.
 
 A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
 place) and HostArrays (zero-copy views into a read buffer, verified, valid until
@@ -61,8 +62,8 @@ _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 # and 4 at ~5.2; cold, 2-4 were alike (tools/bench_ssd_restore.py).
 _READERS = min(4, max(2, os.cpu_count() or 2))
 
-# Bytes each waiting reader pulls into the page cache while the buffers are allocated.
-_PRIME_BYTES = 256 << 20
+# Seconds between asks for a destination still being allocated.
+_PLACE_POLL = 0.0005
 
 Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
 
@@ -156,7 +157,7 @@ class _Readers:
     """
 
     def __init__(self, jobs: list[_Job], n: int, place: Place | None):
-        self.jobs, self.n, self.place = jobs, n, place
+        self.jobs, self.n = jobs, n
         self._free: list[queue.SimpleQueue[np.ndarray | None]] = []
         self._done: list[queue.SimpleQueue[tuple[np.ndarray | None, object]]] = []
         for _ in range(n):
@@ -165,6 +166,9 @@ class _Readers:
             self._free[-1].put(np.empty(0, np.uint8))
         self._stopped = threading.Event()
         self.first_taken = threading.Event()  # the caller has the first block: places exist
+        # the first job's read triggers the allocation: it must not wait for it
+        self._first_place = place
+        self._place = None if place is None else _patient(place, self.first_taken, self._stopped)
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"prefixcache-ssd-read-{k}")
             for k in range(n)
@@ -190,32 +194,8 @@ class _Readers:
             free.put(None)  # wakes a reader waiting for its buffer
         for t in self._threads:
             t.join()
-
-    def _prime(self, k: int, i: int) -> None:
-        """Until the caller has the first block (its copy allocates the restore
-        buffers, seconds per GiB of fresh memory on some machines), read reader
-        ``k``'s next files from job ``i`` on into a small scratch buffer: the disk
-        fills the page cache meanwhile and the placed reads later copy from it."""
-        if not hasattr(os, "RWF_NOWAIT"):
-            return  # cannot tell a cached file: priming a warm one only costs CPU
-        scratch = memoryview(bytearray(_CHUNK))
-        budget = _PRIME_BYTES
-        for job in self.jobs[i :: self.n]:
-            if job.meta is None:
-                continue
-            try:
-                with open(job.path, "rb", buffering=0) as f:
-                    if _cached(f.fileno(), job.meta.file_bytes):
-                        continue
-                    while budget > 0 and not self.first_taken.is_set():
-                        n = f.readinto(scratch)
-                        if not n:
-                            break
-                        budget -= n
-            except OSError:
-                pass  # the real read will tell
-            if budget <= 0 or self.first_taken.is_set():
-                return
+        # the places reach the restore buffers: hold nothing once stopped
+        self._first_place = self._place = None
 
     def _run(self, k: int) -> None:
         try:
@@ -224,14 +204,11 @@ class _Readers:
                 if job.meta is None:
                     self._done[k].put((None, None))
                     continue
-                if i > 0:
-                    self._prime(k, i)
-                    self.first_taken.wait()
                 buf = self._free[k].get()
                 if buf is None or self._stopped.is_set():
                     return
                 try:
-                    buf, result = _read(job, buf, self.place)
+                    buf, result = _read(job, buf, self._place if i else self._first_place)
                 except (PayloadError, OSError) as e:
                     result = e
                 self._done[k].put((buf, result))
@@ -239,13 +216,22 @@ class _Readers:
             self._done[k].put((None, _Crash(e)))
 
 
-def _cached(fd: int, size: int) -> bool:
-    """Whether the file's last byte is in the page cache (files are written and
-    read whole, so it stands for the file)."""
-    try:
-        return os.preadv(fd, [bytearray(1)], max(size - 1, 0), os.RWF_NOWAIT) == 1
-    except OSError:
-        return False  # EAGAIN: not cached (or the flag is unsupported here)
+def _patient(place: Place, first_taken: threading.Event, stopped: threading.Event) -> Place:
+    """``place`` that waits for a destination still being allocated: until the
+    caller has the first block, a tensor without a place yet is asked again (the
+    first block's copy allocates each layer's buffer in turn, and the readers
+    follow right behind instead of waiting for all of them). It refers to the
+    events only: a reference back to the readers would be a cycle that keeps
+    the restore buffers alive until the garbage collector runs."""
+
+    def patient(index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]):
+        while True:
+            dest = place(index, name, dtype, shape)
+            if dest is not None or first_taken.is_set() or stopped.is_set():
+                return dest
+            first_taken.wait(_PLACE_POLL)
+
+    return patient
 
 
 class _Crash:

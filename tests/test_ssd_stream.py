@@ -3,6 +3,7 @@ queued blocks, early stop."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -272,3 +273,27 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
         negative = prefill(model, tokens[num + 1 :], pc.fetch(tokens)[0], kv=kv)
         assert max_diff(negative, live_logits(model, tokens, num, kv=kv)) > 0.0
+
+
+def test_a_dropped_restore_frees_its_buffers_without_the_garbage_collector(tmp_path):
+    """Nothing (reader threads, places) keeps a restore's buffers alive once the
+    caller drops the cache: a reference cycle would hold them until gc runs."""
+    model = tiny_model("llama")
+    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    tokens = prompt(10, 5 * 16 + 3)
+    with PrefixCache(model, cfg, model_id="tiny") as pc:
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        pc.store(tokens, cache)
+        pc.flush()
+        del cache
+        gc.collect()
+        gc.disable()
+        try:
+            base = mx.get_active_memory()
+            restored, num = pc.fetch(tokens)
+            assert num == 5 * 16 and mx.get_active_memory() > base
+            del restored
+            assert mx.get_active_memory() == base
+        finally:
+            gc.enable()
