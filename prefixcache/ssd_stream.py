@@ -13,11 +13,12 @@ place is read into the reader's reused read buffer.
 The first block is read into a read buffer: its copy allocates the restore
 buffers, layer by layer. Readers of later blocks do not wait for all of that:
 until the caller has taken the first block, a tensor whose buffer does not
-exist yet is asked for again, so the readers follow the allocation layer by
-layer and the disk and the copies overlap it; no read buffer beyond the first
-block's is needed. The kernel's own readahead serves each file: asking it to
-read further ahead (POSIX_FADV_WILLNEED) made cold restores slower here, the
-extra requests queueing in front of the reads that wait for them.
+exist yet is asked for again, and in between the reader pulls later payload
+files into the page cache (``_Primer``), so the disk and the copies overlap the
+allocation; no read buffer beyond the first block's is needed. Otherwise the
+kernel's own readahead serves each file: asking it to read further ahead
+(POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
+queueing in front of the reads that wait for them.
 
 A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
 place) and HostArrays (zero-copy views into a read buffer, verified, valid until

@@ -15,7 +15,7 @@ from conftest import QUANT_LLAMA, live_logits, max_diff, prefill, prompt, tiny_m
 from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import CacheConfig, PrefixCache, ssd_stream
 from prefixcache import manager as manager_module
 from prefixcache.blocks import Block
 from prefixcache.codecs.base import LayoutMismatchError
@@ -297,3 +297,31 @@ def test_a_dropped_restore_frees_its_buffers_without_the_garbage_collector(tmp_p
             assert mx.get_active_memory() == base
         finally:
             gc.enable()
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no page-cache probe on this OS")
+def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_is_taken(tier):
+    keys = stored(tier, 11, 3)
+    jobs = [ssd_stream._job(tier, key) for key in keys]
+    for job in jobs:
+        with open(job.path, "rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    # the probe itself may start readahead: probe only the file the primer skips
+    if ssd_stream._cached(jobs[0].path, jobs[0].meta.file_bytes):
+        pytest.skip("this filesystem keeps the pages cached")
+    taken = threading.Event()
+    primer = ssd_stream._Primer(jobs[1:], taken)
+    scratch = memoryview(bytearray(ssd_stream._CHUNK))
+    steps = 0
+    while primer.step(scratch):
+        steps += 1
+    assert steps >= 2  # one slice per file at least
+    assert all(ssd_stream._cached(j.path, j.meta.file_bytes) for j in jobs[1:])
+    again = ssd_stream._Primer(jobs[1:], taken)
+    assert not again.step(scratch)  # all cached now: nothing to do
+    with open(jobs[0].path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    taken.set()
+    assert not ssd_stream._Primer(jobs, taken).step(scratch)  # the first block is taken: stop
+    assert not ssd_stream._cached(jobs[0].path, jobs[0].meta.file_bytes)

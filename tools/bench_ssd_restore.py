@@ -179,6 +179,7 @@ RATIOS = [
     ("fetch_reuse", "seq_full"),
     ("fetch", "seq"),
     ("fetch_reuse", "seq"),
+    ("fetch", "files"),
 ]
 SPEEDS = ["seq", "seq_new", "seq_full", "files", "fetch", "fetch_reuse"]
 
