@@ -70,12 +70,12 @@ class Placed:
 
 
 def host_bytes(x: mx.array) -> np.ndarray:
-    """A read-only uint8 numpy view of an evaluated MLX array's bytes, shaped like ``host_view``."""
+    """``host_view`` of an evaluated MLX array's bytes, made row-major first if needed
+    (a copy); for reading only."""
     if not memoryview(x).c_contiguous:
         x = mx.array(x)  # copy: numpy needs row-major bytes
         mx.eval(x)
-    view = np.frombuffer(memoryview(x).cast("B"), np.uint8)
-    return view.reshape(*x.shape[:-1], x.shape[-1] * x.dtype.size) if x.ndim else view
+    return host_view(x)
 
 
 def host_view(x: mx.array) -> np.ndarray:

@@ -3,6 +3,7 @@ queued blocks, early stop."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -41,6 +42,30 @@ def stored(tier: SsdTier, seed: int, n: int) -> list[bytes]:
     return [block_key(seed, i) for i in range(n)]
 
 
+def flip_byte(path: str, from_end: int) -> None:
+    """Invert one byte of a payload file, ``from_end`` bytes before its end."""
+    with open(path, "r+b") as f:
+        f.seek(-from_end, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@contextlib.contextmanager
+def stored_on_ssd(tmp_path, model, tokens, kv=None):
+    """A PrefixCache holding ``tokens``' blocks on the SSD tier only."""
+    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    if kv is not None:
+        cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
+    with PrefixCache(model, cfg, model_id="tiny") as pc:
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache, kv=kv)
+        pc.store(tokens, cache)
+        pc.flush()
+        assert pc.stats()["hot"]["num_blocks"] == 0  # every block is on the SSD only
+        yield pc
+
+
 def reader_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("prefixcache-ssd-read")]
 
@@ -65,15 +90,11 @@ def test_a_bad_payload_is_a_miss_and_quarantined(tier, damage):
     path = payload_path(os.path.join(tier.path, "blocks"), keys[2])
     if damage == "delete":
         os.unlink(path)
+    elif damage == "flip":
+        flip_byte(path, 3)
     else:
         with open(path, "r+b") as f:
-            if damage == "flip":
-                f.seek(os.path.getsize(path) - 3)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0xFF]))
-            else:
-                f.truncate(os.path.getsize(path) - 1)
+            f.truncate(os.path.getsize(path) - 1)
     out = [b if b is None else b.to_block() for b in stream(tier, keys)]  # views: copy now
     assert out[2] is None
     for i in (0, 1, 3, 4):
@@ -177,12 +198,7 @@ def test_tensors_are_read_straight_into_their_place(tier):
 
 def test_a_bad_placed_block_is_still_a_miss(tier):
     keys = stored(tier, 7, 4)
-    path = payload_path(os.path.join(tier.path, "blocks"), keys[2])
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 3)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(payload_path(os.path.join(tier.path, "blocks"), keys[2]), 3)
     dest = chain_dest(4)
     out = list(stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
     assert out[2] is None  # its bytes may sit in the place: the caller stops before it
@@ -231,9 +247,6 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     """Through a real fetch: every block after the first arrives Placed, and the
     restore is exact; a block corrupted in the middle cuts the match there."""
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
-    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
-    if kv is not None:
-        cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     seen: list[tuple[int, set[type]]] = []
     real = manager_module.rebuild
 
@@ -247,12 +260,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
 
     monkeypatch.setattr(manager_module, "rebuild", watched)
     tokens = prompt(9, 6 * 16 + 5)
-    with PrefixCache(model, cfg, model_id="tiny") as pc:
-        cache = make_prompt_cache(model)
-        prefill(model, tokens, cache, kv=kv)
-        pc.store(tokens, cache)
-        pc.flush()
-        assert pc.stats()["hot"]["num_blocks"] == 0  # every block is on the SSD only
+    with stored_on_ssd(tmp_path, model, tokens, kv) as pc:
         restored, num = pc.fetch(tokens)
         assert num == 6 * 16
         assert seen[0] == (0, {HostArray})  # the first block allocates the buffers
@@ -261,12 +269,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
 
         victim = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[3])
-        path = payload_path(os.path.join(pc.ssd.path, "blocks"), victim.key)
-        with open(path, "r+b") as f:  # flip a byte of the last tensor
-            f.seek(-2, os.SEEK_END)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x55]))
+        flip_byte(payload_path(os.path.join(pc.ssd.path, "blocks"), victim.key), 2)
         restored, num = pc.fetch(tokens)
         assert num == 3 * 16  # cut before the bad block, whose bytes were placed
         logits = prefill(model, tokens[num:], restored, kv=kv)
@@ -278,15 +281,8 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
 def test_a_dropped_restore_frees_its_buffers_without_the_garbage_collector(tmp_path):
     """Nothing (reader threads, places) keeps a restore's buffers alive once the
     caller drops the cache: a reference cycle would hold them until gc runs."""
-    model = tiny_model("llama")
-    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
     tokens = prompt(10, 5 * 16 + 3)
-    with PrefixCache(model, cfg, model_id="tiny") as pc:
-        cache = make_prompt_cache(model)
-        prefill(model, tokens, cache)
-        pc.store(tokens, cache)
-        pc.flush()
-        del cache
+    with stored_on_ssd(tmp_path, tiny_model("llama"), tokens) as pc:
         gc.collect()
         gc.disable()
         try:

@@ -41,10 +41,8 @@ class TokenBuffer:
         if isinstance(x, Placed):
             if self._host is None or self._fit(start, x) is None:
                 raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
-        elif isinstance(x, HostArray):
-            self._write(start, x, x.rows())
-        elif self._host is not None:
-            self._write(start, x, host_bytes(x))
+        elif isinstance(x, HostArray) or self._host is not None:
+            self._write(start, x)
         else:
             self._pending.append((start, x))
 
@@ -103,7 +101,7 @@ class TokenBuffer:
             return None
         return host[:, :, start : start + n, :]
 
-    def _write(self, start: int, x: HostArray | mx.array, rows: np.ndarray) -> None:
+    def _write(self, start: int, x: HostArray | mx.array) -> None:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
         if self._host is None:
@@ -117,7 +115,7 @@ class TokenBuffer:
                 f"block tensor {x.dtype}{tuple(x.shape)} at token {start} does not fit "
                 f"buffer {self.array.dtype}{self.array.shape}"
             )
-        region[...] = rows  # releases the GIL
+        region[...] = x.rows() if isinstance(x, HostArray) else host_bytes(x)  # releases the GIL
 
     def _allocate(self, like: mx.array) -> mx.array:
         parts: list[mx.array] = []
