@@ -154,9 +154,11 @@ def _result(
 class _Readers:
     """Reader threads that read and verify the jobs' payload files in parallel.
 
-    Job ``i`` goes to reader ``i % n``, each with ONE reused read buffer: a
-    reader starts its next file once the caller gave back the buffer of its
-    last one, so up to ``n`` reads are in flight.
+    Job ``i`` goes to reader ``i % n``. A block read wholly into its places
+    needs no buffer: the reader goes straight on to its next file, however far
+    ahead of the caller. Tensors without a place go into the reader's ONE
+    reused read buffer, lent to the caller with the block (its HostArrays are
+    views of it): the reader's next such read waits until it is given back.
     """
 
     def __init__(self, jobs: list[_Job], n: int, place: Place | None):
@@ -166,7 +168,6 @@ class _Readers:
         for _ in range(n):
             self._free.append(queue.SimpleQueue())
             self._done.append(queue.SimpleQueue())
-            self._free[-1].put(np.empty(0, np.uint8))
         self._stopped = threading.Event()
         self.first_taken = threading.Event()  # the caller has the first block: places exist
         # the first job's read triggers the allocation: it must not wait for it
@@ -202,20 +203,36 @@ class _Readers:
         self._first_place = self._place = None
 
     def _run(self, k: int) -> None:
+        own: np.ndarray | None = np.empty(0, np.uint8)  # None: lent to the caller
+
+        def buffer(nbytes: int) -> np.ndarray:
+            """The reader's buffer, grown to ``nbytes``; waits for it while lent."""
+            nonlocal own
+            if own is None:
+                own = self._free[k].get()
+                if own is None:
+                    raise _Stopped
+            if own.nbytes < nbytes:
+                own = np.empty(nbytes, np.uint8)
+            return own
+
         try:
             for i in range(k, len(self.jobs), self.n):
                 job = self.jobs[i]
                 if job.meta is None:
                     self._done[k].put((None, None))
                     continue
-                buf = self._free[k].get()
-                if buf is None or self._stopped.is_set():
+                if self._stopped.is_set():
                     return
                 try:
-                    buf, result = _read(job, buf, self._place if i else self._first_place)
+                    used, result = _read(job, buffer, self._place if i else self._first_place)
+                except _Stopped:
+                    return
                 except (PayloadError, OSError) as e:
-                    result = e
-                self._done[k].put((buf, result))
+                    used, result = None, e
+                if used is not None:
+                    own = None  # its HostArrays are views of it until the caller gives it back
+                self._done[k].put((used, result))
         except BaseException as e:  # a bug: hand it to the caller instead of hanging it
             self._done[k].put((None, _Crash(e)))
 
@@ -299,14 +316,20 @@ def _cached(path: str, size: int) -> bool:
         os.close(fd)
 
 
+class _Stopped(Exception):
+    """The stream closed while a reader waited for its buffer."""
+
+
 class _Crash:
     def __init__(self, error: BaseException):
         self.error = error
 
 
-def _read(job: _Job, buf: np.ndarray, place: Place | None) -> tuple[np.ndarray, StreamedBlock]:
+def _read(
+    job: _Job, buffer: Callable[[int], np.ndarray], place: Place | None
+) -> tuple[np.ndarray | None, StreamedBlock]:
     """Read, size-check, checksum and parse one payload file; each tensor goes to
-    its place, or into ``buf`` (grown if small)."""
+    its place, or into ``buffer(nbytes)`` (returned: None when all are placed)."""
     meta = job.meta
     assert meta is not None
     with open(job.path, "rb", buffering=0) as f:
@@ -329,12 +352,12 @@ def _read(job: _Job, buf: np.ndarray, place: Place | None) -> tuple[np.ndarray, 
             dests.append(dest if dest is not None and _nbytes(dest) == end - start else None)
         pairs = list(zip(spans, dests, strict=True))
         loose = sum(end - start for (*_, start, end), dest in pairs if dest is None)
-        if buf.nbytes < loose:
-            buf = np.empty(loose, np.uint8)
+        buf = buffer(loose) if loose else None
         arrays: dict[str, HostArray | Placed] = {}
         used = 0
         for (name, dtype, shape, start, end), dest in pairs:
             if dest is None:
+                assert buf is not None
                 data = buf[used : used + end - start]
                 used += end - start
                 dest = [memoryview(data)]

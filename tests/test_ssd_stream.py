@@ -206,10 +206,32 @@ def test_a_bad_placed_block_is_still_a_miss(tier):
     assert tier.stats()["num_corrupt"] == 1 and tier.get_meta(keys[2]) is None
 
 
+def test_readers_go_on_with_placed_blocks_while_the_caller_holds_one(tier):
+    keys = stored(tier, 9, 8)
+    dest = chain_dest(8)
+    gen = stream(tier, keys, placed_into(dest, skip={0}, names=set(LAYOUT)))
+    first = next(gen)  # held: its HostArrays are views of a reader's buffer
+    deadline = time.monotonic() + 10
+    while not dest["1.values"][:, :, 16 * 7 :].any() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    check_block(first.to_block())  # the held block's buffer was not reused meanwhile
+    for i in range(1, 8):  # every later block landed without the caller asking
+        for name, bits in expected_bits(keys[i]).items():
+            got = dest[name][:, :, 16 * i : 16 * (i + 1), :].view(bits.dtype)
+            np.testing.assert_array_equal(got, bits)
+    assert [b.index for b in gen] == list(range(1, 8))
+
+
 def test_no_reader_writes_into_a_place_after_close(tier):
     keys = stored(tier, 8, 12)
     dest = chain_dest(12)
-    gen = stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT)))
+    place = placed_into(dest, skip=set(), names=set(LAYOUT))
+
+    def slow_place(*args):
+        time.sleep(0.02)  # readers cannot get through the chain before close
+        return place(*args)
+
+    gen = stream(tier, keys, slow_place)
     next(gen)
     gen.close()
     assert not reader_threads()  # stopped AND joined before close returned
