@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -73,69 +74,88 @@ def read_reused(paths: list[str], buf: bytearray) -> None:
                 pass
 
 
-def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
+def stored_chain(args, model, tokens: list[int], ssd_dir: str):
+    """A PrefixCache holding ``tokens``' blocks on its SSD tier only, and their files."""
     cfg = CacheConfig(
         block_size=args.block_size,
         hot_max_bytes=1,
         promote=False,
-        ssd_dir=f"{work}/ssd",
+        ssd_dir=ssd_dir,
         ssd_min_free_bytes=0,
         write_queue_bytes=256 << 20,
         queue_full="inline",
     )
-    tokens = np.random.default_rng(0).integers(0, 512, num_tokens).tolist()
-    probe = [*tokens, 1]  # one token to prefill after the hit
     pc = PrefixCache(model, cfg, model_id="bench")
-    cache = synthetic_cache(args, num_tokens)
+    cache = synthetic_cache(args, len(tokens))
     pc.store(tokens, cache)
     pc.flush()
     del cache
     gc.collect()
     metas = sorted(pc.ssd.iter_meta(), key=lambda m: m.index)
-    assert len(metas) == num_tokens // args.block_size, "every block must be on the SSD"
-    files = [payload_path(f"{work}/ssd/blocks", m.key) for m in metas]
-    total = sum(m.file_bytes for m in metas)
-    block_bytes = max(m.nbytes for m in metas)
-    seq = f"{work}/seq"
-    with open(seq, "wb") as out:  # one file of the same total size
-        for path in files:
+    assert len(metas) == len(tokens) // args.block_size, "every block must be on the SSD"
+    return pc, metas, [payload_path(f"{ssd_dir}/blocks", m.key) for m in metas]
+
+
+def copy_files(sources: list[str], dest: str) -> None:
+    with open(dest, "wb") as out:
+        for path in sources:
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, out, 16 * MiB)
+
+
+def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
+    tokens = np.random.default_rng(0).integers(0, 512, num_tokens).tolist()
+    probe = [*tokens, 1]  # one token to prefill after the hit
+    # Each measurement reads its own copy of the bytes, once per round: the VM's host
+    # caches what was read recently (a file read twice in a row cold: 0.5 then 2.1 GB/s),
+    # so sharing files would favour whichever reads second.
+    pc, metas, files = stored_chain(args, model, tokens, f"{work}/ssd")
+    pc_reuse, _, reuse_files = stored_chain(args, model, tokens, f"{work}/ssd_reuse")
+    total = sum(m.file_bytes for m in metas)
+    block_bytes = max(m.nbytes for m in metas)
+    seqs = {name: f"{work}/{name}" for name in ("seq", "seq_new", "seq_full")}
+    for path in seqs.values():  # one file of the same total size each
+        copy_files(files, path)
+    raw_files = []
+    os.makedirs(f"{work}/files")
+    for i, path in enumerate(files):
+        raw_files.append(f"{work}/files/{i}")
+        copy_files([path], raw_files[-1])
     small, file_buf = bytearray(MiB), bytearray(max(m.file_bytes for m in metas))
     full = np.ones(total, np.uint8)  # touched once, reused
     restored: dict[str, int] = {}
 
-    def fetch() -> None:
-        caches, num = pc.fetch(probe)
+    def fetch(cache: PrefixCache) -> None:
+        caches, num = cache.fetch(probe)
         assert num == num_tokens, (num, num_tokens)
         restored["bytes"] = sum(c.keys.nbytes + c.values.nbytes for c in caches)
         del caches
 
     def fetch_reuse() -> None:
         mx.set_cache_limit(4 * total)
-        fetch()
+        fetch(pc_reuse)
 
     readers = {
-        "seq": lambda: read_reused([seq], small),
-        "seq_new": lambda: read_fresh([seq]),
-        "seq_full": lambda: read_into(seq, full),
-        "files": lambda: read_reused(files, file_buf),
-        "fetch": fetch,
-        "fetch_reuse": fetch_reuse,
+        "seq": (lambda: read_reused([seqs["seq"]], small), [seqs["seq"]]),
+        "seq_new": (lambda: read_fresh([seqs["seq_new"]]), [seqs["seq_new"]]),
+        "seq_full": (lambda: read_into(seqs["seq_full"], full), [seqs["seq_full"]]),
+        "files": (lambda: read_reused(raw_files, file_buf), raw_files),
+        "fetch": (lambda: fetch(pc), files),
+        "fetch_reuse": (fetch_reuse, reuse_files),
     }
     default_limit = mx.set_cache_limit(0)
     speed: dict[str, list[float]] = {}
     peaks_mx = []
     for _ in range(args.repeat):
         for mode in ("cold", "warm"):
-            for name, fn in readers.items():
+            for name, (fn, paths) in readers.items():
                 mx.set_cache_limit(default_limit)
                 if name != "fetch_reuse":
                     mx.clear_cache()  # fresh buffers: nothing left from a reuse run
                 if mode == "warm" or name == "fetch_reuse":
                     fn()  # prime the page cache / MLX's buffer cache
                 if mode == "cold":
-                    drop_caches([seq, *files], args.drop)
+                    drop_caches(paths, args.drop)
                 gc.collect()
                 base_mx = mx.get_active_memory()
                 mx.reset_peak_memory()
@@ -149,6 +169,7 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
     mx.clear_cache()
     stats = pc.stats()
     pc.close()
+    pc_reuse.close()
     out = {name: statistics.median(v) for name, v in speed.items()}
     for mode in ("cold", "warm"):
         for got, ref in RATIOS:
