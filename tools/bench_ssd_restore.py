@@ -174,7 +174,9 @@ def run(args, model, num_tokens: int, work: str) -> dict[str, float]:
     for mode in ("cold", "warm"):
         for got, ref in RATIOS:
             pairs = zip(speed[f"{got}_{mode}"], speed[f"{ref}_{mode}"], strict=True)
-            out[f"{mode}_{got}_vs_{ref}"] = statistics.median(x / y for x, y in pairs)
+            ratios = [x / y for x, y in pairs]
+            out[f"{mode}_{got}_vs_{ref}"] = statistics.median(ratios)
+            out[f"{mode}_{got}_vs_{ref}_range"] = f"{min(ratios):.0%}-{max(ratios):.0%}"
     out.update(
         tokens=num_tokens,
         payload_mib=total / MiB,
@@ -212,8 +214,8 @@ def print_table(rows: list[dict[str, float]]) -> None:
         "into fresh memory (f.read()); seq_full: into a reused, touched buffer of its size;\n"
         "files: the payload files into one reused buffer; fetch: PrefixCache.fetch of the chain\n"
         "from the SSD tier; fetch_reuse: the same with MLX keeping freed buffers for reuse.\n"
-        "Ratios: medians of per-repetition ratios. Memory in MiB (fetch): restored cache,\n"
-        "cache + one block, MLX peak above the start."
+        "Ratios: medians of per-repetition ratios (their range). Memory in MiB (fetch):\n"
+        "restored cache, cache + one block, MLX peak above the start."
     )
     head = ["tokens", "MiB", "mode", *SPEEDS, *(f"{a}/{b}" for a, b in RATIOS)]
     lines = [head]
@@ -222,7 +224,10 @@ def print_table(rows: list[dict[str, float]]) -> None:
             lines.append(
                 [f"{r['tokens']:.0f}", f"{r['payload_mib']:.0f}", mode]
                 + [f"{r[f'{name}_{mode}']:.2f}" for name in SPEEDS]
-                + [f"{r[f'{mode}_{a}_vs_{b}']:.0%}" for a, b in RATIOS]
+                + [
+                    f"{r[f'{mode}_{a}_vs_{b}']:.0%} ({r[f'{mode}_{a}_vs_{b}_range']})"
+                    for a, b in RATIOS
+                ]
             )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
