@@ -14,7 +14,7 @@ The first block is read into a read buffer: its copy allocates the restore
 buffers, layer by layer. Readers of later blocks do not wait for all of that:
 until the caller has taken the first block, a tensor whose buffer does not
 exist yet is asked for again, and in between the reader pulls later payload
-files into the page cache (``_Primer``), so the disk and the copies overlap the
+files into the page cache (ssd_prime.py), so the disk and the copies overlap the
 allocation; no read buffer beyond the first block's is needed. Otherwise the
 kernel's own readahead serves each file: asking it to read further ahead
 (POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
@@ -48,6 +48,7 @@ from .blocks import Block, BlockMeta
 from .host import HostArray, Placed
 from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header, payload_path
 from .ssd_index import decode_or_none
+from .ssd_prime import SLICE, Primer
 
 if TYPE_CHECKING:
     from .ssd import SsdTier
@@ -65,12 +66,6 @@ _READERS = min(4, max(2, os.cpu_count() or 2))
 
 # Seconds between asks for a destination still being allocated.
 _PLACE_POLL = 0.0005
-# Bytes readers waiting on the allocation pull into the page cache, in all. The
-# allocation's length bounds it anyway (faulting in fresh pages runs at about the
-# disk's speed here); the cap keeps a huge chain from crowding the page cache.
-# Cold fetch of 1 GiB with fresh buffers: 1.0 GB/s at 512 MiB, 1.12-1.18 at 2-4 GiB.
-_PRIME_BYTES = 2 << 30
-
 Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
 
 
@@ -175,7 +170,8 @@ class _Readers:
         self.first_taken = threading.Event()  # the caller has the first block: places exist
         # the first job's read triggers the allocation: it must not wait for it
         self._first_place = place
-        primer = _Primer(jobs[n:], self.first_taken)
+        later = [(j.path, j.meta.file_bytes) for j in jobs[n:] if j.meta is not None]
+        primer = Primer(later, self.first_taken)
         self._place = None if place is None else _patient(place, primer, self._stopped)
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"prefixcache-ssd-read-{k}")
@@ -240,7 +236,7 @@ class _Readers:
             self._done[k].put((None, _Crash(e)))
 
 
-def _patient(place: Place, primer: _Primer, stopped: threading.Event) -> Place:
+def _patient(place: Place, primer: Primer, stopped: threading.Event) -> Place:
     """``place`` that waits for a destination still being allocated: until the
     caller has the first block, a tensor without a place yet is asked again (the
     first block's copy allocates each layer's buffer in turn, and the readers
@@ -248,75 +244,17 @@ def _patient(place: Place, primer: _Primer, stopped: threading.Event) -> Place:
     reader primes later files. It refers to no reader object: a reference back
     would be a cycle keeping the restore buffers alive until the garbage
     collector runs."""
-    scratch = memoryview(bytearray(_CHUNK))
+    scratch = memoryview(bytearray(SLICE))
 
     def patient(index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]):
         while True:
             dest = place(index, name, dtype, shape)
-            if dest is not None or primer.first_taken.is_set() or stopped.is_set():
+            if dest is not None or primer.done.is_set() or stopped.is_set():
                 return dest
             if not primer.step(scratch):
-                primer.first_taken.wait(_PLACE_POLL)
+                primer.done.wait(_PLACE_POLL)
 
     return patient
-
-
-class _Primer:
-    """Reads later payload files into the page cache, a slice at a time, for
-    readers waiting on the allocation: the disk keeps busy meanwhile (cold
-    restores). Files already cached are skipped (``RWF_NOWAIT`` probe), so a
-    warm restore costs one probe per file; without the probe it does nothing."""
-
-    def __init__(self, jobs: list[_Job], first_taken: threading.Event):
-        self.first_taken = first_taken
-        self._todo = [j for j in jobs if j.meta is not None] if hasattr(os, "RWF_NOWAIT") else []
-        self._lock = threading.Lock()
-        self._offset = 0  # into the file of _todo[0]
-        self._budget = _PRIME_BYTES
-
-    def step(self, scratch: memoryview) -> bool:
-        """Read the next slice of a later file; False when there is nothing to prime."""
-        with self._lock:
-            job = None
-            while self._todo and self._budget > 0 and not self.first_taken.is_set():
-                head = self._todo[0]
-                size = head.meta.file_bytes if head.meta is not None else 0
-                if self._offset >= size or (self._offset == 0 and _cached(head.path, size)):
-                    self._todo.pop(0)
-                    self._offset = 0
-                    continue
-                job, offset = head, self._offset
-                self._offset += _CHUNK
-                self._budget -= _CHUNK
-                break
-        if job is None:
-            return False
-        try:
-            fd = os.open(job.path, os.O_RDONLY)
-        except OSError:
-            return True  # the real read will tell
-        try:
-            os.preadv(fd, [scratch], offset)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        return True
-
-
-def _cached(path: str, size: int) -> bool:
-    """Whether a file's last byte is in the page cache (payloads are written and
-    read whole, so it stands for the file)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return True  # nothing to prime
-    try:
-        return os.preadv(fd, [bytearray(1)], max(size - 1, 0), os.RWF_NOWAIT) == 1
-    except OSError:
-        return False  # EAGAIN: not cached
-    finally:
-        os.close(fd)
 
 
 class _Stopped(Exception):

@@ -25,6 +25,7 @@ from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed
 from prefixcache.payload import payload_path
 from prefixcache.ssd import SsdTier
+from prefixcache.ssd_prime import SLICE, Primer, cached
 from prefixcache.ssd_stream import StreamedBlock, stream
 
 
@@ -326,20 +327,21 @@ def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_i
             os.fsync(f.fileno())
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     # the probe itself may start readahead: probe only the file the primer skips
-    if ssd_stream._cached(jobs[0].path, jobs[0].meta.file_bytes):
+    files = [(j.path, j.meta.file_bytes) for j in jobs]
+    if cached(*files[0]):
         pytest.skip("this filesystem keeps the pages cached")
     taken = threading.Event()
-    primer = ssd_stream._Primer(jobs[1:], taken)
-    scratch = memoryview(bytearray(ssd_stream._CHUNK))
+    primer = Primer(files[1:], taken)
+    scratch = memoryview(bytearray(SLICE))
     steps = 0
     while primer.step(scratch):
         steps += 1
     assert steps >= 2  # one slice per file at least
-    assert all(ssd_stream._cached(j.path, j.meta.file_bytes) for j in jobs[1:])
-    again = ssd_stream._Primer(jobs[1:], taken)
+    assert all(cached(*f) for f in files[1:])
+    again = Primer(files[1:], taken)
     assert not again.step(scratch)  # all cached now: nothing to do
     with open(jobs[0].path, "rb") as f:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     taken.set()
-    assert not ssd_stream._Primer(jobs, taken).step(scratch)  # the first block is taken: stop
-    assert not ssd_stream._cached(jobs[0].path, jobs[0].meta.file_bytes)
+    assert not Primer(files, taken).step(scratch)  # the first block is taken: stop
+    assert not cached(*files[0])
