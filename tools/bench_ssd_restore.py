@@ -20,8 +20,10 @@ interleaved and repeated (medians), cold (page cache dropped, as root) and warm:
 plus the fetch's peak MLX memory above the start against the restored bytes +
 one block (the only read buffer is the first block's: a numpy array of one
 payload file; every later tensor is read straight into the cache). Ratios are
-medians of per-repetition ratios (each against the reference measured just
-before it: the disk drifts). Cold drops the page cache only by default
+medians of per-repetition ratios (each against the reference measured in the
+same round: the disk drifts), with their range. Each measurement reads its own
+copy of the bytes (its own file, payload copies, a second stored chain for
+fetch_reuse), once per round. Cold drops the page cache only by default
 (``--drop 1``, as after a process restart); ``--drop 3`` drops dentries and
 inodes too (as after a reboot: every payload file's metadata is read again).
 
