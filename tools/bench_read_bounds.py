@@ -35,18 +35,9 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from benchlib import read_reused
 
 MiB = 1 << 20
-
-
-def read_small(path: str) -> None:
-    buf = memoryview(bytearray(MiB))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.readv(fd, [buf]):
-            pass
-    finally:
-        os.close(fd)
 
 
 def read_parallel(path: str, dest: np.ndarray, threads: int) -> None:
@@ -105,14 +96,14 @@ def main() -> None:
         streams = [mx.default_stream(mx.cpu)] + [mx.new_stream(mx.cpu) for _ in range(threads - 1)]
         mx.set_cache_limit(2 * size)  # zeros_reuse: the freed buffer stays with MLX
         steps = {
-            "seq": lambda: read_small(path),
+            "seq": lambda: read_reused([path], bytearray(MiB)),
             "into_full": lambda: read_parallel(path, full, threads),
             "into_full_huge": lambda: read_parallel(path, huge, threads),
             "into_fresh": lambda: read_parallel(path, np.empty(size, np.uint8), threads),
             "zeros_fresh": lambda: zeros(size, streams, reuse=False),
             "zeros_reuse": lambda: zeros(size, streams, reuse=True),
         }
-        read_small(path)  # into the page cache
+        read_reused([path], bytearray(MiB))  # into the page cache
         zeros(size, streams, reuse=True)
         speed: dict[str, list[float]] = {}
         for _ in range(args.repeat):

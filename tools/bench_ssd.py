@@ -40,7 +40,7 @@ import lmdb
 import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import drop_caches, read_fresh
+from benchlib import drop_caches, read_fresh, read_reused
 
 from prefixcache.blocks import Block
 from prefixcache.payload import encode_header, payload_path, read_payload, tensors_of
@@ -82,13 +82,6 @@ def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def raw_seq_read(path: str) -> None:
-    buf = bytearray(MiB)  # dd bs=1M: the destination stays in cache (the strict reference)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
 
 
 def arrays_from_buffer(buf, checksum: int) -> dict[str, mx.array]:
@@ -183,7 +176,7 @@ def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[st
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, f, 16 * MiB)
     readers = {
-        "raw_seq": lambda: raw_seq_read(f"{work}/seq"),
+        "raw_seq": lambda: read_reused([f"{work}/seq"], bytearray(MiB)),
         "raw_files": lambda: read_fresh(files),
         "load": lambda: consume(tier.load(k) for k in keys),
         "stream": lambda: consume(tier.load_many(keys)),

@@ -45,6 +45,7 @@ import numpy as np
 from benchlib import (
     drop_caches,
     read_fresh,
+    read_reused,
     shaped_model,
     synthetic_cache,
 )
@@ -66,14 +67,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="parent directory (default: system temp)")
     p.add_argument("--drop", type=int, choices=(1, 3), default=1, help="drop_caches level")
     return p
-
-
-def read_reused(paths: list[str], buf: bytearray) -> None:
-    view = memoryview(buf)
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(view):
-                pass
 
 
 def stored_chain(args, model, tokens: list[int], ssd_dir: str):
