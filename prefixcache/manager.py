@@ -263,6 +263,7 @@ class PrefixCache:
                     block_size=bs,
                     load=functools.partial(self._load, loader),
                     prepare=loader.prepare,
+                    shapes=loader.first_shapes,
                     close=loader.close,
                 )
             except Shortfall as short:

@@ -203,6 +203,23 @@ def _read_mx_load(
     return arrays
 
 
+def read_header(path: str, key: bytes) -> list[tuple[str, mx.Dtype, tuple[int, ...]]]:
+    """The (name, dtype, shape) of a payload's tensors from its header alone:
+    consistent with the file's size, but the data are neither read nor verified.
+
+    Raises:
+        OSError: the file cannot be read.
+        PayloadError: the header is bad.
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        length = _header_length(os.pread(fd, 8, 0), size)
+        text = os.pread(fd, length, 8)
+    spans = _parse_header(text, key, size - 8 - length)
+    return [(name, _MX_DTYPES[dtype], shape) for name, dtype, shape, _, _ in spans]
+
+
 def _header_length(head: bytes, size: int) -> int:
     (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
     if not 0 < length <= min(_MAX_HEADER, size - 8):
@@ -226,6 +243,8 @@ def _parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
         count = 1
         for dim in shape:
             count *= dim
+        if min(shape, default=0) < 0:
+            raise PayloadError(f"tensor {name!r} has shape {shape}")
         if start != offset or end - start != count * _ITEMSIZE.get(dtype, -1):
             raise PayloadError(f"tensor {name!r} has bad offsets or dtype")
         offset = end

@@ -84,6 +84,7 @@ def rebuild(
     load: Callable[[int], tuple[dict[str, mx.array | HostArray | Placed], bool]],
     prepare: Callable[[list[int], Place], None] | None = None,
     close: Callable[[], None] | None = None,
+    shapes: Callable[[list[int]], tuple[int, dict[str, Placed]] | None] | None = None,
 ) -> list[Any]:
     """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
 
@@ -104,6 +105,10 @@ def rebuild(
         close: stops whatever ``prepare`` started; called before the buffers
             are let go, whether the rebuild succeeds or not (a reader thread
             must never write into a freed buffer).
+        shapes: given the load order, the first block that will be streamed
+            and its tensors' shapes (``Placed`` without views), or None: its
+            layers' buffers are allocated before ``prepare``, so that block
+            too is read straight into them.
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -119,13 +124,21 @@ def rebuild(
     if users and max(users) >= num_blocks:
         raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
     order = sorted(users)
+    first = shapes(order) if shapes is not None and order else None
+    if first is not None:
+        index, specs = first
+        # a token axis of one block bounds what an unverified header can allocate
+        specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == block_size}
+        layers = split_layers(specs)
+        for i in users[index]:
+            _reserve(builders[i], index, layers.get(i, {}))
     try:
         if prepare is not None:
             prepare(order, _placer(builders, users))
         for index in order:
             arrays, resident = load(index)
             layers = split_layers(arrays)
-            if not resident:  # fault in new buffers on MLX's threads while earlier layers copy
+            if not resident:  # allocate every layer's buffer (unwritten) before the copies
                 reserve = [_reserve(builders[i], index, layers.get(i, {})) for i in users[index]]
                 mx.async_eval(reserve)
             for layer in users[index]:

@@ -9,13 +9,16 @@ evicted block is discarded (and remembered, to explain the next miss).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .blocks import Block, BlockMeta
 from .config import CacheConfig
+from .host import Placed
 from .hot import HotTier
+from .payload import PayloadError, payload_path, read_header
 from .stats import MissReason, Stats
 
 if TYPE_CHECKING:
@@ -182,6 +185,25 @@ class ChainLoad:
         self._order = deque(self.keys[i] for i in indices if self.keys[i] not in self.tiers.hot)
         if self._order:
             self._stream = stream(self.tiers.ssd, list(self._order), place)
+
+    def first_shapes(self, indices: list[int]) -> tuple[int, dict[str, Placed]] | None:
+        """The first block among ``indices`` that will be streamed from SSD, with its
+        tensors' dtypes and shapes read from its payload header (unverified: they
+        only size the restore buffers, so every block, that one too, can be read
+        straight into place); None if there is none or its header is unreadable."""
+        ssd = self.tiers.ssd
+        for i in indices if ssd is not None else ():
+            key = self.keys[i]
+            if key in self.tiers.hot:
+                continue
+            if ssd.writer.pending(key) is not None:
+                return None
+            try:
+                specs = read_header(payload_path(os.path.join(ssd.path, "blocks"), key), key)
+            except (OSError, PayloadError):
+                return None  # the stream reads it again and tells
+            return i, {name: Placed((), dtype, shape) for name, dtype, shape in specs}
+        return None
 
     def load(self, index: int) -> tuple[Block | StreamedBlock | None, bool]:
         """(block, whether it is hot); (None, False) if unusable."""

@@ -26,6 +26,7 @@ from prefixcache.payload import (
     PayloadError,
     encode_header,
     payload_path,
+    read_header,
     read_payload,
     tensors_of,
     write_payload,
@@ -145,6 +146,28 @@ def test_both_payload_readers_are_exact_and_reject_corruption(tmp_path, reader):
     _corrupt_file(path, "flip_data")
     with pytest.raises(PayloadError):
         read_payload(path, key, size, checksum, reader=reader)
+
+
+def test_read_header_gives_shapes_and_refuses_negative_dims(tmp_path):
+    """The header alone (read ahead of a restore, unverified) is still checked
+    against the file: a negative dimension pair whose product fits is refused."""
+    arrays = {"k": mx.zeros((1, 2, 4, 8), mx.bfloat16), "v": mx.ones((3,), mx.int8)}
+    key = block_key(53, 0)
+    path = payload_path(str(tmp_path), key)
+    tensors = tensors_of(arrays)
+    write_payload(path, encode_header(tensors, key), tensors)
+    assert read_header(path, key) == [("k", mx.bfloat16, (1, 2, 4, 8)), ("v", mx.int8, (3,))]
+    with pytest.raises(PayloadError):
+        read_header(path, block_key(53, 1))  # another key's header
+    with open(path, "rb") as f:
+        data = f.read()
+    length = int.from_bytes(data[:8], "little")
+    text = data[8 : 8 + length].replace(b"[1,2,4,8]", b"[-1,-2,4,8]")
+    assert text != data[8 : 8 + length]
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + data[8 + length :])
+    with pytest.raises(PayloadError, match="shape"):
+        read_header(path, key)
 
 
 def test_large_blocks_round_trip_through_mx_load(open_tier):

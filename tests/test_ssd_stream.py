@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import threading
 import time
@@ -19,14 +20,16 @@ from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 from prefixcache import CacheConfig, PrefixCache, ssd_stream
 from prefixcache import manager as manager_module
 from prefixcache.blocks import Block
+from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.base import LayoutMismatchError
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed
-from prefixcache.payload import payload_path
+from prefixcache.payload import payload_path, read_header
 from prefixcache.ssd import SsdTier
 from prefixcache.ssd_prime import SLICE, Primer, cached
 from prefixcache.ssd_stream import StreamedBlock, stream
+from prefixcache.tiers import ChainLoad
 
 
 @pytest.fixture
@@ -146,7 +149,7 @@ def test_token_buffer_copies_host_arrays_in_place():
     buf.add(0, host[0])
     buf.add(4, hot)  # an in-memory block between two streamed ones
     buf.add(8, host[2])
-    out = np.array(buf.materialize().view(mx.uint16))
+    out = np.array(buf.finish().view(mx.uint16))
     assert out.shape == (1, 2, 16, 8)
     np.testing.assert_array_equal(out[:, :, :12], np.concatenate(parts, axis=2))
     assert not out[:, :, 12:].any()  # headroom is zero
@@ -265,10 +268,15 @@ def test_token_buffer_stays_in_place_once_streamed_into():
     assert buf.destination(0, mx.bfloat16, (1, 1, 4, 8)) is None  # wrong heads
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["header_ahead", "first_block_allocates"])
 @pytest.mark.parametrize("kv", [None, (8, 32, 0)], ids=["fp", "kv8"])
-def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypatch, kv):
-    """Through a real fetch: every block after the first arrives Placed, and the
-    restore is exact; a block corrupted in the middle cuts the match there."""
+def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypatch, kv, ahead):
+    """Through a real fetch: every block arrives Placed (the buffers are sized from
+    the first block's header before any read; without that, every block after the
+    first, which allocates them), and the restore is exact; a block corrupted in
+    the middle cuts the match there."""
+    if not ahead:
+        monkeypatch.setattr(ChainLoad, "first_shapes", lambda self, indices: None)
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
     seen: list[tuple[int, set[type]]] = []
     real = manager_module.rebuild
@@ -286,7 +294,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     with stored_on_ssd(tmp_path, model, tokens, kv) as pc:
         restored, num = pc.fetch(tokens)
         assert num == 6 * 16
-        assert seen[0] == (0, {HostArray})  # the first block allocates the buffers
+        assert seen[0] == (0, {Placed} if ahead else {HostArray})
         assert all(kinds == {Placed} for _, kinds in seen[1:]) and len(seen) == 6
         logits = prefill(model, tokens[num:], restored, kv=kv)
         assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
@@ -345,3 +353,39 @@ def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_i
     taken.set()
     assert not Primer(files, taken).step(scratch)  # the first block is taken: stop
     assert not cached(*files[0])
+
+
+def test_a_lying_first_header_sizes_no_buffer(tmp_path, monkeypatch):
+    """The first block's header is read before its checksum can be: one whose
+    tensors claim one token each (as many bytes, spread over many heads) would
+    make the buffers capacity times too big. Its shapes are not used, the block
+    is a counted corrupt miss, and nothing of that size is allocated."""
+    model = tiny_model("llama")
+    tokens = prompt(9, 4 * 16 + 1)
+    allocated: list[tuple[int, ...]] = []
+    real_empty = buffer_module.empty
+
+    def recording(shape, dtype, **kwargs):
+        allocated.append(tuple(shape))
+        return real_empty(shape, dtype, **kwargs)
+
+    monkeypatch.setattr(buffer_module, "empty", recording)
+    with stored_on_ssd(tmp_path, model, tokens) as pc:
+        first = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[0])
+        path = payload_path(os.path.join(pc.ssd.path, "blocks"), first.key)
+        with open(path, "rb") as f:
+            data = f.read()
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + length])
+        for name, entry in header.items():
+            if name != "__metadata__":
+                b, h, n, d = entry["shape"]
+                entry["shape"] = [b, h * n, 1, d]
+        text = json.dumps(header).encode()
+        with open(path, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text + data[8 + length :])
+        assert read_header(path, first.key)[0][2][2] == 1  # a consistent header
+
+        _, num = pc.fetch(tokens)
+        assert num == 0 and pc.stats()["ssd"]["num_corrupt"] == 1
+        assert not [shape for shape in allocated if shape[1] > 4]  # heads of the model: 2

@@ -2,24 +2,22 @@
 
 Segments of blocks already in memory (hot) are joined by ONE concatenate with
 the zero headroom: every byte is written once. Blocks streamed from SSD need the
-buffer at once: it is allocated (faulted in on MLX's threads, see ``reserve``)
-and from then on written only through a host view of its memory, so its address
-never changes: the SSD stream reads later blocks straight into it
-(``destination``; they arrive as ``Placed``), a HostArray is copied in at once,
-and a hot segment after that is copied in the same way. Either way the result is
-a single buffer of final length plus headroom that the next prefill writes into
-in place.
+buffer at once: it is allocated unwritten (``reserve``; uninit.py) and from then
+on written only through a host view of its memory, so its address never
+changes: the SSD stream reads later blocks straight into it (``destination``;
+they arrive as ``Placed``), a HostArray is copied in at once, and a hot segment
+after that is copied in the same way; ``finish`` zeroes what no block wrote.
+Either way the result is a single buffer of final length plus headroom that the
+next prefill writes into in place, and every byte is written once.
 """
 
 from __future__ import annotations
-
-import itertools
-import threading
 
 import mlx.core as mx
 import numpy as np
 
 from ..host import HostArray, Placed, host_bytes, host_view
+from ..uninit import advise_huge, empty
 from .base import LayoutMismatchError
 
 
@@ -28,6 +26,7 @@ class TokenBuffer:
         self.capacity = capacity
         self.array: mx.array | None = None
         self._pending: list[tuple[int, mx.array]] = []
+        self._end = 0  # tokens [0, _end) are covered by what was added
         # Byte view of ``array`` once it is written in place; set once, never reset
         # (reader threads hold destinations into it).
         self._host: np.ndarray | None = None
@@ -38,6 +37,7 @@ class TokenBuffer:
         A HostArray is copied in at once (it is only valid until the next block);
         a Placed tensor is already in place.
         """
+        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
         if isinstance(x, Placed):
             if self._host is None or self._fit(start, x) is None:
                 raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
@@ -46,19 +46,22 @@ class TokenBuffer:
         else:
             self._pending.append((start, x))
 
-    def reserve(self, x: mx.array | HostArray | None) -> list[mx.array]:
-        """Allocate (lazily) the zero buffer a first streamed ``x`` will be copied into.
+    def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
+        """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write
+        in place from then on: readers may read later tensors straight into it.
 
-        Returns the new buffer to schedule (``mx.async_eval``), so the pages of
-        every layer's buffer are faulted in on MLX's threads while earlier layers
-        are copied; [] when there is nothing to allocate.
+        ``x`` is a HostArray or the dtype and shape of one (a ``Placed``). The
+        memory is left unwritten (a restore writes every byte once: the blocks,
+        then ``finish`` the rest). Returns the new buffer; [] when there is
+        nothing to allocate.
         """
-        if not isinstance(x, HostArray) or self.array is not None or self._pending:
+        if not isinstance(x, HostArray | Placed) or self.array is not None or self._pending:
             return []
         if len(x.shape) != 4:
             return []  # _write reports it
         shape = (*x.shape[:2], self.capacity, x.shape[3])
-        self.array = mx.zeros(shape, x.dtype, stream=_alloc_stream())
+        # on the CPU stream: nothing is computed, and on Apple silicon the memory is shared
+        self._open(empty(shape, x.dtype, stream=mx.cpu))
         return [self.array]
 
     def destination(
@@ -90,6 +93,13 @@ class TokenBuffer:
         self._pending.clear()
         return self.array
 
+    def finish(self) -> mx.array | None:
+        """The buffer, with the tokens no block wrote (the headroom) zeroed."""
+        array = self.materialize()
+        if self._host is not None and self._end < self.capacity:
+            self._host[:, :, self._end :, :] = 0
+        return array
+
     def _fit(self, start: int, x: HostArray | Placed) -> np.ndarray | None:
         """The region of the host view for ``x`` at ``start``, or None if it does not fit."""
         host, array = self._host, self.array
@@ -104,11 +114,8 @@ class TokenBuffer:
     def _write(self, start: int, x: HostArray | mx.array) -> None:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-        if self._host is None:
-            self.reserve(x)
-            self.materialize()  # hot segments queued before: joined once, then in place
-            mx.eval(self.array)
-            self._host = host_view(self.array)
+        if self._host is None and not self.reserve(x):
+            self._open(self.materialize())  # hot segments queued before: joined once
         region = self._fit(start, x)
         if region is None:
             raise LayoutMismatchError(
@@ -116,6 +123,13 @@ class TokenBuffer:
                 f"buffer {self.array.dtype}{self.array.shape}"
             )
         region[...] = x.rows() if isinstance(x, HostArray) else host_bytes(x)  # releases the GIL
+
+    def _open(self, array: mx.array) -> None:
+        """Make ``array`` the buffer, written in place through its host view from now on."""
+        mx.eval(array)
+        self.array = array
+        self._host = host_view(array)
+        advise_huge(self._host)
 
     def _allocate(self, like: mx.array) -> mx.array:
         parts: list[mx.array] = []
@@ -134,21 +148,3 @@ class TokenBuffer:
 def _zeros_like(x: mx.array, tokens: int) -> mx.array:
     # a broadcast: concatenate reads it without a transient buffer of zeros
     return mx.broadcast_to(mx.zeros((1, 1, 1, 1), x.dtype), (*x.shape[:2], tokens, x.shape[3]))
-
-
-_streams: itertools.cycle | None = None
-_streams_lock = threading.Lock()
-
-
-def _alloc_stream() -> mx.Stream:
-    """Alternate new restore buffers between two CPU streams (each its own thread):
-    faulting in fresh pages is the bulk of a restore's cost on the CPU, and two
-    threads do it ~1.7x faster (64 fresh buffers, 544 MiB: 2.7 -> 4.5 GB/s on the
-    2-core CI machine). Other devices: the default stream."""
-    global _streams
-    with _streams_lock:
-        if _streams is None:
-            default = mx.default_stream(mx.default_device())
-            extra = [mx.new_stream(mx.cpu)] if default.device == mx.cpu else []
-            _streams = itertools.cycle([default, *extra])
-        return next(_streams)

@@ -108,7 +108,7 @@ class KVBuilder(Builder):
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 
     def finish(self) -> Any:
-        self.cache.keys = self.keys.materialize()
-        self.cache.values = self.values.materialize()
+        self.cache.keys = self.keys.finish()
+        self.cache.values = self.values.finish()
         self.cache.offset = self.num_tokens
         return self.cache

@@ -105,7 +105,7 @@ class QuantizedBuilder(Builder):
         return [b for b in out if b is not None]
 
     def finish(self) -> QuantizedKVCache:
-        self.cache.keys = tuple(b.materialize() for b in self.parts["keys"])
-        self.cache.values = tuple(b.materialize() for b in self.parts["values"])
+        self.cache.keys = tuple(b.finish() for b in self.parts["keys"])
+        self.cache.values = tuple(b.finish() for b in self.parts["values"])
         self.cache.offset = self.num_tokens
         return self.cache

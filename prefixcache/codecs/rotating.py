@@ -174,8 +174,8 @@ class RotatingBuilder(Builder):
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 
     def finish(self) -> RotatingKVCache:
-        self.cache.keys = self.keys.materialize()
-        self.cache.values = self.values.materialize()
+        self.cache.keys = self.keys.finish()
+        self.cache.values = self.values.finish()
         self.cache.offset = self.num_tokens
         self.cache._idx = self.idx
         return self.cache
