@@ -4,10 +4,11 @@ Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
 up to mlx-lm's 256-token step) filled block by block by slice assignment, so
 there is no growing concatenation and the suffix prefill writes in place.
 Blocks are fed block-major and evaluated one at a time. SSD payloads stream
-through: the first streamed block's copy allocates the buffers layer by layer,
-and as each exists the stream's reader threads read every later tensor straight
-into the buffer it belongs to (``place``: one copy from the page cache, no read buffer),
-so the peak is the restored cache plus one block. Tensors without such a
+through: the buffers are allocated, unwritten, from the first streamed block's
+header (``shapes``; else that block's copy allocates them), and the stream's
+reader threads read each tensor straight into the buffer it belongs to
+(``place``: one copy from the page cache, no read buffer), so the peak is the
+restored cache (plus one block when the first block had to allocate). Tensors without such a
 destination come as HostArrays (views of a read buffer): builders that take
 them copy the bytes in; the others get MLX arrays of them.
 """

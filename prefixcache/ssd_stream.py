@@ -5,17 +5,18 @@ disk are read by reader threads (plain file I/O, xxh3 and header checks: no MLX
 call leaves the caller's thread), several files in flight, so later blocks are
 read while the caller handles earlier ones. A reader parses the payload's
 header first and asks ``place`` where each tensor goes: once the restore's
-buffers exist (after the first block), that is a slice of the buffer itself,
-so the tensor is read from the page cache straight into the restored cache (one
-copy) and hashed there while it is still in the CPU cache. A tensor with no
-place is read into the reader's reused read buffer.
+buffers exist, that is a slice of the buffer itself, so the tensor is read from
+the page cache straight into the restored cache (one copy) and hashed there
+while it is still in the CPU cache. A tensor with no place is read into the
+reader's reused read buffer.
 
-The first block is read into a read buffer: its copy allocates the restore
-buffers, layer by layer. Readers of later blocks do not wait for all of that:
-until the caller has taken the first block, a tensor whose buffer does not
-exist yet is asked for again, and in between the reader pulls later payload
-files into the page cache (ssd_prime.py), so the disk and the copies overlap the
-allocation; no read buffer beyond the first block's is needed. Otherwise the
+The buffers normally exist before the stream starts: the restore sizes them
+from the first block's header (ChainLoad.first_shapes), so every block goes
+straight into place. When it could not (that header unreadable, the block
+still queued for the writer), the first block is read into a read buffer and
+its copy allocates the buffers; until the caller has taken it, a later tensor
+whose buffer does not exist yet is asked for again, and in between the reader
+pulls later payload files into the page cache (ssd_prime.py). Otherwise the
 kernel's own readahead serves each file: asking it to read further ahead
 (POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
 queueing in front of the reads that wait for them.
