@@ -48,23 +48,24 @@ def test_empty_of_nothing_or_an_unknown_dtype_is_zeros():
     assert c.dtype == mx.complex64 and not mx.any(c).item()
 
 
+def _rss_growth(make) -> int:
+    """How much RSS an evaluated ``make()`` adds, from an empty MLX buffer cache."""
+    mx.clear_cache()
+    before = rss()
+    a = make()
+    mx.eval(a)
+    grown = rss() - before
+    del a
+    mx.clear_cache()
+    return grown
+
+
 def test_empty_leaves_fresh_pages_untouched():
     """The point of it: 256 MiB of fresh memory is not faulted in (mx.zeros, the
     control, faults in all of it)."""
-    mx.clear_cache()
     shape, size = (1, 8, 128 * 1024, 128), 256 * MiB
-    before = rss()
-    a = uninit.empty(shape, mx.bfloat16)
-    mx.eval(a)
-    grown_empty = rss() - before
-    del a
-    mx.clear_cache()
-    before = rss()
-    z = mx.zeros(shape, mx.bfloat16)
-    mx.eval(z)
-    grown_zeros = rss() - before
-    del z
-    mx.clear_cache()
+    grown_empty = _rss_growth(lambda: uninit.empty(shape, mx.bfloat16))
+    grown_zeros = _rss_growth(lambda: mx.zeros(shape, mx.bfloat16))
     assert grown_empty < 16 * MiB, grown_empty
     assert grown_zeros > 0.9 * size, grown_zeros
 
