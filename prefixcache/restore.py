@@ -8,9 +8,9 @@ through: the buffers are allocated, unwritten, from the first streamed block's
 header (``shapes``; else that block's copy allocates them), and the stream's
 reader threads read each tensor straight into the buffer it belongs to
 (``place``: one copy from the page cache, no read buffer), so the peak is the
-restored cache (plus one block when the first block had to allocate). Tensors without such a
-destination come as HostArrays (views of a read buffer): builders that take
-them copy the bytes in; the others get MLX arrays of them.
+restored cache (plus one block when the first block had to allocate). Tensors
+without such a destination come as HostArrays (views of a read buffer):
+builders that take them copy the bytes in; the others get MLX arrays of them.
 """
 
 from __future__ import annotations
