@@ -14,7 +14,6 @@ import numpy as np
 from .blocks import BlockMeta
 from .cli_inspect import Doc, add_common, emit
 from .inventory import Inventory, NamespaceInfo, Segment
-from .payload import payload_path
 from .report import format_age, format_bytes, short, table, tree_lines
 from .ssd import SsdTier
 from .ssd_index import decode_or_none
@@ -112,7 +111,7 @@ def _show_doc(
     tier: SsdTier, chain: list[BlockMeta], ns: NamespaceInfo, decode: Decoder | None, *, full: bool
 ) -> Doc:
     m = chain[-1]
-    path = payload_path(os.path.join(tier.path, "blocks"), m.key)
+    path = tier.payload_file(m.key)
     complete = chain[0].parent == chain[0].root and chain[0].index == 0
     doc: Doc = {
         "key": m.key.hex(), "model": ns.model, "root": m.root.hex(),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockMeta
 from .inventory import Entry, Inventory, scan
-from .payload import PayloadError, list_files, payload_path, read_payload
+from .payload import PayloadError, list_files, read_payload
 from .ssd import SsdTier
 
 _REMOVE_CHUNK = 256
@@ -78,7 +78,7 @@ def _check(tier: SsdTier, key: bytes, meta: BlockMeta | None) -> tuple[bool, str
     if meta is None:
         return True, "index entry does not decode"
     try:
-        path = payload_path(os.path.join(tier.path, "blocks"), key)
+        path = tier.payload_file(key)
         _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
     except FileNotFoundError:
         return True, "payload file is missing"

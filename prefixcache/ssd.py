@@ -104,6 +104,10 @@ class SsdTier:
         """False once the disk filled up: puts are no-ops, loads still work."""
         return self._enabled
 
+    def payload_file(self, key: bytes) -> str:
+        """Where ``key``'s payload file is (whether or not it exists)."""
+        return payload_path(self._payloads, key)
+
     def put(self, block: Block) -> bool:
         """Queue a block (arrays already evaluated); False if the write was dropped."""
         if self._closed:
@@ -149,7 +153,7 @@ class SsdTier:
                 self._quarantine(key, raw, "bad index entry")
             return None
         try:
-            path = payload_path(self._payloads, key)
+            path = self.payload_file(key)
             arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
             if nbytes != meta.nbytes:
                 raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
@@ -179,7 +183,7 @@ class SsdTier:
             return
         for key in keys:
             try:
-                fd = os.open(payload_path(self._payloads, key), os.O_RDONLY)
+                fd = os.open(self.payload_file(key), os.O_RDONLY)
             except OSError:
                 continue  # pending, absent or gone: load() will tell
             try:
@@ -347,7 +351,7 @@ class SsdTier:
         except lmdb.DiskError as e:
             self._disable(e)
             for meta in written:
-                unlink(payload_path(self._payloads, meta.key))
+                unlink(self.payload_file(meta.key))
             written.clear()
         self._count("num_writes", len(written))
         self._count("written_bytes", sum(m.file_bytes for m in written))
@@ -360,7 +364,7 @@ class SsdTier:
             key = item.block.key
             try:
                 file_bytes, checksum = write_payload(
-                    payload_path(self._payloads, key), headers[key], item.tensors
+                    self.payload_file(key), headers[key], item.tensors
                 )
             except OSError as e:
                 if e.errno != errno.ENOSPC:

@@ -47,7 +47,7 @@ import xxhash
 
 from .blocks import Block, BlockMeta
 from .host import HostArray, Placed
-from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header, payload_path
+from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header
 from .ssd_index import decode_or_none
 from .ssd_prime import SLICE, Primer
 
@@ -125,7 +125,7 @@ def stream(
 
 
 def _job(tier: SsdTier, key: bytes) -> _Job:
-    path = payload_path(os.path.join(tier.path, "blocks"), key)
+    path = tier.payload_file(key)
     if tier.writer.pending(key) is not None:
         return _Job(key, None, None, path)
     raw = tier.index.get(key)

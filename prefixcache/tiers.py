@@ -9,7 +9,6 @@ evicted block is discarded (and remembered, to explain the next miss).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from .blocks import Block, BlockMeta
 from .config import CacheConfig
 from .host import Placed
 from .hot import HotTier
-from .payload import PayloadError, payload_path, read_header
+from .payload import PayloadError, read_header
 from .stats import MissReason, Stats
 
 if TYPE_CHECKING:
@@ -199,7 +198,7 @@ class ChainLoad:
             if ssd.writer.pending(key) is not None:
                 return None
             try:
-                specs = read_header(payload_path(os.path.join(ssd.path, "blocks"), key), key)
+                specs = read_header(ssd.payload_file(key), key)
             except (OSError, PayloadError):
                 return None  # the stream reads it again and tells
             return i, {name: Placed((), dtype, shape) for name, dtype, shape in specs}

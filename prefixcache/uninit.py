@@ -62,12 +62,6 @@ class _Unwritten:
         self._pos += n
         return n
 
-    def read(self, size: int = -1) -> bytes:  # not used by MLX 0.32; kept honest
-        end = self._end if size < 0 else min(self._end, self._pos + size)
-        out = bytearray(max(0, end - self._pos))
-        self.readinto(out)
-        return bytes(out)
-
 
 def empty(shape: tuple[int, ...], dtype: mx.Dtype, *, stream=None) -> mx.array:
     """A lazy array of ``shape`` and ``dtype`` whose bytes are unspecified."""
