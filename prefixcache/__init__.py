@@ -6,9 +6,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .cache import PrefixCache
     from .codecs import Codec, LayoutMismatchError, UnsupportedCacheError, register_codec
     from .config import CacheConfig
-    from .manager import PrefixCache
     from .stats import MissReason, prometheus_text
 
 # Exported names are imported on first use: the inspection CLI (``prefixcache
@@ -18,7 +18,7 @@ _EXPORTS = {
     "Codec": ".codecs",
     "LayoutMismatchError": ".codecs",
     "MissReason": ".stats",
-    "PrefixCache": ".manager",
+    "PrefixCache": ".cache",
     "UnsupportedCacheError": ".codecs",
     "prometheus_text": ".stats",
     "register_codec": ".codecs",

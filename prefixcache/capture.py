@@ -30,7 +30,7 @@ from .hashing import chain_keys, token_bytes
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from .manager import PrefixCache
+    from .cache import PrefixCache
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 

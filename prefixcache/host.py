@@ -1,6 +1,6 @@
 """A block's tensor as bytes in host memory, as the SSD stream hands it over.
 
-The SSD stream (ssd_stream.py) reads each tensor straight into the restore
+The SSD stream (tiers/ssd/stream.py) reads each tensor straight into the restore
 buffer that will hold it when the builder offers a destination (``Placed``:
 the bytes are already where they belong), and otherwise into a reused read
 buffer (``HostArray``: a view, verified, valid until the next block). A builder

@@ -27,7 +27,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 
-from .payload import _DTYPES
+from .tiers.ssd.payload import _DTYPES
 
 logger = logging.getLogger(__name__)
 

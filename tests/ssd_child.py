@@ -17,7 +17,7 @@ import numpy as np
 import xxhash
 
 from prefixcache.blocks import Block
-from prefixcache.ssd import SsdTier
+from prefixcache.tiers.ssd.tier import SsdTier
 
 ROOT = b"\x00" * 16
 # name -> (dtype, its same-size unsigned view, shape (B, kv_heads, T, head_dim))

@@ -28,9 +28,9 @@ import pytest
 from conftest import prompt
 
 from prefixcache import CacheConfig, PrefixCache, prometheus_text
-from prefixcache.metrics import CONTENT_TYPE, MetricsServer
-from prefixcache.report import format_age, format_bytes, parse_duration
-from prefixcache.ssd import SsdTier
+from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
+from prefixcache.cli.report import format_age, format_bytes, parse_duration
+from prefixcache.tiers.ssd.tier import SsdTier
 
 CHILD = str(Path(__file__).with_name("cli_child.py"))
 EXE = shutil.which("prefixcache")

@@ -1,6 +1,6 @@
 """The README's demo runs end to end: hits after the first chat, same first tokens, SSD restart."""
 
-from prefixcache.demo import run_demo
+from prefixcache.cli.demo import run_demo
 
 
 def test_demo_hits_and_matches_cold_runs(tmp_path):

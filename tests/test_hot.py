@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from prefixcache.blocks import Block
-from prefixcache.hot import HotTier
+from prefixcache.tiers.hot import HotTier
 
 ROOT = b"r" * 16
 

@@ -17,10 +17,10 @@ from conftest import QUANT_LLAMA, prompt, tiny_model
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
-from prefixcache import serve, server
-from prefixcache.cli import setup_arg_parser
+from prefixcache import mlx_server as server
+from prefixcache.cli import serve, setup_arg_parser
 from prefixcache.config import CacheConfig
-from prefixcache.server import MlxLmVersionError, ModelPair, TieredPromptCache
+from prefixcache.mlx_server import MlxLmVersionError, ModelPair, TieredPromptCache
 from prefixcache.tiny import build_model
 
 KEY = ("/models/tiny", None, None)

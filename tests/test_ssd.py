@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ssd_child import ROOT, block_key, check_block, make_block
 
 from prefixcache.blocks import Block, BlockMeta
-from prefixcache.payload import (
+from prefixcache.tiers.ssd.payload import (
     SMALL_PAYLOAD,
     PayloadError,
     encode_header,
@@ -31,7 +31,7 @@ from prefixcache.payload import (
     tensors_of,
     write_payload,
 )  # fmt: skip
-from prefixcache.ssd import SsdFormatError, SsdTier
+from prefixcache.tiers.ssd.tier import SsdFormatError, SsdTier
 
 CHILD = os.path.join(os.path.dirname(__file__), "ssd_child.py")
 
@@ -321,7 +321,7 @@ def test_corrupt_payload_is_quarantined(open_tier, tmp_path, caplog, how):
     path = payload_files(tmp_path / "ssd")
     victim = next(p for p in path if blocks[1].key.hex() in p)
     _corrupt_file(victim, how)
-    with caplog.at_level(logging.WARNING, logger="prefixcache.ssd"):
+    with caplog.at_level(logging.WARNING, logger="prefixcache.tiers.ssd.tier"):
         assert tier.load(blocks[1].key) is None
         assert tier.load(blocks[1].key) is None  # now simply absent
     assert [r.levelname for r in caplog.records] == ["WARNING"]
@@ -502,7 +502,7 @@ def test_writer_failure_is_counted_and_reraised_on_close(tmp_path, caplog):
     with open(os.path.join(tmp_path, "ssd", "blocks", block.key.hex()[:2]), "wb"):
         pass  # a file where the fan-out directory should be: a real OSError
     sibling = Block.make(block.key[:1] + b"\1" * 15, block.key, ROOT, 1, block.tokens, block.arrays)
-    with caplog.at_level(logging.ERROR, logger="prefixcache.writer"):
+    with caplog.at_level(logging.ERROR, logger="prefixcache.tiers.ssd.writer"):
         tier.put(block)
         tier.flush()
         tier.put(sibling)  # same fan-out directory: fails again
@@ -571,7 +571,7 @@ def test_min_free_bytes_is_kept_by_evicting(tiny_fs):
 def test_map_grows_when_full(open_tier, caplog):
     tier = open_tier(map_size=64 << 10)  # tiny on purpose
     blocks = [make_block(12, i) for i in range(300)]
-    with caplog.at_level(logging.INFO, logger="prefixcache.lmdb_env"):
+    with caplog.at_level(logging.INFO, logger="prefixcache.tiers.ssd.lmdb_env"):
         for b in blocks:
             tier.put(b)
         tier.flush()

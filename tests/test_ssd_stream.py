@@ -17,19 +17,20 @@ from conftest import QUANT_LLAMA, live_logits, max_diff, prefill, prompt, tiny_m
 from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
-from prefixcache import CacheConfig, PrefixCache, ssd_stream
-from prefixcache import manager as manager_module
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache import cache as manager_module
 from prefixcache.blocks import Block
 from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.base import LayoutMismatchError
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed
-from prefixcache.payload import payload_path, read_header
-from prefixcache.ssd import SsdTier
-from prefixcache.ssd_prime import SLICE, Primer, cached
-from prefixcache.ssd_stream import StreamedBlock, stream
-from prefixcache.tiers import ChainLoad
+from prefixcache.tiers.ssd import stream as ssd_stream
+from prefixcache.tiers.ssd.payload import payload_path, read_header
+from prefixcache.tiers.ssd.prime import SLICE, Primer, cached
+from prefixcache.tiers.ssd.stream import StreamedBlock, stream
+from prefixcache.tiers.ssd.tier import SsdTier
+from prefixcache.tiers.stack import ChainLoad
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
 from prefixcache.config import CacheConfig, parse_bytes
-from prefixcache.server import TieredPromptCache
+from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiny import build_model
 
 KEY = ("bench-llama", None, None)

@@ -43,8 +43,8 @@ import xxhash
 from benchlib import drop_caches, read_fresh, read_reused
 
 from prefixcache.blocks import Block
-from prefixcache.payload import encode_header, payload_path, read_payload, tensors_of
-from prefixcache.ssd import SsdTier
+from prefixcache.tiers.ssd.payload import encode_header, payload_path, read_payload, tensors_of
+from prefixcache.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20
 _MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32}

@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.demo import DEMO_MODEL
+from prefixcache.cli.demo import DEMO_MODEL
 from prefixcache.tiny import build_model
 
 

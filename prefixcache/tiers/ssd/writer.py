@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .blocks import Block
+from ...blocks import Block
 from .payload import Tensor
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
-from .blocks import Block
+from ..blocks import Block
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .blocks import BlockMeta
+from ...blocks import BlockMeta
 from .inventory import Entry, Inventory, scan
 from .payload import PayloadError, list_files, read_payload
-from .ssd import SsdTier
+from .tier import SsdTier
 
 _REMOVE_CHUNK = 256
 

@@ -7,12 +7,12 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from .cli_inspect import Doc, add_common, duration, emit
-from .config import parse_bytes
-from .inventory import Inventory
-from .maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
+from ..config import parse_bytes
+from ..tiers.ssd.inventory import Inventory
+from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
+from ..tiers.ssd.tier import SsdTier
+from .inspect import Doc, add_common, duration, emit
 from .report import format_bytes
-from .ssd import SsdTier
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

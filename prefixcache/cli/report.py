@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from .inventory import Segment
+from ..tiers.ssd.inventory import Segment
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")

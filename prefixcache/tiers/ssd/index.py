@@ -1,6 +1,6 @@
 """LMDB index of the SSD tier: entries, LRU of leaves, child links, in-flight writes.
 
-Named databases of one environment (one per path per process; + ssd_records.py)::
+Named databases of one environment (one per path per process; + records.py)::
 
     meta      format name and version, total payload bytes, corrupt-block count
     blocks    key -> encode_meta(BlockMeta)
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import lmdb
 
-from .blocks import BlockMeta, decode_meta, encode_meta
+from ...blocks import BlockMeta, decode_meta, encode_meta
 from .lmdb_env import SharedEnv
 from .payload import list_files, payload_path, temp_owner, temp_path, unlink
-from .ssd_records import RECORD_DBS
+from .records import RECORD_DBS
 
 logger = logging.getLogger(__name__)
 

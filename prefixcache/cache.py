@@ -15,16 +15,16 @@ from .capture import prefill, store_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
 from .hashing import Namespace, chain_keys, token_bytes
-from .hot import HotTier
 from .layout import ModelLayout
 from .model_id import model_fingerprint
 from .restore import Shortfall, Walk, plan, rebuild, walk
-from .ssd_records import counter_delta
 from .stats import MissReason, Stats
-from .tiers import ChainLoad, Tiers
+from .tiers.hot import HotTier
+from .tiers.ssd.records import counter_delta
+from .tiers.stack import ChainLoad, Tiers
 
 if TYPE_CHECKING:
-    from .ssd import SsdTier
+    from .tiers.ssd.tier import SsdTier
 
 
 class PrefixCache:

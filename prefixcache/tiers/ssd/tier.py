@@ -2,7 +2,7 @@
 
 Layout of a directory::
 
-    index/                 LMDB (see ssd_index.py)
+    index/                 LMDB (see index.py)
     blocks/ab/<key hex>.safetensors
 
 ``put`` only queues (the caller's thread takes zero-copy byte views of the
@@ -26,7 +26,8 @@ from collections.abc import Iterator, Sequence
 import lmdb
 import mlx.core as mx
 
-from .blocks import Block, BlockMeta
+from ...blocks import Block, BlockMeta
+from .index import SsdFormatError, SsdIndex, decode_or_none
 from .payload import (
     PayloadError,
     encode_header,
@@ -36,8 +37,7 @@ from .payload import (
     unlink,
     write_payload,
 )
-from .ssd_index import SsdFormatError, SsdIndex, decode_or_none
-from .ssd_records import SsdRecords
+from .records import SsdRecords
 from .writer import WriteItem, Writer
 
 __all__ = ["SsdFormatError", "SsdTier"]
@@ -267,7 +267,7 @@ class SsdTier:
             self._counts[name] += num
 
     def _note_load(self, key: bytes, nbytes: int) -> None:
-        """Count a served payload read (also ssd_stream's) and touch it for the LRU."""
+        """Count a served payload read (also the stream's) and touch it for the LRU."""
         with self._lock:
             self._counts["num_loads"] += 1
             self._counts["load_bytes"] += nbytes

@@ -3,7 +3,7 @@
 mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
-``prefixcache serve`` (serve.py) runs mlx-lm's own ``main()`` with it in place.
+``prefixcache serve`` (cli/serve.py) runs mlx-lm's own ``main()`` with it in place.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .cache import PrefixCache
 from .codecs import UnsupportedCacheError, codec_for
 from .config import CacheConfig
-from .manager import PrefixCache
 from .model_id import model_fingerprint
 
 log = logging.getLogger(__name__)

@@ -13,17 +13,17 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from .blocks import Block, BlockMeta
-from .config import CacheConfig
-from .host import Placed
+from ..blocks import Block, BlockMeta
+from ..config import CacheConfig
+from ..host import Placed
+from ..stats import MissReason, Stats
 from .hot import HotTier
-from .payload import PayloadError, read_header
-from .stats import MissReason, Stats
+from .ssd.payload import PayloadError, read_header
 
 if TYPE_CHECKING:
-    from .restore import Place
-    from .ssd import SsdTier
-    from .ssd_stream import StreamedBlock
+    from ..restore import Place
+    from .ssd.stream import StreamedBlock
+    from .ssd.tier import SsdTier
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -160,7 +160,7 @@ class Tiers:
 
 class ChainLoad:
     """Loads the blocks of one restore in chain order: hot ones from hot, the
-    rest streamed from SSD (ssd_stream.py: reader threads read later blocks,
+    rest streamed from SSD (ssd/stream.py: reader threads read later blocks,
     straight into their place in the restore buffers, while earlier ones are
     handled; HostArray views are valid until the next load). ``loaded``
     collects SSD blocks to promote, as MLX copies, while hot has room for them
@@ -175,11 +175,11 @@ class ChainLoad:
 
     def prepare(self, indices: list[int], place: Place | None = None) -> None:
         """Start reading the SSD blocks among ``indices`` (the order of the loads),
-        each tensor into its ``place`` when it has one (see ssd_stream)."""
+        each tensor into its ``place`` when it has one (see ssd/stream.py)."""
         self.close()
         if self.tiers.ssd is None:
             return
-        from .ssd_stream import stream
+        from .ssd.stream import stream
 
         self._order = deque(self.keys[i] for i in indices if self.keys[i] not in self.tiers.hot)
         if self._order:
@@ -230,7 +230,7 @@ def _build_ssd(config: CacheConfig) -> SsdTier | None:
     """The SSD tier, or None: the only place ``hot_cache_only`` is read."""
     if config.hot_cache_only:
         return None
-    from .ssd import SsdTier
+    from .ssd.tier import SsdTier
 
     return SsdTier(
         config.ssd_path,

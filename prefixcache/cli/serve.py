@@ -21,9 +21,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..mlx_server import (
+    MlxLmVersionError,
+    ModelKey,
+    ModelPair,
+    TieredPromptCache,
+    check_mlx_lm_version,
+)
 from .metrics import serve_metrics
-from .server import MlxLmVersionError, ModelKey, ModelPair, TieredPromptCache, check_mlx_lm_version
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .blocks import BlockMeta
-from .ssd import SsdTier
-from .ssd_index import decode_or_none
+from ...blocks import BlockMeta
+from .index import decode_or_none
+from .tier import SsdTier
 
 _SCAN_CHUNK = 1024
 

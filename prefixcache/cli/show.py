@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .blocks import BlockMeta
-from .cli_inspect import Doc, add_common, emit
-from .inventory import Inventory, NamespaceInfo, Segment
+from ..blocks import BlockMeta
+from ..tiers.ssd.index import decode_or_none
+from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment
+from ..tiers.ssd.tier import SsdTier
+from .inspect import Doc, add_common, emit
 from .report import format_age, format_bytes, short, table, tree_lines
-from .ssd import SsdTier
-from .ssd_index import decode_or_none
 
 Decoder = Callable[[list[int]], str]
 

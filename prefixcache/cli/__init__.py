@@ -1,7 +1,7 @@
 """The ``prefixcache`` command: serve, inspect the SSD tier, demo, make-model.
 
-Inspection: ``stats``, ``ls``, ``show``, ``tree`` (cli_show.py), ``verify``,
-``gc``, ``clear`` (cli_maintain.py); see cli_inspect.py for what they share.
+Inspection: ``stats``, ``ls``, ``show``, ``tree`` (show.py), ``verify``,
+``gc``, ``clear`` (maintain.py); see inspect.py for what they share.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import cli_inspect, cli_maintain, cli_show
+from . import inspect, maintain, show
 
-_INSPECT = (cli_inspect, cli_show, cli_maintain)
+_INSPECT = (inspect, show, maintain)
 COMMANDS = {name: fn for module in _INSPECT for name, fn in module.COMMANDS.items()}
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     inspecting = bool(argv) and argv[0] in COMMANDS  # starts fast: mlx-lm is not imported
     args = setup_arg_parser(serve=not inspecting).parse_args(argv)
     if args.command in COMMANDS:
-        return cli_inspect.run_with_tier(args, COMMANDS[args.command])
+        return inspect.run_with_tier(args, COMMANDS[args.command])
     if args.command == "demo":
         from .demo import run_demo
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_serve(args)
     if args.command == "make-model":
-        from .tiny import save_model
+        from ..tiny import save_model
 
         path = save_model(args.path, args.arch, seed=args.seed)
         print(f"wrote {args.arch} (seed {args.seed}) to {path}")

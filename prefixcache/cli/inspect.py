@@ -1,7 +1,7 @@
 """Inspection subcommands of ``prefixcache``: stats and ls, and what every subcommand shares.
 
-``show`` and ``tree`` are in cli_show.py, ``verify``, ``gc`` and ``clear`` in
-cli_maintain.py.
+``show`` and ``tree`` are in show.py, ``verify``, ``gc`` and ``clear`` in
+maintain.py.
 
 Every command opens an existing SSD tier directory (``--ssd-dir``, else
 ``PREFIXCACHE_SSD_DIR``, else CacheConfig's default) and never creates one.
@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .config import CacheConfig, parse_bytes
-from .inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
+from ..config import CacheConfig, parse_bytes
+from ..stats import Stats
+from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
+from ..tiers.ssd.inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
+from ..tiers.ssd.records import add_counters
+from ..tiers.ssd.tier import SsdFormatError, SsdTier
 from .report import format_age, format_bytes, parse_duration, table
-from .ssd import SsdFormatError, SsdTier
-from .ssd_index import FORMAT_NAME, FORMAT_VERSION
-from .ssd_records import add_counters
-from .stats import Stats
 
 Doc = dict[str, Any]  # a --json document
 

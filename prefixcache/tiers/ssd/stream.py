@@ -45,14 +45,14 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from .blocks import Block, BlockMeta
-from .host import HostArray, Placed
+from ...blocks import Block, BlockMeta
+from ...host import HostArray, Placed
+from .index import decode_or_none
 from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header
-from .ssd_index import decode_or_none
-from .ssd_prime import SLICE, Primer
+from .prime import SLICE, Primer
 
 if TYPE_CHECKING:
-    from .ssd import SsdTier
+    from .tier import SsdTier
 
 logger = logging.getLogger(__name__)
 
