@@ -5,21 +5,20 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .errors import LayoutMismatchError, MissReason, UnsupportedCacheError
+
 if TYPE_CHECKING:
     from .cache import PrefixCache
-    from .codecs import Codec, LayoutMismatchError, UnsupportedCacheError, register_codec
+    from .codecs import Codec, register_codec
     from .config import CacheConfig
-    from .stats import MissReason, prometheus_text
+    from .stats import prometheus_text
 
 # Exported names are imported on first use: the inspection CLI (``prefixcache
 # stats``...) then starts without importing mlx-lm (~1 s of transformers).
 _EXPORTS = {
     "CacheConfig": ".config",
     "Codec": ".codecs",
-    "LayoutMismatchError": ".codecs",
-    "MissReason": ".stats",
     "PrefixCache": ".cache",
-    "UnsupportedCacheError": ".codecs",
     "prometheus_text": ".stats",
     "register_codec": ".codecs",
 }

@@ -14,11 +14,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from .capture import prefill, store_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
+from .errors import MissReason, Shortfall
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .model_id import model_fingerprint
-from .restore import Shortfall, Walk, plan, rebuild, walk
-from .stats import MissReason, Stats
+from .restore import Walk, plan, rebuild, walk
+from .stats import Stats
 from .tiers.hot import HotTier
 from .tiers.ssd.records import counter_delta
 from .tiers.stack import ChainLoad, Tiers

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from .cache import PrefixCache
 
+
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
 

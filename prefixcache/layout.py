@@ -14,8 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from .codecs import Codec, LayoutMismatchError, codec_for
+from .codecs import Codec, codec_for
 from .config import CacheConfig
+from .errors import LayoutMismatchError
 
 
 class ModelLayout:

@@ -20,8 +20,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import PrefixCache
-from .codecs import UnsupportedCacheError, codec_for
+from .codecs import codec_for
 from .config import CacheConfig
+from .errors import UnsupportedCacheError
 from .model_id import model_fingerprint
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .blocks import split_layers
-from .codecs import Codec, LayoutMismatchError, codec_for
+from .codecs import Codec, codec_for
+from .errors import LayoutMismatchError, MissReason, Shortfall
 from .host import HostArray, Placed
-from .stats import MissReason
 
 
 class ChainEntry(Protocol):
@@ -41,15 +41,6 @@ class Walk:
 
     depth: int  # blocks matched, root-first
     reason: MissReason | None  # why block ``depth`` did not match, if any
-
-
-class Shortfall(Exception):
-    """A block needed by the rebuild could not be used; restore fewer blocks."""
-
-    def __init__(self, index: int, reason: MissReason):
-        super().__init__(index, reason)
-        self.index = index
-        self.reason = reason
 
 
 def walk(

@@ -5,21 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 
-
-class MissReason(str, Enum):
-    """Why a fetch did not reuse every full block of the prompt."""
-
-    NO_PREFIX = "no_prefix"  # the next block was never stored
-    PARTIAL_BLOCK = "partial_block"  # the prompt's tail is shorter than a block
-    EVICTED = "evicted"  # the next block was stored, then evicted from every tier
-    PENDING_WRITE = "pending_write"  # the next block was dropped from the write queue
-    BOUNDARY_MISSING = "boundary_state_missing"  # no recurrent snapshot at the boundary
-    WINDOW_NOT_COVERED = "window_not_covered"  # sliding-window tokens not stored
-    LAYOUT_MISMATCH = "layout_mismatch"  # stored payload unusable for this layout
-    CORRUPT = "corrupt"  # checksum or decode failure on the SSD tier
-    TOKEN_MISMATCH = "token_mismatch"  # key matched but stored token ids differ
+from .errors import MissReason
 
 
 @dataclass(slots=True)

@@ -21,17 +21,17 @@ from hypothesis import strategies as st
 from ssd_child import ROOT, block_key, check_block, make_block
 
 from prefixcache.blocks import Block, BlockMeta
+from prefixcache.errors import PayloadError, SsdFormatError
 from prefixcache.tiers.ssd.payload import (
     SMALL_PAYLOAD,
-    PayloadError,
     encode_header,
     payload_path,
     read_header,
     read_payload,
     tensors_of,
     write_payload,
-)  # fmt: skip
-from prefixcache.tiers.ssd.tier import SsdFormatError, SsdTier
+)
+from prefixcache.tiers.ssd.tier import SsdTier
 
 CHILD = os.path.join(os.path.dirname(__file__), "ssd_child.py")
 

@@ -21,8 +21,8 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache import cache as manager_module
 from prefixcache.blocks import Block
 from prefixcache.codecs import buffer as buffer_module
-from prefixcache.codecs.base import LayoutMismatchError
 from prefixcache.codecs.buffer import TokenBuffer
+from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed
 from prefixcache.tiers.ssd import stream as ssd_stream

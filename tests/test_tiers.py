@@ -93,7 +93,9 @@ RESTART_CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import mlx.core as mx
     from conftest import live_logits, max_diff, prefill, prompt, tiny_model
+
     from prefixcache import CacheConfig, PrefixCache
+
     llama = tiny_model("llama")
     cfg = CacheConfig(block_size=16, ssd_dir={ssd!r}, ssd_min_free_bytes=0)
     tokens = prompt(5, 4 * 16) + prompt(6, 9)

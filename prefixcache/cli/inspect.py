@@ -24,11 +24,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import CacheConfig, parse_bytes
+from ..errors import SsdFormatError
 from ..stats import Stats
 from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
 from ..tiers.ssd.inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
 from ..tiers.ssd.records import add_counters
-from ..tiers.ssd.tier import SsdFormatError, SsdTier
+from ..tiers.ssd.tier import SsdTier
 from .report import format_age, format_bytes, parse_duration, table
 
 Doc = dict[str, Any]  # a --json document

@@ -21,6 +21,7 @@ before a ``PrefixCache`` is built for a model that uses it::
 
     from prefixcache.codecs import Builder, Codec, register_codec
 
+
     class MyCodec(Codec):
         cache_type = MyCache                       # looked up by exact class
         def layout(self, cache): ...               # namespace signature (hashable, JSON-able)
@@ -45,16 +46,9 @@ no codec is refused with :class:`UnsupportedCacheError` when the
 namespace, so blocks of one codec's layout are never served to another.
 """
 
+from ..errors import LayoutMismatchError, UnsupportedCacheError
 from .arrays import ArraysCodec
-from .base import (
-    Builder,
-    Codec,
-    Has,
-    LayoutMismatchError,
-    UnsupportedCacheError,
-    num_blocks,
-    round_up,
-)
+from .base import Builder, Codec, Has, num_blocks, round_up
 from .cachelist import CacheListCodec
 from .chunked import ChunkedKVCodec
 from .kv import KVCodec

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError, owned
+from ..errors import LayoutMismatchError, MissReason
+from .base import Builder, Codec, Has, owned
 from .kv import dtype_name
 
 BOUNDARY = MissReason.BOUNDARY_MISSING

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
-from ..stats import MissReason
+from ..errors import MissReason
 
 STEP = 256  # mlx-lm's KV buffer growth step
 
@@ -48,22 +48,6 @@ def owned(x: mx.array, parent: mx.array | None = None) -> mx.array:
 def num_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks holding ``num_tokens`` tokens (the last one possibly in part)."""
     return -(-num_tokens // block_size)
-
-
-class UnsupportedCacheError(TypeError):
-    """A cache type has no registered codec."""
-
-
-class LayoutMismatchError(ValueError):
-    """A cache (or a stored payload) does not fit the layout it is used with.
-
-    Attributes:
-        reason: the miss reason a restore records when a payload is unusable.
-    """
-
-    def __init__(self, message: str, reason: MissReason = MissReason.LAYOUT_MISMATCH):
-        super().__init__(message)
-        self.reason = reason
 
 
 class Builder(ABC):

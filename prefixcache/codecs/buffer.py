@@ -16,9 +16,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..errors import LayoutMismatchError
 from ..host import HostArray, Placed, host_bytes, host_view
 from ..uninit import advise_huge, empty
-from .base import LayoutMismatchError
 
 
 class TokenBuffer:

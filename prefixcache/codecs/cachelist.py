@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..blocks import join_layers, split_layers
-from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError
+from ..errors import LayoutMismatchError, MissReason
+from .base import Builder, Codec, Has
 from .registry import codec_for
 
 

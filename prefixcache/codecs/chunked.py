@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
-from ..stats import MissReason
+from ..errors import MissReason
 from .base import Builder, Codec, Has, num_blocks, owned, round_up
 from .kv import KVBuilder, kv_signature
 

@@ -7,8 +7,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..stats import MissReason
-from .base import Builder, Codec, LayoutMismatchError
+from ..errors import LayoutMismatchError, MissReason
+from .base import Builder, Codec
 from .buffer import TokenBuffer
 
 

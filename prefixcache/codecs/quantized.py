@@ -13,8 +13,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
+from ..errors import LayoutMismatchError
 from ..host import HostArray
-from .base import Builder, Codec, LayoutMismatchError
+from .base import Builder, Codec
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
 

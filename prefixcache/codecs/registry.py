@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import Codec, UnsupportedCacheError
+from ..errors import UnsupportedCacheError
+from .base import Codec
 
 _CODECS: dict[type, Codec] = {}
 

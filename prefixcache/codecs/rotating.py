@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..stats import MissReason
-from .base import Builder, Codec, Has, LayoutMismatchError, num_blocks, owned
+from ..errors import LayoutMismatchError, MissReason
+from .base import Builder, Codec, Has, num_blocks, owned
 from .buffer import TokenBuffer
 from .kv import kv_signature
 

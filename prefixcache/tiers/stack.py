@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING
 
 from ..blocks import Block, BlockMeta
 from ..config import CacheConfig
+from ..errors import MissReason, PayloadError
 from ..host import Placed
-from ..stats import MissReason, Stats
+from ..stats import Stats
 from .hot import HotTier
-from .ssd.payload import PayloadError, read_header
+from .ssd.payload import read_header
 
 if TYPE_CHECKING:
     from ..restore import Place
     from .ssd.stream import StreamedBlock
     from .ssd.tier import SsdTier
+
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import lmdb
 
 from ...blocks import BlockMeta, decode_meta, encode_meta
+from ...errors import SsdFormatError
 from .lmdb_env import SharedEnv
 from .payload import list_files, payload_path, temp_owner, temp_path, unlink
 from .records import RECORD_DBS
@@ -43,10 +44,6 @@ _WRITING = struct.Struct("<IQQ")  # pid, native thread id, file bytes
 Wanted = tuple[bytes, int, int]  # key, file bytes, disk footprint
 _DBS = ("meta", "blocks", "lru", "children", "writing", *RECORD_DBS)
 _DUPSORT = ("children",)
-
-
-class SsdFormatError(ValueError):
-    """The directory holds an SSD tier of another format version."""
 
 
 def _alive(pid: int) -> bool:

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ...blocks import BlockMeta
+from ...errors import PayloadError
 from .inventory import Entry, Inventory, scan
-from .payload import PayloadError, list_files, read_payload
+from .payload import list_files, read_payload
 from .tier import SsdTier
 
 _REMOVE_CHUNK = 256

@@ -29,6 +29,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from ...errors import PayloadError
+
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 PAYLOAD_FORMAT = "prefixcache-block/1"
@@ -46,10 +48,6 @@ _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start,
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
 SMALL_PAYLOAD = 2 << 20
 _HASH_CHUNK = 1 << 20  # xxhash holds the GIL: hash in slices so callers are not stalled
-
-
-class PayloadError(ValueError):
-    """A payload file is malformed, truncated or fails its checksum."""
 
 
 @dataclass(frozen=True, slots=True)

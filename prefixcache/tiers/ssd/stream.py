@@ -46,13 +46,15 @@ import numpy as np
 import xxhash
 
 from ...blocks import Block, BlockMeta
+from ...errors import PayloadError
 from ...host import HostArray, Placed
 from .index import decode_or_none
-from .payload import _MX_DTYPES, PayloadError, _header_length, _parse_header
+from .payload import _MX_DTYPES, _header_length, _parse_header
 from .prime import SLICE, Primer
 
 if TYPE_CHECKING:
     from .tier import SsdTier
+
 
 logger = logging.getLogger(__name__)
 

@@ -27,16 +27,9 @@ import lmdb
 import mlx.core as mx
 
 from ...blocks import Block, BlockMeta
-from .index import SsdFormatError, SsdIndex, decode_or_none
-from .payload import (
-    PayloadError,
-    encode_header,
-    payload_path,
-    read_payload,
-    tensors_of,
-    unlink,
-    write_payload,
-)
+from ...errors import PayloadError, SsdFormatError
+from .index import SsdIndex, decode_or_none
+from .payload import encode_header, payload_path, read_payload, tensors_of, unlink, write_payload
 from .records import SsdRecords
 from .writer import WriteItem, Writer
 

@@ -1,0 +1,58 @@
+"""The package's exceptions and the miss-reason taxonomy.
+
+Misuse raises (``ValueError``/``TypeError`` subclasses below, with the
+offending value in the message). A miss is a return value; its reason is a
+:class:`MissReason`. Corruption becomes a counted miss, never an exception to
+the caller.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class MissReason(str, Enum):
+    """Why a fetch did not reuse every full block of the prompt."""
+
+    NO_PREFIX = "no_prefix"  # the next block was never stored
+    PARTIAL_BLOCK = "partial_block"  # the prompt's tail is shorter than a block
+    EVICTED = "evicted"  # the next block was stored, then evicted from every tier
+    PENDING_WRITE = "pending_write"  # the next block was dropped from the write queue
+    BOUNDARY_MISSING = "boundary_state_missing"  # no recurrent snapshot at the boundary
+    WINDOW_NOT_COVERED = "window_not_covered"  # sliding-window tokens not stored
+    LAYOUT_MISMATCH = "layout_mismatch"  # stored payload unusable for this layout
+    CORRUPT = "corrupt"  # checksum or decode failure on the SSD tier
+    TOKEN_MISMATCH = "token_mismatch"  # key matched but stored token ids differ
+
+
+class UnsupportedCacheError(TypeError):
+    """A cache type has no registered codec."""
+
+
+class LayoutMismatchError(ValueError):
+    """A cache (or a stored payload) does not fit the layout it is used with.
+
+    Attributes:
+        reason: the miss reason a restore records when a payload is unusable.
+    """
+
+    def __init__(self, message: str, reason: MissReason = MissReason.LAYOUT_MISMATCH):
+        super().__init__(message)
+        self.reason = reason
+
+
+class Shortfall(Exception):
+    """A block needed by a restore could not be used; restore fewer blocks."""
+
+    def __init__(self, index: int, reason: MissReason):
+        super().__init__(index, reason)
+        self.index = index
+        self.reason = reason
+
+
+class PayloadError(ValueError):
+    """A payload file is malformed, truncated or fails its checksum."""
+
+
+class SsdFormatError(ValueError):
+    """The directory holds an SSD tier of another format version."""

@@ -1,0 +1,127 @@
+"""The tier contract: what every tier (hot, ssd, remote) answers.
+
+A tier holds blocks under their chain keys. The stack (stack.py) asks the
+tiers in order: ``held`` says how far a prompt's chain is held (one call for
+the whole chain), a ``TierReader`` loads the blocks of one restore (the SSD
+reader streams them straight into the restore buffers), and ``put`` stores a
+block (a lower tier may write it in the background). A new tier is one module
+implementing :class:`Tier` plus one line in ``tiers/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from ..errors import MissReason
+
+if TYPE_CHECKING:
+    from ..blocks import Block
+    from ..host import Place, Placed
+
+
+class ChainEntry(Protocol):
+    """What a chain walk needs of a stored block: a hot Block or an index BlockMeta."""
+
+    key: bytes
+    parent: bytes
+    index: int
+    tokens: bytes
+    nbytes: int
+
+
+class Loaded(Protocol):
+    """A block loaded for a restore: a Block, or one whose tensors are host views."""
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    index: int
+    tokens: bytes
+    nbytes: int
+    arrays: Mapping[str, object]
+
+    def to_block(self) -> Block: ...
+
+
+class TierReader(ABC):
+    """Loads the blocks one restore needs from one tier, in the order of ``prepare``.
+
+    Loaded arrays may be views valid only until the next ``load``; ``close``
+    stops whatever ``prepare`` started and is called before the restore
+    buffers are let go (nothing may write into them afterwards).
+    """
+
+    def first_shapes(self, indices: list[int]) -> Mapping[str, Placed] | None:
+        """Dtypes and shapes of the tensors of block ``indices[0]``, if known before
+        loading it (so the restore buffers exist before any read); else None."""
+        return None
+
+    def prepare(self, indices: list[int], place: Place | None) -> None:  # noqa: B027
+        """Start loading blocks ``indices`` (in that order); ``place`` gives a
+        tensor its destination in the restore buffers, when it has one."""
+
+    @abstractmethod
+    def load(self, index: int) -> Loaded | None:
+        """Chain block ``index`` with its payload, or None when it is unusable."""
+
+    def close(self) -> None:  # noqa: B027
+        """Stop loading; safe to call more than once."""
+
+
+class Tier(ABC):
+    """One tier of blocks.
+
+    Attributes:
+        name: ``hot``, ``ssd`` or ``remote``: the key of its stats and counters.
+        resident: loaded blocks stay in memory (no copy is needed to keep them).
+        eager: takes every stored block at once, whatever the write policy
+            (else blocks arrive on spill, or at once under ``write_through``).
+        load_miss: the miss reason when a block it held could not be loaded.
+    """
+
+    name: ClassVar[str]
+    resident: ClassVar[bool] = False
+    eager: ClassVar[bool] = False
+    load_miss: ClassVar[MissReason] = MissReason.CORRUPT
+
+    @abstractmethod
+    def held(self, keys: Sequence[bytes], start: int) -> list[ChainEntry]:
+        """Entries of ``keys[start:]``, consecutive from ``start``, while this tier
+        holds them (metadata only: no payload is read)."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Whether the tier holds (or is about to hold) ``key``."""
+
+    @abstractmethod
+    def reader(self, keys: Sequence[bytes]) -> TierReader:
+        """A reader for one restore of chain ``keys``."""
+
+    @abstractmethod
+    def put(self, block: Block) -> bool:
+        """Keep ``block`` (arrays evaluated); False when it was dropped."""
+
+    @abstractmethod
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop these blocks; returns how many were held."""
+
+    def touch(self, keys: Sequence[bytes]) -> None:  # noqa: B027
+        """Mark blocks (root-first) as just used."""
+
+    def flush(self) -> None:  # noqa: B027
+        """Wait until every accepted ``put`` is stored."""
+
+    def close(self) -> None:  # noqa: B027
+        """Flush and release; re-raises a background failure once."""
+
+    def note_namespace(self, root: bytes, namespace_json: str) -> None:  # noqa: B027
+        """Record which model and layout ``root`` stands for (for inspection)."""
+
+    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:  # noqa: B027
+        """Add a cache's counters since its last save to the tier's own record."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters of the tier (flat, numeric)."""
