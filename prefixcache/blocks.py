@@ -52,6 +52,9 @@ class Block:
     def num_tokens(self) -> int:
         return len(self.tokens) // 4
 
+    def to_block(self) -> Block:
+        return self
+
 
 def split_layers(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
     """Group a flat ``"{layer}.{name}"`` payload by layer in one pass."""

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Container, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .capture import prefill, store_blocks
+from .capture import cut_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
 from .errors import MissReason, Shortfall
@@ -19,13 +18,11 @@ from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .model_id import model_fingerprint
 from .restore import Walk, plan, rebuild, walk
-from .stats import Stats
+from .stats import Stats, counter_delta
+from .tiers import lower_tiers
+from .tiers.base import Tier
 from .tiers.hot import HotTier
-from .tiers.ssd.records import counter_delta
-from .tiers.stack import ChainLoad, Tiers
-
-if TYPE_CHECKING:
-    from .tiers.ssd.tier import SsdTier
+from .tiers.stack import Tiers
 
 
 class PrefixCache:
@@ -36,10 +33,18 @@ class PrefixCache:
         config: settings; defaults to ``CacheConfig.from_env()``.
         model_id: identity of the weights (e.g. "org/name@revision"); when
             omitted, a fingerprint of the weights is used.
+        tiers: the tiers below hot, in lookup order, instead of those the
+            config builds (e.g. a tier of another package); they are closed
+            with the cache.
     """
 
     def __init__(
-        self, model: nn.Module, config: CacheConfig | None = None, *, model_id: str | None = None
+        self,
+        model: nn.Module,
+        config: CacheConfig | None = None,
+        *,
+        model_id: str | None = None,
+        tiers: Sequence[Tier] | None = None,
     ):
         self.model = model
         self.config = config if config is not None else CacheConfig.from_env()
@@ -50,13 +55,9 @@ class PrefixCache:
             model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
-        self.tiers = Tiers(self.config, self._stats)
+        lower = lower_tiers(self.config) if tiers is None else list(tiers)
+        self.tiers = Tiers(self.config, self._stats, lower)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
-        if self.ssd is not None:
-            cfg = self.config
-            self.ssd.records.note_limits(
-                max_bytes=cfg.ssd_max_bytes, min_free_bytes=cfg.ssd_min_free_bytes
-            )
         self._closed = False
 
     @property
@@ -64,8 +65,9 @@ class PrefixCache:
         return self.tiers.hot
 
     @property
-    def ssd(self) -> SsdTier | None:
-        return self.tiers.ssd
+    def ssd(self) -> Any:
+        """The SSD tier, or None (``hot_cache_only``)."""
+        return self.tiers.named("ssd")
 
     # -- public API -------------------------------------------------------
 
@@ -82,13 +84,13 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            root = self._root(extra)
-            keys = chain_keys(root, data, self.config.block_size)
-            found = self._walk(keys, root, data)
-            self._stats.num_fetches += 1
-            self._stats.prompt_tokens += len(data) // 4
-            cache, num_cached, reason = self._restore(keys, found.depth, len(data) // 4)
-            self._record(num_cached, found, reason, len(data) // 4)
+            keys, found, owners = self._match(data, extra)
+            num_tokens = len(data) // 4
+            cache, num_cached, reason = self._restore(keys, owners, found.depth, num_tokens)
+            reason = reason or found.reason
+            if reason is None and num_tokens % self.config.block_size:
+                reason = MissReason.PARTIAL_BLOCK
+            self._stats.fetched(num_tokens, num_cached, reason)
             return cache, num_cached
 
     def match(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
@@ -96,10 +98,8 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            root = self._root(extra)
-            keys = chain_keys(root, data, self.config.block_size)
-            depth = self._walk(keys, root, data).depth
-            return self._plan(keys, depth, len(data) // 4)[1]
+            keys, found, _ = self._match(data, extra)
+            return self._plan(keys, found.depth, len(data) // 4)[1]
 
     def store(
         self, tokens: Sequence[int], cache: Sequence[Any], *, extra: Mapping[str, str] | None = None
@@ -115,9 +115,22 @@ class PrefixCache:
         with self._lock:
             self._check_open()
             self.layout.validate(cache, len(data) // 4)
-            num_new = store_blocks(self, data, cache, self._root(extra))
+            root = self._root(extra)
+            cut = cut_blocks(
+                chain_keys(root, data, self.config.block_size),
+                root,
+                data,
+                cache,
+                block_size=self.config.block_size,
+                snapshot_interval=self.config.snapshot_interval,
+                first=0,
+                stored=self.tiers.contains,
+                resident=self.hot.get,
+            )
+            self.tiers.keep(cut.new)
+            self.tiers.replace(cut.upgraded)
             self._stats.num_stores += 1
-            return num_new
+            return len(cut.new)
 
     def capture(
         self,
@@ -149,6 +162,8 @@ class PrefixCache:
         multiples) defaults to ``snapshot_interval`` blocks for models with
         recurrent layers, else ~2048 tokens. Returns (cache, last logits).
         """
+        from .prefill import prefill
+
         return prefill(self, tokens, prefill_step_size=prefill_step_size, extra=extra)
 
     def stats(self) -> dict[str, object]:
@@ -156,7 +171,7 @@ class PrefixCache:
             return self._stats.as_dict() | self.tiers.snapshot()
 
     def flush(self) -> None:
-        """Persist every dirty hot block to the SSD tier and wait for the writer."""
+        """Persist every dirty hot block to the lower tiers and wait for their writes."""
         with self._lock:
             self.tiers.flush()
             self._save_counters()
@@ -164,8 +179,8 @@ class PrefixCache:
     def trim_hot(self, max_bytes: int) -> int:
         """Evict LRU hot blocks (leaves first) until at most ``max_bytes`` are held.
 
-        Dirty blocks spill to the SSD tier as on any eviction. Returns how many
-        blocks left the hot tier.
+        Dirty blocks spill to the lower tiers as on any eviction. Returns how
+        many blocks left the hot tier.
         """
         with self._lock:
             return self.hot.evict_to(max(0, max_bytes))
@@ -199,21 +214,27 @@ class PrefixCache:
         if root is None:
             namespace = self.namespace.with_extra(extra)
             root = self._roots[items] = namespace.root_key()
-            if self.ssd is not None:  # once per root per process: `prefixcache stats` per model
-                self.ssd.records.note_namespace(root, namespace.to_json())
+            # once per root per process: `prefixcache stats` per model
+            self.tiers.note_namespace(root, namespace.to_json())
         return root
 
     def _save_counters(self) -> None:
-        """Add the counters since the last save to the SSD index's record of this model."""
-        if self.ssd is None:
-            return
+        """Add the counters since the last save to the lower tiers' record of this model."""
         now = self._stats.as_dict()
-        self.ssd.records.add_counters(self._root(None), counter_delta(now, self._saved))
+        self.tiers.save_counters(self._root(None), counter_delta(now, self._saved))
         self._saved = now
 
-    def _walk(self, keys: list[bytes], root: bytes, data: bytes) -> Walk:
-        bs = self.config.block_size
-        return walk(keys, root, data, bs, self.tiers.lookup, self.tiers.missing_reason)
+    def _match(
+        self, data: bytes, extra: Mapping[str, str] | None
+    ) -> tuple[list[bytes], Walk, list[int]]:
+        """(chain keys of ``data``, how far the tiers match it, the tier of each block)."""
+        root = self._root(extra)
+        keys = chain_keys(root, data, self.config.block_size)
+        entries, owners = self.tiers.chain(keys)
+        found = walk(entries, root, data, self.config.block_size)
+        if found.reason is None and found.depth < len(keys):
+            found = Walk(found.depth, self.tiers.missing_reason(keys[found.depth]))
+        return keys, found, owners
 
     def _usable(self, depth: int, num_tokens: int) -> tuple[int, int]:
         """(blocks to restore, tokens cached): at least one token is left to prefill."""
@@ -231,7 +252,7 @@ class PrefixCache:
 
         def names(index: int) -> Container[str] | None:
             block = self.hot.get(keys[index])
-            return None if block is None else block.arrays  # SSD: checked on load
+            return None if block is None else block.arrays  # lower tiers: checked on load
 
         return plan(
             depth,
@@ -242,9 +263,8 @@ class PrefixCache:
         )
 
     def _restore(
-        self, keys: list[bytes], depth: int, num_tokens: int
+        self, keys: list[bytes], owners: list[int], depth: int, num_tokens: int
     ) -> tuple[list[Any], int, MissReason | None]:
-        bs = self.config.block_size
         reason = None
         while depth > 0:
             num_blocks, num_cached, why = self._plan(keys, depth, num_tokens)
@@ -252,51 +272,23 @@ class PrefixCache:
             if num_blocks <= 0:
                 break
             fresh = self.layout.fresh(num_cached)
-            capacity = round_up(num_tokens + self.config.restore_headroom)
-            loader = self.tiers.chain_load(keys)
+            loader = self.tiers.chain_load(keys, owners)
             try:
                 cache = rebuild(
                     fresh,
                     [codec_for(c) for c in fresh],
+                    loader,
                     num_blocks=num_blocks,
                     num_tokens=num_cached,
-                    capacity=capacity,
-                    block_size=bs,
-                    load=functools.partial(self._load, loader),
-                    prepare=loader.prepare,
-                    shapes=loader.first_shapes,
-                    close=loader.close,
+                    capacity=round_up(num_tokens + self.config.restore_headroom),
+                    block_size=self.config.block_size,
                 )
             except Shortfall as short:
                 depth, reason = short.index, reason or short.reason
                 continue
-            finally:
-                loader.close()
             self.tiers.after_hit(keys[:num_blocks], loader.loaded)
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
-
-    def _load(self, loader: ChainLoad, index: int) -> tuple[dict[str, Any], bool]:
-        block, hot = loader.load(index)
-        if block is None:
-            reason = MissReason.CORRUPT if self.ssd is not None else MissReason.EVICTED
-            raise Shortfall(index, reason)
-        return block.arrays, hot
-
-    def _record(
-        self, num_cached: int, found: Walk, reason: MissReason | None, num_tokens: int
-    ) -> None:
-        stats = self._stats
-        stats.cached_tokens += num_cached
-        if num_cached:
-            stats.num_hits += 1
-        else:
-            stats.num_misses += 1
-        reason = reason or found.reason
-        if reason is None and num_tokens % self.config.block_size:
-            reason = MissReason.PARTIAL_BLOCK
-        if reason is not None:
-            stats.miss(reason)
 
 
 def _nonempty(tokens: Sequence[int]) -> bytes:

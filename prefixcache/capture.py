@@ -1,11 +1,12 @@
-"""Capture: cut a live cache into blocks as it fills, and block-aligned prefill.
+"""Capture: cut a live cache into blocks (pure: no tier, no policy).
 
 Sliding-window K/V and recurrent state cannot be cut out of a finished cache:
 the window has moved on, and the state is the state at its end only. So blocks
 are cut while prefilling, after every chunk, with chunks ending on block
 boundaries: every block the chunk completed is still in its window, and the
 state at the chunk's end is the state at a block boundary. Blocks go straight
-into the tiers, so no boundary snapshot is held anywhere else.
+into the tiers (the facade's ``store``), so no boundary snapshot is held anywhere
+else. The block-aligned prefill loop that calls it is prefill.py.
 
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
@@ -17,21 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.generate import maybe_quantize_kv_cache
 
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
-from .hashing import chain_keys, token_bytes
-
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from .cache import PrefixCache
-
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
@@ -137,78 +129,3 @@ def _cut(
         for codec, c in zip(codecs, cache, strict=True)
     ]
     return join_layers(layers)
-
-
-def store_blocks(
-    pc: PrefixCache,
-    data: bytes,
-    cache: Sequence[Any],
-    root: bytes,
-    *,
-    keys: Sequence[bytes] | None = None,
-    first: int = 0,
-) -> int:
-    """Cut and keep what ``cache`` adds to the tiers; the caller holds ``pc``'s lock.
-
-    Returns:
-        The number of new blocks.
-    """
-    bs = pc.config.block_size
-    keys = chain_keys(root, data, bs) if keys is None else keys[: len(data) // 4 // bs]
-    ssd = pc.ssd
-    cut = cut_blocks(
-        keys,
-        root,
-        data,
-        cache,
-        block_size=bs,
-        snapshot_interval=pc.config.snapshot_interval,
-        first=first,
-        stored=lambda k: k in pc.hot or (ssd is not None and ssd.contains(k)),
-        resident=pc.hot.get,
-    )
-    pc.tiers.keep(cut.new)
-    pc.tiers.replace(cut.upgraded)
-    return len(cut.new)
-
-
-def prefill(
-    pc: PrefixCache,
-    tokens: Sequence[int],
-    *,
-    prefill_step_size: int | None = None,
-    extra: Mapping[str, str] | None = None,
-) -> tuple[list[Any], mx.array]:
-    """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
-
-    After each chunk mlx-lm's KV quantization schedule is applied (as
-    ``generate_step`` does), the cache is evaluated and the blocks it completed
-    are stored (window K/V while still in the window, recurrent state at the
-    chunk's end boundary).
-
-    Returns:
-        (the cache holding all of ``tokens``, the last token's logits (1, vocab))
-    """
-    data = token_bytes(tokens)
-    cfg = pc.config
-    cache, start = pc.fetch(tokens, extra=extra)
-    snapshots = any(codec_for(c).snapshots(c) for c in cache)
-    step = chunk_step(prefill_step_size, cfg.block_size, cfg.snapshot_interval, snapshots)
-    with pc._lock:
-        root = pc._root(extra)
-    keys = chain_keys(root, data, cfg.block_size)
-    ids = mx.array(np.frombuffer(data, dtype="<u4").astype(np.int32))
-    logits = None
-    for end in chunk_ends(start, len(data) // 4, step):
-        out = pc.model(ids[None, start:end], cache=cache)
-        maybe_quantize_kv_cache(cache, cfg.quantized_kv_start, cfg.kv_group_size, cfg.kv_bits)
-        if end * 4 == len(data):
-            logits = mx.array(out[:, -1, :])  # a copy: the chunk's logits are let go
-        # only the cache (and the last logits) are computed, as in generate_step
-        mx.eval(logits, [c.state for c in cache])
-        del out
-        with pc._lock:
-            pc._check_open()
-            store_blocks(pc, data[: end * 4], cache, root, keys=keys, first=start // cfg.block_size)
-        start = end
-    return cache, logits

@@ -10,10 +10,15 @@ buffer; any other gets MLX arrays from ``to_mx`` (one copy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+
+# (chain index, flat payload name, dtype, shape) -> where a reader thread may write
+# that tensor (the destination's contiguous runs in row-major order), or None.
+Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ up to mlx-lm's 256-token step) filled block by block by slice assignment, so
 there is no growing concatenation and the suffix prefill writes in place.
 Blocks are fed block-major and evaluated one at a time. SSD payloads stream
 through: the buffers are allocated, unwritten, from the first streamed block's
-header (``shapes``; else that block's copy allocates them), and the stream's
+header (``Loader.first_shapes``; else that block's copy allocates them), and the stream's
 reader threads read each tensor straight into the buffer it belongs to
 (``place``: one copy from the page cache, no read buffer), so the peak is the
 restored cache (plus one block when the first block had to allocate). Tensors
@@ -15,24 +15,36 @@ builders that take them copy the bytes in; the others get MLX arrays of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 
 from .blocks import split_layers
-from .codecs import Codec, codec_for
+from .codecs import Builder, Codec, codec_for
 from .errors import LayoutMismatchError, MissReason, Shortfall
-from .host import HostArray, Placed
+from .host import HostArray, Place, Placed
+from .tiers.base import ChainEntry
 
 
-class ChainEntry(Protocol):
-    """What the walk needs of a stored block (a hot Block or an SSD BlockMeta)."""
+class Loader(Protocol):
+    """Loads the blocks of one restore (tiers.stack.ChainLoad): the one loader contract."""
 
-    parent: bytes
-    index: int
-    tokens: bytes
+    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
+        """The first block of ``order`` to be streamed, with its tensors' dtypes and
+        shapes, so its layers' buffers exist before anything is read; or None."""
+
+    def prepare(self, order: list[int], place: Place | None) -> None:
+        """Start loading the blocks of ``order``; ``place`` gives a streamed tensor
+        its destination in the restore buffers."""
+
+    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
+        """(block ``index``'s flat payload, whether it stays in memory anyway);
+        raises Shortfall. Streamed arrays are valid until the next ``load``."""
+
+    def close(self) -> None:
+        """Stop whatever ``prepare`` started; nothing writes into the buffers after."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,64 +55,43 @@ class Walk:
     reason: MissReason | None  # why block ``depth`` did not match, if any
 
 
-def walk(
-    keys: Sequence[bytes],
-    root: bytes,
-    data: bytes,
-    block_size: int,
-    lookup: Callable[[bytes], ChainEntry | None],
-    missing_reason: Callable[[bytes], MissReason],
-) -> Walk:
-    """Match ``keys`` root-first, checking parent links and stored token ids."""
+def walk(entries: Sequence[ChainEntry], root: bytes, data: bytes, block_size: int) -> Walk:
+    """How many of ``entries`` (held by the tiers, root-first) match the prompt
+    ``data``: parent links, positions and stored token ids are checked."""
     step = block_size * 4
     parent = root
-    for i, key in enumerate(keys):
-        entry = lookup(key)
-        if entry is None:
-            return Walk(i, missing_reason(key))
-        tokens = data[i * step : (i + 1) * step]
-        if entry.parent != parent or entry.index != i or entry.tokens != tokens:
+    for i, entry in enumerate(entries):
+        if (
+            entry.parent != parent
+            or entry.index != i
+            or entry.tokens != data[i * step : (i + 1) * step]
+        ):
             return Walk(i, MissReason.TOKEN_MISMATCH)
-        parent = key
-    return Walk(len(keys), None)
+        parent = entry.key
+    return Walk(len(entries), None)
 
 
 def rebuild(
     fresh: list[Any],
     codecs: Sequence[Codec],
+    loader: Loader,
     *,
     num_blocks: int,
     num_tokens: int,
     capacity: int,
     block_size: int,
-    load: Callable[[int], tuple[dict[str, mx.array | HostArray | Placed], bool]],
-    prepare: Callable[[list[int], Place], None] | None = None,
-    close: Callable[[], None] | None = None,
-    shapes: Callable[[list[int]], tuple[int, dict[str, Placed]] | None] | None = None,
 ) -> list[Any]:
     """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
 
     Args:
         fresh: empty caches from make_prompt_cache (quantized where due).
         codecs: the codec of each layer.
+        loader: loads the chain's blocks (see :class:`Loader`); closed before
+            the buffers are let go, whether the rebuild succeeds or not.
         num_blocks: blocks of the chain to restore.
         num_tokens: tokens the caches will hold (<= num_blocks * block_size).
         capacity: buffer length in tokens.
         block_size: tokens per block.
-        load: chain index -> (the block's flat payload, whether it stays in
-            memory anyway); raises Shortfall. Blocks that do not stay
-            (streamed from SSD) are written into the buffers at once; their
-            arrays may be HostArrays, valid until the next ``load``.
-        prepare: called once with every chain index ``load`` will be asked
-            for, in that order, and the ``Place`` function that gives a
-            streamed tensor its destination (e.g. to start reading ahead).
-        close: stops whatever ``prepare`` started; called before the buffers
-            are let go, whether the rebuild succeeds or not (a reader thread
-            must never write into a freed buffer).
-        shapes: given the load order, the first block that will be streamed
-            and its tensors' shapes (``Placed`` without views), or None: its
-            layers' buffers are allocated before ``prepare``, so that block
-            too is read straight into them.
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -116,46 +107,60 @@ def rebuild(
     if users and max(users) >= num_blocks:
         raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
     order = sorted(users)
-    first = shapes(order) if shapes is not None and order else None
-    if first is not None:
-        index, specs = first
-        # a token axis of one block bounds what an unverified header can allocate
-        specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == block_size}
-        layers = split_layers(specs)
-        for i in users[index]:
-            _reserve(builders[i], index, layers.get(i, {}))
     try:
-        if prepare is not None:
-            prepare(order, _placer(builders, users))
+        _reserve_first(builders, users, loader.first_shapes(order) if order else None, block_size)
+        loader.prepare(order, _placer(builders, users))
         for index in order:
-            arrays, resident = load(index)
-            layers = split_layers(arrays)
-            if not resident:  # allocate every layer's buffer (unwritten) before the copies
-                reserve = [_reserve(builders[i], index, layers.get(i, {})) for i in users[index]]
-                mx.async_eval(reserve)
-            for layer in users[index]:
-                builder = builders[layer]
-                part = layers.get(layer, {})
-                if not getattr(builder, "takes_host", False):
-                    part = {n: _to_mx(a) for n, a in part.items()}
-                try:
-                    builder.add(index, part)
-                except (LayoutMismatchError, KeyError) as err:
-                    raise Shortfall(index, _reason(err)) from err
-            if not resident:
-                mx.eval([b.buffers() for b in builders])
+            _add_block(builders, users, index, *loader.load(index))
     finally:
-        if close is not None:
-            close()
+        loader.close()
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches
 
 
-Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
+def _reserve_first(
+    builders: list[Builder],
+    users: dict[int, list[int]],
+    first: tuple[int, Mapping[str, Placed]] | None,
+    block_size: int,
+) -> None:
+    """Allocate the buffers of the first streamed block's layers from its header."""
+    if first is None:
+        return
+    index, specs = first
+    # a token axis of one block bounds what an unverified header can allocate
+    specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == block_size}
+    layers = split_layers(specs)
+    for i in users[index]:
+        builders[i].reserve(index, layers.get(i, {}))
 
 
-def _placer(builders: list[Any], users: dict[int, list[int]]) -> Place:
+def _add_block(
+    builders: list[Builder],
+    users: dict[int, list[int]],
+    index: int,
+    arrays: Mapping[str, Any],
+    resident: bool,
+) -> None:
+    """Hand block ``index``'s payload to the builders of the layers that use it."""
+    layers = split_layers(arrays)
+    if not resident:  # allocate every layer's buffer (unwritten) before the copies
+        mx.async_eval([builders[i].reserve(index, layers.get(i, {})) for i in users[index]])
+    for layer in users[index]:
+        builder = builders[layer]
+        part = layers.get(layer, {})
+        if not builder.takes_host:
+            part = {n: _to_mx(a) for n, a in part.items()}
+        try:
+            builder.add(index, part)
+        except (LayoutMismatchError, KeyError) as err:
+            raise Shortfall(index, _reason(err)) from err
+    if not resident:
+        mx.eval([b.buffers() for b in builders])
+
+
+def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
     """(chain index, flat payload name, dtype, shape) -> where a reader thread may
     write that tensor, or None. Only for layers that use the block, and only once
     their builder's buffer exists (``destination``); runs no MLX."""
@@ -165,8 +170,7 @@ def _placer(builders: list[Any], users: dict[int, list[int]]) -> Place:
         head, _, rest = name.partition(".")
         if not head.isdigit() or int(head) not in wanted.get(index, ()):
             return None
-        destination = getattr(builders[int(head)], "destination", None)
-        return None if destination is None else destination(index, rest, dtype, shape)
+        return builders[int(head)].destination(index, rest, dtype, shape)
 
     return place
 
@@ -247,10 +251,5 @@ def first_gap(
     return None
 
 
-def _reserve(builder: Any, index: int, arrays: dict[str, Any]) -> list[mx.array]:
-    reserve = getattr(builder, "reserve", None)
-    return reserve(index, arrays) if reserve is not None else []
-
-
 def _reason(err: Exception) -> MissReason:
-    return getattr(err, "reason", MissReason.LAYOUT_MISMATCH)
+    return err.reason if isinstance(err, LayoutMismatchError) else MissReason.LAYOUT_MISMATCH

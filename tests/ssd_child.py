@@ -17,6 +17,7 @@ import numpy as np
 import xxhash
 
 from prefixcache.blocks import Block
+from prefixcache.config import CacheConfig
 from prefixcache.tiers.ssd.tier import SsdTier
 
 ROOT = b"\x00" * 16
@@ -75,7 +76,15 @@ def check_block(block: Block, scale: int = 1) -> None:
 
 
 def write(path: str, seed: int, count: int, wait: bool) -> None:
-    tier = SsdTier(path, max_bytes=1 << 40, queue_bytes=1 << 20, queue_full="inline")
+    tier = SsdTier(
+        CacheConfig(
+            ssd_dir=path,
+            ssd_max_bytes=1 << 40,
+            write_queue_bytes=1 << 20,
+            queue_full="inline",
+            ssd_min_free_bytes=0,
+        )
+    )
     if wait:  # start together with a sibling: the parent sends a line when both are ready
         print("ready", flush=True)
         sys.stdin.readline()
@@ -87,7 +96,7 @@ def write(path: str, seed: int, count: int, wait: bool) -> None:
 
 
 def verify(path: str) -> None:
-    tier = SsdTier(path, max_bytes=1 << 40)
+    tier = SsdTier(CacheConfig(ssd_dir=path, ssd_max_bytes=1 << 40, ssd_min_free_bytes=0))
     num = 0
     for meta in tier.iter_meta():
         block = tier.load(meta.key)

@@ -96,7 +96,7 @@ def a_keys(built) -> set[str]:
 
 
 def set_last_used(ssd: str, keys, age: float) -> None:
-    with SsdTier(ssd, max_bytes=0) as tier:
+    with SsdTier(CacheConfig(ssd_dir=ssd, ssd_max_bytes=0, ssd_min_free_bytes=0)) as tier:
         tier.index.touch([bytes.fromhex(k) for k in keys], time.time() - age)
 
 

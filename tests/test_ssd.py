@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from ssd_child import ROOT, block_key, check_block, make_block
 
 from prefixcache.blocks import Block, BlockMeta
+from prefixcache.config import CacheConfig
 from prefixcache.errors import PayloadError, SsdFormatError
 from prefixcache.tiers.ssd.payload import (
     SMALL_PAYLOAD,
@@ -41,9 +42,10 @@ def open_tier(tmp_path):
     """Open tiers (default dir: tmp_path/ssd); every one is closed at teardown."""
     tiers: list[SsdTier] = []
 
-    def opener(path=None, **kwargs) -> SsdTier:
-        kwargs.setdefault("max_bytes", 1 << 30)
-        tier = SsdTier(str(path or tmp_path / "ssd"), **kwargs)
+    def opener(path=None, writer_hold=None, map_size=1 << 36, **settings) -> SsdTier:
+        settings = {"ssd_max_bytes": 1 << 30, "ssd_min_free_bytes": 0, **settings}
+        config = CacheConfig(ssd_dir=str(path or tmp_path / "ssd"), **settings)
+        tier = SsdTier(config, writer_hold=writer_hold, map_size=map_size)
         tiers.append(tier)
         return tier
 
@@ -226,7 +228,9 @@ def test_other_format_version_is_refused(open_tier, tmp_path):
         txn.put(b"version", b"99")
     env.close()
     with pytest.raises(SsdFormatError, match=r"version 99.*version 1"):
-        SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20)
+        SsdTier(
+            CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0)
+        )
 
 
 # -- crashes and processes ------------------------------------------------
@@ -280,7 +284,7 @@ def test_two_processes_write_one_directory_at_once(open_tier, tmp_path):
 def test_opening_a_10000_block_directory_is_fast(fast_dir, open_tier):
     # On a tmpfs so that 10,000 fsyncs do not dominate the suite; tools/bench_ssd.py
     # measures the open on the real disk, cold.
-    tier = open_tier(fast_dir / "ssd", queue_bytes=64 << 20)
+    tier = open_tier(fast_dir / "ssd", write_queue_bytes=64 << 20)
     template = make_block(0, 0)
     for i in range(10_000):  # shared arrays, distinct keys: content does not matter here
         tier.put(Block(block_key(30, i), ROOT, ROOT, 0, template.tokens, template.arrays))
@@ -397,7 +401,7 @@ def _leaves_first(tier: SsdTier, before: dict[bytes, BlockMeta]) -> dict[bytes, 
 
 
 def test_capacity_is_never_exceeded_and_leaves_go_first(open_tier, tmp_path):
-    tier = open_tier(max_bytes=40_000, queue_bytes=1 << 20)
+    tier = open_tier(ssd_max_bytes=40_000, write_queue_bytes=1 << 20)
     rng, lengths, seen = random.Random(0), [0] * 6, {}
     for step in range(120):
         chain = rng.randrange(6)
@@ -413,7 +417,7 @@ def test_capacity_is_never_exceeded_and_leaves_go_first(open_tier, tmp_path):
 
 def test_lru_order_spares_recently_used_chains(open_tier, tmp_path):
     probe = make_block(0, 0)
-    tier = open_tier(queue_bytes=1 << 20)
+    tier = open_tier(write_queue_bytes=1 << 20)
     tier.put(probe)
     tier.flush()
     per_block = tier.stats()["nbytes"]
@@ -442,7 +446,14 @@ def test_lru_order_spares_recently_used_chains(open_tier, tmp_path):
 def test_capacity_property(tmp_path_factory, ops, cap_blocks):
     path = tmp_path_factory.mktemp("prop")
     per_block = 2 * 1024 + 300  # rough file size of one block
-    with SsdTier(str(path), max_bytes=cap_blocks * per_block, queue_bytes=1 << 20) as tier:
+    with SsdTier(
+        CacheConfig(
+            ssd_dir=str(path),
+            ssd_max_bytes=cap_blocks * per_block,
+            write_queue_bytes=1 << 20,
+            ssd_min_free_bytes=0,
+        )
+    ) as tier:
         lengths, seen = [0] * 4, {}
         for chain, touch in ops:
             tier.put(make_block(chain, lengths[chain]))
@@ -481,7 +492,7 @@ def test_pending_blocks_are_served_before_they_reach_disk(open_tier, tmp_path):
 def test_queue_full_policy(open_tier, tmp_path, policy):
     hold = threading.Event()
     one = make_block(8, 0).nbytes
-    tier = open_tier(writer_hold=hold, queue_bytes=3 * one, queue_full=policy)
+    tier = open_tier(writer_hold=hold, write_queue_bytes=3 * one, queue_full=policy)
     results = [tier.put(make_block(8, i)) for i in range(5)]
     stats = tier.stats()
     assert stats["queue_bytes"] == 3 * one and stats["queue_depth"] == 3
@@ -497,7 +508,9 @@ def test_queue_full_policy(open_tier, tmp_path, policy):
 
 
 def test_writer_failure_is_counted_and_reraised_on_close(tmp_path, caplog):
-    tier = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20)
+    tier = SsdTier(
+        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0)
+    )
     block = make_block(9, 0)
     with open(os.path.join(tmp_path, "ssd", "blocks", block.key.hex()[:2]), "wb"):
         pass  # a file where the fan-out directory should be: a real OSError
@@ -517,7 +530,10 @@ def test_writer_failure_is_counted_and_reraised_on_close(tmp_path, caplog):
 
 def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path):
     hold = threading.Event()
-    tier = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 20, writer_hold=hold)
+    tier = SsdTier(
+        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0),
+        writer_hold=hold,
+    )
     good, bad = make_block(9, 1), make_block(9, 0)
     assert good.key.hex()[:2] != bad.key.hex()[:2]
     with open(os.path.join(tmp_path, "ssd", "blocks", bad.key.hex()[:2]), "wb"):
@@ -539,7 +555,14 @@ def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path)
 @pytest.mark.parametrize("tiny_fs", ["size=4m,nr_inodes=64"], indirect=True)
 def test_disk_full_disables_the_tier_and_keeps_serving(tiny_fs, caplog):
     # Out of inodes: a real ENOSPC that no free-bytes check can foresee.
-    with SsdTier(str(tiny_fs / "ssd"), max_bytes=1 << 30, queue_bytes=1 << 20) as tier:
+    with SsdTier(
+        CacheConfig(
+            ssd_dir=str(tiny_fs / "ssd"),
+            ssd_max_bytes=1 << 30,
+            write_queue_bytes=1 << 20,
+            ssd_min_free_bytes=0,
+        )
+    ) as tier:
         first = [make_block(10, i) for i in range(3)]
         for b in first:
             tier.put(b)
@@ -559,7 +582,9 @@ def test_disk_full_disables_the_tier_and_keeps_serving(tiny_fs, caplog):
 
 
 def test_min_free_bytes_is_kept_by_evicting(tiny_fs):
-    with SsdTier(str(tiny_fs / "ssd"), max_bytes=1 << 30, min_free_bytes=1 << 20) as tier:
+    with SsdTier(
+        CacheConfig(ssd_dir=str(tiny_fs / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=1 << 20)
+    ) as tier:
         for i in range(60):
             tier.put(make_block(11, i, scale=8))
             tier.flush()

@@ -35,7 +35,9 @@ from prefixcache.tiers.stack import ChainLoad
 
 @pytest.fixture
 def tier(tmp_path):
-    t = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 30)
+    t = SsdTier(
+        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
+    )
     yield t
     t.close()
 
@@ -118,7 +120,10 @@ def test_absent_keys_are_misses(tier):
 
 def test_a_block_still_queued_for_the_writer_is_served(tmp_path):
     hold = threading.Event()
-    tier = SsdTier(str(tmp_path / "ssd"), max_bytes=1 << 30, writer_hold=hold)
+    tier = SsdTier(
+        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0),
+        writer_hold=hold,
+    )
     try:
         first = make_block(4, 0)
         assert tier.put(first)
@@ -282,13 +287,16 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     seen: list[tuple[int, set[type]]] = []
     real = manager_module.rebuild
 
-    def watched(*args, load, **kwargs):
+    def watched(fresh, codecs, loader, **kwargs):
+        load = loader.load
+
         def load_and_note(index):
             arrays, resident = load(index)
             seen.append((index, {type(a) for a in arrays.values()}))
             return arrays, resident
 
-        return real(*args, load=load_and_note, **kwargs)
+        loader.load = load_and_note
+        return real(fresh, codecs, loader, **kwargs)
 
     monkeypatch.setattr(manager_module, "rebuild", watched)
     tokens = prompt(9, 6 * 16 + 5)

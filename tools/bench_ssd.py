@@ -43,6 +43,7 @@ import xxhash
 from benchlib import drop_caches, read_fresh, read_reused
 
 from prefixcache.blocks import Block
+from prefixcache.config import CacheConfig
 from prefixcache.tiers.ssd.payload import encode_header, payload_path, read_payload, tensors_of
 from prefixcache.tiers.ssd.tier import SsdTier
 
@@ -138,7 +139,14 @@ def write_refs(blocks: list[Block], work: str) -> dict[str, float]:
 
     out = {"raw_write": seconds(raw_write)}
     total = sum(b.nbytes for b in blocks)
-    tier = SsdTier(f"{work}/ssd", max_bytes=1 << 50, queue_bytes=total + 1)
+    tier = SsdTier(
+        CacheConfig(
+            ssd_dir=f"{work}/ssd",
+            ssd_max_bytes=1 << 50,
+            write_queue_bytes=total + 1,
+            ssd_min_free_bytes=0,
+        )
+    )
     put_times = []
     start = time.perf_counter()
     for block in blocks:
@@ -167,7 +175,7 @@ def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[st
     Ratios ``load_{mode}_vs_{ref}`` are medians of per-repetition ratios, each
     taken against the reference measured just before: the disk drifts.
     """
-    tier = SsdTier(f"{work}/ssd", max_bytes=1 << 50)
+    tier = SsdTier(CacheConfig(ssd_dir=f"{work}/ssd", ssd_max_bytes=1 << 50, ssd_min_free_bytes=0))
     keys = [b.key for b in blocks]
     sums = {k: tier.get_meta(k).checksum for k in keys}
     files = [payload_path(f"{work}/ssd/blocks", k) for k in keys]
@@ -218,7 +226,14 @@ def bench_shape(shape: str, args: argparse.Namespace, work: str) -> dict[str, fl
 def bench_open(num: int, work: str) -> dict[str, float]:
     """Open (+ stats) of a directory holding ``num`` small blocks."""
     template = make_blocks("2x2x16x64", 1)[0]
-    tier = SsdTier(f"{work}/open", max_bytes=1 << 50, queue_bytes=1 << 30)
+    tier = SsdTier(
+        CacheConfig(
+            ssd_dir=f"{work}/open",
+            ssd_max_bytes=1 << 50,
+            write_queue_bytes=1 << 30,
+            ssd_min_free_bytes=0,
+        )
+    )
     start = time.perf_counter()
     for i in range(num):
         key = xxhash.xxh3_128_digest(b"open/%d" % i)
@@ -229,7 +244,9 @@ def bench_open(num: int, work: str) -> dict[str, float]:
         if mode == "cold":
             drop_caches([f"{work}/open/index/data.mdb"])
         start = time.perf_counter()
-        tier = SsdTier(f"{work}/open", max_bytes=1 << 50)
+        tier = SsdTier(
+            CacheConfig(ssd_dir=f"{work}/open", ssd_max_bytes=1 << 50, ssd_min_free_bytes=0)
+        )
         assert tier.stats()["num_blocks"] == num
         out[f"open_{mode}_ms"] = (time.perf_counter() - start) * 1e3
         tier.close()

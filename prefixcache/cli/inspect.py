@@ -25,10 +25,9 @@ from typing import Any
 
 from ..config import CacheConfig, parse_bytes
 from ..errors import SsdFormatError
-from ..stats import Stats
+from ..stats import Stats, add_counters
 from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
 from ..tiers.ssd.inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
-from ..tiers.ssd.records import add_counters
 from ..tiers.ssd.tier import SsdTier
 from .report import format_age, format_bytes, parse_duration, table
 

@@ -17,7 +17,7 @@ anything.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -51,10 +51,17 @@ def num_blocks(num_tokens: int, block_size: int) -> int:
 
 
 class Builder(ABC):
-    """Rebuilds one layer cache from block payloads fed in chain order."""
+    """Rebuilds one layer cache from block payloads fed in chain order.
+
+    Attributes:
+        takes_host: ``add`` accepts HostArray / Placed tensors as the SSD stream
+            gives them (copied or already in place); else it gets MLX arrays.
+    """
+
+    takes_host: ClassVar[bool] = False
 
     @abstractmethod
-    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+    def add(self, index: int, arrays: dict[str, Any]) -> None:
         """Copy block ``index``'s payload for this layer into the cache.
 
         Raises:
@@ -69,6 +76,19 @@ class Builder(ABC):
     @abstractmethod
     def finish(self) -> Any:
         """Return the rebuilt layer cache."""
+
+    def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
+        """Allocate (unwritten) the buffers block ``index``'s streamed tensors go into,
+        given the tensors or their dtypes and shapes (``Placed``). Returns what to
+        evaluate; [] when this builder allocates nothing ahead."""
+        return []
+
+    def destination(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
+    ) -> list[memoryview] | None:
+        """Where a reader thread may write tensor ``name`` of block ``index``: the
+        contiguous runs of a restore buffer in row-major order, or None. Runs no MLX."""
+        return None
 
 
 class Codec(ABC):

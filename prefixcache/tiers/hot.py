@@ -9,14 +9,22 @@ Not thread-safe by itself: the manager holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ..blocks import Block
+from ..errors import MissReason
+from .base import Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 
 
-class HotTier:
+class HotTier(Tier):
+    """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
+
+    name = "hot"
+    resident = True
+    load_miss = MissReason.EVICTED
+
     def __init__(self, max_bytes: int, on_evict: EvictHook | None = None):
         self.max_bytes = max_bytes
         self.on_evict = on_evict
@@ -37,6 +45,32 @@ class HotTier:
 
     def get(self, key: bytes) -> Block | None:
         return self._lru.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
+        out = []
+        for key in keys[start:]:
+            block = self._lru.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def reader(self, keys: Sequence[bytes]) -> TierReader:
+        return _HotReader(self, keys)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        return sum(self.pop(key) is not None for key in keys)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_blocks": len(self._lru),
+            "nbytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "num_evictions": self.num_evictions,
+        }
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark a chain (given root-first) as just used, ancestors most recent."""
@@ -106,3 +140,13 @@ class HotTier:
         )
         self._dirty.clear()
         return blocks
+
+
+class _HotReader(TierReader):
+    """Hot blocks need no reading: the restore copies them from the tier itself."""
+
+    def __init__(self, hot: HotTier, keys: Sequence[bytes]):
+        self.hot, self.keys = hot, keys
+
+    def load(self, index: int) -> Block | None:
+        return self.hot.get(self.keys[index])

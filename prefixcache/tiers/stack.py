@@ -1,101 +1,106 @@
-"""Tiers: where blocks live (hot, then ssd) and how they move between them.
+"""Tiers: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
-The read path looks in hot, then ssd, and promotes ssd hits into hot when it
-has room. The write path puts new blocks in hot; ``write_back`` spills a dirty
-block to ssd when hot evicts it, ``write_through`` queues it for ssd at once.
-This is the only module that reads ``hot_cache_only``: without an ssd tier an
-evicted block is discarded (and remembered, to explain the next miss).
+Read path: a chain is matched through the tiers in order (``chain``), each block
+is loaded from the tier that holds it (``ChainLoad``), and lower-tier hits are
+promoted upward. Write path: new blocks go into hot; under ``write_back`` a
+dirty block spills to the lower tiers when hot evicts it, under
+``write_through`` it is put there at once, and an ``eager`` tier takes every
+block at once. With no lower tier (``hot_cache_only``) an evicted block is
+discarded, and remembered to explain the next miss.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from ..blocks import Block, BlockMeta
+from ..blocks import Block
 from ..config import CacheConfig
-from ..errors import MissReason, PayloadError
-from ..host import Placed
+from ..errors import MissReason, Shortfall
+from ..host import Place, Placed
 from ..stats import Stats
+from .base import ChainEntry, Tier, TierReader
 from .hot import HotTier
-from .ssd.payload import read_header
-
-if TYPE_CHECKING:
-    from ..restore import Place
-    from .ssd.stream import StreamedBlock
-    from .ssd.tier import SsdTier
-
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
 
 class Tiers:
-    """The hot tier and the optional ssd tier of one PrefixCache (not thread-safe)."""
+    """The tiers of one PrefixCache, hot first (not thread-safe: the facade locks)."""
 
-    def __init__(self, config: CacheConfig, stats: Stats):
-        self.config = config
-        self.stats = stats
+    def __init__(self, config: CacheConfig, stats: Stats, lower: Sequence[Tier]):
+        self.config, self.stats = config, stats
         self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict)
-        self.ssd = _build_ssd(config)
+        self.lower = list(lower)
+        self.all: list[Tier] = [self.hot, *self.lower]
+        through = config.write_policy == "write_through"
+        self._on_store = [t for t in self.lower if t.eager or through]
+        self._on_spill = [t for t in self.lower if not (t.eager or through)]
         self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[bytes] = set()
 
+    def named(self, name: str) -> Tier | None:
+        return next((t for t in self.all if t.name == name), None)
+
     # -- read path -----------------------------------------------------------
 
-    def lookup(self, key: bytes) -> Block | BlockMeta | None:
-        """The block (hot) or its index entry (ssd, or queued for it), without payload."""
-        block = self.hot.get(key)
-        if block is not None:
-            return block
-        return self.ssd.get_meta(key) if self.ssd is not None else None
+    def chain(self, keys: Sequence[bytes]) -> tuple[list[ChainEntry], list[int]]:
+        """Entries of ``keys`` held by some tier, root-first and consecutive, with
+        the position in ``all`` of the tier each is loaded from (the first that has it)."""
+        entries: list[ChainEntry] = []
+        owners: list[int] = []
+        while len(entries) < len(keys):
+            start = len(entries)
+            for t, tier in enumerate(self.all):
+                got = tier.held(keys, start)
+                if t:  # a block hot holds too is loaded from hot
+                    got = got[: next((i for i, e in enumerate(got) if e.key in self.hot), None)]
+                if got:
+                    break
+            else:
+                break
+            entries += got
+            owners += [t] * len(got)
+        return entries, owners
 
     def contains(self, key: bytes) -> bool:
-        return key in self.hot or (self.ssd is not None and self.ssd.contains(key))
+        return any(tier.contains(key) for tier in self.all)
 
     def missing_reason(self, key: bytes) -> MissReason:
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
-    def load(self, key: bytes) -> tuple[Block | None, bool]:
-        """(block with payload, whether it is hot); (None, False) if unusable."""
-        block = self.hot.get(key)
-        if block is not None:
-            self.stats.hot_block_hits += 1
-            return block, True
-        block = self.ssd.load(key) if self.ssd is not None else None
-        if block is not None:
-            self.stats.ssd_block_hits += 1
-        return block, False
+    def chain_load(self, keys: Sequence[bytes], owners: Sequence[int]) -> ChainLoad:
+        """The loader of one restore of ``keys`` (``owners`` from :meth:`chain`)."""
+        return ChainLoad(self, keys, owners)
 
-    def chain_load(self, keys: list[bytes]) -> ChainLoad:
-        """A loader for one restore of ``keys``: SSD blocks stream, read ahead."""
-        return ChainLoad(self, keys)
-
-    def after_hit(self, chain: list[bytes], loaded: list[Block]) -> None:
-        """Promote ssd blocks into hot while it has room; mark the chain used."""
+    def after_hit(self, chain: Sequence[bytes], loaded: Sequence[tuple[int, Block]]) -> None:
+        """Promote lower-tier hits into the tiers above them; mark the chain used."""
         if self.config.promote:
-            for block in sorted(loaded, key=lambda b: b.index):
-                if self.hot.nbytes + block.nbytes <= self.hot.max_bytes and self.hot.put(block):
-                    self.stats.num_promotions += 1
+            for t, block in sorted(loaded, key=lambda p: p[1].index):
+                promoted = False
+                if self.hot.nbytes + block.nbytes <= self.hot.max_bytes:
+                    promoted = self.hot.put(block)
+                for tier in self.all[1:t]:  # e.g. a remote hit is kept on ssd too
+                    promoted = tier.put(block) or promoted
+                self.stats.num_promotions += promoted
         self.hot.touch(chain)
-        if self.ssd is not None:
-            self.ssd.touch([k for k in chain if k not in self.hot])
+        for tier in self.lower:
+            tier.touch([k for k in chain if k not in self.hot])
 
     # -- write path ----------------------------------------------------------
 
-    def keep(self, blocks: list[Block]) -> None:
+    def keep(self, blocks: Sequence[Block], *, upgrade: bool = False) -> None:
         """Place new blocks (root-first) according to the write policy."""
-        write_through = self.ssd is not None and self.config.write_policy == "write_through"
-        dirty = self.ssd is not None and not write_through
         warm = []
         for block in blocks:
-            self.stats.stored_blocks += 1
-            self.stats.stored_bytes += block.nbytes
+            self.stats.kept(block.nbytes, upgrade=upgrade)
             self._evicted_set.discard(block.key)
-            if write_through:
-                self.spill(block)
+            for tier in self._on_store:
+                tier.put(block)
+            dirty = bool(self._on_spill)
             cold = block.parent != block.root and block.parent not in self.hot
-            if cold and self.ssd is None:  # its parent is gone: no fetch can reach it
+            if cold and not self.lower:  # its parent is gone: no fetch can reach it
                 self._on_hot_evict(block, False)
                 continue
             if not self.hot.put(block, dirty=dirty, cold=cold) and dirty:
@@ -104,55 +109,58 @@ class Tiers:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
-    def replace(self, blocks: list[Block]) -> None:
+    def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
-        on_ssd = [b.key for b in blocks if self.ssd is not None and self.ssd.contains(b.key)]
-        if on_ssd:  # those copies lack the new payloads; a queued one must land first
-            self.ssd.flush()
-            self.ssd.remove(on_ssd)
-        for block in blocks:
-            self.hot.pop(block.key)
-        num_stored, nbytes = self.stats.stored_blocks, self.stats.stored_bytes
-        self.keep(blocks)
-        self.stats.stored_blocks, self.stats.stored_bytes = num_stored, nbytes
-        self.stats.upgraded_blocks += len(blocks)
+        keys = [b.key for b in blocks]
+        for tier in self.lower:
+            if any(tier.contains(k) for k in keys):  # a queued copy must land first
+                tier.flush()
+                tier.remove(keys)
+        self.hot.remove(keys)
+        self.keep(blocks, upgrade=True)
 
     def spill(self, block: Block) -> None:
-        if self.ssd is not None and self.ssd.put(block):
-            self.stats.num_spills += 1
+        spilled = False
+        for tier in self._on_spill:
+            spilled = tier.put(block) or spilled
+        self.stats.num_spills += spilled
 
     def flush(self) -> None:
-        """Persist every dirty hot block and wait for the writer."""
-        if self.ssd is None:
-            return
+        """Persist every dirty hot block and wait for the lower tiers' writes."""
         for block in self.hot.take_dirty():
             self.spill(block)
-        self.ssd.flush()
+        for tier in self.lower:
+            tier.flush()
 
     def close(self) -> None:
+        """Flush, then close every lower tier (each one, even if one fails)."""
         try:
             self.flush()
         finally:
-            if self.ssd is not None:
-                self.ssd.close()
+            errors = []
+            for tier in self.lower:
+                try:
+                    tier.close()
+                except Exception as e:
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+
+    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+        for tier in self.lower:
+            tier.note_namespace(root, namespace_json)
+
+    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
+        for tier in self.lower:
+            tier.save_counters(root, delta)
 
     def snapshot(self) -> dict[str, object]:
-        out: dict[str, object] = {
-            "hot": {
-                "num_blocks": len(self.hot),
-                "nbytes": self.hot.nbytes,
-                "max_bytes": self.hot.max_bytes,
-                "num_evictions": self.hot.num_evictions,
-            }
-        }
-        if self.ssd is not None:
-            out["ssd"] = self.ssd.stats()
-        return out
+        return {tier.name: tier.stats() for tier in self.all}
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
-        if dirty and self.ssd is not None:
+        if dirty:
             self.spill(block)
-        elif self.ssd is None:
+        elif not self.lower:
             self.stats.num_discarded += 1
             if len(self._evicted) == self._evicted.maxlen:
                 self._evicted_set.discard(self._evicted[0])
@@ -161,83 +169,65 @@ class Tiers:
 
 
 class ChainLoad:
-    """Loads the blocks of one restore in chain order: hot ones from hot, the
-    rest streamed from SSD (ssd/stream.py: reader threads read later blocks,
-    straight into their place in the restore buffers, while earlier ones are
-    handled; HostArray views are valid until the next load). ``loaded``
-    collects SSD blocks to promote, as MLX copies, while hot has room for them
-    (and ``promote`` is on)."""
+    """Loads the blocks of one restore in chain order, each from the tier that holds it.
 
-    def __init__(self, tiers: Tiers, keys: list[bytes]):
-        self.tiers, self.keys = tiers, keys
-        self.loaded: list[Block] = []
-        self._room = tiers.hot.max_bytes - tiers.hot.nbytes if tiers.config.promote else 0
-        self._stream: Iterator[Block | StreamedBlock | None] | None = None
-        self._order: deque[bytes] = deque()
+    Hot blocks come as they are; the other tiers' readers stream theirs (the SSD
+    reader straight into the restore buffers). ``loaded`` collects lower-tier
+    blocks to promote, as MLX copies, while hot has room (and ``promote`` is on).
+    """
 
-    def prepare(self, indices: list[int], place: Place | None = None) -> None:
-        """Start reading the SSD blocks among ``indices`` (the order of the loads),
-        each tensor into its ``place`` when it has one (see ssd/stream.py)."""
-        self.close()
-        if self.tiers.ssd is None:
-            return
-        from .ssd.stream import stream
+    def __init__(self, tiers: Tiers, keys: Sequence[bytes], owners: Sequence[int]):
+        self.tiers, self.keys, self.owners = tiers, keys, owners
+        self.loaded: list[tuple[int, Block]] = []
+        hot = tiers.hot
+        self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
+        self._readers: dict[int, TierReader] = {}
 
-        self._order = deque(self.keys[i] for i in indices if self.keys[i] not in self.tiers.hot)
-        if self._order:
-            self._stream = stream(self.tiers.ssd, list(self._order), place)
+    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
+        """The first block of ``order`` not resident in memory, with its tensors'
+        shapes if its tier knows them before loading it; else None."""
+        first = next((i for i in order if not self._tier(i).resident), None)
+        if first is None:
+            return None
+        owner = self.owners[first]
+        mine = [i for i in order if self.owners[i] == owner and i >= first]
+        shapes = self._reader(owner).first_shapes(mine)
+        return None if shapes is None else (first, shapes)
 
-    def first_shapes(self, indices: list[int]) -> tuple[int, dict[str, Placed]] | None:
-        """The first block among ``indices`` that will be streamed from SSD, with its
-        tensors' dtypes and shapes read from its payload header (unverified: they
-        only size the restore buffers, so every block, that one too, can be read
-        straight into place); None if there is none or its header is unreadable."""
-        ssd = self.tiers.ssd
-        for i in indices if ssd is not None else ():
-            key = self.keys[i]
-            if key in self.tiers.hot:
-                continue
-            if ssd.writer.pending(key) is not None:
-                return None
-            try:
-                specs = read_header(ssd.payload_file(key), key)
-            except (OSError, PayloadError):
-                return None  # the stream reads it again and tells
-            return i, {name: Placed((), dtype, shape) for name, dtype, shape in specs}
-        return None
+    def prepare(self, order: list[int], place: Place | None) -> None:
+        """Start every tier's reader on its blocks of ``order``."""
+        for owner in sorted(set(self.owners[i] for i in order)):
+            if not self.tiers.all[owner].resident:
+                mine = [i for i in order if self.owners[i] == owner]
+                self._reader(owner).prepare(mine, place)
 
-    def load(self, index: int) -> tuple[Block | StreamedBlock | None, bool]:
-        """(block, whether it is hot); (None, False) if unusable."""
-        key = self.keys[index]
-        if self._stream is None or not self._order or self._order[0] != key:
-            block, hot = self.tiers.load(key)  # unplanned: one synchronous load
-        else:
-            self._order.popleft()
-            block, hot = next(self._stream), False
-            if block is not None:
-                self.tiers.stats.ssd_block_hits += 1
-        if block is not None and not hot and block.nbytes <= self._room:
+    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
+        """(block ``index``'s flat payload, whether it stays in memory anyway).
+
+        Raises:
+            Shortfall: the tier could not load it.
+        """
+        tier = self._tier(index)
+        block = self._reader(self.owners[index]).load(index)
+        if block is None:
+            raise Shortfall(index, tier.load_miss)
+        self.tiers.stats.block_hit(tier.name)
+        keep = self.owners[index] > 1 or block.nbytes <= self._room
+        if not tier.resident and keep:
             self._room -= block.nbytes
-            self.loaded.append(block if isinstance(block, Block) else block.to_block())
-        return block, hot
+            self.loaded.append((self.owners[index], block.to_block()))
+        return block.arrays, tier.resident
 
     def close(self) -> None:
-        """Stop the stream and wait for its readers; safe to call more than once."""
-        if self._stream is not None:
-            self._stream.close()  # type: ignore[attr-defined]
-            self._stream = None
+        """Stop every reader (and wait for its threads); safe to call more than once."""
+        for reader in self._readers.values():
+            reader.close()
 
+    def _tier(self, index: int) -> Tier:
+        return self.tiers.all[self.owners[index]]
 
-def _build_ssd(config: CacheConfig) -> SsdTier | None:
-    """The SSD tier, or None: the only place ``hot_cache_only`` is read."""
-    if config.hot_cache_only:
-        return None
-    from .ssd.tier import SsdTier
-
-    return SsdTier(
-        config.ssd_path,
-        max_bytes=config.ssd_max_bytes,
-        min_free_bytes=config.ssd_min_free_bytes,
-        queue_bytes=config.write_queue_bytes,
-        queue_full=config.queue_full,
-    )
+    def _reader(self, owner: int) -> TierReader:
+        reader = self._readers.get(owner)
+        if reader is None:
+            reader = self._readers[owner] = self.tiers.all[owner].reader(self.keys)
+        return reader

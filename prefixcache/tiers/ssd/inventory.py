@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...blocks import BlockMeta
+from ...config import CacheConfig
 from .index import decode_or_none
 from .tier import SsdTier
 
@@ -36,7 +37,9 @@ def open_tier(path: str) -> SsdTier:
         raise CacheDirError(f"no SSD tier directory at {path}")
     if not os.path.isfile(os.path.join(path, "index", "data.mdb")):
         raise CacheDirError(f"{path} is not a prefixcache SSD tier (no index/data.mdb)")
-    return SsdTier(path, max_bytes=0)  # max_bytes bounds writes only; inspection writes none
+    # ssd_max_bytes bounds writes only; inspection writes none
+    config = CacheConfig(ssd_dir=path, ssd_max_bytes=0, ssd_min_free_bytes=0)
+    return SsdTier(config, record_limits=False)
 
 
 def scan(tier: SsdTier) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import lmdb
 
+from ...stats import Counters, add_counters
 from .lmdb_env import SharedEnv
 
 logger = logging.getLogger(__name__)
@@ -36,37 +37,6 @@ _NAMESPACE = b"namespace/"
 _COUNTERS = b"counters/"
 _LIMITS = b"limits"
 _PROCESS = b"process/"
-
-Counters = dict[str, object]  # int counters and one nested dict[str, int] ("miss_reasons")
-
-
-def counter_delta(now: Counters, before: Counters) -> Counters:
-    """``now - before`` for every int (also nested one level); others dropped."""
-    out: Counters = {}
-    for name, value in now.items():
-        old = before.get(name)
-        if isinstance(value, dict):
-            old = old if isinstance(old, dict) else {}
-            sub = {k: v - old.get(k, 0) for k, v in value.items() if isinstance(v, int)}
-            out[name] = {k: v for k, v in sub.items() if v}
-        elif isinstance(value, int) and not isinstance(value, bool):
-            out[name] = value - (old if isinstance(old, int) else 0)
-    return out
-
-
-def add_counters(total: Counters, delta: Counters) -> Counters:
-    """``total + delta`` (nested one level), as a new dict."""
-    out = dict(total)
-    for name, value in delta.items():
-        if isinstance(value, dict):
-            sub = dict(out.get(name) or {})  # type: ignore[call-overload]
-            for k, v in value.items():
-                sub[k] = sub.get(k, 0) + v
-            out[name] = sub
-        elif isinstance(value, int):
-            old = out.get(name, 0)
-            out[name] = (old if isinstance(old, int) else 0) + value
-    return out
 
 
 class SsdRecords:

@@ -21,13 +21,15 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import lmdb
 import mlx.core as mx
 
 from ...blocks import Block, BlockMeta
+from ...config import CacheConfig
 from ...errors import PayloadError, SsdFormatError
+from ..base import Tier, TierReader
 from .index import SsdIndex, decode_or_none
 from .payload import encode_header, payload_path, read_payload, tensors_of, unlink, write_payload
 from .records import SsdRecords
@@ -45,39 +47,40 @@ _COUNTERS = (
 )  # fmt: skip
 
 
-class SsdTier:
+class SsdTier(Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
-        path: directory (created if missing).
-        max_bytes: cap on the payload bytes on disk (LRU leaves are evicted first).
-        min_free_bytes: free disk space a write always leaves.
-        queue_bytes: bound of the background writer's queue.
-        queue_full: ``"drop"`` (count, ``put`` returns False) or ``"inline"``
-            (write on the caller's thread) when the queue is full.
+        config: ``ssd_dir`` (created if missing), ``ssd_max_bytes`` (cap on the
+            payload bytes on disk; LRU leaves are evicted first),
+            ``ssd_min_free_bytes`` (free disk a write always leaves),
+            ``write_queue_bytes`` and ``queue_full`` (the background writer's
+            bound, and ``drop`` or ``inline`` when it is reached).
         map_size: initial LMDB map size (a reservation; it grows on demand).
         writer_hold: an event the writer waits for before each batch (tests).
+        record_limits: record the config's limits in the index for inspection
+            (off when opened only to inspect or maintain the directory).
     """
+
+    name = "ssd"
 
     def __init__(
         self,
-        path: str,
+        config: CacheConfig,
         *,
-        max_bytes: int,
-        min_free_bytes: int = 0,
-        queue_bytes: int = 512 << 20,
-        queue_full: str = "drop",
         map_size: int = 1 << 36,
         writer_hold: threading.Event | None = None,
+        record_limits: bool = True,
     ) -> None:
-        if queue_full not in ("drop", "inline"):
-            raise ValueError(f"queue_full must be 'drop' or 'inline', got {queue_full!r}")
-        self.path = os.path.abspath(os.path.expanduser(path))
-        self.max_bytes, self.min_free_bytes, self.queue_full = max_bytes, min_free_bytes, queue_full
+        self.path = config.ssd_path
+        self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
+        self.queue_full = config.queue_full
         self._payloads = os.path.join(self.path, "blocks")
         os.makedirs(self._payloads, exist_ok=True)
         self.index = SsdIndex(os.path.join(self.path, "index"), self._payloads, map_size=map_size)
         self.records = SsdRecords(self.index.path)  # namespaces, counters (the CLI)
+        if record_limits:
+            self.records.note_limits(max_bytes=self.max_bytes, min_free_bytes=self.min_free_bytes)
         self._enabled, self._closed = True, False
         self._lock = threading.Lock()  # counters and touches
         self._write_lock = threading.Lock()  # writer thread vs inline writes
@@ -85,7 +88,7 @@ class SsdTier:
         self._touches: set[bytes] = set()
         self.writer = Writer(
             self._write_batch,
-            max_bytes=queue_bytes,
+            max_bytes=config.write_queue_bytes,
             housekeeping=self._apply_touches,
             hold=writer_hold,
         )
@@ -121,6 +124,26 @@ class SsdTier:
 
     def contains(self, key: bytes) -> bool:
         return self.writer.pending(key) is not None or self.index.get(key) is not None
+
+    def held(self, keys: Sequence[bytes], start: int) -> list[BlockMeta]:
+        out = []
+        for key in keys[start:]:
+            meta = self.get_meta(key)
+            if meta is None:
+                break
+            out.append(meta)
+        return out
+
+    def reader(self, keys: Sequence[bytes]) -> TierReader:
+        from .stream import SsdReader  # reader threads: only once a restore needs them
+
+        return SsdReader(self, keys)
+
+    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+        self.records.note_namespace(root, namespace_json)
+
+    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
+        self.records.add_counters(root, delta)
 
     def get_meta(self, key: bytes) -> BlockMeta | None:
         """The index fields of a block (queued or indexed); never reads the payload."""

@@ -1,0 +1,56 @@
+"""Block-aligned prefill: fetch the cached prefix, prefill the rest, capture every chunk.
+
+Uses only the facade's public verbs (``fetch``, ``capture``), so a scheduler
+with its own prefill loop can do exactly the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
+
+from .capture import chunk_ends, chunk_step
+from .codecs import codec_for
+
+if TYPE_CHECKING:
+    from .cache import PrefixCache
+
+
+def prefill(
+    pc: PrefixCache,
+    tokens: Sequence[int],
+    *,
+    prefill_step_size: int | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> tuple[list[Any], mx.array]:
+    """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
+
+    After each chunk mlx-lm's KV quantization schedule is applied (as
+    ``generate_step`` does), the cache is evaluated and the blocks it completed
+    are stored (window K/V while still in the window, recurrent state at the
+    chunk's end boundary).
+
+    Returns:
+        (the cache holding all of ``tokens``, the last token's logits (1, vocab))
+    """
+    tokens = list(tokens)
+    cfg = pc.config
+    cache, start = pc.fetch(tokens, extra=extra)
+    snapshots = any(codec_for(c).snapshots(c) for c in cache)
+    step = chunk_step(prefill_step_size, cfg.block_size, cfg.snapshot_interval, snapshots)
+    ids = mx.array(tokens, dtype=mx.int32)
+    logits = None
+    for end in chunk_ends(start, len(tokens), step):
+        out = pc.model(ids[None, start:end], cache=cache)
+        maybe_quantize_kv_cache(cache, cfg.quantized_kv_start, cfg.kv_group_size, cfg.kv_bits)
+        if end == len(tokens):
+            logits = mx.array(out[:, -1, :])  # a copy: the chunk's logits are let go
+        # only the cache (and the last logits) are computed, as in generate_step
+        mx.eval(logits, [c.state for c in cache])
+        del out
+        pc.capture(tokens[:end], cache, extra=extra)
+        start = end
+    return cache, logits
