@@ -29,7 +29,8 @@ from conftest import prompt
 
 from prefixcache import CacheConfig, PrefixCache, prometheus_text
 from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
-from prefixcache.cli.report import format_age, format_bytes, parse_duration
+from prefixcache.cli.common import parse_duration
+from prefixcache.cli.report import format_age, format_bytes
 from prefixcache.tiers.ssd.tier import SsdTier
 
 CHILD = str(Path(__file__).with_name("cli_child.py"))
