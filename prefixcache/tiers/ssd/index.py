@@ -83,8 +83,7 @@ class SsdIndex:
         readonly: open an existing index read-only: no write, no clean-up of dead writes.
 
     Raises:
-        SsdFormatError: the index was written by another format version (or,
-            ``readonly``, lacks a database or a format record).
+        SsdFormatError: another format version wrote it (readonly: or it is incomplete).
     """
 
     def __init__(
@@ -265,9 +264,8 @@ class SsdIndex:
     ) -> Reservation:  # fmt: skip
         res = Reservation()
         records = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db["writing"])]
-        self._clear_writes(
-            txn, [(k, v) for k, v in records if not pid_alive(_WRITING.unpack(v)[0])]
-        )
+        dead = [(k, v) for k, v in records if not pid_alive(_WRITING.unpack(v)[0])]
+        self._clear_writes(txn, dead)
         reserved = sum(_WRITING.unpack(v)[2] for _, v in txn.cursor(db=self._db["writing"]))
         for key, nbytes, footprint in wanted:
             busy = txn.get(key, db=self._db["writing"]) is not None
