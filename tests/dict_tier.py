@@ -37,13 +37,8 @@ class DictTier(Tier):
         self.num_puts = self.num_loads = 0
         self.closed = False
 
-    def held(self, keys: Sequence[bytes], start: int) -> list[Entry]:
-        out = []
-        for key in keys[start:]:
-            if key not in self.entries:
-                break
-            out.append(self.entries[key])
-        return out
+    def entry(self, key: bytes) -> Entry | None:
+        return self.entries.get(key)
 
     def contains(self, key: bytes) -> bool:
         return key in self.entries

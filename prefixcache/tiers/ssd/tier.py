@@ -125,14 +125,8 @@ class SsdTier(Tier):
     def contains(self, key: bytes) -> bool:
         return self.writer.pending(key) is not None or self.index.get(key) is not None
 
-    def held(self, keys: Sequence[bytes], start: int) -> list[BlockMeta]:
-        out = []
-        for key in keys[start:]:
-            meta = self.get_meta(key)
-            if meta is None:
-                break
-            out.append(meta)
-        return out
+    def entry(self, key: bytes) -> BlockMeta | None:
+        return self.get_meta(key)
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
