@@ -56,3 +56,15 @@ class PayloadError(ValueError):
 
 class SsdFormatError(ValueError):
     """The directory holds an SSD tier of another format version."""
+
+
+class SsdDirError(OSError):
+    """The SSD tier directory cannot be created, is not a directory, or cannot be written.
+
+    Attributes:
+        path: the directory.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"SSD tier directory {path} is not usable: {reason}")
+        self.path = path

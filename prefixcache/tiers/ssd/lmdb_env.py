@@ -66,17 +66,22 @@ class SharedEnv:
 
     @classmethod
     def acquire(
-        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = ()
-    ) -> SharedEnv:
-        """Open (or share the already open) environment at ``path``."""
+        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = (),
+        mode: int = 0o600,
+    ) -> SharedEnv:  # fmt: skip
+        """Open (or share the already open) environment at ``path`` (files made ``mode``)."""
         with cls._lock:
             shared = cls._open.get(path)
             if shared is not None:
                 shared._refs += 1
                 return shared
-            env = lmdb.open(path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True)
-            env.reader_check()  # free reader slots of dead processes
-            handles = {name: env.open_db(name.encode(), dupsort=name in dupsort) for name in dbs}
+            env = lmdb.open(path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True, mode=mode)
+            try:
+                env.reader_check()  # free reader slots of dead processes
+                handles = {n: env.open_db(n.encode(), dupsort=n in dupsort) for n in dbs}
+            except BaseException:
+                env.close()
+                raise
             shared = cls._open[path] = cls(path, env, handles)
             return shared
 
