@@ -22,13 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
-from ..mlx_server import (
-    MlxLmVersionError,
-    ModelKey,
-    ModelPair,
-    TieredPromptCache,
-    check_mlx_lm_version,
-)
+from ..errors import SsdDirError, SsdFormatError
+from ..mlx_fit import MlxLmVersionError, ModelKey, ModelPair, check_mlx_lm_version
+from ..mlx_server import TieredPromptCache
 from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -121,6 +117,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from mlx_lm import server
 
     config = serve_config(args)
+    if not check_ssd_dir(config):
+        return 2
     set_mx_cache_limit(args)
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", args.model, *getattr(args, "mlx_lm_args", [])]
@@ -139,6 +137,20 @@ def run_serve(args: argparse.Namespace) -> int:
             for generator in generators:  # idempotent: mlx-lm's shutdown did it already
                 generator.stop_and_join()
     return 0
+
+
+def check_ssd_dir(config: CacheConfig) -> bool:
+    """Whether the SSD directory is usable (before listening); else one line on stderr."""
+    if config.hot_cache_only:
+        return True
+    from ..tiers.ssd.directory import check_dir
+
+    try:
+        check_dir(config.ssd_path)
+    except (SsdDirError, SsdFormatError) as err:
+        print(f"prefixcache serve: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
