@@ -31,6 +31,8 @@ def open_dir(path: str) -> str:
     """
     try:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
+    except FileExistsError:
+        raise SsdDirError(path, "it exists and is not a directory") from None
     except OSError as e:
         raise SsdDirError(path, _why(e)) from None
     if not os.path.isdir(path):

@@ -107,9 +107,20 @@ def list_files(root: str) -> tuple[dict[bytes, str], list[str]]:
 
 
 def unlink(path: str) -> None:
-    """Remove a file (a symlink itself, not its target); one already gone is fine."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        os.unlink(path)
+    """Remove a file (a symlink itself, not its target); one already gone is fine.
+
+    Goes through the fan-out directory's descriptor: nothing is removed through
+    a fan-out directory that is a symlink.
+    """
+    head, name = os.path.split(path)
+    try:
+        with parent_fd(head) as dfd:
+            os.unlink(name, dir_fd=dfd)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EMLINK):
+            raise
 
 
 def _scandir(path: str) -> list[os.DirEntry]:
