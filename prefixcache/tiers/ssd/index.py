@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import lmdb
 
@@ -104,6 +104,16 @@ class SsdIndex:
             return [(bytes(k), bytes(v)) for k, v in itertools.islice(cur, limit)]
 
         return self._txn(read)
+
+    def rows(self, chunk: int = 1024) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, entry), in key order, read ``chunk`` at a time (short transactions)."""
+        start = b""
+        while True:
+            rows = self.scan(start, chunk)
+            yield from rows
+            if len(rows) < chunk:
+                return
+            start = rows[-1][0] + b"\0"
 
     def reserve(
         self, wanted: Sequence[Wanted], *, max_bytes: int, min_free_bytes: int,

@@ -44,14 +44,8 @@ def open_tier(path: str) -> SsdTier:
 
 def scan(tier: SsdTier) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:
     """(key, raw entry, decoded meta or None if unreadable) of every indexed block."""
-    start = b""
-    while True:
-        rows = tier.index.scan(start, _SCAN_CHUNK)
-        for key, raw in rows:
-            yield key, raw, decode_or_none(key, raw)
-        if len(rows) < _SCAN_CHUNK:
-            return
-        start = rows[-1][0] + b"\0"
+    for key, raw in tier.index.rows(_SCAN_CHUNK):
+        yield key, raw, decode_or_none(key, raw)
 
 
 @dataclass(frozen=True, slots=True)

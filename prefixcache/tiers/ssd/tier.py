@@ -23,11 +23,9 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 
-import mlx.core as mx
-
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
-from ...errors import PayloadError, SsdFormatError
+from ...errors import PayloadError
 from ..base import Tier, TierReader
 from .directory import open_dir
 from .files import payload_path
@@ -37,8 +35,6 @@ from .payload import read_payload, tensors_of
 from .records import SsdRecords
 from .writer import WriteItem, Writer
 from .writes import SsdWrites, TierError
-
-__all__ = ["SsdFormatError", "SsdTier"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +174,7 @@ class SsdTier(Tier):
         item = self.writer.pending(key)
         if item is not None:
             self._counts.add("num_pending_loads")
-            return _fresh(item.block)
+            return item.fresh_block()
         raw = self.index.get(key)
         meta = decode_or_none(key, raw)
         if meta is None:
@@ -242,16 +238,7 @@ class SsdTier(Tier):
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         """Every indexed block's meta, read in chunks (short transactions)."""
-        start = b""
-        while True:
-            rows = self.index.scan(start, 1024)
-            for key, raw in rows:
-                meta = decode_or_none(key, raw)
-                if meta is not None:
-                    yield meta
-            if len(rows) < 1024:
-                return
-            start = rows[-1][0] + b"\0"
+        return (m for k, raw in self.index.rows() if (m := decode_or_none(k, raw)) is not None)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop blocks from the index and disk; returns how many were indexed."""
@@ -309,12 +296,3 @@ class SsdTier(Tier):
         with self._lock:
             keys, self._touches = self._touches, set()
         self._writes.touch(sorted(keys))
-
-
-def _fresh(block: Block) -> Block:
-    """A copy of a pending block with new array objects (the queue keeps its own)."""
-    arrays = {name: mx.array(arr) for name, arr in block.arrays.items()}
-    mx.eval(arrays)
-    return Block(
-        block.key, block.parent, block.root, block.index, block.tokens, arrays, block.nbytes
-    )
