@@ -17,6 +17,7 @@ from .errors import MissReason, Shortfall
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .model_id import model_fingerprint
+from .periodic import Periodic
 from .restore import Walk, plan, rebuild, walk
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
@@ -59,6 +60,12 @@ class PrefixCache:
         self.tiers = Tiers(self.config, self._stats, lower)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
         self._closed = False
+        seconds = self.config.counters_save_seconds
+        self._saver = (  # a killed process loses at most `seconds` of counters
+            Periodic(seconds, self._save_counters_now, "prefixcache-counters")
+            if seconds > 0 and self.tiers.lower
+            else None
+        )
 
     @property
     def hot(self) -> HotTier:
@@ -186,6 +193,9 @@ class PrefixCache:
             return self.hot.evict_to(max(0, max_bytes))
 
     def close(self) -> None:
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.stop()  # not under the lock: its last call may be waiting for it
         with self._lock:
             if self._closed:
                 return
@@ -217,6 +227,11 @@ class PrefixCache:
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
         return root
+
+    def _save_counters_now(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._save_counters()
 
     def _save_counters(self) -> None:
         """Add the counters since the last save to the lower tiers' record of this model."""

@@ -55,6 +55,11 @@ class CacheConfig:
         restore_headroom: extra tokens of buffer a restored cache gets beyond
             the prompt, so decoding does not re-allocate at once.
         snapshot_interval: keep a recurrent-state snapshot every N blocks.
+        ssd_retry_seconds: after a disk or index failure turned the SSD tier's
+            writes off, how long until the writer probes the directory again.
+        counters_save_seconds: how often a cache adds its counters to the
+            lower tiers' records (besides ``flush``/``close``), so a killed
+            process loses at most that much of them; 0: only on flush/close.
     """
 
     block_size: int = 256
@@ -72,6 +77,8 @@ class CacheConfig:
     quantized_kv_start: int = 0
     restore_headroom: int = 256
     snapshot_interval: int = 1
+    ssd_retry_seconds: float = 30.0
+    counters_save_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "snapshot_interval", "kv_group_size"):
@@ -89,6 +96,10 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        for name in ("ssd_retry_seconds", "counters_save_seconds"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
@@ -132,6 +143,11 @@ def _parse_field(name: str, raw: str) -> object:
         return parse_bytes(raw)
     if name in ("ssd_dir", "write_policy", "queue_full"):
         return raw
+    if name.endswith("_seconds"):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be seconds, got {raw!r}") from None
     if name == "kv_bits" and raw.strip().lower() in ("", "none"):
         return None
     try:

@@ -60,3 +60,15 @@ class SsdFormatError(ValueError):
 
 class CacheDirError(Exception):
     """The directory does not exist or holds no prefixcache SSD tier."""
+
+
+class SsdDirError(OSError):
+    """The SSD tier directory cannot be created, is not a directory, or cannot be written.
+
+    Attributes:
+        path: the directory.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"SSD tier directory {path} is not usable: {reason}")
+        self.path = path

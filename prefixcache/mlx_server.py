@@ -4,75 +4,35 @@ mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
 ``prefixcache serve`` (cli/serve.py) runs mlx-lm's own ``main()`` with it in place.
+
+mlx-lm calls it on its generation thread, where any exception kills the thread
+for good (every later request fails, ``/health`` turns 503). So no failure of
+the cache's storage gets there: an SSD directory that cannot be opened serves
+the model hot-only (and is tried again later), a request the cache cannot
+serve is a miss, an insert it cannot keep is dropped; each is counted and
+logged once.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
-import re
 import threading
-from collections.abc import Callable, Hashable, Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import mlx.core as mx
+import lmdb
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import PrefixCache
-from .codecs import codec_for
 from .config import CacheConfig
-from .errors import UnsupportedCacheError
-from .model_id import model_fingerprint
+from .errors import SsdFormatError, UnsupportedCacheError
+from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
 
 log = logging.getLogger(__name__)
 
-# [min, max) of the mlx-lm releases whose server calls this adapter fits (tested: 0.32.2).
-SUPPORTED_MLX_LM = ("0.32.2", "0.33")
-
-ModelKey = Hashable  # mlx-lm's (model_path, adapter_path, draft_model_path)
-
-
-class MlxLmVersionError(RuntimeError):
-    """The installed mlx-lm's server does not have the interface this adapter fits."""
-
-
-def check_mlx_lm_version(version: str | None = None) -> str:
-    """The installed (or given) mlx-lm version; MlxLmVersionError if it is not supported."""
-    if version is None:
-        version = importlib.metadata.version("mlx-lm")
-    low, high = SUPPORTED_MLX_LM
-    if not _release(low) <= _release(version) < _release(high):
-        raise MlxLmVersionError(
-            f"prefixcache's server adapter supports mlx-lm >={low},<{high} "
-            f"(the prompt-cache calls of mlx_lm.server), but mlx-lm {version} is installed; "
-            f"install a supported one: pip install 'mlx-lm>={low},<{high}'"
-        )
-    return version
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(0, 32, 2, 0) from "0.32.2", "0.32.2.dev1" or "0.32.2rc1"; (0, 33, 0, 0) from "0.33"."""
-    parts = [int(p) for p in re.findall(r"\d+", version.split("rc")[0].split(".dev")[0])]
-    return tuple([*parts, 0, 0, 0, 0][:4])
-
-
-class ModelPair(nn.Module):
-    """A model and its draft as one cache list, model layers first (mlx-lm's speculative)."""
-
-    def __init__(self, model: nn.Module, draft: nn.Module):
-        super().__init__()
-        self.model = model
-        self.draft = draft
-        self.num_model_layers = len(make_prompt_cache(model))
-
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model) + make_prompt_cache(self.draft)
-
-    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        n = self.num_model_layers
-        self.draft(inputs, cache=cache[n:])
-        return self.model(inputs, cache=cache[:n])
+# What the disk or the index may raise; never passed on to mlx-lm's generation thread.
+_STORAGE_ERRORS = (OSError, lmdb.Error, SsdFormatError)
 
 
 class TieredPromptCache:
@@ -103,31 +63,40 @@ class TieredPromptCache:
         self._key: ModelKey | None = None
         self._cache: PrefixCache | None = None
         self._opened = False
+        self._hot_only_since: float | None = None  # the SSD tier could not be opened
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
+        self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
 
-    # -- mlx-lm's prompt-cache interface ---------------------------------------
+    # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
     def fetch_nearest_cache(
-        self, model_key: ModelKey, tokens: Sequence[int]
+        self, model: ModelKey, tokens: Sequence[int]
     ) -> tuple[list[Any] | None, list[int]]:
-        """(cache holding the longest cached prefix or None, tokens still to prefill)."""
+        """(cache holding the longest cached prefix or None, tokens still to prefill).
+
+        ``model`` is mlx-lm's model key (model path, adapter path, draft path).
+        """
         tokens = list(tokens)
-        text = _text_prefix(tokens)
+        text = text_prefix(tokens)
         with self._lock:
-            cache = self._open(model_key)
+            cache = self._open(model)
             if cache is None or not text:
                 return None, tokens
-            if cache.layout.needs_capture:
-                restored, num_cached = _fetch_extended(cache, text)
-            else:
-                restored, num_cached = cache.fetch(text)
+            try:
+                if cache.layout.needs_capture:
+                    restored, num_cached = _fetch_extended(cache, text)
+                else:
+                    restored, num_cached = cache.fetch(text)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("fetch", err)
+                return None, tokens
         if num_cached == 0:
             return None, tokens
         return restored, tokens[num_cached:]
 
     def insert_cache(
         self,
-        model_key: ModelKey,
+        model: ModelKey,
         tokens: Sequence[int],
         prompt_cache: list[Any],
         *,
@@ -140,17 +109,19 @@ class TieredPromptCache:
         conversation tails) before the prefixes they extend.
         """
         with self._lock:
-            cache = self._open(model_key)
-            text = _text_prefix(tokens)
+            cache = self._open(model)
+            text = text_prefix(tokens)
             if cache is None or not text:
                 return
             try:
-                cache.store(_held(text, prompt_cache), prompt_cache)
+                cache.store(held_tokens(text, prompt_cache), prompt_cache)
             except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
                 # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
                 self.num_rejected += 1
                 level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
                 log.log(level, "prefixcache: %s cache not stored: %s", cache_type, err)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("insert", err)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
@@ -163,7 +134,10 @@ class TieredPromptCache:
             limit = 0
         with self._lock:
             if limit is not None and self._cache is not None:
-                self._cache.trim_hot(limit)
+                try:
+                    self._cache.trim_hot(limit)
+                except _STORAGE_ERRORS as err:  # spilling evicted blocks
+                    self._storage_error("trim", err)
 
     def __len__(self) -> int:
         """Hot blocks held (the unit of this cache; sequences share them)."""
@@ -182,7 +156,11 @@ class TieredPromptCache:
             cache = self._cache
             out = {"hot": {"n_sequences": len(self), "n_bytes": self.nbytes}}
             if cache is not None and cache.ssd is not None:
-                ssd = cache.ssd.stats()
+                try:
+                    ssd = cache.ssd.stats()
+                except _STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
+                    self._storage_error("stats", err)
+                    return out
                 out["ssd"] = {"n_sequences": ssd["num_blocks"], "n_bytes": ssd["nbytes"]}
             return out
 
@@ -192,7 +170,13 @@ class TieredPromptCache:
         """The open PrefixCache's stats plus the adapter's counters."""
         with self._lock:
             out = self._cache.stats() if self._cache is not None else {}
-            return {**out, "model_key": self._key, "num_rejected": self.num_rejected}
+            return {
+                **out,
+                "model_key": self._key,
+                "num_rejected": self.num_rejected,
+                "num_storage_errors": self.num_storage_errors,
+                "hot_only": int(self._hot_only_since is not None),
+            }
 
     def close(self) -> None:
         """Flush and close the open PrefixCache; logs its counters."""
@@ -208,37 +192,91 @@ class TieredPromptCache:
 
     def _open(self, model_key: ModelKey) -> PrefixCache | None:
         if self._opened and model_key == self._key:
+            if self._hot_only_since is not None and self._retry_due():
+                self._reopen_with_ssd()
             return self._cache
         self._close_current()
         self._key, self._opened = model_key, True
         try:
             model = self._model_for(model_key)
-            self._cache = PrefixCache(model, self.config, model_id=_model_id(model_key, model))
+            self._cache = self._new_cache(model_key, model, self.config)
         except UnsupportedCacheError as err:
             log.warning("prefixcache: %s is served without a prompt cache: %s", model_key, err)
             return None
         log.info("prefixcache: cache for %s open (%s)", model_key, self._cache.namespace.model_id)
         return self._cache
 
+    def _new_cache(self, model_key: ModelKey, model: nn.Module, config: CacheConfig):
+        """A PrefixCache; hot-only (one log line) if its SSD directory cannot be used."""
+        model_id = model_id_of(model_key, model)
+        try:
+            cache = PrefixCache(model, config, model_id=model_id)
+        except _STORAGE_ERRORS as err:
+            if config.hot_cache_only:
+                raise
+            self.num_storage_errors += 1
+            self._hot_only_since = time.monotonic()
+            log.error(
+                "prefixcache: SSD tier %s unusable (%s): serving %s hot-only, retrying in %gs",
+                config.ssd_path, err, model_key, config.ssd_retry_seconds,
+            )  # fmt: skip
+            return PrefixCache(model, config.replace(hot_cache_only=True), model_id=model_id)
+        self._hot_only_since = None
+        return cache
+
+    def _retry_due(self) -> bool:
+        since = self._hot_only_since
+        return since is not None and time.monotonic() - since >= self.config.ssd_retry_seconds
+
+    def _reopen_with_ssd(self) -> None:
+        """Swap the hot-only cache for one with the SSD tier, if it opens now (the
+        hot blocks are dropped: they were never written anywhere)."""
+        old = self._cache
+        assert old is not None
+        try:
+            cache = PrefixCache(old.model, self.config, model_id=old.namespace.model_id)
+        except _STORAGE_ERRORS as err:
+            self._hot_only_since = time.monotonic()
+            log.debug("prefixcache: SSD tier still unusable: %s", err)
+            return
+        old.close()
+        self._cache, self._hot_only_since = cache, None
+        log.warning("prefixcache: SSD tier %s usable again for %s", self.config.ssd_path, self._key)
+
+    def _storage_error(self, what: str, err: BaseException) -> None:
+        """A storage failure during ``what``: counted, logged once, served as a miss."""
+        self.num_storage_errors += 1
+        level = logging.ERROR if self.num_storage_errors == 1 else logging.DEBUG
+        log.log(level, "prefixcache: %s failed (%s: %s); served without the cache",
+                what, type(err).__name__, err)  # fmt: skip
+
     def _close_current(self) -> None:
+        """Flush and close the open cache; one line says what was persisted and what was lost."""
         cache, self._cache = self._cache, None
         if cache is None:
             return
         try:
             cache.flush()
-            stats = cache.stats()
-        finally:
+        except _STORAGE_ERRORS as err:
+            self._storage_error("flush", err)
+        stats = cache.stats()
+        try:
             cache.close()
+        except _STORAGE_ERRORS as err:
+            self._storage_error("close", err)
         summary = " ".join(f"{k}={stats[k]}" for k in _SUMMARY)
-        log.info("prefixcache: closed cache for %s: %s", self._key, summary)
+        log.info("prefixcache: closed cache for %s: %s %s", self._key, summary, _fate(stats))
 
 
-def _model_id(model_key: ModelKey, model: nn.Module) -> str:
-    """``path[+adapter][+draft]@fp:...``: readable in ``prefixcache stats``, and
-    still the weights' fingerprint, so new weights at the same path never hit."""
-    parts = model_key if isinstance(model_key, tuple) else (model_key,)
-    name = "+".join(str(p) for p in parts if p)
-    return f"{name}@{model_fingerprint(model)}"
+def _fate(stats: dict[str, object]) -> str:
+    """What reached the SSD tier this session and what did not (blocks)."""
+    ssd = stats.get("ssd")
+    if not isinstance(ssd, dict):
+        return f"persisted_blocks=0 lost_blocks={stats['hot']['num_blocks']} (hot-only)"
+    text = f"persisted_blocks={ssd['num_writes']} lost_blocks={ssd['num_dropped_writes']}"
+    if not ssd["enabled"]:
+        text += f" ssd_failures={ssd['num_failures']} (SSD writes off at close)"
+    return text
 
 
 def _fetch_extended(cache: PrefixCache, text: list[int]) -> tuple[list[Any], int]:
@@ -260,24 +298,3 @@ _SUMMARY = (
     "num_fetches", "num_hits", "prompt_tokens", "cached_tokens", "hot_block_hits",
     "ssd_block_hits", "stored_blocks", "num_spills",
 )  # fmt: skip
-
-
-def _text_prefix(tokens: Sequence[int]) -> Sequence[int]:
-    """The tokens before the first image: mlx-lm keys image patches by negative ids."""
-    first = next((i for i, t in enumerate(tokens) if t < 0), None)
-    return tokens if first is None else tokens[:first]
-
-
-def _held(tokens: Sequence[int], prompt_cache: list[Any]) -> Sequence[int]:
-    """The tokens every layer holds (the cache is ours once inserted, so it may be trimmed).
-
-    Speculative decoding leaves the last token unfed and the draft's layers
-    one token apart from the model's: layers holding more than the others, or
-    more than ``tokens``, are trimmed, and the token list is cut to match.
-    """
-    lengths = [codec_for(c).length(c) for c in prompt_cache]
-    held = min([n for n in lengths if n is not None] + [len(tokens)])
-    for layer, length in zip(prompt_cache, lengths, strict=True):
-        if length is not None and length > held and layer.is_trimmable():
-            layer.trim(length - held)
-    return tokens[:held] if held < len(tokens) else tokens

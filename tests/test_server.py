@@ -17,10 +17,11 @@ from conftest import QUANT_LLAMA, prompt, tiny_model
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
-from prefixcache import mlx_server as server
+from prefixcache import mlx_fit
 from prefixcache.cli import serve, setup_arg_parser
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_server import MlxLmVersionError, ModelPair, TieredPromptCache
+from prefixcache.mlx_fit import MlxLmVersionError, ModelPair
+from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiny import build_model
 
 KEY = ("/models/tiny", None, None)
@@ -276,20 +277,20 @@ def test_ssd_restart_serves_old_conversation(llama, tmp_path):
 
 
 def test_version_check(monkeypatch):
-    assert server.check_mlx_lm_version() == "0.32.2"
+    assert mlx_fit.check_mlx_lm_version() == "0.32.2"
     for ok in ("0.32.2", "0.32.9", "0.32.2.post1"):
-        server.check_mlx_lm_version(ok)
+        mlx_fit.check_mlx_lm_version(ok)
     for bad in ("0.31.0", "0.33.0", "0.33.0rc1", "1.0"):
         with pytest.raises(MlxLmVersionError, match=rf"{bad}.*installed") as err:
-            server.check_mlx_lm_version(bad)
+            mlx_fit.check_mlx_lm_version(bad)
         assert ">=0.32.2,<0.33" in str(err.value)
-    monkeypatch.setattr(server, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
+    monkeypatch.setattr(mlx_fit, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
     with pytest.raises(MlxLmVersionError, match=r">=0\.40,<0\.41.*0\.32\.2 is installed"):
         TieredPromptCache(lambda key: None, HOT)
 
 
 def test_serve_on_unsupported_mlx_lm_exits_with_a_message(monkeypatch, capsys):
-    monkeypatch.setattr(server, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
+    monkeypatch.setattr(mlx_fit, "SUPPORTED_MLX_LM", ("0.40", "0.41"))
     args = setup_arg_parser().parse_args(["serve", "--model", "m"])
     assert serve.run_serve(args) == 2
     assert "mlx-lm 0.32.2 is installed" in capsys.readouterr().err

@@ -51,7 +51,7 @@ from benchlib import (
 )
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiers.ssd.payload import payload_path
+from prefixcache.tiers.ssd.files import payload_path
 
 MiB = 1 << 20
 

@@ -15,6 +15,7 @@ import sys
 import mlx.core as mx
 
 from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..errors import SsdDirError, SsdFormatError
 from .common import Command
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def set_mx_cache_limit(args: argparse.Namespace) -> int | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run mlx-lm's server (its ``main()``) with a TieredPromptCache in place."""
-    from ..mlx_server import MlxLmVersionError, check_mlx_lm_version
+    from ..mlx_fit import MlxLmVersionError, check_mlx_lm_version
 
     try:
         check_mlx_lm_version()
@@ -96,8 +97,24 @@ def run_serve(args: argparse.Namespace) -> int:
     from .serve_main import run_mlx_server
 
     config = serve_config(args)
+    if not check_ssd_dir(config):
+        return 2
     set_mx_cache_limit(args)
     return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port)
+
+
+def check_ssd_dir(config: CacheConfig) -> bool:
+    """Whether the SSD directory is usable (before listening); else one line on stderr."""
+    if config.hot_cache_only:
+        return True
+    from ..tiers.ssd.directory import check_dir
+
+    try:
+        check_dir(config.ssd_path)
+    except (SsdDirError, SsdFormatError) as err:
+        print(f"prefixcache serve: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 COMMANDS = (Command("serve", "mlx-lm's server with the tiered cache", add_serve_args, run_serve),)

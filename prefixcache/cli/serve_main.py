@@ -21,7 +21,8 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
-from ..mlx_server import ModelKey, ModelPair, TieredPromptCache
+from ..mlx_fit import ModelKey, ModelPair
+from ..mlx_server import TieredPromptCache
 from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)

@@ -21,14 +21,8 @@ _SCAN_CHUNK = 1024
 
 def scan(view: SsdView) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:
     """(key, raw entry, decoded meta or None if unreadable) of every indexed block."""
-    start = b""
-    while True:
-        rows = view.index.scan(start, _SCAN_CHUNK)
-        for key, raw in rows:
-            yield key, raw, decode_or_none(key, raw)
-        if len(rows) < _SCAN_CHUNK:
-            return
-        start = rows[-1][0] + b"\0"
+    for key, raw in view.index.rows(_SCAN_CHUNK):
+        yield key, raw, decode_or_none(key, raw)
 
 
 @dataclass(frozen=True, slots=True)

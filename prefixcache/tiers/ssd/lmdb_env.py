@@ -72,9 +72,9 @@ class SharedEnv:
     @classmethod
     def acquire(
         cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = (),
-        readonly: bool = False,
+        readonly: bool = False, mode: int = 0o600,
     ) -> SharedEnv:  # fmt: skip
-        """Open (or share the already open) environment at ``path``.
+        """Open (or share the already open) environment at ``path`` (files made ``mode``).
 
         Raises:
             ValueError: a writable open of a path this process has open read-only.
@@ -88,15 +88,16 @@ class SharedEnv:
                 shared._refs += 1
                 return shared
             env = lmdb.open(
-                path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True, readonly=readonly
-            )
-            env.reader_check()  # free reader slots of dead processes
+                path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True, readonly=readonly,
+                mode=mode,
+            )  # fmt: skip
             try:
+                env.reader_check()  # free reader slots of dead processes
                 handles = {
                     name: env.open_db(name.encode(), dupsort=name in dupsort, create=not readonly)
                     for name in dbs
                 }
-            except lmdb.Error:
+            except BaseException:
                 env.close()
                 raise
             shared = cls._open[path] = cls(path, env, handles, readonly)

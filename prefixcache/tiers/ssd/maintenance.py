@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from ...blocks import BlockMeta
 from ...errors import PayloadError
+from .files import list_files
 from .inventory import Entry, Inventory, scan
-from .payload import list_files, read_payload
+from .payload import read_payload
 from .view import SsdView
 
 _REMOVE_CHUNK = 256

@@ -2,10 +2,15 @@
 
 A block's arrays are written as a standard safetensors file (readable by
 ``mx.load`` and the ``safetensors`` package) named by the block key's hex and
-fanned out into 256 subdirectories. Writes are atomic: a temp file named with
-pid and thread id in the same directory, fsync, rename, fsync of the directory.
-The xxh3-64 of the whole file's bytes is computed while writing and verified on
-every read.
+fanned out into 256 subdirectories (files.py). Writes are atomic: a temp file
+named with pid and thread id in the same directory, fsync, rename, fsync of the
+directory. The xxh3-64 of the whole file's bytes is computed while writing and
+verified on every read.
+
+A header is checked before anything is sized from it: its length against the
+file and MAX_HEADER, every tensor's dtype, shape and offsets against the data
+bytes that follow (so no claimed shape can make a reader allocate more than
+the file holds).
 
 Reading picks the faster of two readers by file size (tools/bench_ssd.py
 measures both): small files are read whole, verified, and copied into MLX once
@@ -23,18 +28,19 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
 from ...errors import PayloadError
+from .files import create_temp, open_payload, parent_fd, temp_path
 
-SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
 PAYLOAD_FORMAT = "prefixcache-block/1"
-_MAX_HEADER = 100 << 20  # safetensors' own limit
+# Our headers take ~100 bytes per tensor (a few hundred tensors a block): far
+# below this; a longer one is refused unread (safetensors itself allows 100 MiB).
+MAX_HEADER = 1 << 20
+_MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
 _DTYPES: dict[mx.Dtype, str] = {
     mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
@@ -82,7 +88,11 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
 
 
 def encode_header(tensors: list[Tensor], key: bytes) -> bytes:
-    """The safetensors prefix: u64 length + JSON header padded to 8 bytes."""
+    """The safetensors prefix: u64 length + JSON header padded to 8 bytes.
+
+    Raises:
+        ValueError: the header would be longer than MAX_HEADER (readers refuse it).
+    """
     entries: dict[str, object] = {"__metadata__": {"format": PAYLOAD_FORMAT, "key": key.hex()}}
     offset = 0
     for t in tensors:
@@ -91,45 +101,39 @@ def encode_header(tensors: list[Tensor], key: bytes) -> bytes:
         offset = end
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    if len(text) > MAX_HEADER:
+        raise ValueError(f"payload header of {len(text)} bytes is over {MAX_HEADER}")
     return struct.pack("<Q", len(text)) + text
-
-
-def payload_path(root: str, key: bytes) -> str:
-    """``root/ab/abcdef....safetensors``: content-addressed, 256-way fan-out."""
-    name = key.hex()
-    return os.path.join(root, name[:2], name + SUFFIX)
-
-
-def temp_path(final: str, pid: int, tid: int) -> str:
-    """Temp name beside ``final``: unique per process and thread."""
-    head, tail = os.path.split(final)
-    return os.path.join(head, f".{tail[: -len(SUFFIX)]}.{pid}.{tid}{TEMP_SUFFIX}")
 
 
 def write_payload(final: str, header: bytes, tensors: list[Tensor]) -> tuple[int, int]:
     """Atomically write a payload file; returns (file bytes, xxh3-64 checksum).
 
-    The temp file is removed if anything fails; the exception propagates.
+    Everything happens through the fan-out directory's descriptor (created
+    0700, never a symlink); the temp file is removed if anything fails and the
+    exception propagates.
     """
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = temp_path(final, os.getpid(), threading.get_native_id())
+    head, name = os.path.split(final)
+    tmp = os.path.basename(temp_path(final, os.getpid(), threading.get_native_id()))
     hasher = xxhash.xxh3_64(header)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    with parent_fd(head, create=True) as dfd:
+        fd = create_temp(tmp, dfd)
         try:
-            _write_all(fd, memoryview(header))
-            for t in tensors:
-                for start in range(0, t.data.nbytes, _HASH_CHUNK):
-                    hasher.update(t.data[start : start + _HASH_CHUNK])  # holds the GIL
-                _write_all(fd, t.data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-    except BaseException:
-        unlink(tmp)
-        raise
-    _fsync_dir(os.path.dirname(final))
+            try:
+                _write_all(fd, memoryview(header))
+                for t in tensors:
+                    for start in range(0, t.data.nbytes, _HASH_CHUNK):
+                        hasher.update(t.data[start : start + _HASH_CHUNK])  # holds the GIL
+                    _write_all(fd, t.data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.fsync(dfd)
     return len(header) + sum(t.data.nbytes for t in tensors), hasher.intdigest()
 
 
@@ -146,30 +150,51 @@ def read_payload(
 
     Raises:
         FileNotFoundError: the file does not exist.
-        PayloadError: wrong size, bad header, wrong key or checksum mismatch.
+        PayloadError: wrong size, bad header, wrong key, checksum mismatch, or
+            the path is a symlink (never followed).
     """
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_payload(path), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if size != file_bytes:
             raise PayloadError(f"payload has {size} bytes, index says {file_bytes}")
+        prefix, spans = read_spans(f.fileno(), key, size)
+        hasher = xxhash.xxh3_64(prefix)
         if reader == "auto":
             reader = "buffer" if size <= SMALL_PAYLOAD else "mx_load"
         if reader == "buffer":
-            arrays = _read_buffered(f, key, size, checksum)
+            arrays = _read_buffered(f.fileno(), len(prefix), size, spans, hasher)
         else:
-            arrays = _read_mx_load(f, path, key, size, checksum)
+            arrays = _read_mx_load(f.fileno(), path, spans, hasher)
+    if hasher.intdigest() != checksum:
+        raise PayloadError("payload checksum mismatch")
     return arrays, sum(a.nbytes for a in arrays.values())
 
 
-def _read_buffered(f: BinaryIO, key: bytes, size: int, checksum: int) -> dict[str, mx.array]:
-    buf = np.empty(size, dtype=np.uint8)
-    if f.readinto(buf) != size:
+def read_spans(fd: int, key: bytes, size: int) -> tuple[bytes, list[_Span]]:
+    """(the file's header bytes, its checked tensors in file order) from ``fd``.
+
+    The header length is checked before the header is read, and the tensors
+    before any buffer is sized from them.
+
+    Raises:
+        PayloadError: the header is bad, too long, or does not fit the file.
+    """
+    head = os.pread(fd, 8, 0)
+    length = header_length(head, size)
+    text = os.pread(fd, length, 8)
+    if len(text) != length:
         raise PayloadError("short read")
-    if xxhash.xxh3_64_intdigest(buf) != checksum:
-        raise PayloadError("payload checksum mismatch")
-    length = _header_length(bytes(buf[:8]), size)
-    spans = _parse_header(bytes(buf[8 : 8 + length]), key, size - 8 - length)
-    flat = mx.array(buf[8 + length :])  # the one copy
+    return head + text, parse_header(text, key, size - 8 - length)
+
+
+def _read_buffered(
+    fd: int, base: int, size: int, spans: list[_Span], hasher: xxhash.xxh3_64
+) -> dict[str, mx.array]:
+    buf = np.empty(size - base, dtype=np.uint8)
+    if buf.size and os.preadv(fd, [buf], base) != buf.size:
+        raise PayloadError("short read")
+    hasher.update(buf)
+    flat = mx.array(buf)  # the one copy
     arrays = {
         name: flat[start:end].view(_MX_DTYPES[dtype]).reshape(shape)
         for name, dtype, shape, start, end in spans
@@ -179,16 +204,12 @@ def _read_buffered(f: BinaryIO, key: bytes, size: int, checksum: int) -> dict[st
 
 
 def _read_mx_load(
-    f: BinaryIO, path: str, key: bytes, size: int, checksum: int
+    fd: int, path: str, spans: list[_Span], hasher: xxhash.xxh3_64
 ) -> dict[str, mx.array]:
-    head = f.read(8)
-    length = _header_length(head, size)
-    text = f.read(length)
-    spans = _parse_header(text, key, size - 8 - length)
-    hasher = xxhash.xxh3_64(head)
-    hasher.update(text)
+    # mx.load opens by path: give it this very file (already checked not to be a symlink)
+    source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path
     try:
-        loaded = mx.load(path)
+        loaded = mx.load(source, format="safetensors")
         arrays = {name: loaded[name] for name, *_ in spans}  # in file order
         mx.eval(arrays)
     except (RuntimeError, ValueError, KeyError) as e:
@@ -196,8 +217,6 @@ def _read_mx_load(
     for arr in arrays.values():
         if arr.size:
             hasher.update(memoryview(arr).cast("B"))
-    if hasher.intdigest() != checksum:
-        raise PayloadError("payload checksum mismatch")
     return arrays
 
 
@@ -207,43 +226,44 @@ def read_header(path: str, key: bytes) -> list[tuple[str, mx.Dtype, tuple[int, .
 
     Raises:
         OSError: the file cannot be read.
-        PayloadError: the header is bad.
+        PayloadError: the header is bad, or the path is a symlink.
     """
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        size = os.fstat(fd).st_size
-        length = _header_length(os.pread(fd, 8, 0), size)
-        text = os.pread(fd, length, 8)
-    spans = _parse_header(text, key, size - 8 - length)
+    fd = open_payload(path)
+    try:
+        _, spans = read_spans(fd, key, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     return [(name, _MX_DTYPES[dtype], shape) for name, dtype, shape, _, _ in spans]
 
 
-def _header_length(head: bytes, size: int) -> int:
+def header_length(head: bytes, size: int) -> int:
+    """The header length an 8-byte prefix claims, if it fits the file and MAX_HEADER."""
     (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-    if not 0 < length <= min(_MAX_HEADER, size - 8):
+    if not 0 < length <= min(MAX_HEADER, size - 8):
         raise PayloadError(f"bad safetensors header length {length}")
     return length
 
 
-def _parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
+def parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
     """Validate a header; returns its tensors in file order."""
     try:
         entries = json.loads(text)
         meta = entries.pop("__metadata__", {})
         raw = sorted((tuple(v["data_offsets"]), name, v) for name, v in entries.items())
         spans = [(name, v["dtype"], tuple(v["shape"]), s, e) for (s, e), name, v in raw]
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise PayloadError(f"bad safetensors header: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise PayloadError(f"bad safetensors header: {type(e).__name__}: {e}") from None
     if meta != {"format": PAYLOAD_FORMAT, "key": key.hex()}:
         raise PayloadError(f"payload metadata {meta!r} does not match key {key.hex()}")
     offset = 0
     for name, dtype, shape, start, end in spans:
+        if not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
+            raise PayloadError(f"tensor {name!r} has shape {shape}")
         count = 1
         for dim in shape:
             count *= dim
-        if min(shape, default=0) < 0:
-            raise PayloadError(f"tensor {name!r} has shape {shape}")
-        if start != offset or end - start != count * _ITEMSIZE.get(dtype, -1):
+        size = count * _ITEMSIZE[dtype] if isinstance(dtype, str) and dtype in _ITEMSIZE else -1
+        if not (_is_int(start) and _is_int(end)) or start != offset or end - start != size:
             raise PayloadError(f"tensor {name!r} has bad offsets or dtype")
         offset = end
     if offset != data_bytes:
@@ -251,52 +271,10 @@ def _parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
     return spans
 
 
-def list_files(root: str) -> tuple[dict[bytes, str], list[str]]:
-    """All payload files under ``root`` by key, and all temp files (for reconcile)."""
-    payloads: dict[bytes, str] = {}
-    temps: list[str] = []
-    for sub in _scandir(root):
-        if not (sub.is_dir() and len(sub.name) == 2):
-            continue
-        for entry in _scandir(sub.path):
-            if entry.name.endswith(TEMP_SUFFIX):
-                temps.append(entry.path)
-            elif entry.name.endswith(SUFFIX):
-                try:
-                    payloads[bytes.fromhex(entry.name[: -len(SUFFIX)])] = entry.path
-                except ValueError:
-                    temps.append(entry.path)  # not ours to keep: a stray name
-    return payloads, temps
-
-
-def temp_owner(path: str) -> int:
-    """The pid in a temp file name (0 if it has none)."""
-    parts = os.path.basename(path).split(".")
-    return int(parts[-3]) if len(parts) >= 4 and parts[-3].isdigit() else 0
-
-
-def _scandir(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
         data = data[os.write(fd, data) :]
-
-
-def unlink(path: str) -> None:
-    """Remove a file; a file that is already gone is fine."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

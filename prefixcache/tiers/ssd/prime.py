@@ -50,7 +50,7 @@ class Primer:
         if path is None:
             return False
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return True  # the real read will tell
         try:
@@ -66,7 +66,7 @@ def cached(path: str, size: int) -> bool:
     """Whether a file's last byte is in the page cache (payloads are written and
     read whole, so it stands for the file)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return True  # nothing to prime
     try:

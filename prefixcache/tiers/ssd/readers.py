@@ -20,7 +20,8 @@ import xxhash
 from ...blocks import Block, BlockMeta
 from ...errors import PayloadError
 from ...host import HostArray, Place, Placed
-from .payload import _MX_DTYPES, _header_length, _parse_header
+from .files import open_payload
+from .payload import _MX_DTYPES, read_spans
 from .prime import SLICE, Primer
 
 # Read and hash in slices: each is hashed while still in the CPU cache, and
@@ -191,20 +192,14 @@ def _read(
     its place, or into ``buffer(nbytes)`` (returned: None when all are placed)."""
     meta = job.meta
     assert meta is not None
-    with open(job.path, "rb", buffering=0) as f:
+    with os.fdopen(open_payload(job.path), "rb", buffering=0) as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         if size != meta.file_bytes:
             raise PayloadError(f"payload has {size} bytes, index says {meta.file_bytes}")
-        head = os.pread(fd, 8, 0)
-        length = _header_length(head, size)
-        text = os.pread(fd, length, 8)
-        if len(text) != length:
-            raise PayloadError("short read")
-        spans = _parse_header(text, job.key, size - 8 - length)
-        hasher = xxhash.xxh3_64(head)
-        hasher.update(text)
-        base = 8 + length
+        prefix, spans = read_spans(fd, job.key, size)
+        hasher = xxhash.xxh3_64(prefix)
+        base = len(prefix)
         dests = []
         for name, dtype, shape, start, end in spans:
             dest = place(meta.index, name, _MX_DTYPES[dtype], shape) if place else None

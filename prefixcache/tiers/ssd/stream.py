@@ -33,7 +33,6 @@ never exposed).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -47,8 +46,6 @@ from .readers import Job, Readers, StreamedBlock, num_readers
 
 if TYPE_CHECKING:
     from .tier import SsdTier
-
-logger = logging.getLogger(__name__)
 
 
 class SsdReader(TierReader):
@@ -140,7 +137,7 @@ def _result(
         tier._quarantine(job.key, job.raw, str(result) or type(result).__name__)
         return None
     if isinstance(result, OSError):  # unreadable now (EMFILE, EIO...): a miss, not a verdict
-        logger.warning("SSD tier: cannot read block %s: %s", job.key.hex(), result)
+        tier.read_error(job.key, result)
         return None
     if isinstance(result, BaseException):
         raise result

@@ -9,41 +9,40 @@ Layout of a directory::
 already evaluated arrays); a background writer reserves room (evicting LRU
 leaves), writes each payload atomically and indexes it. ``load`` serves a
 block from the queue while it is pending, else reads and verifies its payload.
-A corrupt block is quarantined (entry and file removed), counted, logged once
-and becomes a miss. A full disk switches the tier off with one log line.
+A corrupt block (or a payload path that is a symlink: never followed) is
+quarantined (entry and file removed), counted, logged once and becomes a miss.
+A failure of the disk or the index at run time (full, read-only, gone, I/O
+error) turns writes off with one log line and is retried later (health.py,
+writes.py): the tier never raises it to the cache.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
-import time
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-
-import lmdb
-import mlx.core as mx
 
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
-from ...errors import PayloadError, SsdFormatError
+from ...errors import PayloadError
 from ..base import Tier, TierReader
+from .directory import open_dir
+from .files import payload_path
+from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
-from .payload import encode_header, payload_path, read_payload, tensors_of, unlink, write_payload
+from .payload import read_payload, tensors_of
 from .records import SsdRecords
 from .writer import WriteItem, Writer
-
-__all__ = ["SsdFormatError", "SsdTier"]
+from .writes import SsdWrites, TierError
 
 logger = logging.getLogger(__name__)
 
 _MAX_TOUCHES = 4096  # pending LRU touches that wake the writer (else they ride with writes)
 _COUNTERS = (
     "num_writes", "written_bytes", "num_dropped_writes", "num_inline_writes", "num_existing",
-    "num_no_room", "num_evictions", "num_disk_full", "num_corrupt", "num_loads", "load_bytes",
-    "num_pending_loads",
+    "num_no_room", "num_evictions", "num_failures", "num_disk_full", "num_recoveries",
+    "num_corrupt", "num_read_errors", "num_loads", "load_bytes", "num_pending_loads",
 )  # fmt: skip
 
 
@@ -73,23 +72,24 @@ class SsdTier(Tier):
         record_limits: bool = True,
     ) -> None:
         self.path = config.ssd_path
-        self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
         self.queue_full = config.queue_full
-        self._payloads = os.path.join(self.path, "blocks")
-        os.makedirs(self._payloads, exist_ok=True)
+        self._payloads = open_dir(self.path)
         self.index = SsdIndex(os.path.join(self.path, "index"), self._payloads, map_size=map_size)
         self.records = SsdRecords(self.index.path)  # namespaces, counters (the CLI)
         if record_limits:
-            self.records.note_limits(max_bytes=self.max_bytes, min_free_bytes=self.min_free_bytes)
-        self._enabled, self._closed = True, False
-        self._lock = threading.Lock()  # counters and touches
-        self._write_lock = threading.Lock()  # writer thread vs inline writes
-        self._counts: Counter[str] = Counter()
+            self.records.note_limits(
+                max_bytes=config.ssd_max_bytes, min_free_bytes=config.ssd_min_free_bytes
+            )
+        self._closed = False
+        self._lock = threading.Lock()  # touches
+        self._counts = Counts()
+        self.health = Health(self.path, config.ssd_retry_seconds, self._counts)
+        self._writes = SsdWrites(self.index, self._payloads, config, self._counts, self.health)
         self._touches: set[bytes] = set()
         self.writer = Writer(
             self._write_batch,
             max_bytes=config.write_queue_bytes,
-            housekeeping=self._apply_touches,
+            housekeeping=self._housekeeping,
             hold=writer_hold,
         )
 
@@ -97,8 +97,18 @@ class SsdTier(Tier):
 
     @property
     def enabled(self) -> bool:
-        """False once the disk filled up: puts are no-ops, loads still work."""
-        return self._enabled
+        """False after a disk or index failure until a retry works: puts are no-ops,
+        stored blocks are still read."""
+        return self.health.enabled
+
+    @property
+    def max_bytes(self) -> int:
+        """Cap on the payload bytes on disk (settable: the next write evicts down to it)."""
+        return self._writes.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self._writes.max_bytes = value
 
     def payload_file(self, key: bytes) -> str:
         """Where ``key``'s payload file is (whether or not it exists)."""
@@ -108,7 +118,10 @@ class SsdTier(Tier):
         """Queue a block (arrays already evaluated); False if the write was dropped."""
         if self._closed:
             raise RuntimeError(f"SSD tier {self.path} is closed")
-        if not self._enabled:
+        if not self.health.enabled:
+            self._counts.add("num_dropped_writes")
+            if self.health.retry_due():
+                self.writer.wake()  # the writer probes the directory
             return False
         if self.writer.pending(block.key) is not None or self.index.get(block.key) is not None:
             return True
@@ -117,9 +130,9 @@ class SsdTier(Tier):
         if self.writer.submit(item):
             return True
         if self.queue_full == "inline":
-            self._count("num_inline_writes")
+            self._counts.add("num_inline_writes")
             return self.writer.run_inline([item])
-        self._count("num_dropped_writes")
+        self._counts.add("num_dropped_writes")
         return False
 
     def contains(self, key: bytes) -> bool:
@@ -154,8 +167,8 @@ class SsdTier(Tier):
         """The block with fresh arrays, or None (absent, or corrupt and now quarantined)."""
         item = self.writer.pending(key)
         if item is not None:
-            self._count("num_pending_loads")
-            return _fresh(item.block)
+            self._counts.add("num_pending_loads")
+            return item.fresh_block()
         raw = self.index.get(key)
         meta = decode_or_none(key, raw)
         if meta is None:
@@ -171,7 +184,7 @@ class SsdTier(Tier):
             self._quarantine(key, raw, str(e) or type(e).__name__)
             return None
         except OSError as e:  # unreadable now (EMFILE, EIO...): a miss, not a verdict
-            logger.warning("SSD tier: cannot read block %s: %s", key.hex(), e)
+            self.read_error(key, e)
             return None
         self._note_load(key, nbytes)
         return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
@@ -206,10 +219,9 @@ class SsdTier(Tier):
         self.close()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            counts = dict(self._counts)
+        counts = self._counts.snapshot()
         return {
-            "enabled": int(self._enabled),
+            "enabled": int(self.health.enabled),
             **self.index.totals(),
             "max_bytes": self.max_bytes,
             "queue_depth": self.writer.queue_depth,
@@ -220,16 +232,7 @@ class SsdTier(Tier):
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         """Every indexed block's meta, read in chunks (short transactions)."""
-        start = b""
-        while True:
-            rows = self.index.scan(start, 1024)
-            for key, raw in rows:
-                meta = decode_or_none(key, raw)
-                if meta is not None:
-                    yield meta
-            if len(rows) < 1024:
-                return
-            start = rows[-1][0] + b"\0"
+        return (m for k, raw in self.index.rows() if (m := decode_or_none(k, raw)) is not None)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop blocks from the index and disk; returns how many were indexed."""
@@ -238,7 +241,7 @@ class SsdTier(Tier):
     def evict_to(self, nbytes: int) -> int:
         """Evict LRU leaves until at most ``nbytes`` are stored; returns blocks evicted."""
         num = self.index.evict_to(nbytes)
-        self._count("num_evictions", num)
+        self._counts.add("num_evictions", num)
         return num
 
     def reconcile(self) -> tuple[int, int]:
@@ -247,130 +250,43 @@ class SsdTier(Tier):
 
     # -- internals ----------------------------------------------------------
 
-    def _count(self, name: str, num: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += num
+    def read_error(self, key: bytes, error: OSError) -> None:
+        """A payload that cannot be read now (EMFILE, EIO...): a miss, not a verdict."""
+        first = self._counts.add("num_read_errors") == 1
+        log = logger.warning if first else logger.debug
+        log("SSD tier %s: cannot read block %s: %s", self.path, key.hex(), error)
 
     def _note_load(self, key: bytes, nbytes: int) -> None:
         """Count a served payload read (also the stream's) and touch it for the LRU."""
+        self._counts.add("num_loads")
+        self._counts.add("load_bytes", nbytes)
         with self._lock:
-            self._counts["num_loads"] += 1
-            self._counts["load_bytes"] += nbytes
             self._touches.add(key)
 
     def _quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""
         try:
             dropped = self.index.quarantine(key, raw)
-        except lmdb.Error as e:  # e.g. disk full: the block is still never served
+        except TierError as e:  # e.g. disk full: the block is still never served
             logger.debug("SSD tier: could not quarantine %s: %s", key.hex(), e)
             dropped = True
         if not dropped:
             return  # evicted or replaced meanwhile: a plain miss
-        with self._lock:
-            self._counts["num_corrupt"] += 1
-            first = self._counts["num_corrupt"] == 1
+        first = self._counts.add("num_corrupt") == 1
         log = logger.warning if first else logger.debug
         log("SSD tier %s: corrupt block %s quarantined (%s)", self.path, key.hex(), reason)
 
-    def _disable(self, reason: object) -> None:
-        with self._lock:
-            self._counts["num_disk_full"] += 1
-            was_enabled, self._enabled = self._enabled, False
-        if was_enabled:
-            logger.error(
-                "SSD tier %s disabled: disk full (%s); continuing without SSD writes, "
-                "stored blocks stay readable",
-                self.path,
-                reason,
-            )
+    def _write_batch(self, items: list[WriteItem]) -> None:
+        self._apply_touches()  # before the batch's evictions pick LRU leaves
+        self._writes.write_batch(items)
+
+    def _housekeeping(self) -> None:
+        """On the writer thread after each batch: the retry probe, LRU touches."""
+        if self.health.retry_due():
+            self._writes.probe()
+        self._apply_touches()
 
     def _apply_touches(self) -> None:
         with self._lock:
             keys, self._touches = self._touches, set()
-        if keys and self._enabled:
-            try:
-                self.index.touch(sorted(keys), time.time())
-            except lmdb.DiskError as e:
-                self._disable(e)
-
-    def _write_batch(self, items: list[WriteItem]) -> None:
-        """Reserve room, write payload files, index them (writer thread or inline)."""
-        self._apply_touches()
-        with self._write_lock:
-            if not self._enabled:
-                self._count("num_dropped_writes", len(items))
-                return
-            headers = {it.block.key: encode_header(it.tensors, it.block.key) for it in items}
-            fs = os.statvfs(self._payloads)
-            wanted = []
-            for it in items:
-                file_bytes = len(headers[it.block.key]) + it.nbytes
-                wanted.append((it.block.key, file_bytes, _footprint(file_bytes, fs.f_frsize)))
-            try:
-                res = self.index.reserve(
-                    wanted,
-                    max_bytes=self.max_bytes,
-                    min_free_bytes=self.min_free_bytes,
-                    free_bytes=fs.f_bavail * fs.f_frsize,
-                )
-            except lmdb.DiskError as e:
-                self._disable(e)
-                self._count("num_dropped_writes", len(items))
-                return
-            self._count("num_existing", res.num_existing)
-            self._count("num_evictions", res.num_evicted)
-            self._count("num_no_room", res.num_no_room)
-            accepted = set(res.accepted)
-            todo = [it for it in items if it.block.key in accepted]
-            written: list[BlockMeta] = []
-            try:
-                self._write_files(todo, headers, written)
-            finally:  # release the reservations even if a write failed
-                self._finish(res.accepted, written)
-                self._count("num_dropped_writes", len(todo) - len(written) + res.num_no_room)
-
-    def _finish(self, reserved: list[bytes], written: list[BlockMeta]) -> None:
-        try:
-            self.index.finish_writes(reserved, written)
-        except lmdb.DiskError as e:
-            self._disable(e)
-            for meta in written:
-                unlink(self.payload_file(meta.key))
-            written.clear()
-        self._count("num_writes", len(written))
-        self._count("written_bytes", sum(m.file_bytes for m in written))
-
-    def _write_files(
-        self, items: list[WriteItem], headers: dict[bytes, bytes], written: list[BlockMeta]
-    ) -> None:
-        """Write payloads, appending each one's meta as it lands (kept if a later one fails)."""
-        for item in items:
-            key = item.block.key
-            try:
-                file_bytes, checksum = write_payload(
-                    self.payload_file(key), headers[key], item.tensors
-                )
-            except OSError as e:
-                if e.errno != errno.ENOSPC:
-                    raise
-                self._disable(e)
-                break
-            meta = BlockMeta.of(
-                item.block, file_bytes=file_bytes, checksum=checksum, now=time.time()
-            )
-            written.append(meta)
-
-
-def _footprint(file_bytes: int, fs_block: int) -> int:
-    """Disk space a payload write takes: whole fs blocks plus slack for index and dirs."""
-    return -(-file_bytes // fs_block) * fs_block + 4 * fs_block
-
-
-def _fresh(block: Block) -> Block:
-    """A copy of a pending block with new array objects (the queue keeps its own)."""
-    arrays = {name: mx.array(arr) for name, arr in block.arrays.items()}
-    mx.eval(arrays)
-    return Block(
-        block.key, block.parent, block.root, block.index, block.tokens, arrays, block.nbytes
-    )
+        self._writes.touch(sorted(keys))

@@ -16,7 +16,7 @@ import os
 
 from ...errors import CacheDirError
 from .index import SsdIndex
-from .payload import payload_path
+from .files import payload_path
 from .records import SsdRecords
 
 __all__ = ["SsdView"]

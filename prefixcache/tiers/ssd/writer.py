@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from ...blocks import Block
 from .payload import Tensor
 
@@ -32,6 +34,14 @@ class WriteItem:
     tensors: list[Tensor] = field(repr=False)
     nbytes: int
     queued: float = field(default_factory=time.time)
+
+    def fresh_block(self) -> Block:
+        """A copy of the pending block with new arrays (the queue keeps its own);
+        on the caller's thread: it runs MLX."""
+        b = self.block
+        arrays = {name: mx.array(arr) for name, arr in b.arrays.items()}
+        mx.eval(arrays)
+        return Block(b.key, b.parent, b.root, b.index, b.tokens, arrays, b.nbytes)
 
 
 class Writer:

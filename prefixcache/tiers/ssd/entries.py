@@ -1,0 +1,117 @@
+"""Index entries inside one LMDB transaction: insert, drop, LRU of leaves, child links.
+
+The named databases (see index.py) are kept consistent here: every indexed
+block has an entry in ``blocks`` and a link under its parent in ``children``;
+a block with no indexed child (a leaf) is also in ``lru``, keyed by its
+last use; ``meta`` holds the total payload bytes. Dropping an entry unlinks
+its payload file in the same transaction.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+
+from ...blocks import BlockMeta, decode_meta, encode_meta
+from .files import payload_path, unlink
+
+_U64 = struct.Struct("<Q")
+
+
+def lru_key(meta: BlockMeta) -> bytes:
+    """The ``lru`` key of a leaf: big-endian last use (us), then the block key."""
+    return struct.pack(">Q", int(meta.last_used * 1e6)) + meta.key
+
+
+def decode_or_none(key: bytes, raw: bytes | None) -> BlockMeta | None:
+    """The decoded entry, or None if it is absent or unreadable."""
+    if raw is None:
+        return None
+    try:
+        return decode_meta(key, raw)
+    except ValueError:
+        return None
+
+
+class Entries:
+    """Entry operations on the index's databases, each within the caller's transaction.
+
+    Args:
+        dbs: the environment's named database handles.
+        payloads: root of the payload files.
+    """
+
+    def __init__(self, dbs: dict[str, object], payloads: str) -> None:
+        self.db = dbs
+        self.payloads = payloads
+
+    def meta(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta | None:
+        return decode_or_none(key, txn.get(key, db=self.db["blocks"]))
+
+    def insert(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
+        txn.put(meta.key, encode_meta(meta), db=self.db["blocks"])
+        txn.put(meta.parent, meta.key, db=self.db["children"])
+        if not self.has_children(txn, meta.key):
+            txn.put(lru_key(meta), b"", db=self.db["lru"])
+        parent = self.meta(txn, meta.parent)
+        if parent is not None:
+            txn.delete(lru_key(parent), db=self.db["lru"])  # no longer a leaf
+        self.add_counter(txn, b"total_bytes", meta.file_bytes)
+
+    def drop(self, txn: lmdb.Transaction, meta: BlockMeta) -> int:
+        """Remove an entry and its file; its parent may become a leaf. Returns file bytes."""
+        txn.delete(meta.key, db=self.db["blocks"])
+        txn.delete(lru_key(meta), db=self.db["lru"])
+        txn.delete(meta.parent, meta.key, db=self.db["children"])
+        parent = self.meta(txn, meta.parent)
+        if parent is not None and not self.has_children(txn, meta.parent):
+            txn.put(lru_key(parent), b"", db=self.db["lru"])
+        self.add_counter(txn, b"total_bytes", -meta.file_bytes)
+        unlink(payload_path(self.payloads, meta.key))
+        return meta.file_bytes
+
+    def drop_key(self, txn: lmdb.Transaction, key: bytes) -> int:
+        """Drop ``key``'s entry (even an unreadable one); 1 if it was indexed."""
+        raw = txn.get(key, db=self.db["blocks"])
+        if raw is None:
+            return 0
+        meta = decode_or_none(key, raw)
+        if meta is not None:
+            self.drop(txn, meta)
+        else:  # unreadable entry: its links are unknown, so rebuild them all (rare)
+            txn.delete(key, db=self.db["blocks"])
+            unlink(payload_path(self.payloads, key))
+            self.rebuild(txn)
+        return 1
+
+    def has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        return txn.cursor(db=self.db["children"]).set_key(key)
+
+    def rebuild(self, txn: lmdb.Transaction) -> None:
+        """Recompute LRU, child links and byte total from the entries (drops bad ones)."""
+        txn.drop(self.db["lru"], delete=False)
+        txn.drop(self.db["children"], delete=False)
+        metas = []
+        for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.db["blocks"])]:
+            meta = decode_or_none(key, raw)
+            if meta is None:
+                txn.delete(key, db=self.db["blocks"])
+                unlink(payload_path(self.payloads, key))
+            else:
+                metas.append(meta)
+        for meta in metas:
+            txn.put(meta.parent, meta.key, db=self.db["children"])
+        for meta in metas:
+            if not self.has_children(txn, meta.key):
+                txn.put(lru_key(meta), b"", db=self.db["lru"])
+        total = sum(m.file_bytes for m in metas)
+        txn.put(b"total_bytes", _U64.pack(total), db=self.db["meta"])
+
+    def counter(self, txn: lmdb.Transaction, name: bytes) -> int:
+        raw = txn.get(name, db=self.db["meta"])
+        return _U64.unpack(raw)[0] if raw is not None else 0
+
+    def add_counter(self, txn: lmdb.Transaction, name: bytes, delta: int) -> None:
+        value = max(0, self.counter(txn, name) + delta)
+        txn.put(name, _U64.pack(value), db=self.db["meta"])
