@@ -27,7 +27,7 @@ import struct
 import mlx.core as mx
 import numpy as np
 
-from .tiers.ssd.payload import _DTYPES
+from .host import SAFETENSORS_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,13 @@ class _Unwritten:
     closed = False
 
     def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int):
-        meta = {"a": {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [0, nbytes]}}
+        meta = {
+            "a": {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [0, nbytes],
+            }
+        }
         header = json.dumps(meta).encode()
         self._head = struct.pack("<Q", len(header)) + header
         self._end = len(self._head) + nbytes
@@ -67,7 +73,7 @@ def empty(shape: tuple[int, ...], dtype: mx.Dtype, *, stream=None) -> mx.array:
     """A lazy array of ``shape`` and ``dtype`` whose bytes are unspecified."""
     global _works
     nbytes = math.prod(shape) * dtype.size
-    if _works and nbytes > 0 and dtype in _DTYPES:
+    if _works and nbytes > 0 and dtype in SAFETENSORS_DTYPES:
         try:
             return mx.load(_Unwritten(shape, dtype, nbytes), format="safetensors", stream=stream)[
                 "a"

@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
+from ...host import ITEMSIZE, MX_DTYPES, SAFETENSORS_DTYPES
 from .files import create_temp, open_payload, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"
@@ -42,13 +43,6 @@ PAYLOAD_FORMAT = "prefixcache-block/1"
 MAX_HEADER = 1 << 20
 _MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
-_DTYPES: dict[mx.Dtype, str] = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
-    mx.int8: "I8", mx.int16: "I16", mx.int32: "I32", mx.int64: "I64",
-    mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
-}  # fmt: skip
-_ITEMSIZE = {name: dtype.size for dtype, name in _DTYPES.items()}
-_MX_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 # Up to this file size one read + one copy beats mx.load's per-array reads
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
@@ -77,13 +71,13 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
     """
     out = []
     for name, arr in arrays.items():
-        if arr.dtype not in _DTYPES:
+        if arr.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"cannot store array {name!r} of dtype {arr.dtype}")
         view = memoryview(arr)
         if not view.c_contiguous:
             raise ValueError(f"array {name!r} is not row-contiguous")
         data = view.cast("B") if arr.size else memoryview(b"")
-        out.append(Tensor(name, _DTYPES[arr.dtype], tuple(arr.shape), data))
+        out.append(Tensor(name, SAFETENSORS_DTYPES[arr.dtype], tuple(arr.shape), data))
     return out
 
 
@@ -196,7 +190,7 @@ def _read_buffered(
     hasher.update(buf)
     flat = mx.array(buf)  # the one copy
     arrays = {
-        name: flat[start:end].view(_MX_DTYPES[dtype]).reshape(shape)
+        name: flat[start:end].view(MX_DTYPES[dtype]).reshape(shape)
         for name, dtype, shape, start, end in spans
     }
     mx.eval(arrays)
@@ -233,7 +227,7 @@ def read_header(path: str, key: bytes) -> list[tuple[str, mx.Dtype, tuple[int, .
         _, spans = read_spans(fd, key, os.fstat(fd).st_size)
     finally:
         os.close(fd)
-    return [(name, _MX_DTYPES[dtype], shape) for name, dtype, shape, _, _ in spans]
+    return [(name, MX_DTYPES[dtype], shape) for name, dtype, shape, _, _ in spans]
 
 
 def header_length(head: bytes, size: int) -> int:
@@ -262,7 +256,7 @@ def parse_header(text: bytes, key: bytes, data_bytes: int) -> list[_Span]:
         count = 1
         for dim in shape:
             count *= dim
-        size = count * _ITEMSIZE[dtype] if isinstance(dtype, str) and dtype in _ITEMSIZE else -1
+        size = count * ITEMSIZE[dtype] if isinstance(dtype, str) and dtype in ITEMSIZE else -1
         if not (_is_int(start) and _is_int(end)) or start != offset or end - start != size:
             raise PayloadError(f"tensor {name!r} has bad offsets or dtype")
         offset = end

@@ -19,9 +19,9 @@ import xxhash
 
 from ...blocks import Block, BlockMeta
 from ...errors import PayloadError
-from ...host import HostArray, Place, Placed
+from ...host import MX_DTYPES, HostArray, Place, Placed
 from .files import open_payload
-from .payload import _MX_DTYPES, read_spans
+from .payload import read_spans
 from .prime import SLICE, Primer
 
 # Read and hash in slices: each is hashed while still in the CPU cache, and
@@ -202,7 +202,7 @@ def _read(
         base = len(prefix)
         dests = []
         for name, dtype, shape, start, end in spans:
-            dest = place(meta.index, name, _MX_DTYPES[dtype], shape) if place else None
+            dest = place(meta.index, name, MX_DTYPES[dtype], shape) if place else None
             dests.append(dest if dest is not None and _nbytes(dest) == end - start else None)
         pairs = list(zip(spans, dests, strict=True))
         loose = sum(end - start for (*_, start, end), dest in pairs if dest is None)
@@ -215,9 +215,9 @@ def _read(
                 data = buf[used : used + end - start]
                 used += end - start
                 dest = [memoryview(data)]
-                arrays[name] = HostArray(data, _MX_DTYPES[dtype], shape)
+                arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
             else:
-                arrays[name] = Placed(tuple(dest), _MX_DTYPES[dtype], shape)
+                arrays[name] = Placed(tuple(dest), MX_DTYPES[dtype], shape)
             _read_into(fd, dest, base + start, hasher)
     if hasher.intdigest() != meta.checksum:
         raise PayloadError("payload checksum mismatch")

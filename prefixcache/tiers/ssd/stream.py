@@ -34,24 +34,39 @@ never exposed).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
 from ...host import Place, Placed
 from ..base import TierReader
-from .index import decode_or_none
+from .index import SsdIndex, decode_or_none
 from .payload import read_header
 from .readers import Job, Readers, StreamedBlock, num_readers
+from .writer import Writer
 
-if TYPE_CHECKING:
-    from .tier import SsdTier
+
+class Source(Protocol):
+    """What the stream uses of the SSD tier (tier.py's SsdTier)."""
+
+    writer: Writer
+    index: SsdIndex
+
+    def payload_file(self, key: bytes) -> str: ...
+
+    def load(self, key: bytes) -> Block | None: ...
+
+    def note_load(self, key: bytes, nbytes: int) -> None: ...
+
+    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
+
+    def read_error(self, key: bytes, error: OSError) -> None: ...
 
 
 class SsdReader(TierReader):
     """The blocks of one restore that the SSD tier holds, streamed in chain order."""
 
-    def __init__(self, tier: SsdTier, keys: Sequence[bytes]):
+    def __init__(self, tier: Source, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: list[int] = []
@@ -92,7 +107,7 @@ class SsdReader(TierReader):
 
 
 def stream(
-    tier: SsdTier, keys: Sequence[bytes], place: Place | None = None
+    tier: Source, keys: Sequence[bytes], place: Place | None = None
 ) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
@@ -119,7 +134,7 @@ def stream(
         readers.stop()
 
 
-def _job(tier: SsdTier, key: bytes) -> Job:
+def _job(tier: Source, key: bytes) -> Job:
     path = tier.payload_file(key)
     if tier.writer.pending(key) is not None:
         return Job(key, None, None, path)
@@ -128,18 +143,18 @@ def _job(tier: SsdTier, key: bytes) -> Job:
 
 
 def _result(
-    tier: SsdTier, job: Job, result: StreamedBlock | BaseException | None
+    tier: Source, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
     """What the caller gets for ``job`` (runs on the caller's thread)."""
     if result is None:  # nothing read: queued, absent, or a bad entry
         return tier.load(job.key)  # the queue first; quarantines a bad entry
     if isinstance(result, PayloadError | FileNotFoundError):
-        tier._quarantine(job.key, job.raw, str(result) or type(result).__name__)
+        tier.quarantine(job.key, job.raw, str(result) or type(result).__name__)
         return None
     if isinstance(result, OSError):  # unreadable now (EMFILE, EIO...): a miss, not a verdict
         tier.read_error(job.key, result)
         return None
     if isinstance(result, BaseException):
         raise result
-    tier._note_load(job.key, result.nbytes)
+    tier.note_load(job.key, result.nbytes)
     return result

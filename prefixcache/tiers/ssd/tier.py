@@ -160,7 +160,7 @@ class SsdTier(Tier):
         raw = self.index.get(key)
         meta = decode_or_none(key, raw)
         if raw is not None and meta is None:
-            self._quarantine(key, raw, "bad index entry")
+            self.quarantine(key, raw, "bad index entry")
         return meta
 
     def load(self, key: bytes) -> Block | None:
@@ -173,7 +173,7 @@ class SsdTier(Tier):
         meta = decode_or_none(key, raw)
         if meta is None:
             if raw is not None:
-                self._quarantine(key, raw, "bad index entry")
+                self.quarantine(key, raw, "bad index entry")
             return None
         try:
             path = self.payload_file(key)
@@ -181,12 +181,12 @@ class SsdTier(Tier):
             if nbytes != meta.nbytes:
                 raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
         except (PayloadError, FileNotFoundError) as e:
-            self._quarantine(key, raw, str(e) or type(e).__name__)
+            self.quarantine(key, raw, str(e) or type(e).__name__)
             return None
         except OSError as e:  # unreadable now (EMFILE, EIO...): a miss, not a verdict
             self.read_error(key, e)
             return None
-        self._note_load(key, nbytes)
+        self.note_load(key, nbytes)
         return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -256,14 +256,14 @@ class SsdTier(Tier):
         log = logger.warning if first else logger.debug
         log("SSD tier %s: cannot read block %s: %s", self.path, key.hex(), error)
 
-    def _note_load(self, key: bytes, nbytes: int) -> None:
+    def note_load(self, key: bytes, nbytes: int) -> None:
         """Count a served payload read (also the stream's) and touch it for the LRU."""
         self._counts.add("num_loads")
         self._counts.add("load_bytes", nbytes)
         with self._lock:
             self._touches.add(key)
 
-    def _quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
+    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""
         try:
             dropped = self.index.quarantine(key, raw)

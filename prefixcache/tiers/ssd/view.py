@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 
 from ...errors import CacheDirError
-from .index import SsdIndex
 from .files import payload_path
+from .index import SsdIndex
 from .records import SsdRecords
 
 __all__ = ["SsdView"]
