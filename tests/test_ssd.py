@@ -363,6 +363,24 @@ def test_corrupt_index_entry_is_quarantined(open_tier, tmp_path, how):
     assert tier.stats()["num_blocks"] == 0 and disk_bytes(tmp_path / "ssd") == 0
 
 
+def test_two_bad_index_entries_are_both_counted(open_tier, tmp_path):
+    """Dropping one unreadable entry rebuilds the links, which drops the other too."""
+    tier = open_tier()
+    blocks = [make_block(13, i) for i in range(3)]
+    for b in blocks:
+        tier.put(b)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        for b in blocks[1:]:
+            txn.put(b.key, b"garbage")
+    env.close()
+    tier = open_tier()
+    assert tier.load(blocks[1].key) is None and tier.load(blocks[2].key) is None
+    assert tier.stats()["num_corrupt"] == 2 and tier.stats()["num_corrupt_total"] == 2
+    assert tier.stats()["num_blocks"] == 1 and len(payload_files(tmp_path / "ssd")) == 1
+
+
 def test_reconcile_removes_orphans_and_dangling_entries(open_tier, tmp_path):
     tier = open_tier()
     blocks = [make_block(6, i) for i in range(4)]

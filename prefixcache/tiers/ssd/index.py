@@ -187,15 +187,16 @@ class SsdIndex:
 
         self._txn(run, write=True)
 
-    def quarantine(self, key: bytes, raw: bytes) -> bool:
-        """Drop an entry found corrupt, unless it changed meanwhile (then: False)."""
+    def quarantine(self, key: bytes, raw: bytes) -> int:
+        """Drop an entry found corrupt unless it changed meanwhile; how many bad ones went
+        (0: it changed; an unreadable one's rebuild drops every other unreadable one)."""
 
-        def run(txn: lmdb.Transaction) -> bool:
+        def run(txn: lmdb.Transaction) -> int:
             if txn.get(key, db=self._db["blocks"]) != raw:
-                return False  # evicted or rewritten by someone else: a race, not corruption
-            self._drop_key(txn, key)
-            self._add_counter(txn, b"num_corrupt", 1)
-            return True
+                return 0  # evicted or rewritten by someone else: a race, not corruption
+            num = self._drop_key(txn, key)
+            self._add_counter(txn, b"num_corrupt", num)
+            return num
 
         return self._txn(run, write=True)
 
@@ -322,11 +323,11 @@ class SsdIndex:
         meta = decode_or_none(key, raw)
         if meta is not None:
             self._drop(txn, meta)
-        else:  # unreadable entry: its links are unknown, so rebuild them all (rare)
-            txn.delete(key, db=self._db["blocks"])
-            unlink(payload_path(self._payloads, key))
-            self._rebuild(txn)
-        return 1
+            return 1
+        # unreadable: its links are unknown, rebuild them all (rare; drops other bad ones)
+        txn.delete(key, db=self._db["blocks"])
+        unlink(payload_path(self._payloads, key))
+        return 1 + self._rebuild(txn)
 
     def _has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
         return txn.cursor(db=self._db["children"]).set_key(key)
@@ -370,16 +371,17 @@ class SsdIndex:
         self._rebuild(txn)
         return orphans, dangling
 
-    def _rebuild(self, txn: lmdb.Transaction) -> None:
-        """Recompute LRU, child links and byte total from the entries (drops bad ones)."""
+    def _rebuild(self, txn: lmdb.Transaction) -> int:
+        """Recompute LRU, child links, byte total; drops unreadable entries: how many."""
         txn.drop(self._db["lru"], delete=False)
         txn.drop(self._db["children"], delete=False)
-        metas = []
+        metas, num_bad = [], 0
         for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db["blocks"])]:
             meta = decode_or_none(key, raw)
             if meta is None:
                 txn.delete(key, db=self._db["blocks"])
                 unlink(payload_path(self._payloads, key))
+                num_bad += 1
             else:
                 metas.append(meta)
         for meta in metas:
@@ -389,6 +391,7 @@ class SsdIndex:
                 txn.put(_lru_key(meta), b"", db=self._db["lru"])
         total = sum(m.file_bytes for m in metas)
         txn.put(b"total_bytes", _U64.pack(total), db=self._db["meta"])
+        return num_bad
 
     def _counter(self, txn: lmdb.Transaction, name: bytes) -> int:
         raw = txn.get(name, db=self._db["meta"])
