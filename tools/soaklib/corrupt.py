@@ -90,7 +90,7 @@ def edit_index(ssd_dir: str, key_hex: str, how: str, rng: random.Random) -> None
         env.close()
 
 
-def damage(ssd_dir: str, key_hex: str, how: str, rng: random.Random, donor: str) -> None:
+def damage(ssd_dir: str, key_hex: str, how: str, rng: random.Random, donor: bytes) -> None:
     path = payload_keys(ssd_dir)[key_hex]
     size = os.path.getsize(path)
     if how == "flip_payload":
@@ -104,7 +104,8 @@ def damage(ssd_dir: str, key_hex: str, how: str, rng: random.Random, donor: str)
     elif how == "delete":
         os.unlink(path)
     elif how == "copy_other":
-        shutil.copyfile(donor, path)
+        with open(path, "wb") as f:  # another block's valid payload under this name
+            f.write(donor)
     else:
         edit_index(ssd_dir, key_hex, how, rng)
 
@@ -147,9 +148,13 @@ def stale_temp(ssd_dir: str, rng: random.Random) -> None:
 def one_round(work, ssd_dir, owned, rng, tally, seen) -> int:
     applied = Counter()
     keys = payload_keys(ssd_dir)
+    donors = {}  # read before any damage: a donor may be another group's victim
+    for g in range(len(owned)):
+        with open(keys[rng.choice(owned[(g + 1) % len(owned)])], "rb") as f:
+            donors[g] = f.read()
     for g, group_keys in enumerate(owned):
         victim = rng.choice(group_keys)
-        donor = keys[rng.choice(owned[(g + 1) % len(owned)])]
+        donor = donors[g]
         applied[how := rng.choice(BLOCK_KINDS)] += 1
         damage(ssd_dir, victim, how, rng, donor)
     stats = serve_all(work, ssd_dir, tally)
