@@ -351,6 +351,24 @@ def test_corrupt_index_entry_is_quarantined(open_tier, tmp_path, how):
     assert tier.stats()["num_blocks"] == 0 and disk_bytes(tmp_path / "ssd") == 0
 
 
+def test_two_bad_index_entries_are_both_counted(open_tier, tmp_path):
+    """Dropping one unreadable entry rebuilds the links, which drops the other too."""
+    tier = open_tier()
+    blocks = [make_block(13, i) for i in range(3)]
+    for b in blocks:
+        tier.put(b)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        for b in blocks[1:]:
+            txn.put(b.key, b"garbage")
+    env.close()
+    tier = open_tier()
+    assert tier.load(blocks[1].key) is None and tier.load(blocks[2].key) is None
+    assert tier.stats()["num_corrupt"] == 2 and tier.stats()["num_corrupt_total"] == 2
+    assert tier.stats()["num_blocks"] == 1 and len(payload_files(tmp_path / "ssd")) == 1
+
+
 def test_reconcile_removes_orphans_and_dangling_entries(open_tier, tmp_path):
     tier = open_tier()
     blocks = [make_block(6, i) for i in range(4)]
@@ -588,3 +606,27 @@ def test_map_grows_when_full(open_tier, caplog):
     assert any("growing the map" in r.getMessage() for r in caplog.records)
     assert tier.stats()["num_blocks"] == 300
     check_block(tier.load(blocks[-1].key))
+
+
+def test_a_dropped_entry_loses_its_file_only_once_the_drop_commits(open_tier):
+    """Eviction and removal unlink payload files after the index commit: an aborted
+    (or killed) transaction leaves entry and file as they were, never an entry
+    without its file."""
+    tier = open_tier()
+    tier.put(make_block(21, 0))
+    tier.flush()
+    key = block_key(21, 0)
+    path = tier.payload_file(key)
+    index = tier.index
+
+    def drop_then_fail(txn):
+        assert index.entries.drop_key(txn, key) == 1
+        raise RuntimeError("abort")
+
+    with pytest.raises(RuntimeError, match="abort"):
+        index._txn(drop_then_fail, write=True)
+    assert os.path.exists(path) and index.get(key) is not None
+    check_block(tier.load(key))
+    # control: the same drop, committed, removes both
+    assert index.remove([key]) == 1
+    assert not os.path.exists(path) and index.get(key) is None

@@ -3,13 +3,16 @@
 The named databases (see index.py) are kept consistent here: every indexed
 block has an entry in ``blocks`` and a link under its parent in ``children``;
 a block with no indexed child (a leaf) is also in ``lru``, keyed by its
-last use; ``meta`` holds the total payload bytes. Dropping an entry unlinks
-its payload file in the same transaction.
+last use; ``meta`` holds the total payload bytes. Dropping an entry marks its
+payload file for removal; the index unlinks it once the transaction has
+committed (``unlink_dropped``), so a crash or an abort never leaves an entry
+whose file is gone, only an orphan file that ``gc`` removes.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 
 import lmdb
 
@@ -34,6 +37,13 @@ def decode_or_none(key: bytes, raw: bytes | None) -> BlockMeta | None:
         return None
 
 
+class _Dropped(threading.local):
+    """Payload files dropped by this thread's open write transaction."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+
 class Entries:
     """Entry operations on the index's databases, each within the caller's transaction.
 
@@ -45,6 +55,16 @@ class Entries:
     def __init__(self, dbs: dict[str, object], payloads: str) -> None:
         self.db = dbs
         self.payloads = payloads
+        self._local = _Dropped()
+
+    def unlink_dropped(self, committed: bool) -> None:
+        """Remove the files of entries this thread's last write transaction dropped."""
+        paths, self._local.paths = self._local.paths, []
+        for path in paths if committed else ():
+            unlink(path)
+
+    def _drop_file(self, key: bytes) -> None:
+        self._local.paths.append(payload_path(self.payloads, key))
 
     def meta(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta | None:
         return decode_or_none(key, txn.get(key, db=self.db["blocks"]))
@@ -68,36 +88,37 @@ class Entries:
         if parent is not None and not self.has_children(txn, meta.parent):
             txn.put(lru_key(parent), b"", db=self.db["lru"])
         self.add_counter(txn, b"total_bytes", -meta.file_bytes)
-        unlink(payload_path(self.payloads, meta.key))
+        self._drop_file(meta.key)
         return meta.file_bytes
 
     def drop_key(self, txn: lmdb.Transaction, key: bytes) -> int:
-        """Drop ``key``'s entry (even an unreadable one); 1 if it was indexed."""
+        """Drop ``key``'s entry (even an unreadable one); how many entries went (0: none)."""
         raw = txn.get(key, db=self.db["blocks"])
         if raw is None:
             return 0
         meta = decode_or_none(key, raw)
         if meta is not None:
             self.drop(txn, meta)
-        else:  # unreadable entry: its links are unknown, so rebuild them all (rare)
-            txn.delete(key, db=self.db["blocks"])
-            unlink(payload_path(self.payloads, key))
-            self.rebuild(txn)
-        return 1
+            return 1
+        # unreadable: its links are unknown, rebuild them all (rare; drops other bad ones)
+        txn.delete(key, db=self.db["blocks"])
+        self._drop_file(key)
+        return 1 + self.rebuild(txn)
 
     def has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
         return txn.cursor(db=self.db["children"]).set_key(key)
 
-    def rebuild(self, txn: lmdb.Transaction) -> None:
-        """Recompute LRU, child links and byte total from the entries (drops bad ones)."""
+    def rebuild(self, txn: lmdb.Transaction) -> int:
+        """Recompute LRU, child links, byte total; drops unreadable entries: how many."""
         txn.drop(self.db["lru"], delete=False)
         txn.drop(self.db["children"], delete=False)
-        metas = []
+        metas, num_bad = [], 0
         for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.db["blocks"])]:
             meta = decode_or_none(key, raw)
             if meta is None:
                 txn.delete(key, db=self.db["blocks"])
-                unlink(payload_path(self.payloads, key))
+                self._drop_file(key)
+                num_bad += 1
             else:
                 metas.append(meta)
         for meta in metas:
@@ -107,6 +128,7 @@ class Entries:
                 txn.put(lru_key(meta), b"", db=self.db["lru"])
         total = sum(m.file_bytes for m in metas)
         txn.put(b"total_bytes", _U64.pack(total), db=self.db["meta"])
+        return num_bad
 
     def counter(self, txn: lmdb.Transaction, name: bytes) -> int:
         raw = txn.get(name, db=self.db["meta"])

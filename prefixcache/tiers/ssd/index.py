@@ -21,7 +21,8 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import lmdb
 
@@ -37,6 +38,7 @@ from .space import Reservation, Wanted
 __all__ = ["FORMAT_VERSION", "Reservation", "SsdIndex", "Wanted", "decode_or_none"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORMAT_NAME = b"prefixcache-ssd"
 FORMAT_VERSION = 1
@@ -71,7 +73,6 @@ class SsdIndex:
             )  # fmt: skip
         except lmdb.NotFoundError as e:
             raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
-        self._txn = self._shared.txn
         self.entries = Entries(self._shared.dbs, payloads)
         self._db = self.entries.db
         self._closed = False
@@ -81,6 +82,18 @@ class SsdIndex:
         except BaseException:
             self.close()
             raise
+
+    def _txn(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
+        """One transaction; after a write commits, the files of dropped entries go."""
+        if not write:
+            return self._shared.txn(fn)
+        try:
+            result = self._shared.txn(fn, write=True)
+        except BaseException:
+            self.entries.unlink_dropped(committed=False)
+            raise
+        self.entries.unlink_dropped(committed=True)
+        return result
 
     def close(self) -> None:
         if not self._closed:
@@ -172,15 +185,16 @@ class SsdIndex:
         """One small write transaction: raises if the index cannot be written now."""
         self._txn(lambda t: t.put(b"probe", os.urandom(8), db=self._db["meta"]), write=True)
 
-    def quarantine(self, key: bytes, raw: bytes) -> bool:
-        """Drop an entry found corrupt, unless it changed meanwhile (then: False)."""
+    def quarantine(self, key: bytes, raw: bytes) -> int:
+        """Drop an entry found corrupt unless it changed meanwhile; how many bad ones went
+        (0: it changed; an unreadable one's rebuild drops every other unreadable one)."""
 
-        def run(txn: lmdb.Transaction) -> bool:
+        def run(txn: lmdb.Transaction) -> int:
             if txn.get(key, db=self._db["blocks"]) != raw:
-                return False  # evicted or rewritten by someone else: a race, not corruption
-            self.entries.drop_key(txn, key)
-            self.entries.add_counter(txn, b"num_corrupt", 1)
-            return True
+                return 0  # evicted or rewritten by someone else: a race, not corruption
+            num = self.entries.drop_key(txn, key)
+            self.entries.add_counter(txn, b"num_corrupt", num)
+            return num
 
         return self._txn(run, write=True)
 

@@ -266,13 +266,13 @@ class SsdTier(Tier):
     def quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""
         try:
-            dropped = self.index.quarantine(key, raw)
+            dropped = self.index.quarantine(key, raw)  # > 1: other unreadable entries too
         except TierError as e:  # e.g. disk full: the block is still never served
             logger.debug("SSD tier: could not quarantine %s: %s", key.hex(), e)
-            dropped = True
+            dropped = 1
         if not dropped:
             return  # evicted or replaced meanwhile: a plain miss
-        first = self._counts.add("num_corrupt") == 1
+        first = self._counts.add("num_corrupt", dropped) == dropped
         log = logger.warning if first else logger.debug
         log("SSD tier %s: corrupt block %s quarantined (%s)", self.path, key.hex(), reason)
 
