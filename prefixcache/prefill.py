@@ -6,6 +6,7 @@ with its own prefill loop can do exactly the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,7 @@ def prefill(
     After each chunk mlx-lm's KV quantization schedule is applied (as
     ``generate_step`` does), the cache is evaluated and the blocks it completed
     are stored (window K/V while still in the window, recurrent state at the
-    chunk's end boundary).
+    chunk's end boundary). Each chunk's speed is reported (``note_prefill``).
 
     Returns:
         (the cache holding all of ``tokens``, the last token's logits (1, vocab))
@@ -44,6 +45,7 @@ def prefill(
     ids = mx.array(tokens, dtype=mx.int32)
     logits = None
     for end in chunk_ends(start, len(tokens), step):
+        began = time.perf_counter()
         out = pc.model(ids[None, start:end], cache=cache)
         maybe_quantize_kv_cache(cache, cfg.quantized_kv_start, cfg.kv_group_size, cfg.kv_bits)
         if end == len(tokens):
@@ -51,6 +53,7 @@ def prefill(
         # only the cache (and the last logits) are computed, as in generate_step
         mx.eval(logits, [c.state for c in cache])
         del out
+        pc.note_prefill(end - start, time.perf_counter() - began)
         pc.capture(tokens[:end], cache, extra=extra)
         start = end
     return cache, logits
