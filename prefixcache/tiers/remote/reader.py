@@ -80,7 +80,7 @@ class RemoteReader(TierReader):
         if self._thread is None or self._order[self._next : self._next + 1] != [index]:
             return self._use(self._fetch(index))  # unplanned: one synchronous fetch
         self._next += 1
-        return self._use(self._results.get())
+        return self._use(self._take(index))
 
     def close(self) -> None:
         """Stop the fetch thread and wait for it; safe to call more than once."""
@@ -88,6 +88,17 @@ class RemoteReader(TierReader):
             self._stop.set()
             self._thread.join()
             self._thread = None
+
+    def _take(self, index: int) -> Fetched | Failed | Exception:
+        """The fetch thread's next result; if the thread stopped before it (after a
+        block the caller went past), a synchronous fetch."""
+        while True:
+            try:
+                return self._results.get(timeout=0.05)
+            except queue.Empty:
+                thread = self._thread
+                if (thread is None or not thread.is_alive()) and self._results.empty():
+                    return self._fetch(index)
 
     def _run(
         self, stop: threading.Event, results: queue.Queue[Fetched | Failed | Exception]
