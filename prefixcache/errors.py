@@ -58,3 +58,7 @@ class PayloadError(ValueError):
 
 class SsdFormatError(ValueError):
     """The directory holds an SSD tier of another format version."""
+
+
+class CacheDirError(Exception):
+    """The directory does not exist or holds no prefixcache SSD tier."""

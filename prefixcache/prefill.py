@@ -7,21 +7,41 @@ with its own prefill loop can do exactly the same.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from .capture import chunk_ends, chunk_step
 from .codecs import codec_for
+from .config import CacheConfig
 
-if TYPE_CHECKING:
-    from .cache import PrefixCache
+
+class Cache(Protocol):
+    """What the prefill loop uses of a PrefixCache: its model, config and public verbs
+    (``note_prefill`` hears each chunk's speed: the remote tier's cost gate)."""
+
+    model: Callable[..., mx.array]
+    config: CacheConfig
+
+    def fetch(
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+    ) -> tuple[list[Any], int]: ...
+
+    def capture(
+        self,
+        tokens_so_far: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> int: ...
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None: ...
 
 
 def prefill(
-    pc: PrefixCache,
+    pc: Cache,
     tokens: Sequence[int],
     *,
     prefill_step_size: int | None = None,

@@ -1,4 +1,5 @@
-"""Exactness matrix over every mlx-lm cache type, through the hot and the SSD tier.
+"""Exactness matrix over every mlx-lm cache type, through the hot tier, the SSD tier
+and a test-only tier written against the tier contract alone (dict_tier.py).
 
 Each case stores one prompt with ``PrefixCache.prefill`` (block-aligned chunks,
 capture after each), then serves a second prompt sharing 3.5 blocks (longer
@@ -13,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from conftest import QUANT_LLAMA, max_diff, prompt, tiny_model
+from dict_tier import DictTier
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, maybe_quantize_kv_cache
@@ -54,6 +56,9 @@ def make_pc(model, kv, tier: str, tmp_path) -> PrefixCache:
     quant = {} if kv is None else dict(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     if tier == "hot":
         config = CacheConfig(block_size=BLOCK, hot_cache_only=True, **quant)
+    elif tier == "remote":  # the test-only tier under a 1-byte hot tier
+        config = CacheConfig(block_size=BLOCK, hot_max_bytes=1, **quant)
+        return PrefixCache(model, config, model_id="tiny", tiers=[DictTier()])
     else:  # a 1-byte hot tier: every block is written to and served from the SSD tier
         config = CacheConfig(
             block_size=BLOCK, hot_cache_only=False, ssd_dir=str(tmp_path), hot_max_bytes=1, **quant
@@ -116,7 +121,7 @@ def swap_stateful(cache, other) -> int:
     return swapped or len(cache)
 
 
-@pytest.fixture(params=["hot", "ssd"])
+@pytest.fixture(params=["hot", "ssd", "remote"])
 def tier(request):
     return request.param
 

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,9 +29,12 @@ import pytest
 from conftest import prompt
 
 from prefixcache import CacheConfig, PrefixCache, prometheus_text
+from prefixcache.cli import main
+from prefixcache.cli.common import parse_duration
 from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
-from prefixcache.cli.report import format_age, format_bytes, parse_duration
+from prefixcache.cli.report import format_age, format_bytes
 from prefixcache.tiers.ssd.tier import SsdTier
+from prefixcache.tiers.ssd.view import SsdView
 
 CHILD = str(Path(__file__).with_name("cli_child.py"))
 EXE = shutil.which("prefixcache")
@@ -96,8 +100,8 @@ def a_keys(built) -> set[str]:
 
 
 def set_last_used(ssd: str, keys, age: float) -> None:
-    with SsdTier(CacheConfig(ssd_dir=ssd, ssd_max_bytes=0, ssd_min_free_bytes=0)) as tier:
-        tier.index.touch([bytes.fromhex(k) for k in keys], time.time() - age)
+    with SsdView(ssd, writable=True) as view:
+        view.index.touch([bytes.fromhex(k) for k in keys], time.time() - age)
 
 
 # -- read commands --------------------------------------------------------------
@@ -185,6 +189,113 @@ def test_tree_shows_where_prompts_fork(made):
     section = text.split(B)[0] if text.index(A) < text.index(B) else text.split(A)[1]
     assert "tokens 0-32  2 blocks" in section and "fork: 2 ways" in section
     assert section.count("tokens 32-64") == 2
+
+
+def test_show_escapes_control_characters_of_decoded_tokens(made, tmp_path):
+    ssd, tok, built = made
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    def word(i: int) -> str:  # clear screen, set title, bell, C1 CSI, carriage return
+        return f"\x1b[2J\x1b]0;{i}\x07\x9b{i}\r"
+
+    size = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
+    evil = Tokenizer(WordLevel({word(i): i for i in range(size)}, unk_token=word(0)))
+    evil.save(str(tmp_path / "evil.json"))
+    key = built["a"]["p1"][1]
+    d = ("--ssd-dir", str(ssd), "--tokenizer", str(tmp_path / "evil.json"), "--full")
+    (rc, text, _), (rc_json, out, _) = map(
+        finish, [start("show", key, *d), start("show", key, *d, "--json")]
+    )
+    assert rc == rc_json == 0
+    for printed in (text, out):
+        assert not [c for c in printed if not c.isprintable() and c != "\n"], printed
+    assert "\\x1b[2J\\x1b]0;" in text and "\\x07\\x9b" in text and "\\r" in text
+    doc = json.loads(out)
+    ids = built["ids"]["p1"]
+    assert doc["text"] == " ".join(word(i) for i in ids[16:32])
+    assert doc["prefix_text"] == " ".join(word(i) for i in ids[:32])
+
+
+def test_recorded_model_ids_are_printed_escaped(copy):
+    root = bytes.fromhex(cli("ls", "--ssd-dir", copy, "--model", B, "--json")["rows"][0]["root"])
+    with SsdView(copy, writable=True) as view:
+        view.records.note_namespace(root, json.dumps({"model": "tiny/\x1b[31mred\x1b[0m"}))
+    d = ("--ssd-dir", copy)
+    doc, *texts = cli_all(("stats", *d, "--json"), ("stats", *d), ("ls", *d), ("tree", *d))
+    assert "tiny/\x1b[31mred\x1b[0m" in {m["model"] for m in doc["models"]}
+    for text in texts:
+        assert "\x1b" not in text and "tiny/\\x1b[31mred\\x1b[0m" in text, text
+
+
+def snapshot(ssd: str) -> dict[str, tuple[int, int, bytes]]:
+    """Size, mtime and bytes of every file but LMDB's lock file (readers take slots there)."""
+    out = {}
+    for path in sorted(Path(ssd).rglob("*")):
+        if path.is_file() and path.name != "lock.mdb":
+            st = path.stat()
+            out[str(path.relative_to(ssd))] = (st.st_size, st.st_mtime_ns, path.read_bytes())
+    return out
+
+
+def threads_started(fn) -> set[str]:
+    """Names of the Python threads that ran while ``fn`` ran (started by it)."""
+    seen: set[str] = set()
+    threading.setprofile(lambda *_: seen.add(threading.current_thread().name))
+    try:
+        fn()
+    finally:
+        threading.setprofile(None)
+    return seen
+
+
+def test_read_only_commands_start_no_thread_and_write_nothing(made, copy, capsys):
+    _, _, built = made
+    key = built["a"]["p2"][3]
+    d = ("--ssd-dir", copy)
+    reads = [("stats", *d), ("stats", *d, "--json"), ("ls", *d, "--chains"), ("tree", *d),
+             ("show", key, *d, "--full"), ("verify", *d, "--no-progress"),
+             ("gc", *d, "--older-than", "0", "--dry-run")]  # fmt: skip
+    before = snapshot(copy)
+    codes: list[int] = []
+    for argv in reads:
+        assert threads_started(lambda a=argv: codes.append(main(list(a)))) == set(), argv
+    assert codes == [0] * len(reads)
+    with SsdView(copy) as view:  # what they open: LMDB read-only
+        assert view.index.totals()["num_blocks"] == 9
+        with pytest.raises(lmdb.ReadonlyError):
+            view.index.touch([bytes.fromhex(key)], 0.0)
+    assert snapshot(copy) == before
+    assert "would remove 9 blocks" in capsys.readouterr().out  # --dry-run saw them all
+    # Negative controls: the full tier starts its writer thread; gc writes the index.
+    config = CacheConfig(ssd_dir=copy, ssd_max_bytes=0, ssd_min_free_bytes=0)
+    assert threads_started(lambda: SsdTier(config, record_limits=False).close())
+    assert threads_started(lambda: main(["gc", *d, "--json"])) == set()
+    assert snapshot(copy) != before
+
+
+def test_inspection_commands_do_not_import_mlx_lm(made):
+    ssd, _, built = made
+    probe = (
+        "import sys\n"
+        "from prefixcache.cli import main\n"
+        "assert main(sys.argv[1:]) == 0\n"
+        "heavy = lambda: [m for m in ('mlx_lm', 'transformers') if m in sys.modules]\n"
+        "print('before', heavy(), file=sys.stderr)\n"
+        "import prefixcache.cli.demo\n"  # the control: the probe sees mlx-lm once imported
+        "print('after', heavy(), file=sys.stderr)\n"
+    )
+    calls = [("stats",), ("show", built["a"]["p1"][0]), ("tree",), ("verify",)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", probe, *c, "--ssd-dir", str(ssd)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for c in calls
+    ]  # fmt: skip
+    for call, proc in zip(calls, procs, strict=True):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, (call, err)
+        before, after = err.splitlines()[-2:]
+        assert before == "before []" and after.startswith("after ['mlx_lm'"), (call, err)
 
 
 # -- commands that change the directory ---------------------------------------------

@@ -183,22 +183,6 @@ def test_large_blocks_round_trip_through_mx_load(open_tier):
     assert tier.load(big.key) is None and tier.stats()["num_corrupt"] == 1
 
 
-def test_load_many_streams_a_chain_in_order(open_tier):
-    tier = open_tier()
-    blocks = [make_block(52, i) for i in range(6)]
-    for b in blocks[:5]:
-        tier.put(b)
-    tier.flush()
-    tier.put(blocks[5])  # may still be pending: served from the queue
-    keys = [b.key for b in blocks] + [block_key(52, 99)]
-    got = list(tier.load_many(keys, ahead=2))
-    for block, loaded in zip(blocks, got[:6], strict=True):
-        assert loaded.key == block.key
-        check_block(loaded)
-    assert got[6] is None
-    tier.prefetch([block_key(52, 98)])  # unknown keys are fine
-
-
 def test_put_is_idempotent(open_tier):
     tier = open_tier()
     block = make_block(1, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -168,3 +169,30 @@ def test_threads_fetch_and_store_while_the_writer_spills(tmp_path, llama):
     with PrefixCache(llama, cfg, model_id="m") as pc:
         store_fetch_in_threads(pc, users, caches, rounds=10)
         assert pc.stats()["num_spills"] > 0
+
+
+def test_tiers_given_by_the_caller_replace_the_built_ones(tmp_path, llama):
+    """A tier written against the contract alone (dict_tier.py) gets write-back spills,
+    serves exact restores, and is closed with the cache; no SSD tier is opened."""
+    from dict_tier import DictTier
+
+    tokens = prompt(3, 4 * BLOCK)
+    lower = DictTier()
+    cfg = config(tmp_path, hot_max_bytes=2 * BLOCK_BYTES)
+    with PrefixCache(llama, cfg, model_id="m", tiers=[lower]) as pc:
+        assert pc.ssd is None and pc.tiers.lower == [lower]
+        pc.store(tokens, filled(llama, tokens))
+        assert lower.num_puts == 2 and pc.stats()["num_spills"] == 2  # the 2 evicted leaves
+        pc.trim_hot(0)
+        cache, num = pc.fetch([*tokens, 7])
+        assert num == 4 * BLOCK and pc.stats()["remote_block_hits"] == 4
+        logits = prefill(llama, [7], cache, step=BLOCK)
+        assert max_diff(logits, live_logits(llama, [*tokens, 7], num, step=BLOCK)) == 0.0
+        # negative control: the tier serving another block's payload changes the logits
+        entries = sorted(lower.entries.values(), key=lambda e: e.index)
+        lower.entries[entries[3].key] = dataclasses.replace(entries[3], payload=entries[2].payload)
+        pc.trim_hot(0)
+        cache, num = pc.fetch([*tokens, 7])
+        wrong = prefill(llama, [7], cache, step=BLOCK)
+        assert max_diff(wrong, live_logits(llama, [*tokens, 7], num, step=BLOCK)) > 0.0
+    assert lower.closed and not (tmp_path / "ssd").exists()

@@ -9,7 +9,7 @@ writes N blocks (~``--total-mib`` MiB) and measures, interleaved and repeated
   raw_files   read of each payload-sized file into fresh memory (``f.read()``)
   load        SsdTier.load (index lookup, read, xxh3 verify, fresh mx.arrays),
               with the reader it picks by size (payload.SMALL_PAYLOAD)
-  stream      SsdTier.load_many: the same, with kernel readahead of the next blocks
+  stream      SsdTier.load in chain order, with kernel readahead of the next blocks
   buf_load    the "buffer" reader forced: read whole file, verify, one copy into MLX
   mxl_load    the "mx_load" reader forced: mx.load, then verify
   lmdb_load   payloads stored as LMDB values instead of files: zero-copy get,
@@ -35,12 +35,13 @@ import statistics
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
 
 import lmdb
 import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import drop_caches, read_fresh, read_reused
+from benchlib import drop_caches, read_fresh, read_reused, readahead
 
 from prefixcache.blocks import Block
 from prefixcache.config import CacheConfig
@@ -106,6 +107,15 @@ def consume(blocks) -> None:
     """Drop each block before the next, as a restore streaming into its buffer does."""
     for _ in blocks:
         pass
+
+
+def stream(tier: SsdTier, keys: list[bytes], ahead: int = 4) -> Iterator[Block | None]:
+    """Load blocks in order (a chain being restored), one at a time; the payload files
+    of the next ``ahead`` blocks are handed to the kernel's readahead meanwhile."""
+    readahead([tier.payload_file(k) for k in keys[:ahead]])
+    for i, key in enumerate(keys):
+        readahead([tier.payload_file(k) for k in keys[i + ahead : i + ahead + 1]])
+        yield tier.load(key)
 
 
 def forced_load(tier: SsdTier, keys: list[bytes], reader: str) -> None:
@@ -187,7 +197,7 @@ def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[st
         "raw_seq": lambda: read_reused([f"{work}/seq"], bytearray(MiB)),
         "raw_files": lambda: read_fresh(files),
         "load": lambda: consume(tier.load(k) for k in keys),
-        "stream": lambda: consume(tier.load_many(keys)),
+        "stream": lambda: consume(stream(tier, keys)),
         "buf_load": lambda: forced_load(tier, keys, "buffer"),
         "mxl_load": lambda: forced_load(tier, keys, "mx_load"),
         "lmdb_load": lambda: lmdb_load(f"{work}/lmdb", keys, sums),

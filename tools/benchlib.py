@@ -1,4 +1,4 @@
-"""Pieces the benchmarks share: a model-shaped cache, page-cache dropping, RSS.
+"""Pieces the benchmarks share: a model-shaped cache, page-cache dropping and readahead, RSS.
 
 Imported by the scripts beside it (``python tools/bench_*.py`` puts tools/ on
 sys.path).
@@ -53,6 +53,21 @@ def drop_caches(paths: list[str], level: int = 3) -> None:
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
+
+
+def readahead(paths: list[str]) -> None:
+    """Ask the kernel to start reading these files into the page cache (no waiting)."""
+    if not hasattr(os, "posix_fadvise"):  # e.g. macOS: nothing to ask for
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # absent or gone: the read will tell
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def read_reused(paths: list[str], buf: bytearray) -> None:

@@ -1,7 +1,10 @@
-"""The ``prefixcache`` command: serve, inspect the SSD tier, demo, make-model.
+"""The ``prefixcache`` command: one registry of subcommands, one parser, one dispatch.
 
-Inspection: ``stats``, ``ls``, ``show``, ``tree`` (show.py), ``verify``,
-``gc``, ``clear`` (maintain.py); see inspect.py for what they share.
+Every command module (local.py: demo, make-model; serve.py: serve; inspect.py:
+stats, ls; show.py: show, tree; maintain.py: verify, gc, clear) lists its
+subcommands as :class:`~prefixcache.cli.common.Command` entries in
+``COMMANDS``; none imports mlx-lm at the top, so ``prefixcache stats`` starts
+fast.
 """
 
 from __future__ import annotations
@@ -9,69 +12,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import inspect, maintain, show
+from . import inspect, local, maintain, serve, show
+from .common import Command
 
-_INSPECT = (inspect, show, maintain)
-COMMANDS = {name: fn for module in _INSPECT for name, fn in module.COMMANDS.items()}
+COMMANDS: dict[str, Command] = {
+    command.name: command
+    for module in (local, serve, inspect, show, maintain)
+    for command in module.COMMANDS
+}
 
 
-def setup_arg_parser(*, serve: bool = True) -> argparse.ArgumentParser:
-    """The parser of every subcommand (``serve=False``: all but serve, no mlx-lm import)."""
+def setup_arg_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand in :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="prefixcache", description="A tiered prefix cache for MLX: serve, inspect, maintain."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="multi-turn demo on a tiny local model")
-    demo.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
-    demo.add_argument("--conversations", type=int, default=3)
-    demo.add_argument("--turns", type=int, default=3)
-    demo.add_argument("--system-words", type=int, default=500)
-    demo.add_argument(
-        "--model", default=None, help="a local mlx-lm model dir (default: a tiny one built here)"
-    )
-
-    make = sub.add_parser("make-model", help="write a tiny random-weight model directory")
-    make.add_argument("path")
-    make.add_argument("--arch", default="llama")
-    make.add_argument("--seed", type=int, default=0)
-    if serve:
-        from .serve import add_serve_args
-
-        add_serve_args(sub.add_parser("serve", help="mlx-lm's server with the tiered cache"))
-    for module in _INSPECT:
-        module.add_parsers(sub)
+    for command in COMMANDS.values():
+        command.add_args(sub.add_parser(command.name, help=command.help))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    inspecting = bool(argv) and argv[0] in COMMANDS  # starts fast: mlx-lm is not imported
-    args = setup_arg_parser(serve=not inspecting).parse_args(argv)
-    if args.command in COMMANDS:
-        return inspect.run_with_tier(args, COMMANDS[args.command])
-    if args.command == "demo":
-        from .demo import run_demo
-
-        rows = run_demo(
-            model_path=args.model,
-            ssd_dir=args.ssd_dir,
-            num_conversations=args.conversations,
-            num_turns=args.turns,
-            system_words=args.system_words,
-        )
-        return 0 if all(r["same"] for r in rows) else 1
-    if args.command == "serve":
-        from .serve import run_serve
-
-        return run_serve(args)
-    if args.command == "make-model":
-        from ..tiny import save_model
-
-        path = save_model(args.path, args.arch, seed=args.seed)
-        print(f"wrote {args.arch} (seed {args.seed}) to {path}")
-        return 0
-    return 2
+    """Run ``prefixcache ARGV`` (default: the process's arguments); returns the exit status."""
+    args = setup_arg_parser().parse_args(argv)
+    return COMMANDS[args.command].run(args)
 
 
 if __name__ == "__main__":

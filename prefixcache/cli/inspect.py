@@ -1,53 +1,26 @@
-"""Inspection subcommands of ``prefixcache``: stats and ls, and what every subcommand shares.
+"""``prefixcache stats`` and ``ls``: what an SSD tier directory holds, per model and per block.
 
 ``show`` and ``tree`` are in show.py, ``verify``, ``gc`` and ``clear`` in
-maintain.py.
-
-Every command opens an existing SSD tier directory (``--ssd-dir``, else
-``PREFIXCACHE_SSD_DIR``, else CacheConfig's default) and never creates one.
-``--json`` prints one JSON object with stable keys: sizes are bytes (``nbytes``:
-payload file bytes on disk), times are Unix seconds, keys are 32 hex digits.
-Exit status: 0 done, 1 nothing found or problems found, 2 unusable directory
-or arguments.
+maintain.py; what they share (options, --json, exit status) in common.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import shutil
-import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
-from ..config import CacheConfig, parse_bytes
-from ..errors import SsdFormatError
+from ..config import parse_bytes
 from ..stats import Stats, add_counters
 from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
-from ..tiers.ssd.inventory import CacheDirError, Entry, Inventory, NamespaceInfo, open_tier
-from ..tiers.ssd.tier import SsdTier
-from .report import format_age, format_bytes, parse_duration, table
-
-Doc = dict[str, Any]  # a --json document
-
-
-def add_common(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
-    parser.add_argument(
-        "--ssd-dir",
-        help="SSD tier directory (default: $PREFIXCACHE_SSD_DIR, else ~/.cache/prefixcache)",
-    )
-    if json_flag:
-        parser.add_argument("--json", action="store_true", help="print one JSON object")
+from ..tiers.ssd.inventory import Entry, Inventory, NamespaceInfo
+from ..tiers.ssd.view import SsdView
+from .common import Doc, count, duration, emit, ssd_command
+from .report import format_age, format_bytes, table
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="blocks, tokens, bytes and hit counters per model")
-    add_common(p)
-    p = sub.add_parser("ls", help="list blocks (or chains), filtered and sorted")
-    add_common(p)
+def add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model id (or 4+ hex digits of a namespace root key)")
     p.add_argument("--chains", action="store_true", help="one row per chain (leaf block)")
     p.add_argument("--older-than", type=duration, help="last used before, e.g. 7d, 12h")
@@ -59,54 +32,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=count, help="print at most this many rows")
 
 
-def duration(text: str) -> float:
-    """argparse type of --older-than / --newer-than."""
-    try:
-        return parse_duration(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def count(text: str) -> int:
-    """argparse type of --limit: an int >= 0."""
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
-    return int(text)
-
-
-def ssd_dir(args: argparse.Namespace) -> str:
-    """--ssd-dir, else PREFIXCACHE_SSD_DIR, else CacheConfig's default."""
-    if args.ssd_dir:
-        return os.path.abspath(os.path.expanduser(args.ssd_dir))
-    env = os.environ.get("PREFIXCACHE_SSD_DIR")
-    return CacheConfig(ssd_dir=env).ssd_path if env else CacheConfig().ssd_path
-
-
-def run_with_tier(args: argparse.Namespace, command: Callable[[SsdTier, Any], int]) -> int:
-    """Open the directory, run ``command``; a missing or foreign directory exits 2."""
-    try:
-        tier = open_tier(ssd_dir(args))
-    except (CacheDirError, SsdFormatError) as err:
-        print(f"prefixcache {args.command}: {err}", file=sys.stderr)
-        return 2
-    try:
-        return command(tier, args)
-    finally:
-        tier.close()
-
-
-def emit(args: argparse.Namespace, doc: Doc, human: Callable[[], str]) -> None:
-    print(json.dumps(doc, indent=2) if args.json else human())
-
-
 # -- stats ----------------------------------------------------------------------
 
 
-def cmd_stats(tier: SsdTier, args: argparse.Namespace) -> int:
-    inv = Inventory.load(tier)
-    counters = tier.records.counters()
-    limits = tier.records.limits() or {}
-    disk = shutil.disk_usage(tier.path)
+def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
+    counters = view.records.counters()
+    limits = view.records.limits() or {}
+    disk = shutil.disk_usage(view.path)
     namespaces = [_ns_doc(inv, inv.namespaces[r], counters.get(r)) for r in inv.roots()]
     namespaces = [ns for ns in namespaces if ns["num_blocks"] or ns["counters"] is not None]
     models: dict[str | None, Doc] = {}
@@ -118,9 +51,9 @@ def cmd_stats(tier: SsdTier, args: argparse.Namespace) -> int:
         for name in ("num_blocks", "num_tokens", "nbytes"):
             m[name] += ns[name]
         m["counters"] = add_counters(m["counters"], ns["counters"] or {})
-    totals = tier.index.totals()
+    totals = view.index.totals()
     doc = {
-        "ssd_dir": tier.path,
+        "ssd_dir": view.path,
         "format": {"name": FORMAT_NAME.decode(), "version": FORMAT_VERSION},
         "num_blocks": len(inv.entries),
         "num_tokens": sum(e.num_tokens for e in inv.entries.values()),
@@ -130,7 +63,7 @@ def cmd_stats(tier: SsdTier, args: argparse.Namespace) -> int:
         "max_bytes": limits.get("max_bytes"),
         "min_free_bytes": limits.get("min_free_bytes"),
         "disk": {"total_bytes": disk.total, "free_bytes": disk.free},
-        "other_pids": tier.records.other_pids(),
+        "other_pids": view.records.other_pids(),
         "models": sorted(models.values(), key=lambda m: m["model"] or ""),
         "namespaces": namespaces,
         "counters": functools.reduce(
@@ -202,8 +135,8 @@ def _stats_text(doc: Doc) -> str:
 # -- ls -------------------------------------------------------------------------
 
 
-def cmd_ls(tier: SsdTier, args: argparse.Namespace) -> int:
-    inv = Inventory.load(tier)
+def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
     roots = inv.roots(args.model)
     labels = {r: inv.namespaces[r].label for r in roots}
     rows = [_chain_row(inv, e) for e in inv.leaves(roots)] if args.chains else [
@@ -218,7 +151,7 @@ def cmd_ls(tier: SsdTier, args: argparse.Namespace) -> int:
         rows = [r for r in rows if r["nbytes"] >= args.min_bytes]
     sort_key = {"age": "last_used", "size": "nbytes", "tokens": "prefix_tokens"}[args.sort]
     rows.sort(key=lambda r: (r[sort_key], r["key"]), reverse=not args.reverse)
-    doc = {"ssd_dir": tier.path, "kind": "chains" if args.chains else "blocks",
+    doc = {"ssd_dir": view.path, "kind": "chains" if args.chains else "blocks",
            "num_matched": len(rows), "rows": rows[: args.limit]}  # fmt: skip
     emit(args, doc, lambda: _ls_text(doc, labels, now))
     return 0 if rows else 1
@@ -265,4 +198,7 @@ def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
     return (table(heads, body, align) if rows else f"(no {doc['kind']} match)") + tail
 
 
-COMMANDS = {"stats": cmd_stats, "ls": cmd_ls}
+COMMANDS = (
+    ssd_command("stats", "blocks, tokens, bytes and hit counters per model", cmd_stats),
+    ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),
+)

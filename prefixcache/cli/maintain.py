@@ -1,4 +1,8 @@
-"""``prefixcache verify``, ``gc`` and ``clear``: the commands that may remove blocks."""
+"""``prefixcache verify``, ``gc`` and ``clear``: the commands that may remove blocks.
+
+Each opens the directory for writing only when it will remove something
+(``verify --quarantine``, ``gc`` without ``--dry-run``, ``clear``).
+"""
 
 from __future__ import annotations
 
@@ -10,24 +14,24 @@ from contextlib import contextmanager
 from ..config import parse_bytes
 from ..tiers.ssd.inventory import Inventory
 from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
-from ..tiers.ssd.tier import SsdTier
-from .inspect import Doc, add_common, duration, emit
+from ..tiers.ssd.view import SsdView
+from .common import Doc, duration, emit, ssd_command
 from .report import format_bytes
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check every payload checksum and every chain")
-    add_common(p)
+def add_verify_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine", action="store_true", help="remove bad blocks")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p = sub.add_parser("gc", help="remove orphans, dangling entries, by model, age or size")
-    add_common(p)
+
+
+def add_gc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="only this model's blocks (alone: all of them)")
     p.add_argument("--older-than", type=duration, help="blocks last used before, e.g. 7d")
     p.add_argument("--max-bytes", type=parse_bytes, help="evict LRU leaves down to this size")
     p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
-    p = sub.add_parser("clear", help="remove every block, or one model's")
-    add_common(p)
+
+
+def add_clear_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="only this model (or 4+ hex digits of a root key)")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
 
@@ -35,11 +39,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 # -- verify -------------------------------------------------------------------
 
 
-def cmd_verify(tier: SsdTier, args: argparse.Namespace) -> int:
+def cmd_verify(view: SsdView, args: argparse.Namespace) -> int:
     show_bar = not (args.json or args.no_progress) and sys.stderr.isatty()
     with _progress(show_bar) as step:
-        report = verify(tier, quarantine=args.quarantine, progress=step)
-    doc = _verify_doc(tier, report)
+        report = verify(view, quarantine=args.quarantine, progress=step)
+    doc = _verify_doc(view, report)
     emit(args, doc, lambda: _verify_text(doc))
     return 0 if report.ok else 1
 
@@ -57,10 +61,10 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _verify_doc(tier: SsdTier, r: VerifyReport) -> Doc:
+def _verify_doc(view: SsdView, r: VerifyReport) -> Doc:
     quarantined = set(r.quarantined)
     return {
-        "ssd_dir": tier.path, "ok": r.ok, "num_blocks": r.num_blocks,
+        "ssd_dir": view.path, "ok": r.ok, "num_blocks": r.num_blocks,
         "num_checked": r.num_checked, "num_bad": len(r.bad),
         "bad": [{"key": k.hex(), "reason": why, "quarantined": k in quarantined}
                 for k, why in r.bad.items()],
@@ -94,14 +98,14 @@ def _verify_text(doc: Doc) -> str:
 # -- gc -----------------------------------------------------------------------
 
 
-def cmd_gc(tier: SsdTier, args: argparse.Namespace) -> int:
-    others = tier.records.other_pids()
+def cmd_gc(view: SsdView, args: argparse.Namespace) -> int:
+    others = view.records.other_pids()
     if args.dry_run:
-        inv = Inventory.load(tier)
-        orphans, dangling = stray_files(tier, inv)
+        inv = Inventory.load(view)
+        orphans, dangling = stray_files(view, inv)
     else:
-        orphans, dangling = tier.reconcile()
-        inv = Inventory.load(tier)
+        orphans, dangling = view.index.reconcile()
+        inv = Inventory.load(view)
     if args.model is not None and not inv.roots(args.model):
         print(f"prefixcache gc: no namespace matches --model {args.model!r}", file=sys.stderr)
         return 1
@@ -111,18 +115,18 @@ def cmd_gc(tier: SsdTier, args: argparse.Namespace) -> int:
         drop_detached=not others,
     )  # fmt: skip
     if not args.dry_run:
-        remove(tier, plan.remove)
-    doc = _gc_doc(tier, plan, args.dry_run, orphans, dangling, before, others)
+        remove(view, plan.remove)
+    doc = _gc_doc(view, plan, args.dry_run, orphans, dangling, before, others)
     emit(args, doc, lambda: _gc_text(doc))
     return 0
 
 
 def _gc_doc(
-    tier: SsdTier, plan: GcPlan, dry_run: bool, orphans: int, dangling: int, before: int,
+    view: SsdView, plan: GcPlan, dry_run: bool, orphans: int, dangling: int, before: int,
     others: list[int],
 ) -> Doc:  # fmt: skip
     return {
-        "ssd_dir": tier.path, "dry_run": dry_run,
+        "ssd_dir": view.path, "dry_run": dry_run,
         "num_orphan_files": orphans, "num_dangling_entries": dangling,
         "num_blocks": len(plan.remove), "nbytes": plan.nbytes, "num_tokens": plan.num_tokens,
         "num_selected": plan.num_selected, "num_descendants": plan.num_below,
@@ -152,8 +156,8 @@ def _gc_text(doc: Doc) -> str:
 # -- clear --------------------------------------------------------------------
 
 
-def cmd_clear(tier: SsdTier, args: argparse.Namespace) -> int:
-    inv = Inventory.load(tier)
+def cmd_clear(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
     roots = inv.roots(args.model)
     if args.model is not None and not roots:
         print(f"prefixcache clear: no namespace matches --model {args.model!r}", file=sys.stderr)
@@ -168,17 +172,24 @@ def cmd_clear(tier: SsdTier, args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         answer = input(f"Remove {len(keys)} blocks ({format_bytes(nbytes)}) of {what} "
-                       f"from {tier.path}? [y/N] ")  # fmt: skip
+                       f"from {view.path}? [y/N] ")  # fmt: skip
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
-    num = remove(tier, keys)
-    orphans = 0 if args.model else tier.reconcile()[0]
-    tier.records.drop_counters(roots)
-    doc = {"ssd_dir": tier.path, "model": args.model, "num_blocks": num, "nbytes": nbytes,
+    num = remove(view, keys)
+    orphans = 0 if args.model else view.index.reconcile()[0]
+    view.records.drop_counters(roots)
+    doc = {"ssd_dir": view.path, "model": args.model, "num_blocks": num, "nbytes": nbytes,
            "num_orphan_files": orphans}  # fmt: skip
     emit(args, doc, lambda: f"removed {num} blocks ({format_bytes(nbytes)}) of {what}")
     return 0
 
 
-COMMANDS = {"verify": cmd_verify, "gc": cmd_gc, "clear": cmd_clear}
+COMMANDS = (
+    ssd_command("verify", "check every payload checksum and every chain", cmd_verify,
+                add_verify_args, writable=lambda args: args.quarantine),
+    ssd_command("gc", "remove orphans, dangling entries, by model, age or size", cmd_gc,
+                add_gc_args, writable=lambda args: not args.dry_run),
+    ssd_command("clear", "remove every block, or one model's", cmd_clear, add_clear_args,
+                writable=lambda args: True),
+)  # fmt: skip

@@ -1,15 +1,13 @@
-"""Human output of the inspection CLI: sizes, ages, durations, aligned tables, trees."""
+"""Human output of the inspection CLI: sizes, ages, aligned tables, trees."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from ..tiers.ssd.inventory import Segment
+from .common import SECONDS
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
-_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def format_bytes(n: int | float) -> str:
@@ -25,31 +23,11 @@ def format_age(seconds: float) -> str:
     seconds = max(0, int(seconds))
     units = ("w", "d", "h", "m", "s")
     for i, unit in enumerate(units[:-1]):
-        if seconds >= _SECONDS[unit]:
-            major, rest = divmod(seconds, _SECONDS[unit])
-            minor = rest // _SECONDS[units[i + 1]]
+        if seconds >= SECONDS[unit]:
+            major, rest = divmod(seconds, SECONDS[unit])
+            minor = rest // SECONDS[units[i + 1]]
             return f"{major}{unit} {minor}{units[i + 1]}" if minor else f"{major}{unit}"
     return f"{seconds}s"
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``7d``, ``12h``, ``1h30m``, ``90s``, ``2w`` or a bare number of seconds.
-
-    Raises:
-        ValueError: not a duration.
-    """
-    raw = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", raw):
-        return float(raw)
-    pos, total = 0, 0.0
-    for match in _DURATION.finditer(raw):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _SECONDS[match.group(2)]
-        pos = match.end()
-    if pos != len(raw) or not raw:
-        raise ValueError(f"not a duration (e.g. 7d, 12h, 30m): {text!r}")
-    return total
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], align: str) -> str:

@@ -1,10 +1,8 @@
-"""``prefixcache serve``: mlx-lm's own server ``main()`` with TieredPromptCache in place.
+"""``prefixcache serve``: its options, its CacheConfig, and the call into mlx-lm's server.
 
-mlx-lm builds ``ResponseGenerator(model_provider, prompt_cache)``; for the
-duration of the call that class is swapped for a subclass that passes a
-``TieredPromptCache`` instead and flushes it on shutdown. Argument parsing,
-model loading, batching and HTTP stay mlx-lm's. SIGTERM takes mlx-lm's Ctrl-C
-path, so the hot tier is flushed to SSD either way.
+The server itself (mlx-lm's ``main()`` with TieredPromptCache in place) is
+serve_main.py, imported only when serving: it imports mlx-lm, which the
+other commands never need.
 """
 
 from __future__ import annotations
@@ -12,39 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
-from ..mlx_server import (
-    MlxLmVersionError,
-    ModelKey,
-    ModelPair,
-    TieredPromptCache,
-    check_mlx_lm_version,
-)
-from .metrics import serve_metrics
+from .common import Command
 
 log = logging.getLogger(__name__)
-
-
-def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
-    """``model_for`` over mlx-lm's ``ModelProvider`` (the model it has loaded)."""
-
-    def model_for(model_key: ModelKey) -> nn.Module:
-        if provider.model_key != model_key:
-            raise ValueError(f"model {model_key} is not loaded (loaded: {provider.model_key})")
-        if provider.draft_model is not None:
-            return ModelPair(provider.model, provider.draft_model)
-        return provider.model
-
-    return model_for
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -113,77 +86,18 @@ def set_mx_cache_limit(args: argparse.Namespace) -> int | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run mlx-lm's server (its ``main()``) with a TieredPromptCache in place."""
+    from ..mlx_server import MlxLmVersionError, check_mlx_lm_version
+
     try:
         check_mlx_lm_version()
     except MlxLmVersionError as err:
         print(f"prefixcache serve: {err}", file=sys.stderr)
         return 2
-    from mlx_lm import server
+    from .serve_main import run_mlx_server
 
     config = serve_config(args)
     set_mx_cache_limit(args)
-    generators: list[Any] = []
-    argv = ["prefixcache serve", "--model", args.model, *getattr(args, "mlx_lm_args", [])]
-    generator_class = _generator_class(server.ResponseGenerator, config, generators)
-    with (
-        _swapped(server, "ResponseGenerator", generator_class),
-        _swapped(sys, "argv", argv),
-        _sigterm_interrupts(),
-        serve_metrics(
-            args.metrics_port, lambda: generators[-1].tiered.stats() if generators else {}
-        ),
-    ):
-        try:
-            server.main()
-        finally:
-            for generator in generators:  # idempotent: mlx-lm's shutdown did it already
-                generator.stop_and_join()
-    return 0
+    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port)
 
 
-def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
-    """mlx-lm's ResponseGenerator with our cache swapped in through its constructor."""
-
-    class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
-        def __init__(self, model_provider: Any, prompt_cache: Any):
-            del prompt_cache  # the empty LRUPromptCache mlx-lm's run() made
-            cli = model_provider.cli_args
-            kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
-            cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
-            self.tiered = TieredPromptCache(provider_models(model_provider), cfg)
-            made.append(self)
-            super().__init__(model_provider, self.tiered)
-
-        def stop_and_join(self) -> None:
-            try:
-                super().stop_and_join()
-            finally:
-                self.tiered.close()
-
-    return TieredResponseGenerator
-
-
-@contextmanager
-def _swapped(owner: object, name: str, value: object) -> Iterator[None]:
-    previous = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, previous)
-
-
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the server as Ctrl-C does: mlx-lm's shutdown path, then our flush."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM exits at once
-        log.info("prefixcache serve: SIGTERM, shutting down")
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+COMMANDS = (Command("serve", "mlx-lm's server with the tiered cache", add_serve_args, run_serve),)

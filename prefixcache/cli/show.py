@@ -14,21 +14,20 @@ import numpy as np
 from ..blocks import BlockMeta
 from ..tiers.ssd.index import decode_or_none
 from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment
-from ..tiers.ssd.tier import SsdTier
-from .inspect import Doc, add_common, emit
+from ..tiers.ssd.view import SsdView
+from .common import Doc, emit, ssd_command
 from .report import format_age, format_bytes, short, table, tree_lines
 
 Decoder = Callable[[list[int]], str]
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("show", help="one block: metadata, chain back to the root, tokens")
-    add_common(p)
+def add_show_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("key", help="block key in hex (a unique prefix is enough)")
     p.add_argument("--tokenizer", help="tokenizer.json or model directory (offline)")
     p.add_argument("--full", action="store_true", help="also the whole prefix's token ids")
-    p = sub.add_parser("tree", help="chains of each namespace as a tree: shared prefixes, forks")
-    add_common(p)
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="only this model (or 4+ hex digits of a root key)")
 
 
@@ -57,8 +56,8 @@ def load_decoder(path: str) -> Decoder:
 # -- show ---------------------------------------------------------------------
 
 
-def cmd_show(tier: SsdTier, args: argparse.Namespace) -> int:
-    keys = _resolve(tier, args.key)
+def cmd_show(view: SsdView, args: argparse.Namespace) -> int:
+    keys = _resolve(view, args.key)
     if len(keys) != 1:
         what = "no block matches" if not keys else "several blocks match"
         print(f"prefixcache show: {what} {args.key!r} {[k.hex() for k in keys]}", file=sys.stderr)
@@ -70,36 +69,36 @@ def cmd_show(tier: SsdTier, args: argparse.Namespace) -> int:
         except Exception as err:  # tokenizers raises bare Exception; transformers OSError, ...
             print(f"prefixcache show: cannot load tokenizer: {err}", file=sys.stderr)
             return 2
-    chain = _chain(tier, keys[0])
+    chain = _chain(view, keys[0])
     if not chain:
         print(f"prefixcache show: block {keys[0].hex()} is gone", file=sys.stderr)
         return 1
-    ns = NamespaceInfo.parse(chain[-1].root, tier.records.namespaces().get(chain[-1].root))
-    doc = _show_doc(tier, chain, ns, decode, full=args.full)
+    ns = NamespaceInfo.parse(chain[-1].root, view.records.namespaces().get(chain[-1].root))
+    doc = _show_doc(view, chain, ns, decode, full=args.full)
     emit(args, doc, lambda: _show_text(doc, ns))
     return 0
 
 
-def _resolve(tier: SsdTier, text: str) -> list[bytes]:
+def _resolve(view: SsdView, text: str) -> list[bytes]:
     """Keys whose hex starts with ``text`` (at most 3: enough to call it ambiguous)."""
     prefix = text.strip().lower()
     try:
         start = bytes.fromhex(prefix + "0" * (len(prefix) % 2))
     except ValueError:
         return []
-    return [k for k, _ in tier.index.scan(start, 3) if k.hex().startswith(prefix)]
+    return [k for k, _ in view.index.scan(start, 3) if k.hex().startswith(prefix)]
 
 
-def _chain(tier: SsdTier, key: bytes) -> list[BlockMeta]:
+def _chain(view: SsdView, key: bytes) -> list[BlockMeta]:
     """The block and its stored ancestors, root-first (stops at a missing parent)."""
     chain: list[BlockMeta] = []
-    meta = decode_or_none(key, tier.index.get(key))
+    meta = decode_or_none(key, view.index.get(key))
     limit = meta.index + 1 if meta is not None else 0  # a chain has no loops
     while meta is not None and len(chain) < limit:
         chain.append(meta)
         if meta.parent == meta.root:
             break
-        meta = decode_or_none(meta.parent, tier.index.get(meta.parent))
+        meta = decode_or_none(meta.parent, view.index.get(meta.parent))
     return chain[::-1]
 
 
@@ -108,10 +107,10 @@ def _ids(meta: BlockMeta) -> list[int]:
 
 
 def _show_doc(
-    tier: SsdTier, chain: list[BlockMeta], ns: NamespaceInfo, decode: Decoder | None, *, full: bool
+    view: SsdView, chain: list[BlockMeta], ns: NamespaceInfo, decode: Decoder | None, *, full: bool
 ) -> Doc:
     m = chain[-1]
-    path = tier.payload_file(m.key)
+    path = view.payload_file(m.key)
     complete = chain[0].parent == chain[0].root and chain[0].index == 0
     doc: Doc = {
         "key": m.key.hex(), "model": ns.model, "root": m.root.hex(),
@@ -168,8 +167,8 @@ def _show_text(doc: Doc, ns: NamespaceInfo) -> str:
 # -- tree ---------------------------------------------------------------------
 
 
-def cmd_tree(tier: SsdTier, args: argparse.Namespace) -> int:
-    inv = Inventory.load(tier)
+def cmd_tree(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
     namespaces = []
     for root in inv.roots(args.model):
         top, detached = inv.tree(root)
@@ -186,7 +185,7 @@ def cmd_tree(tier: SsdTier, args: argparse.Namespace) -> int:
             + (len(top) > 1),
             "tree": [_node(s) for s in top], "detached": [_node(s) for s in detached],
         })  # fmt: skip
-    doc = {"ssd_dir": tier.path, "namespaces": namespaces}
+    doc = {"ssd_dir": view.path, "namespaces": namespaces}
     emit(args, doc, lambda: _tree_text(doc, inv))
     return 0 if namespaces else 1
 
@@ -221,4 +220,9 @@ def _tree_text(doc: Doc, inv: Inventory) -> str:
     return "\n".join(lines).rstrip()
 
 
-COMMANDS = {"show": cmd_show, "tree": cmd_tree}
+COMMANDS = (
+    ssd_command("show", "one block: metadata, chain back to the root, tokens", cmd_show,
+                add_show_args),
+    ssd_command("tree", "chains of each namespace as a tree: shared prefixes, forks", cmd_tree,
+                add_tree_args),
+)  # fmt: skip

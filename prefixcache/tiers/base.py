@@ -87,9 +87,19 @@ class Tier(ABC):
     load_miss: ClassVar[MissReason] = MissReason.CORRUPT
 
     @abstractmethod
+    def entry(self, key: bytes) -> ChainEntry | None:
+        """The metadata of block ``key`` if the tier holds it (no payload is read)."""
+
     def held(self, keys: Sequence[bytes], start: int) -> list[ChainEntry]:
         """Entries of ``keys[start:]``, consecutive from ``start``, while this tier
-        holds them (metadata only: no payload is read)."""
+        holds them. A tier with a round-trip cost answers it in one batch."""
+        out = []
+        for key in keys[start:]:
+            found = self.entry(key)
+            if found is None:
+                break
+            out.append(found)
+        return out
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:

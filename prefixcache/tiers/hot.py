@@ -49,14 +49,8 @@ class HotTier(Tier):
     def contains(self, key: bytes) -> bool:
         return key in self._lru
 
-    def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
-        out = []
-        for key in keys[start:]:
-            block = self._lru.get(key)
-            if block is None:
-                break
-            out.append(block)
-        return out
+    def entry(self, key: bytes) -> Block | None:
+        return self._lru.get(key)
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         return _HotReader(self, keys)

@@ -97,6 +97,18 @@ class RemoteTier(Tier):
             return []
         return metas
 
+    def entry(self, key: bytes) -> RemoteMeta | None:
+        """Block ``key``'s meta (one round trip; ``held`` batches a chain in one)."""
+        try:
+            raw = self.client.call(lambda r: r.get(meta_key(self.prefix, key)))
+        except RemoteUnavailable:
+            return None
+        try:
+            return None if raw is None else decode_meta(key, raw)
+        except PayloadError as e:
+            self._corrupt(key, e)
+            return None
+
     def miss_reason(self, key: bytes) -> MissReason | None:
         miss = self._miss
         return miss[1] if miss is not None and miss[0] == key else None

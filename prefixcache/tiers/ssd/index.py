@@ -33,7 +33,7 @@ from ...blocks import BlockMeta, decode_meta, encode_meta
 from ...errors import SsdFormatError
 from .lmdb_env import SharedEnv
 from .payload import list_files, payload_path, temp_owner, temp_path, unlink
-from .records import RECORD_DBS
+from .records import RECORD_DBS, pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -44,20 +44,6 @@ _WRITING = struct.Struct("<IQQ")  # pid, native thread id, file bytes
 Wanted = tuple[bytes, int, int]  # key, file bytes, disk footprint
 _DBS = ("meta", "blocks", "lru", "children", "writing", *RECORD_DBS)
 _DUPSORT = ("children",)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _lru_key(meta: BlockMeta) -> bytes:
@@ -91,21 +77,30 @@ class SsdIndex:
         path: the LMDB directory.
         payloads: root of the payload files (unlinked here when entries drop).
         map_size: initial LMDB map size; doubled on MapFullError.
+        readonly: open an existing index read-only: no write, no clean-up of dead writes.
 
     Raises:
-        SsdFormatError: the index was written by another format version.
+        SsdFormatError: another format version wrote it (readonly: or it is incomplete).
     """
 
-    def __init__(self, path: str, payloads: str, *, map_size: int = 1 << 36) -> None:
-        os.makedirs(path, exist_ok=True)
+    def __init__(
+        self, path: str, payloads: str, *, map_size: int = 1 << 36, readonly: bool = False
+    ) -> None:
+        if not readonly:
+            os.makedirs(path, exist_ok=True)
         self.path = os.path.realpath(path)
         self._payloads = payloads
-        self._shared = SharedEnv.acquire(self.path, map_size=map_size, dbs=_DBS, dupsort=_DUPSORT)
+        try:
+            self._shared = SharedEnv.acquire(
+                self.path, map_size=map_size, dbs=_DBS, dupsort=_DUPSORT, readonly=readonly
+            )
+        except lmdb.NotFoundError as e:
+            raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
         self._db, self._txn = self._shared.dbs, self._shared.txn
         self._closed = False
         try:
-            self._open_format()
-            self.num_recovered = self._clear_dead_writes()
+            self._open_format(readonly)
+            self.num_recovered = 0 if readonly else self._clear_dead_writes()
         except BaseException:
             self.close()
             raise
@@ -216,7 +211,7 @@ class SsdIndex:
 
     # -- internals --------------------------------------------------------
 
-    def _open_format(self) -> None:
+    def _open_format(self, readonly: bool) -> None:
         def check(txn: lmdb.Transaction, write: bool) -> bool:
             name = txn.get(b"format", db=self._db["meta"])
             version = txn.get(b"version", db=self._db["meta"])
@@ -233,14 +228,17 @@ class SsdIndex:
                 )
             return True
 
-        if not self._txn(lambda t: check(t, False)):
-            self._txn(lambda t: check(t, True), write=True)
+        if self._txn(lambda t: check(t, False)):
+            return
+        if readonly:
+            raise SsdFormatError(f"SSD tier index {self.path} records no format version")
+        self._txn(lambda t: check(t, True), write=True)
 
     def _clear_dead_writes(self) -> int:
         """Remove temp files and unindexed payloads of writers that died (O(#records))."""
         writing = self._db["writing"]
         records = self._txn(lambda t: [(bytes(k), bytes(v)) for k, v in t.cursor(db=writing)])
-        dead = [(k, v) for k, v in records if not _alive(_WRITING.unpack(v)[0])]
+        dead = [(k, v) for k, v in records if not pid_alive(_WRITING.unpack(v)[0])]
         if dead:
             self._txn(lambda t: self._clear_writes(t, dead), write=True)
             logger.info("SSD tier: cleaned up %d writes of dead processes", len(dead))
@@ -263,7 +261,8 @@ class SsdIndex:
     ) -> Reservation:  # fmt: skip
         res = Reservation()
         records = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db["writing"])]
-        self._clear_writes(txn, [(k, v) for k, v in records if not _alive(_WRITING.unpack(v)[0])])
+        dead = [(k, v) for k, v in records if not pid_alive(_WRITING.unpack(v)[0])]
+        self._clear_writes(txn, dead)
         reserved = sum(_WRITING.unpack(v)[2] for _, v in txn.cursor(db=self._db["writing"]))
         for key, nbytes, footprint in wanted:
             busy = txn.get(key, db=self._db["writing"]) is not None
@@ -347,7 +346,7 @@ class SsdIndex:
         self, txn: lmdb.Transaction, files: dict[bytes, str], temps: list[str]
     ) -> tuple[int, int]:
         writing = self._db["writing"]
-        live = {bytes(k) for k, v in txn.cursor(db=writing) if _alive(_WRITING.unpack(v)[0])}
+        live = {bytes(k) for k, v in txn.cursor(db=writing) if pid_alive(_WRITING.unpack(v)[0])}
         dangling = 0
         for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._db["blocks"])]:
             path = payload_path(self._payloads, key)
@@ -361,7 +360,7 @@ class SsdIndex:
                 unlink(path)
                 orphans += 1
         for path in temps:
-            if not _alive(temp_owner(path)):
+            if not pid_alive(temp_owner(path)):
                 unlink(path)
                 orphans += 1
         self._rebuild(txn)

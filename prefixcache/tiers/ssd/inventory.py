@@ -1,52 +1,29 @@
 """Inventory of an SSD tier directory: its blocks grouped by namespace, chains and forks.
 
-What the inspection CLI reads. :func:`open_tier` opens an existing directory
-(never creates one) while servers may hold it open too: LMDB gives every
-process consistent reads, and a scan runs in short transactions. The
-inventory keeps each block's index fields but not its token ids.
+What the inspection CLI reads, through an :class:`SsdView` (servers may hold
+the directory open meanwhile: LMDB gives every process consistent reads, and
+a scan runs in short transactions). The inventory keeps each block's index
+fields but not its token ids.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from ...blocks import BlockMeta
-from ...config import CacheConfig
 from .index import decode_or_none
-from .tier import SsdTier
+from .view import SsdView
 
 _SCAN_CHUNK = 1024
 
 
-class CacheDirError(Exception):
-    """The directory does not exist or holds no prefixcache SSD tier."""
-
-
-def open_tier(path: str) -> SsdTier:
-    """Open an existing SSD tier directory for inspection or maintenance.
-
-    Raises:
-        CacheDirError: no such directory, or no prefixcache index in it.
-        SsdFormatError: the index has another format version.
-    """
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.isdir(path):
-        raise CacheDirError(f"no SSD tier directory at {path}")
-    if not os.path.isfile(os.path.join(path, "index", "data.mdb")):
-        raise CacheDirError(f"{path} is not a prefixcache SSD tier (no index/data.mdb)")
-    # ssd_max_bytes bounds writes only; inspection writes none
-    config = CacheConfig(ssd_dir=path, ssd_max_bytes=0, ssd_min_free_bytes=0)
-    return SsdTier(config, record_limits=False)
-
-
-def scan(tier: SsdTier) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:
+def scan(view: SsdView) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:
     """(key, raw entry, decoded meta or None if unreadable) of every indexed block."""
     start = b""
     while True:
-        rows = tier.index.scan(start, _SCAN_CHUNK)
+        rows = view.index.scan(start, _SCAN_CHUNK)
         for key, raw in rows:
             yield key, raw, decode_or_none(key, raw)
         if len(rows) < _SCAN_CHUNK:
@@ -141,15 +118,15 @@ class Inventory:
     children: dict[bytes, list[bytes]] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, tier: SsdTier) -> Inventory:
+    def load(cls, view: SsdView) -> Inventory:
         entries: dict[bytes, Entry] = {}
         bad: list[bytes] = []
-        for key, _, meta in scan(tier):
+        for key, _, meta in scan(view):
             if meta is None:
                 bad.append(key)
             else:
                 entries[key] = Entry.of(meta)
-        recorded = tier.records.namespaces()
+        recorded = view.records.namespaces()
         roots = set(recorded) | {e.root for e in entries.values()}
         namespaces = {r: NamespaceInfo.parse(r, recorded.get(r)) for r in sorted(roots)}
         inv = cls(entries, namespaces, bad)

@@ -5,6 +5,9 @@ path shares one (reference counted). Transactions run through
 :meth:`SharedEnv.txn`, which grows the map on ``MapFullError`` and adopts
 another process's growth on ``MapResizedError``. Resizing requires that no
 transaction of this process is open, which a small shared/exclusive gate ensures.
+A read-only opener (the inspection CLI) shares a writable environment already
+open, or opens the path read-only: it then writes nothing to the data file and
+may be shared by other readers only.
 """
 
 from __future__ import annotations
@@ -59,25 +62,58 @@ class SharedEnv:
     _open: ClassVar[dict[str, SharedEnv]] = {}  # realpath -> env, process-wide
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, path: str, env: lmdb.Environment, dbs: dict[str, object]) -> None:
-        self.path, self.env, self.dbs = path, env, dbs
+    def __init__(
+        self, path: str, env: lmdb.Environment, dbs: dict[str, object], readonly: bool = False
+    ) -> None:
+        self.path, self.env, self.dbs, self.readonly = path, env, dbs, readonly
         self._gate = _Gate()
         self._refs = 1
 
     @classmethod
     def acquire(
-        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = ()
-    ) -> SharedEnv:
-        """Open (or share the already open) environment at ``path``."""
+        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = (),
+        readonly: bool = False,
+    ) -> SharedEnv:  # fmt: skip
+        """Open (or share the already open) environment at ``path``.
+
+        Raises:
+            ValueError: a writable open of a path this process has open read-only.
+            lmdb.NotFoundError: ``readonly`` and one of ``dbs`` does not exist.
+        """
         with cls._lock:
             shared = cls._open.get(path)
             if shared is not None:
+                if shared.readonly and not readonly:
+                    raise ValueError(f"LMDB {path} is open read-only in this process")
                 shared._refs += 1
                 return shared
-            env = lmdb.open(path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True)
+            env = lmdb.open(
+                path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True, readonly=readonly
+            )
             env.reader_check()  # free reader slots of dead processes
-            handles = {name: env.open_db(name.encode(), dupsort=name in dupsort) for name in dbs}
-            shared = cls._open[path] = cls(path, env, handles)
+            try:
+                handles = {
+                    name: env.open_db(name.encode(), dupsort=name in dupsort, create=not readonly)
+                    for name in dbs
+                }
+            except lmdb.Error:
+                env.close()
+                raise
+            shared = cls._open[path] = cls(path, env, handles, readonly)
+            return shared
+
+    @classmethod
+    def share(cls, path: str) -> SharedEnv:
+        """The environment this process has open at ``path`` (one more reference).
+
+        Raises:
+            ValueError: ``path`` is not open in this process.
+        """
+        with cls._lock:
+            shared = cls._open.get(path)
+            if shared is None:
+                raise ValueError(f"LMDB {path} is not open in this process")
+            shared._refs += 1
             return shared
 
     def release(self) -> None:

@@ -21,7 +21,7 @@ from ...blocks import BlockMeta
 from ...errors import PayloadError
 from .inventory import Entry, Inventory, scan
 from .payload import list_files, read_payload
-from .tier import SsdTier
+from .view import SsdView
 
 _REMOVE_CHUNK = 256
 
@@ -45,41 +45,42 @@ class VerifyReport:
 
 
 def verify(
-    tier: SsdTier, *, quarantine: bool = False, progress: Callable[[int, int], None] | None = None
+    view: SsdView, *, quarantine: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> VerifyReport:
     """Check every payload's checksum and every chain's links.
 
     Args:
+        view: the directory (``writable`` if ``quarantine``).
         quarantine: drop bad blocks (entry and file), as a load that found them would.
         progress: called with (blocks checked, total) after each block.
     """
-    report = VerifyReport(other_pids=tier.records.other_pids())
-    rows = list(scan(tier))
+    report = VerifyReport(other_pids=view.records.other_pids())
+    rows = list(scan(view))
     report.num_blocks = len(rows)
     for key, raw, meta in rows:
-        problem = _check(tier, key, meta)
-        if problem is not None and tier.index.get(key) != raw:
+        problem = _check(view, key, meta)
+        if problem is not None and view.index.get(key) != raw:
             problem = None  # evicted or rewritten while we read: a race, not a verdict
         if problem is not None:
             bad, why = problem
             (report.bad if bad else report.unreadable)[key] = why
-            if bad and quarantine and tier.index.quarantine(key, raw):
+            if bad and quarantine and view.index.quarantine(key, raw):
                 report.quarantined.append(key)
         report.num_checked += 1
         if progress is not None:
             progress(report.num_checked, report.num_blocks)
-    inv = Inventory.load(tier)
+    inv = Inventory.load(view)
     report.detached = inv.broken()
     report.num_unreachable = len(inv.descendants(report.detached))
     return report
 
 
-def _check(tier: SsdTier, key: bytes, meta: BlockMeta | None) -> tuple[bool, str] | None:
+def _check(view: SsdView, key: bytes, meta: BlockMeta | None) -> tuple[bool, str] | None:
     """None if the block reads back intact, else (is it bad, why); I/O errors are not bad."""
     if meta is None:
         return True, "index entry does not decode"
     try:
-        path = tier.payload_file(key)
+        path = view.payload_file(key)
         _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
     except FileNotFoundError:
         return True, "payload file is missing"
@@ -168,17 +169,18 @@ def _evict_lru(inv: Inventory, kept: list[Entry], max_bytes: int) -> set[bytes]:
     return out
 
 
-def remove(tier: SsdTier, keys: list[bytes]) -> int:
+def remove(view: SsdView, keys: list[bytes]) -> int:
     """Remove blocks in short transactions (leaves first); returns how many were indexed."""
-    return sum(tier.remove(keys[i : i + _REMOVE_CHUNK]) for i in range(0, len(keys), _REMOVE_CHUNK))
+    chunks = range(0, len(keys), _REMOVE_CHUNK)
+    return sum(view.index.remove(keys[i : i + _REMOVE_CHUNK]) for i in chunks)
 
 
-def stray_files(tier: SsdTier, inv: Inventory) -> tuple[int, int]:
+def stray_files(view: SsdView, inv: Inventory) -> tuple[int, int]:
     """(payload or temp files no entry owns, entries without a payload file), read only.
 
-    Counts files being written right now as stray; ``tier.reconcile()`` does not.
+    Counts files being written right now as stray; ``view.index.reconcile()`` does not.
     """
-    files, temps = list_files(os.path.join(tier.path, "blocks"))
+    files, temps = list_files(os.path.join(view.path, "blocks"))
     indexed = set(inv.entries) | set(inv.bad)
     orphans = sum(key not in indexed for key in files) + len(temps)
     dangling = sum(key not in files for key in indexed)

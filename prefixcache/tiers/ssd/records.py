@@ -47,7 +47,7 @@ class SsdRecords:
     """
 
     def __init__(self, index_path: str) -> None:
-        self._shared = SharedEnv.acquire(index_path, map_size=1 << 36, dbs=())
+        self._shared = SharedEnv.share(index_path)
         if "records" not in self._shared.dbs:
             self._shared.release()
             raise ValueError(f"the index at {index_path} was opened without a records database")
@@ -114,7 +114,7 @@ class SsdRecords:
     def other_pids(self) -> list[int]:
         """Other live processes whose PrefixCache has the directory open."""
         pids = [int.from_bytes(key, "big") for key in self._prefixed(_PROCESS)]
-        return sorted(pid for pid in pids if pid != os.getpid() and _alive(pid))
+        return sorted(pid for pid in pids if pid != os.getpid() and pid_alive(pid))
 
     # -- internals ---------------------------------------------------------------
 
@@ -149,7 +149,10 @@ def _process_key(pid: int) -> bytes:
     return _PROCESS + pid.to_bytes(4, "big")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (someone else's counts; 0 or less never does)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

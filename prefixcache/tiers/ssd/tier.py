@@ -125,14 +125,8 @@ class SsdTier(Tier):
     def contains(self, key: bytes) -> bool:
         return self.writer.pending(key) is not None or self.index.get(key) is not None
 
-    def held(self, keys: Sequence[bytes], start: int) -> list[BlockMeta]:
-        out = []
-        for key in keys[start:]:
-            meta = self.get_meta(key)
-            if meta is None:
-                break
-            out.append(meta)
-        return out
+    def entry(self, key: bytes) -> BlockMeta | None:
+        return self.get_meta(key)
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
@@ -181,31 +175,6 @@ class SsdTier(Tier):
             return None
         self._note_load(key, nbytes)
         return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
-
-    def load_many(self, keys: Sequence[bytes], *, ahead: int = 4) -> Iterator[Block | None]:
-        """Load blocks in order (e.g. a chain being restored), one at a time.
-
-        The payload files of the next ``ahead`` blocks are handed to the kernel's
-        readahead meanwhile, so cold reads overlap (tools/bench_ssd.py: ``stream``).
-        """
-        self.prefetch(keys[:ahead])
-        for i, key in enumerate(keys):
-            self.prefetch(keys[i + ahead : i + ahead + 1])
-            yield self.load(key)
-
-    def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Start reading these blocks' payload files into the page cache (no waiting)."""
-        if not hasattr(os, "posix_fadvise"):  # e.g. macOS: nothing to ask for
-            return
-        for key in keys:
-            try:
-                fd = os.open(self.payload_file(key), os.O_RDONLY)
-            except OSError:
-                continue  # pending, absent or gone: load() will tell
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks as used now (LRU); applied by the writer with its next batch."""

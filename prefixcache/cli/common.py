@@ -1,0 +1,153 @@
+"""What every ``prefixcache`` subcommand shares: the registry entry, options, output.
+
+Each command module lists its subcommands as :class:`Command` entries in
+``COMMANDS``; ``cli/__init__.py`` builds the parser from them and dispatches.
+A command module imports nothing heavy at the top (mlx-lm, transformers): the
+inspection commands start fast, serve and demo import what they run when run.
+
+The commands on an SSD tier directory (:func:`ssd_command`) open an existing
+one (``--ssd-dir``, else ``PREFIXCACHE_SSD_DIR``, else CacheConfig's default)
+as an :class:`SsdView` and never create one: read-only unless the command
+removes blocks, and without any thread either way. ``--json`` prints one JSON
+object with stable keys: sizes are bytes (``nbytes``: payload file bytes on
+disk), times are Unix seconds, keys are 32 hex digits; the human text never
+holds a control character (escaped as ``\\x1b``). Exit status: 0 done,
+1 nothing found or problems found, 2 unusable directory or arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import CacheConfig
+from ..errors import CacheDirError, SsdFormatError
+from ..tiers.ssd.view import SsdView
+
+Doc = dict[str, Any]  # a --json document
+Args = argparse.Namespace
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One subcommand: its name, one-line help, its options and what it runs.
+
+    ``run`` returns the exit status.
+    """
+
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[Args], int]
+
+
+def ssd_command(
+    name: str,
+    help: str,
+    run: Callable[[SsdView, Args], int],
+    add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+    *,
+    writable: Callable[[Args], bool] = lambda args: False,
+) -> Command:
+    """A command on an SSD tier directory: ``--ssd-dir`` and ``--json``, then ``add_args``.
+
+    ``run`` gets the directory opened by :func:`open_view` (for writing if
+    ``writable(args)``); a missing or foreign directory exits 2.
+    """
+
+    def add(parser: argparse.ArgumentParser) -> None:
+        add_common(parser)
+        if add_args is not None:
+            add_args(parser)
+
+    def run_on_dir(args: Args) -> int:
+        try:
+            view = open_view(ssd_dir(args), writable=writable(args))
+        except (CacheDirError, SsdFormatError) as err:
+            print(f"prefixcache {args.command}: {err}", file=sys.stderr)
+            return 2
+        with view:
+            return run(view, args)
+
+    return Command(name, help, add, run_on_dir)
+
+
+def open_view(path: str, *, writable: bool = False) -> SsdView:
+    """The one place the CLI opens an SSD tier directory."""
+    return SsdView(path, writable=writable)
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ssd-dir",
+        help="SSD tier directory (default: $PREFIXCACHE_SSD_DIR, else ~/.cache/prefixcache)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def ssd_dir(args: Args) -> str:
+    """--ssd-dir, else PREFIXCACHE_SSD_DIR, else CacheConfig's default."""
+    if args.ssd_dir:
+        return os.path.abspath(os.path.expanduser(args.ssd_dir))
+    env = os.environ.get("PREFIXCACHE_SSD_DIR")
+    return CacheConfig(ssd_dir=env).ssd_path if env else CacheConfig().ssd_path
+
+
+def emit(args: Args, doc: Doc, human: Callable[[], str]) -> None:
+    """Print ``doc`` as JSON (--json, ASCII) or the human text with :func:`printable` lines."""
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(printable(line) for line in human().split("\n")))
+
+
+def printable(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped as ``repr`` does.
+
+    What a cache recorded (model ids, decoded tokens) never reaches the terminal
+    raw: an ESC sequence is printed as ``\\x1b[...``, not obeyed.
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``7d``, ``12h``, ``1h30m``, ``90s``, ``2w`` or a bare number of seconds.
+
+    Raises:
+        ValueError: not a duration.
+    """
+    raw = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", raw):
+        return float(raw)
+    pos, total = 0, 0.0
+    for match in _DURATION.finditer(raw):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * SECONDS[match.group(2)]
+        pos = match.end()
+    if pos != len(raw) or not raw:
+        raise ValueError(f"not a duration (e.g. 7d, 12h, 30m): {text!r}")
+    return total
+
+
+def duration(text: str) -> float:
+    """argparse type of --older-than / --newer-than."""
+    try:
+        return parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def count(text: str) -> int:
+    """argparse type of --limit: an int >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return int(text)
