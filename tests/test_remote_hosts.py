@@ -7,6 +7,7 @@ serving while the server is down, and remote hits resume once it is back.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -119,3 +120,30 @@ def test_cost_gate_refuses_a_remote_restore_slower_than_recomputing(tmp_path, ll
     assert slow.stats()["remote"]["num_gate_refusals"] == 0
     for pc in (a, fast, slow):
         pc.close()
+
+
+def test_stats_cli_reports_the_server_per_namespace(tmp_path, llama, redis_server, capsys):
+    from prefixcache.cli import main
+    from prefixcache.cli.serve import add_serve_args, serve_config
+    from prefixcache.stats import prometheus_text
+
+    with cache_for(tmp_path, "a", redis_server.url, llama) as a:
+        tokens = prompt(31, 3 * BLOCK + 1)
+        a.store(tokens, filled(llama, tokens))
+        a.flush()
+        metrics = prometheus_text(a.stats())
+    assert "prefixcache_remote_writes_total 3" in metrics
+    assert main(["stats", "--remote-url", redis_server.url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_blocks"] == 3 and doc["nbytes"] == 3 * 8192
+    assert [(ns["model"], ns["num_blocks"]) for ns in doc["namespaces"]] == [("tiny", 3)]
+    assert doc["server"]["maxmemory_policy"] == "allkeys-lru"
+    assert main(["stats", "--remote-url", redis_server.url, "--remote-prefix", "other"]) == 0
+    assert "0 blocks" in capsys.readouterr().out
+    redis_server.kill()
+    assert main(["stats", "--remote-url", redis_server.url]) == 2
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", "m", "--remote-url", "unix:///tmp/x.sock"])
+    assert serve_config(args).remote_url == "unix:///tmp/x.sock"
