@@ -12,6 +12,8 @@ empty local tiers), interleaved and repeated (medians of per-round ratios):
   ttft     host b's time to first token: fetch + prefill of the 1-token suffix
   prefill  the same prompt recomputed from scratch (time to first token)
 
+the cost of ``store`` on the caller's thread with and without the remote tier
+(blocks go remote on store) and how long until the server has every block,
 and the cost an unreachable server adds to a fetch that misses the local
 tiers: the server stopped (SIGSTOP: a hung server, calls time out) or killed
 (connection refused), for the first request (breaker closed) and the next
@@ -68,9 +70,9 @@ def config(args, url: str | None, **changes) -> CacheConfig:
     return base.replace(**changes)
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -79,6 +81,23 @@ def plain_get(client, names: list[str]) -> int:
     for name in names:
         pipe.get(name)
     return sum(len(v) for v in pipe.execute())
+
+
+def store_cost(args, model, server: RedisServer) -> dict[str, float]:
+    """ms: ``store`` of a chain on the caller's thread without and with the remote
+    tier (blocks go remote on store), and how long until the server has them all."""
+    out: dict[str, list[float]] = {"store, no remote tier": [], "store, remote tier": [],
+                                   "until every block is on the server": []}  # fmt: skip
+    for r in range(args.repeat):
+        tokens = list(range(10_000 * (r + 1), 10_000 * (r + 1) + args.tokens))
+        cache = synthetic_cache(args, len(tokens))
+        with PrefixCache(model, config(args, None), model_id="bench") as pc:
+            out["store, no remote tier"].append(timed(pc.store, tokens, cache))
+        with PrefixCache(model, config(args, server.url), model_id="bench") as pc:
+            out["store, remote tier"].append(timed(pc.store, tokens, cache))
+            out["until every block is on the server"].append(timed(pc.flush))
+        server.client().flushall()
+    return {k: statistics.median(v) * 1000 for k, v in out.items()}
 
 
 def transfer(args, model, server: RedisServer) -> dict[str, list[float]]:
@@ -146,6 +165,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         server = RedisServer(work, unix=args.unix, maxmemory="4gb")
         try:
+            store = store_cost(args, model, server)
             res = transfer(args, model, server)
             cost = unreachable(args, model, server)
         finally:
@@ -164,6 +184,10 @@ def main() -> None:
         lo, hi = min(res[name]) * 1000, max(res[name]) * 1000
         print(f"| {name} | {med[name] * 1000:.0f} ms | {lo:.0f}-{hi:.0f} |")
     print(f"| ttft / prefill | {med['ttft'] / med['prefill']:.2f} | |")
+    print("\n| store of the chain (median) | ms |")
+    print("|---|---|")
+    for name, ms in store.items():
+        print(f"| {name} | {ms:.1f} |")
     print(f"\nunreachable server (timeout {args.timeout_ms} ms), fetch latency of a local miss:")
     print("| case | ms |")
     print("|---|---|")
