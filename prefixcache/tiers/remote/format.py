@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -28,6 +29,9 @@ import xxhash
 from ...errors import PayloadError
 from ...host import HostArray
 from ..ssd.payload import _MX_DTYPES, Tensor
+
+if TYPE_CHECKING:
+    from ...blocks import Block
 
 FORMAT = 1
 PART_BYTES = 4 << 20
@@ -77,6 +81,16 @@ def encode_meta(meta: RemoteMeta) -> bytes:
     sums = struct.pack(f"<{len(meta.sums)}Q", *meta.sums)
     body = head + meta.tokens + sums + specs.encode()
     return body + xxhash.xxh3_64_digest(body)
+
+
+def block_meta(block: Block, tensors: list[Tensor], sums: list[int]) -> bytes:
+    """The meta value of ``block`` whose payload is ``tensors`` in parts of ``sums``."""
+    specs = tuple((t.name, t.dtype, t.shape) for t in tensors)
+    nbytes = sum(t.data.nbytes for t in tensors)
+    return encode_meta(
+        RemoteMeta(block.key, block.parent, block.root, block.index, block.tokens, nbytes,
+                   tuple(sums), specs)
+    )  # fmt: skip
 
 
 def decode_meta(key: bytes, value: bytes) -> RemoteMeta:

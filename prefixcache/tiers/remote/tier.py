@@ -32,7 +32,7 @@ from ..base import Tier, TierReader
 from ..ssd.payload import tensors_of
 from ..ssd.writer import WriteItem, Writer
 from .client import RemoteClient, RemoteUnavailable
-from .format import RemoteMeta, decode_meta, encode_meta, encode_parts, meta_key, part_key
+from .format import RemoteMeta, block_meta, decode_meta, encode_parts, meta_key, part_key
 from .format import namespace_key as ns_key
 from .gate import CostGate
 
@@ -229,6 +229,9 @@ class RemoteTier(Tier):
 
     def _write_batch(self, items: list[WriteItem]) -> None:
         """Encode and send a batch: each block's parts, then its meta (writer thread)."""
+        if not self.client.breaker.allow():  # down: drop without encoding
+            self._count("num_dropped_writes", len(items))
+            return
         if not self._room(sum(it.nbytes for it in items)):
             self._count("num_no_room", len(items))
             self._count("num_dropped_writes", len(items))
@@ -240,7 +243,8 @@ class RemoteTier(Tier):
                     parts, sums = encode_parts(item.block.key, item.tensors)
                     for n, part in enumerate(parts):
                         pipe.set(part_key(self.prefix, item.block.key, n), part)
-                    pipe.set(meta_key(self.prefix, item.block.key), _meta(item, sums))
+                    meta = block_meta(item.block, item.tensors, sums)
+                    pipe.set(meta_key(self.prefix, item.block.key), meta)  # after its parts
                     sent.append(item)
                 self.client.call(lambda _: pipe.execute())
         except RemoteUnavailable:
@@ -293,13 +297,3 @@ class RemoteTier(Tier):
             first = self._counts["num_corrupt"] == 1
         log = logger.warning if first else logger.debug
         log("remote tier: unusable block %s (%s): a miss", key.hex(), error)
-
-
-def _meta(item: WriteItem, sums: list[int]) -> bytes:
-    block = item.block
-    specs = tuple((t.name, t.dtype, t.shape) for t in item.tensors)
-    nbytes = sum(t.data.nbytes for t in item.tensors)
-    meta = RemoteMeta(
-        block.key, block.parent, block.root, block.index, block.tokens, nbytes, tuple(sums), specs
-    )
-    return encode_meta(meta)
