@@ -1,11 +1,11 @@
 # Two entry points, both self-contained on a fresh machine (Python >= 3.10):
 #   make demo   set up .venv and run the demo on a tiny locally built model
-#   make test   set up .venv, lint, and run the test suite
+#   make test   set up .venv, lint, install redis-server if missing, run the test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup lint
+.PHONY: demo test setup lint redis-server
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,9 @@ lint: setup
 	$(BIN)/ruff check prefixcache tests tools
 	$(BIN)/ruff format --check prefixcache tests tools
 
-test: lint
+# the remote tier's tests start their own redis-server (never a system service)
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+
+test: lint redis-server
 	$(BIN)/pytest

@@ -173,6 +173,13 @@ class PrefixCache:
 
         return prefill(self, tokens, prefill_step_size=prefill_step_size, extra=extra)
 
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Report a prefill of ``num_tokens`` that took ``seconds`` (``prefill`` does;
+        a scheduler with its own loop may): the remote tier's cost gate weighs
+        fetching a prefix against recomputing it at this speed."""
+        with self._lock:
+            self.tiers.note_prefill(num_tokens, seconds)
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             return self._stats.as_dict() | self.tiers.snapshot()

@@ -60,6 +60,17 @@ class CacheConfig:
         counters_save_seconds: how often a cache adds its counters to the
             lower tiers' records (besides ``flush``/``close``), so a killed
             process loses at most that much of them; 0: only on flush/close.
+        remote_url: the shared remote tier's server (``redis://``, ``rediss://``
+            or ``unix://``, Redis or Valkey), or None for no remote tier.
+        remote_prefix: namespace of every key the remote tier writes.
+        remote_connect_timeout_ms: give up connecting after this long.
+        remote_timeout_ms: give up on one remote call after this long.
+        remote_breaker_failures: consecutive failures that open the breaker.
+        remote_breaker_ms: how long an open breaker skips every remote call.
+        remote_max_bytes: stop writing while the server uses more memory than
+            this (0: leave it to the server's ``maxmemory``).
+        prefill_tokens_per_s: recompute speed the remote cost gate compares a
+            remote restore with (0: measured by ``PrefixCache.prefill``).
     """
 
     block_size: int = 256
@@ -79,9 +90,24 @@ class CacheConfig:
     snapshot_interval: int = 1
     ssd_retry_seconds: float = 30.0
     counters_save_seconds: float = 5.0
+    remote_url: str | None = None
+    remote_prefix: str = "prefixcache"
+    remote_connect_timeout_ms: int = 250
+    remote_timeout_ms: int = 1000
+    remote_breaker_failures: int = 3
+    remote_breaker_ms: int = 5000
+    remote_max_bytes: int = 0
+    prefill_tokens_per_s: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "snapshot_interval", "kv_group_size"):
+        for name in (
+            "block_size",
+            "snapshot_interval",
+            "kv_group_size",
+            "remote_connect_timeout_ms",
+            "remote_timeout_ms",
+            "remote_breaker_failures",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -92,6 +118,9 @@ class CacheConfig:
             "write_queue_bytes",
             "quantized_kv_start",
             "restore_headroom",
+            "remote_breaker_ms",
+            "remote_max_bytes",
+            "prefill_tokens_per_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -108,6 +137,7 @@ class CacheConfig:
             raise ValueError(
                 f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}"
             )
+        _check_remote(self.remote_url, self.remote_prefix)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
 
@@ -141,16 +171,28 @@ def _parse_field(name: str, raw: str) -> object:
         raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
     if name.endswith("_bytes"):
         return parse_bytes(raw)
-    if name in ("ssd_dir", "write_policy", "queue_full"):
+    if name in ("ssd_dir", "write_policy", "queue_full", "remote_prefix"):
         return raw
     if name.endswith("_seconds"):
         try:
             return float(raw)
         except ValueError:
             raise ValueError(f"{ENV_PREFIX}{name.upper()} must be seconds, got {raw!r}") from None
+    if name == "remote_url":
+        return raw.strip() or None
     if name == "kv_bits" and raw.strip().lower() in ("", "none"):
         return None
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"{ENV_PREFIX}{name.upper()} must be an int, got {raw!r}") from None
+
+
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _check_remote(url: str | None, prefix: str) -> None:
+    if url is not None and (not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES)):
+        raise ValueError(f"remote_url must start with one of {REMOTE_SCHEMES}, got {url!r}")
+    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :*?[]"):
+        raise ValueError(f"remote_prefix must be a non-empty name without ' :*?[]', got {prefix!r}")

@@ -21,8 +21,10 @@ class MissReason(str, Enum):
     BOUNDARY_MISSING = "boundary_state_missing"  # no recurrent snapshot at the boundary
     WINDOW_NOT_COVERED = "window_not_covered"  # sliding-window tokens not stored
     LAYOUT_MISMATCH = "layout_mismatch"  # stored payload unusable for this layout
-    CORRUPT = "corrupt"  # checksum or decode failure on the SSD tier
+    CORRUPT = "corrupt"  # checksum or decode failure on the ssd or remote tier
     TOKEN_MISMATCH = "token_mismatch"  # key matched but stored token ids differ
+    REMOTE_UNAVAILABLE = "remote_unavailable"  # the remote server failed, timed out, breaker open
+    REMOTE_GATE = "remote_slower_than_prefill"  # the cost gate chose recomputing over fetching
 
 
 class UnsupportedCacheError(TypeError):

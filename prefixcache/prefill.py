@@ -6,6 +6,7 @@ with its own prefill loop can do exactly the same.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -18,7 +19,8 @@ from .config import CacheConfig
 
 
 class Cache(Protocol):
-    """What the prefill loop uses of a PrefixCache: its model, config and public verbs."""
+    """What the prefill loop uses of a PrefixCache: its model, config and public verbs
+    (``note_prefill`` hears each chunk's speed: the remote tier's cost gate)."""
 
     model: Callable[..., mx.array]
     config: CacheConfig
@@ -35,6 +37,8 @@ class Cache(Protocol):
         extra: Mapping[str, str] | None = None,
     ) -> int: ...
 
+    def note_prefill(self, num_tokens: int, seconds: float) -> None: ...
+
 
 def prefill(
     pc: Cache,
@@ -48,7 +52,7 @@ def prefill(
     After each chunk mlx-lm's KV quantization schedule is applied (as
     ``generate_step`` does), the cache is evaluated and the blocks it completed
     are stored (window K/V while still in the window, recurrent state at the
-    chunk's end boundary).
+    chunk's end boundary). Each chunk's speed is reported (``note_prefill``).
 
     Returns:
         (the cache holding all of ``tokens``, the last token's logits (1, vocab))
@@ -61,6 +65,7 @@ def prefill(
     ids = mx.array(tokens, dtype=mx.int32)
     logits = None
     for end in chunk_ends(start, len(tokens), step):
+        began = time.perf_counter()
         out = pc.model(ids[None, start:end], cache=cache)
         maybe_quantize_kv_cache(cache, cfg.quantized_kv_start, cfg.kv_group_size, cfg.kv_bits)
         if end == len(tokens):
@@ -68,6 +73,7 @@ def prefill(
         # only the cache (and the last logits) are computed, as in generate_step
         mx.eval(logits, [c.state for c in cache])
         del out
+        pc.note_prefill(end - start, time.perf_counter() - began)
         pc.capture(tokens[:end], cache, extra=extra)
         start = end
     return cache, logits

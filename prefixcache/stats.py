@@ -147,6 +147,30 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "ssd.num_loads": ("ssd_loads_total", _C, "payload files read"),
     "ssd.load_bytes": ("ssd_loaded_bytes_total", _C, "payload bytes read"),
     "ssd.num_pending_loads": ("ssd_pending_loads_total", _C, "blocks served from the queue"),
+    "remote.breaker_open": ("remote_breaker_open", _G, "1 while the remote breaker skips calls"),
+    "remote.num_breaker_trips": ("remote_breaker_trips_total", _C, "times the breaker opened"),
+    "remote.num_errors": ("remote_errors_total", _C, "remote calls that failed"),
+    "remote.num_timeouts": ("remote_timeouts_total", _C, "remote calls that timed out"),
+    "remote.num_skipped": ("remote_skipped_calls_total", _C, "remote calls skipped: breaker open"),
+    "remote.queue_depth": ("remote_write_queue_blocks", _G, "blocks waiting for the remote writer"),
+    "remote.queue_bytes": ("remote_write_queue_bytes", _G, "bytes waiting for the remote writer"),
+    "remote.num_write_failures": ("remote_write_failures_total", _C, "failed remote batches"),
+    "remote.num_writes": ("remote_writes_total", _C, "blocks written to the remote server"),
+    "remote.written_bytes": ("remote_written_bytes_total", _C, "payload bytes written remotely"),
+    "remote.num_dropped_writes": ("remote_dropped_writes_total", _C, "blocks not written remotely"),
+    "remote.num_no_room": ("remote_no_room_total", _C, "remote writes refused by the budget"),
+    "remote.num_loads": ("remote_loads_total", _C, "blocks fetched from the remote server"),
+    "remote.load_bytes": ("remote_loaded_bytes_total", _C, "payload bytes fetched remotely"),
+    "remote.num_missing_parts": (
+        "remote_missing_parts_total", _C, "remote blocks with a part evicted or torn",
+    ),
+    "remote.num_corrupt": ("remote_corrupt_blocks_total", _C, "remote blocks failing checks"),
+    "remote.num_gate_refusals": (
+        "remote_gate_refusals_total", _C, "remote restores refused: slower than prefill",
+    ),
+    "remote.num_gate_probes": ("remote_gate_probes_total", _C, "refused restores let through"),
+    "remote.fetch_bytes_per_s": ("remote_fetch_bytes_per_second", _G, "measured remote speed"),
+    "remote.prefill_tokens_per_s": ("prefill_tokens_per_second", _G, "measured prefill speed"),
 }  # fmt: skip
 _MISSES = "prefixcache_misses_by_reason_total"
 

@@ -83,3 +83,13 @@ def store_fetch_in_threads(pc, users, caches, rounds: int) -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a loopback port, stopped after the test."""
+    from redis_server import RedisServer
+
+    server = RedisServer(str(tmp_path))
+    yield server
+    server.stop()

@@ -33,6 +33,7 @@ from prefixcache.cli import main
 from prefixcache.cli.common import parse_duration
 from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
 from prefixcache.cli.report import format_age, format_bytes
+from prefixcache.errors import MissReason
 from prefixcache.tiers.ssd.tier import SsdTier
 from prefixcache.tiers.ssd.view import SsdView
 
@@ -482,7 +483,7 @@ def test_prometheus_text_and_the_metrics_endpoint(llama, tmp_path, caplog):
     assert families["prefixcache_fetches_total"] == ("counter", [3.0])
     assert families["prefixcache_hot_bytes"][0] == "gauge"
     assert families["prefixcache_ssd_written_bytes_total"][0] == "counter"
-    assert len(families["prefixcache_misses_by_reason_total"][1]) == 9
+    assert len(families["prefixcache_misses_by_reason_total"][1]) == len(MissReason)
     assert not [n for n in families if "nbytes" in n or n.endswith("_total_total")]
 
 

@@ -1,5 +1,7 @@
 """``prefixcache stats`` and ``ls``: what an SSD tier directory holds, per model and per block.
 
+``stats --remote-url`` reports a remote tier's server instead (remote.py).
+
 ``show`` and ``tree`` are in show.py, ``verify``, ``gc`` and ``clear`` in
 maintain.py; what they share (options, --json, exit status) in common.py.
 """
@@ -17,6 +19,7 @@ from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
 from ..tiers.ssd.inventory import Entry, Inventory, NamespaceInfo
 from ..tiers.ssd.view import SsdView
 from .common import Doc, count, duration, emit, ssd_command
+from .remote import with_remote
 from .report import format_age, format_bytes, table
 
 
@@ -198,7 +201,8 @@ def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
     return (table(heads, body, align) if rows else f"(no {doc['kind']} match)") + tail
 
 
+_STATS_HELP = "blocks, tokens, bytes and hit counters per model (--remote-url: per server)"
 COMMANDS = (
-    ssd_command("stats", "blocks, tokens, bytes and hit counters per model", cmd_stats),
+    with_remote(ssd_command("stats", _STATS_HELP, cmd_stats)),
     ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),
 )

@@ -39,6 +39,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per block")
     group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
+    group.add_argument("--remote-url", help="shared remote tier: redis://, rediss:// or unix://")
+    group.add_argument("--remote-prefix", help="key namespace on the remote server")
+    group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
+    group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
+    group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
     group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
     group.add_argument(
         "--mx-cache-limit",
@@ -60,6 +65,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 _CONFIG_FLAGS = (
     "ssd_dir", "hot_max_bytes", "ssd_max_bytes", "block_size", "hot_cache_only", "write_policy",
+    "remote_url", "remote_prefix", "remote_timeout_ms", "remote_connect_timeout_ms",
+    "remote_max_bytes",
 )  # fmt: skip
 
 

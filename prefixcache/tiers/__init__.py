@@ -11,9 +11,15 @@ from .base import Tier
 
 
 def lower_tiers(config: CacheConfig) -> list[Tier]:
-    """The tiers below hot, in lookup order: the only place ``hot_cache_only`` is read."""
-    if config.hot_cache_only:
-        return []
-    from .ssd import SsdTier  # LMDB and the writer thread only when an SSD tier is used
+    """The tiers below hot, in lookup order (ssd, remote): the only place
+    ``hot_cache_only`` and ``remote_url`` are read."""
+    tiers: list[Tier] = []
+    if not config.hot_cache_only:
+        from .ssd import SsdTier  # LMDB and the writer thread only when an SSD tier is used
 
-    return [SsdTier(config)]
+        tiers.append(SsdTier(config))
+    if config.remote_url is not None:
+        from .remote import RemoteTier  # the redis client only when a server is configured
+
+        tiers.append(RemoteTier(config))
+    return tiers

@@ -126,6 +126,14 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027
         """Flush and release; re-raises a background failure once."""
 
+    def miss_reason(self, key: bytes) -> MissReason | None:
+        """Why the last ``held`` stopped at ``key`` if not because the tier lacks
+        it (e.g. the server was unreachable); else None."""
+        return None
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:  # noqa: B027
+        """Hear how fast the model prefilled (e.g. to weigh fetching against it)."""
+
     def note_namespace(self, root: bytes, namespace_json: str) -> None:  # noqa: B027
         """Record which model and layout ``root`` stands for (for inspection)."""
 

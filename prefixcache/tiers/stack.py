@@ -68,6 +68,10 @@ class Tiers:
         return any(tier.contains(key) for tier in self.all)
 
     def missing_reason(self, key: bytes) -> MissReason:
+        for tier in self.lower:  # e.g. the remote tier was unreachable
+            why = tier.miss_reason(key)
+            if why is not None:
+                return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
     def chain_load(self, keys: Sequence[bytes], owners: Sequence[int]) -> ChainLoad:
@@ -145,6 +149,10 @@ class Tiers:
                     errors.append(e)
             if errors:
                 raise errors[0]
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        for tier in self.lower:
+            tier.note_prefill(num_tokens, seconds)
 
     def note_namespace(self, root: bytes, namespace_json: str) -> None:
         for tier in self.lower:

@@ -1,0 +1,156 @@
+"""Remote reads for a restore: a background thread fetches blocks in chain order.
+
+Each block is one round trip (MGET of its parts; its meta came with the
+chain's lookup), verified part by part (format.py) and assembled into one host
+buffer, all on the reader thread with bytes and numpy only; the caller gets
+HostArrays (a builder copies them into the restore buffers, or turns them into
+MLX arrays on its own thread). The thread fetches at most ``AHEAD`` blocks
+beyond the one the caller takes, so a long chain is never all in memory at
+once. It stops at the first block it cannot use: the restore stops there too.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...errors import MissReason, PayloadError
+from ...host import MX_DTYPES, Place, Placed
+from ..base import TierReader
+from ..ssd.readers import StreamedBlock
+from .client import RemoteUnavailable
+from .format import assemble, check_part, decode_meta, meta_key, part_key
+
+if TYPE_CHECKING:
+    from .tier import RemoteTier
+
+AHEAD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    block: StreamedBlock
+    seconds: float  # the block's round trip
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    key: bytes
+    reason: MissReason
+    error: BaseException | None
+
+
+class RemoteReader(TierReader):
+    """The blocks of one restore that the remote tier holds, fetched in chain order."""
+
+    def __init__(self, tier: RemoteTier, keys: Sequence[bytes]):
+        self.tier, self.keys = tier, keys
+        self._order: list[int] = []
+        self._next = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._results: queue.Queue[Fetched | Failed | Exception] = queue.Queue(AHEAD)
+
+    def first_shapes(self, indices: list[int]) -> Mapping[str, Placed] | None:
+        """Block ``indices[0]``'s tensors from its meta (checksummed, fetched with
+        the chain), so the restore buffers exist before the first copy."""
+        meta = self.tier.meta_of(self.keys, indices[0]) if indices else None
+        if meta is None:
+            return None
+        return {name: Placed((), MX_DTYPES[dtype], shape) for name, dtype, shape in meta.specs}
+
+    def prepare(self, indices: list[int], place: Place | None) -> None:
+        self.close()
+        self._order, self._next = list(indices), 0
+        if indices:
+            self._stop = threading.Event()
+            self._results = queue.Queue(AHEAD)
+            self._thread = threading.Thread(
+                target=self._run, args=(self._stop, self._results), daemon=True,
+                name="prefixcache-remote-read",
+            )  # fmt: skip
+            self._thread.start()
+
+    def load(self, index: int) -> StreamedBlock | None:
+        if self._thread is None or self._order[self._next : self._next + 1] != [index]:
+            return self._use(self._fetch(index))  # unplanned: one synchronous fetch
+        self._next += 1
+        return self._use(self._take(index))
+
+    def close(self) -> None:
+        """Stop the fetch thread and wait for it; safe to call more than once."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _take(self, index: int) -> Fetched | Failed | Exception:
+        """The fetch thread's next result; if the thread stopped before it (after a
+        block the caller went past), a synchronous fetch."""
+        while True:
+            try:
+                return self._results.get(timeout=0.05)
+            except queue.Empty:
+                thread = self._thread
+                if (thread is None or not thread.is_alive()) and self._results.empty():
+                    return self._fetch(index)
+
+    def _run(
+        self, stop: threading.Event, results: queue.Queue[Fetched | Failed | Exception]
+    ) -> None:
+        for index in self._order:
+            if stop.is_set():
+                return
+            try:
+                result: Fetched | Failed | Exception = self._fetch(index)
+            except Exception as e:  # a bug: hand it to the caller instead of hanging it
+                result = e
+            while not stop.is_set():
+                try:
+                    results.put(result, timeout=0.05)
+                    break
+                except queue.Full:
+                    continue
+            if not isinstance(result, Fetched):
+                return
+
+    def _fetch(self, index: int) -> Fetched | Failed:
+        """Fetch and verify block ``index`` (bytes and numpy only: any thread)."""
+        key, tier = self.keys[index], self.tier
+        start = time.perf_counter()
+        try:
+            meta = tier.meta_of(self.keys, index)
+            if meta is None:
+                raw = tier.client.call(lambda r: r.get(meta_key(tier.prefix, key)))
+                if raw is None:
+                    return Failed(key, MissReason.EVICTED, None)
+                meta = decode_meta(key, raw)
+            names = [part_key(tier.prefix, key, n) for n in range(meta.num_parts)]
+            values = tier.client.call(lambda r: r.mget(names)) if names else []
+            seconds = time.perf_counter() - start
+            if any(v is None for v in values):  # evicted by the server, or a torn write
+                return Failed(key, MissReason.EVICTED, None)
+            parts = [check_part(meta, n, v) for n, v in enumerate(values)]
+        except RemoteUnavailable as e:
+            return Failed(key, MissReason.REMOTE_UNAVAILABLE, e)
+        except PayloadError as e:
+            return Failed(key, MissReason.CORRUPT, e)
+        arrays = assemble(meta, parts)
+        block = StreamedBlock(
+            key, meta.parent, meta.root, meta.index, meta.tokens, arrays, meta.nbytes
+        )  # type: ignore[arg-type]
+        return Fetched(block, seconds)
+
+    def _use(self, result: Fetched | Failed | Exception) -> StreamedBlock | None:
+        """Count the result on the caller's thread; None for a miss."""
+        if isinstance(result, Exception):
+            raise RuntimeError("remote tier reader failed") from result
+        if isinstance(result, Failed):
+            self.tier.load_failed(result.key, result.reason, result.error)
+            return None
+        self.tier.loaded(result.block.nbytes, result.seconds)
+        return result.block

@@ -1,0 +1,196 @@
+"""The remote tier against a real redis-server: format, parts, misses, budget, breaker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from redis_server import RedisServer
+from ssd_child import ROOT, block_key, check_block, make_block
+
+from prefixcache.config import CacheConfig
+from prefixcache.errors import MissReason, PayloadError
+from prefixcache.tiers.remote import RemoteTier
+from prefixcache.tiers.remote.format import PART_BYTES, check_part, decode_meta, meta_key, part_key
+
+
+def tier_for(url: str, **changes) -> RemoteTier:
+    return RemoteTier(CacheConfig(remote_url=url, **changes))
+
+
+def stored(tier: RemoteTier, blocks) -> list[bytes]:
+    for block in blocks:
+        assert tier.put(block)
+    tier.flush()
+    return [b.key for b in blocks]
+
+
+def load_all(tier: RemoteTier, keys: list[bytes]):
+    """held + a planned read of every held block, as a restore does (blocks or None)."""
+    metas = tier.held(keys, 0)
+    reader = tier.reader(keys)
+    order = list(range(len(metas)))
+    reader.prepare(order, None)
+    out = []
+    try:
+        for i in order:
+            out.append(_block(reader.load(i)))
+            if out[-1] is None:  # a restore stops at its first unusable block
+                break
+        return out
+    finally:
+        reader.close()
+
+
+def _block(loaded):
+    return None if loaded is None else loaded.to_block()
+
+
+def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path):
+    server = RedisServer(str(tmp_path), unix=True)  # the unix:// scheme too
+    try:
+        tier = tier_for(server.url)
+        blocks = [make_block(1, i, scale=4000) for i in range(2)]  # ~12 MiB each: 3 parts
+        keys = stored(tier, blocks)
+        client = server.client()
+        assert client.exists(part_key("prefixcache", keys[0], 2))
+        assert not client.exists(part_key("prefixcache", keys[0], 3))
+        assert max(len(client.get(part_key("prefixcache", keys[0], n))) for n in range(3)) > (
+            PART_BYTES
+        )  # the data of a full part plus its header
+        got = load_all(tier, keys)
+        for block in got:
+            check_block(block, scale=4000)
+        assert tier.stats()["num_loads"] == 2 and tier.stats()["num_corrupt"] == 0
+        tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_chain_is_looked_up_in_one_round_trip(redis_server):
+    tier = tier_for(redis_server.url)
+    keys = stored(tier, [make_block(2, i) for i in range(8)])
+    client = redis_server.client()
+    client.config_resetstat()
+    chain = [*keys, block_key(2, 8)]
+    metas = tier.held(chain, 0)
+    assert [m.key for m in metas] == keys
+    calls = client.info("commandstats")
+    assert calls["cmdstat_mget"]["calls"] == 1
+    assert set(calls) == {"cmdstat_mget", "cmdstat_config|resetstat"}
+    assert tier.held(chain, 3) == metas[3:]  # the rest of the same prompt: no new round trip
+    assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    tier.close()
+
+
+def test_evicted_part_is_a_counted_miss(redis_server):
+    tier = tier_for(redis_server.url)
+    keys = stored(tier, [make_block(3, i, scale=3000) for i in range(3)])  # 2 parts each
+    redis_server.client().delete(part_key("prefixcache", keys[1], 1))
+    got = load_all(tier, keys)
+    check_block(got[0], scale=3000)
+    assert got[1] is None  # the stream stops at the first unusable block
+    assert tier.load_miss is MissReason.EVICTED
+    assert tier.stats()["num_missing_parts"] == 1
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "other_block", "other_number"])
+def test_a_wrong_part_is_never_restored(redis_server, damage):
+    tier = tier_for(redis_server.url)
+    keys = stored(tier, [make_block(4, i, scale=3000) for i in range(2)])
+    client = redis_server.client()
+    name = part_key("prefixcache", keys[0], 1)
+    if damage == "flip":
+        value = bytearray(client.get(name))
+        value[-1] ^= 1
+    elif damage == "other_block":  # same size, checksum in its own header is right
+        value = client.get(part_key("prefixcache", keys[1], 1))
+    else:
+        value = client.get(part_key("prefixcache", keys[0], 0))[: len(client.get(name))]
+    client.set(name, bytes(value))
+    assert load_all(tier, keys) == [None]
+    assert tier.load_miss is MissReason.CORRUPT and tier.stats()["num_corrupt"] == 1
+    meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])))
+    with pytest.raises(PayloadError):
+        check_part(meta, 1, client.get(name))
+    tier.close()
+
+
+def test_a_bad_meta_ends_the_chain_and_is_counted(redis_server):
+    tier = tier_for(redis_server.url)
+    keys = stored(tier, [make_block(5, i) for i in range(4)])
+    client = redis_server.client()
+    name = meta_key("prefixcache", keys[2])
+    client.set(name, client.get(name)[:-1] + b"\0")
+    assert [m.key for m in tier.held(keys, 0)] == keys[:2]
+    assert tier.stats()["num_corrupt"] == 1
+    tier.close()
+
+
+def test_namespaces_keep_apart_and_survive_server_lru_eviction(tmp_path):
+    """The server evicts under its own maxmemory: every block then either restores
+    exactly or is a counted miss (parts and metas are evicted independently)."""
+    server = RedisServer(str(tmp_path), maxmemory="8mb")
+    try:
+        tier = tier_for(server.url, remote_prefix="a")
+        other = tier_for(server.url, remote_prefix="b")
+        keys = stored(tier, [make_block(6, i, scale=300) for i in range(40)])  # ~1 MiB each
+        assert other.held(keys, 0) == []  # another namespace sees nothing
+        assert server.client().info("stats")["evicted_keys"] > 0
+        exact = 0
+        for key in keys:
+            got = load_all(tier, [key])  # one-block chains: each block on its own
+            if got and got[0] is not None:
+                check_block(got[0], scale=300)
+                exact += 1
+        st = tier.stats()
+        assert 0 < exact < len(keys) and st["num_corrupt"] == 0
+        tier.close()
+        other.close()
+    finally:
+        server.stop()
+
+
+def test_client_side_budget_refuses_writes(redis_server):
+    tier = tier_for(redis_server.url, remote_max_bytes=1 << 10)  # below the server's own use
+    assert tier.put(make_block(7, 0))
+    tier.flush()
+    st = tier.stats()
+    assert st["num_no_room"] == 1 and st["num_writes"] == 0
+    assert redis_server.client().dbsize() == 0
+    tier.close()
+
+
+def test_unreachable_server_gives_up_opens_the_breaker_and_recovers(redis_server):
+    tier = tier_for(redis_server.url, remote_breaker_failures=2, remote_breaker_ms=300)
+    keys = stored(tier, [make_block(8, i) for i in range(2)])
+    redis_server.kill()
+    for _ in range(2):
+        assert tier.held(keys, 0) == []
+        assert tier.miss_reason(keys[0]) is MissReason.REMOTE_UNAVAILABLE
+    st = tier.stats()
+    assert st["breaker_open"] == 1 and st["num_breaker_trips"] == 1 and st["num_errors"] == 2
+    assert not tier.put(make_block(8, 2))  # the breaker is open: dropped, not queued
+    assert tier.held(keys, 0) == [] and tier.stats()["num_skipped"] == 1
+    redis_server.start()  # same port, empty (no persistence)
+    time.sleep(0.35)
+    assert tier.held(keys, 0) == []  # reachable again: a plain absence
+    assert tier.miss_reason(keys[0]) is None and tier.stats()["breaker_open"] == 0
+    assert tier.put(make_block(8, 2))
+    tier.flush()
+    assert tier.stats()["num_writes"] == 3
+    tier.close()
+
+
+def test_config_checks_remote_settings():
+    with pytest.raises(ValueError, match="ftp://x"):
+        CacheConfig(remote_url="ftp://x")
+    with pytest.raises(ValueError, match="a:b"):
+        CacheConfig(remote_prefix="a:b")
+    with pytest.raises(ValueError, match="remote_timeout_ms"):
+        CacheConfig(remote_timeout_ms=0)
+    env = {"PREFIXCACHE_REMOTE_URL": "unix:///tmp/r.sock", "PREFIXCACHE_REMOTE_MAX_BYTES": "1G"}
+    cfg = CacheConfig.from_env(env)
+    assert cfg.remote_url == "unix:///tmp/r.sock" and cfg.remote_max_bytes == 1 << 30
+    assert ROOT == b"\0" * 16  # the blocks above are one namespace's chains
