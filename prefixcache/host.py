@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .blocks import Block
+
 # MLX dtype <-> safetensors dtype name (every dtype a cache uses; no float64)
 SAFETENSORS_DTYPES: dict[mx.Dtype, str] = {
     mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
@@ -100,3 +102,52 @@ def host_view(x: mx.array) -> np.ndarray:
     """
     view = np.asarray(memoryview(x).cast("B"))
     return view.reshape(*x.shape[:-1], x.shape[-1] * x.dtype.size)
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """Raw bytes of one array, taken zero-copy on the caller's thread."""
+
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    data: memoryview  # flat bytes ('B' format)
+
+
+def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
+    """Zero-copy byte views of evaluated, row-contiguous arrays.
+
+    Call on the thread that owns the arrays: ``memoryview`` reads MLX's buffer
+    but runs no MLX computation, so the views are safe to hand to the writer.
+
+    Raises:
+        ValueError: an array has a dtype safetensors cannot hold or is not contiguous.
+    """
+    out = []
+    for name, arr in arrays.items():
+        if arr.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot store array {name!r} of dtype {arr.dtype}")
+        view = memoryview(arr)
+        if not view.c_contiguous:
+            raise ValueError(f"array {name!r} is not row-contiguous")
+        data = view.cast("B") if arr.size else memoryview(b"")
+        out.append(Tensor(name, SAFETENSORS_DTYPES[arr.dtype], tuple(arr.shape), data))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedBlock:
+    """A verified block whose arrays are views into the stream's read buffer."""
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    index: int
+    tokens: bytes
+    arrays: dict[str, HostArray | Placed]
+    nbytes: int
+
+    def to_block(self) -> Block:
+        """A Block owning MLX copies of the arrays (e.g. to promote into hot)."""
+        arrays = {name: a.to_mx() for name, a in self.arrays.items()}
+        return Block(self.key, self.parent, self.root, self.index, self.tokens, arrays, self.nbytes)

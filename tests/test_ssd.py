@@ -23,13 +23,13 @@ from ssd_child import ROOT, block_key, check_block, make_block
 from prefixcache.blocks import Block, BlockMeta
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PayloadError, SsdFormatError
+from prefixcache.host import tensors_of
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import (
     SMALL_PAYLOAD,
     encode_header,
     read_header,
     read_payload,
-    tensors_of,
     write_payload,
 )
 from prefixcache.tiers.ssd.tier import SsdTier

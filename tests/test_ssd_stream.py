@@ -24,12 +24,12 @@ from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.host import HostArray, Placed
+from prefixcache.host import HostArray, Placed, StreamedBlock
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import read_header
 from prefixcache.tiers.ssd.prime import SLICE, Primer, cached
-from prefixcache.tiers.ssd.stream import StreamedBlock, stream
+from prefixcache.tiers.ssd.stream import stream
 from prefixcache.tiers.ssd.tier import SsdTier
 from prefixcache.tiers.stack import ChainLoad
 

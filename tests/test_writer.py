@@ -8,8 +8,8 @@ import threading
 import pytest
 from ssd_child import make_block
 
-from prefixcache.tiers.ssd.payload import tensors_of
-from prefixcache.tiers.ssd.writer import WriteItem, Writer
+from prefixcache.host import tensors_of
+from prefixcache.tiers.writer import WriteItem, Writer
 
 
 def item(index: int, nbytes: int = 100) -> WriteItem:
@@ -101,7 +101,7 @@ def test_flush_runs_housekeeping_even_with_nothing_queued(writers):
 def test_failures_are_counted_logged_once_and_reraised_on_close(caplog):
     sink = Sink(fail_on=1)
     writer = Writer(sink.write, max_bytes=1000, batch_bytes=1)
-    with caplog.at_level(logging.DEBUG, logger="prefixcache.tiers.ssd.writer"):
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.tiers.writer"):
         for i in range(3):
             writer.submit(item(i))
         writer.flush()

@@ -45,8 +45,9 @@ from benchlib import drop_caches, read_fresh, read_reused, readahead
 
 from prefixcache.blocks import Block
 from prefixcache.config import CacheConfig
+from prefixcache.host import tensors_of
 from prefixcache.tiers.ssd.files import payload_path
-from prefixcache.tiers.ssd.payload import encode_header, read_payload, tensors_of
+from prefixcache.tiers.ssd.payload import encode_header, read_payload
 from prefixcache.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20

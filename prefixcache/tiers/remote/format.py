@@ -27,8 +27,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray
-from ..ssd.payload import Tensor
+from ...host import MX_DTYPES, HostArray, Tensor
 
 if TYPE_CHECKING:
     from ...blocks import Block

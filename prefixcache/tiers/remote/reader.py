@@ -16,17 +16,27 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...errors import MissReason, PayloadError
-from ...host import MX_DTYPES, Place, Placed
+from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
-from ..ssd.readers import StreamedBlock
-from .client import RemoteUnavailable
-from .format import assemble, check_part, decode_meta, meta_key, part_key
+from .client import RemoteClient, RemoteUnavailable
+from .format import RemoteMeta, assemble, check_part, decode_meta, meta_key, part_key
 
-if TYPE_CHECKING:
-    from .tier import RemoteTier
+
+class Source(Protocol):
+    """What the reader uses of the remote tier (tier.py's RemoteTier)."""
+
+    prefix: str
+    client: RemoteClient
+
+    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
+
+    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None: ...
+
+    def loaded(self, nbytes: int, seconds: float) -> None: ...
+
 
 AHEAD = 2
 
@@ -47,7 +57,7 @@ class Failed:
 class RemoteReader(TierReader):
     """The blocks of one restore that the remote tier holds, fetched in chain order."""
 
-    def __init__(self, tier: RemoteTier, keys: Sequence[bytes]):
+    def __init__(self, tier: Source, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0

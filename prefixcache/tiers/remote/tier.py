@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from ...blocks import Block
 from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
+from ...host import tensors_of
 from ..base import Tier, TierReader
-from ..ssd.payload import tensors_of
-from ..ssd.writer import WriteItem, Writer
+from ..writer import WriteItem, Writer
 from .client import RemoteClient, RemoteUnavailable
 from .format import RemoteMeta, block_meta, decode_meta, encode_parts, meta_key, part_key
 from .format import namespace_key as ns_key

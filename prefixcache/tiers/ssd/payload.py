@@ -27,14 +27,13 @@ import json
 import os
 import struct
 import threading
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import ITEMSIZE, MX_DTYPES, SAFETENSORS_DTYPES
+from ...host import ITEMSIZE, MX_DTYPES, Tensor
 from .files import create_temp, open_payload, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"
@@ -48,37 +47,6 @@ _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start,
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
 SMALL_PAYLOAD = 2 << 20
 _HASH_CHUNK = 1 << 20  # xxhash holds the GIL: hash in slices so callers are not stalled
-
-
-@dataclass(frozen=True, slots=True)
-class Tensor:
-    """Raw bytes of one array, taken zero-copy on the caller's thread."""
-
-    name: str
-    dtype: str  # safetensors name, e.g. "BF16"
-    shape: tuple[int, ...]
-    data: memoryview  # flat bytes ('B' format)
-
-
-def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
-    """Zero-copy byte views of evaluated, row-contiguous arrays.
-
-    Call on the thread that owns the arrays: ``memoryview`` reads MLX's buffer
-    but runs no MLX computation, so the views are safe to hand to the writer.
-
-    Raises:
-        ValueError: an array has a dtype safetensors cannot hold or is not contiguous.
-    """
-    out = []
-    for name, arr in arrays.items():
-        if arr.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"cannot store array {name!r} of dtype {arr.dtype}")
-        view = memoryview(arr)
-        if not view.c_contiguous:
-            raise ValueError(f"array {name!r} is not row-contiguous")
-        data = view.cast("B") if arr.size else memoryview(b"")
-        out.append(Tensor(name, SAFETENSORS_DTYPES[arr.dtype], tuple(arr.shape), data))
-    return out
 
 
 def encode_header(tensors: list[Tensor], key: bytes) -> bytes:

@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from ...blocks import Block, BlockMeta
+from ...blocks import BlockMeta
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed
+from ...host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock
 from .files import open_payload
 from .payload import read_spans
 from .prime import SLICE, Primer
@@ -40,24 +40,6 @@ def num_readers(num_jobs: int) -> int:
 
 # Seconds between asks for a destination still being allocated.
 _PLACE_POLL = 0.0005
-
-
-@dataclass(frozen=True, slots=True)
-class StreamedBlock:
-    """A verified block whose arrays are views into the stream's read buffer."""
-
-    key: bytes
-    parent: bytes
-    root: bytes
-    index: int
-    tokens: bytes
-    arrays: dict[str, HostArray | Placed]
-    nbytes: int
-
-    def to_block(self) -> Block:
-        """A Block owning MLX copies of the arrays (e.g. to promote into hot)."""
-        arrays = {name: a.to_mx() for name, a in self.arrays.items()}
-        return Block(self.key, self.parent, self.root, self.index, self.tokens, arrays, self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)

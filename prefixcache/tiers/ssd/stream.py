@@ -38,12 +38,12 @@ from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
-from ...host import Place, Placed
+from ...host import Place, Placed, StreamedBlock
 from ..base import TierReader
+from ..writer import Writer
 from .index import SsdIndex, decode_or_none
 from .payload import read_header
-from .readers import Job, Readers, StreamedBlock, num_readers
-from .writer import Writer
+from .readers import Job, Readers, num_readers
 
 
 class Source(Protocol):

@@ -26,14 +26,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError
+from ...host import tensors_of
 from ..base import Tier, TierReader
+from ..writer import WriteItem, Writer
 from .directory import open_dir
 from .files import payload_path
 from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
-from .payload import read_payload, tensors_of
+from .payload import read_payload
 from .records import SsdRecords
-from .writer import WriteItem, Writer
 from .writes import SsdWrites, TierError
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,11 @@ import lmdb
 
 from ...blocks import BlockMeta
 from ...config import CacheConfig
+from ..writer import WriteItem
 from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
 from .index import SsdIndex
 from .payload import encode_header, write_payload
-from .writer import WriteItem
 
 logger = logging.getLogger(__name__)
 

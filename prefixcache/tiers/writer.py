@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ...blocks import Block
-from .payload import Tensor
+from ..blocks import Block
+from ..host import Tensor
 
 logger = logging.getLogger(__name__)
 
