@@ -61,9 +61,8 @@ def operate(ssd_dir: str, setup: ProcSetup, rng: random.Random, tally: Tally, se
         seen["verify detached (servers alive)"] += doc["num_detached"]
         seen["verify runs reporting bad blocks"] += bool(doc["num_bad"])
         for item in doc["bad"] + doc["unreadable"]:
-            # still indexed: a real problem; gone: evicted while verify read it. Eviction
-            # unlinks the payload before its transaction commits, so verify (which re-reads
-            # the entry to rule out races) still sees the entry: a false "bad" (a finding)
+            # still indexed: a real problem; gone: evicted while verify read it (verify
+            # re-reads the entry to rule such races out; files go after their entry commits)
             gone = cli("show", item["key"], "--ssd-dir", ssd_dir).returncode == 1
             seen["verify false bad: block evicted meanwhile" if gone else "verify real bad"] += 1
             if not gone:
