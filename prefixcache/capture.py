@@ -12,6 +12,13 @@ A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
 union of both payloads (see ``Tiers.replace``).
+
+The tail of a stored sequence (its last tokens after the last full block) is
+cut as a tail block (``cut_tail``): a child of that last full block, outside
+the chain, carrying every layer's payload at the sequence's exact end (the
+recurrent state there included). The block that ends the sequence exactly
+keeps its snapshot too, whatever the interval: the next turn of a
+conversation resumes from there.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import mlx.core as mx
 
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
+from .hashing import tail_key
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
@@ -79,7 +87,7 @@ def cut_blocks(
     *,
     block_size: int,
     snapshot_interval: int,
-    first: int,
+    at_end: bool,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
 ) -> Cut:
@@ -92,7 +100,9 @@ def cut_blocks(
         cache: the live cache list (holding ``len(data) // 4`` tokens).
         block_size: tokens per block.
         snapshot_interval: recurrent state is kept at every n-th boundary.
-        first: first chain index to consider (earlier blocks were handled).
+        at_end: the cache is a finished sequence: the block ending where it
+            ends keeps a snapshot too (else a prefill chunk's end: only the
+            interval's boundaries do).
         stored: whether a key is held by any tier.
         resident: the hot block of a key, or None.
     """
@@ -101,11 +111,11 @@ def cut_blocks(
     reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
     new: list[Block] = []
     upgraded: list[Block] = []
-    for i in range(first, len(keys)):
+    for i in range(len(keys)):
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        snapshot = (i + 1) % snapshot_interval == 0
+        snapshot = (i + 1) % snapshot_interval == 0 or (at_end and (i + 1) * block_size == length)
         arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
         if old is None:
             tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
@@ -119,6 +129,40 @@ def cut_blocks(
     # evaluates only what is kept: the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded])
     return Cut(new, upgraded)
+
+
+def cut_tail(
+    keys: Sequence[bytes],
+    root: bytes,
+    data: bytes,
+    cache: Sequence[Any],
+    *,
+    block_size: int,
+    stored: Callable[[bytes], bool],
+) -> Block | None:
+    """The tail block of ``data`` (the tokens after its last full block), or None.
+
+    Args:
+        keys: chain keys of the full blocks of ``data``.
+        root: namespace root key.
+        data: the tokens the cache holds, as uint32 bytes.
+        cache: the live cache list (holding ``len(data) // 4`` tokens).
+        block_size: tokens per block.
+        stored: whether a tail key is held already (then None is returned).
+    """
+    length = len(data) // 4
+    index = length // block_size
+    start = index * block_size
+    if start == length:
+        return None
+    parent = keys[index - 1] if index else root
+    tail = data[start * 4 :]
+    key = tail_key(parent, tail)
+    if stored(key):
+        return None
+    arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
+    mx.eval(arrays)
+    return Block.make(key, parent, root, index, tail, arrays)
 
 
 def _cut(

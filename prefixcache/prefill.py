@@ -51,6 +51,8 @@ def prefill(
         # only the cache (and the last logits) are computed, as in generate_step
         mx.eval(logits, [c.state for c in cache])
         del out
-        pc.capture(tokens[:end], cache, extra=extra)
+        # the last chunk ends the sequence: ``store`` keeps the state at its end
+        keep = pc.store if end == len(tokens) else pc.capture
+        keep(tokens[:end], cache, extra=extra)
         start = end
     return cache, logits

@@ -31,7 +31,7 @@ class HotTier(Tier):
         self.nbytes = 0
         self.num_evictions = 0
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
-        self._children: dict[bytes, int] = {}
+        self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
 
     def __len__(self) -> int:
@@ -50,13 +50,19 @@ class HotTier(Tier):
         return key in self._lru
 
     def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
+        get = self._lru.get
         out = []
-        for key in keys[start:]:
-            block = self._lru.get(key)
+        for key in keys[start:] if start else keys:
+            block = get(key)
             if block is None:
                 break
             out.append(block)
         return out
+
+    def children(self, parent: bytes) -> list[Block]:
+        """Hot blocks whose parent is ``parent``: full blocks and tails (partial reuse)."""
+        kids = self._children.get(parent)
+        return [self._lru[k] for k in kids] if kids else []
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         return _HotReader(self, keys)
@@ -95,7 +101,7 @@ class HotTier(Tier):
         self._lru[block.key] = block
         if cold:
             self._lru.move_to_end(block.key, last=False)
-        self._children[block.parent] = self._children.get(block.parent, 0) + 1
+        self._children.setdefault(block.parent, {})[block.key] = None
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
@@ -126,10 +132,9 @@ class HotTier(Tier):
             return None
         self.nbytes -= block.nbytes
         self._dirty.discard(key)
-        left = self._children[block.parent] - 1
-        if left:
-            self._children[block.parent] = left
-        else:
+        kids = self._children[block.parent]
+        del kids[key]
+        if not kids:
             del self._children[block.parent]
         return block
 

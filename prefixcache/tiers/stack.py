@@ -109,6 +109,20 @@ class Tiers:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
+    def keep_tail(self, block: Block) -> None:
+        """Place a tail block (fewer tokens than a block, outside the chain): hot only.
+
+        Tails are found through their parent (``HotTier.children``); the lower
+        tiers find blocks by chain key only, so a tail is not spilled: when hot
+        evicts it, it is gone (its parent and the chain stay).
+        """
+        cold = block.parent != block.root and block.parent not in self.hot
+        if cold and not self.lower:
+            return  # its parent is gone: no fetch can reach it
+        self.stats.kept(block.nbytes, upgrade=False)
+        self._evicted_set.discard(block.key)
+        self.hot.put(block, cold=cold)
+
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
         keys = [b.key for b in blocks]
