@@ -122,7 +122,7 @@ def cut_blocks(
             parent = keys[i - 1] if i else root
             new.append(Block.make(keys[i], parent, root, i, tokens, arrays))
             continue
-        gained = {name: a for name, a in arrays.items() if name not in old.arrays}
+        gained = _gained(old.arrays, arrays)
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
@@ -163,6 +163,22 @@ def cut_tail(
     arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
     mx.eval(arrays)
     return Block.make(key, parent, root, index, tail, arrays)
+
+
+def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Payloads of ``new`` that ``old`` lacks; a window's partial payloads (``keep.*``,
+    ``last.*``) add nothing to a layer that holds the whole block (``keys``)."""
+    out = {}
+    for name, arr in new.items():
+        if name in old:
+            continue
+        for part in ("last.", "keep."):
+            head, sep, _ = name.partition(part)
+            if sep and head + "keys" in old:
+                break
+        else:
+            out[name] = arr
+    return out
 
 
 def _cut(

@@ -117,10 +117,8 @@ class TieredPromptCache:
             cache = self._open(model_key)
             if cache is None or not text:
                 return None, tokens
-            if cache.layout.needs_capture:
-                restored, num_cached = _fetch_extended(cache, text)
-            else:
-                restored, num_cached = cache.fetch(text)
+            # only what was restored: the server reports it as cached_tokens
+            restored, num_cached = cache.fetch(text)
         if num_cached == 0:
             return None, tokens
         return restored, tokens[num_cached:]
@@ -239,21 +237,6 @@ def _model_id(model_key: ModelKey, model: nn.Module) -> str:
     parts = model_key if isinstance(model_key, tuple) else (model_key,)
     name = "+".join(str(p) for p in parts if p)
     return f"{name}@{model_fingerprint(model)}"
-
-
-def _fetch_extended(cache: PrefixCache, text: list[int]) -> tuple[list[Any], int]:
-    """Fetch, then prefill up to the last block boundary here, capturing each block.
-
-    Window and recurrent state exist only while prefilling and mlx-lm's prefill
-    does not hand them out, so for such models the block-aligned part of the
-    prompt is prefilled by ``PrefixCache.prefill``; the server prefills the rest.
-    """
-    bs = cache.config.block_size
-    aligned = (len(text) - 1) // bs * bs
-    if aligned == 0:
-        return cache.fetch(text)
-    restored, _ = cache.prefill(text[:aligned])
-    return restored, aligned
 
 
 _SUMMARY = (
