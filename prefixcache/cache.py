@@ -151,7 +151,7 @@ class PrefixCache:
         """``fetch``, prefill the rest in block-aligned chunks, ``capture`` each.
 
         ``prefill_step_size`` (a multiple of ``block_size``; chunks end on its
-        multiples) defaults to ``snapshot_interval`` blocks for models with
+        multiples) defaults to the snapshot interval (``layout.snapshot_interval``) for models with
         recurrent layers, else ~2048 tokens. Returns (cache, last logits).
         """
         from .prefill import prefill
@@ -217,7 +217,7 @@ class PrefixCache:
                 data,
                 cache,
                 block_size=bs,
-                snapshot_interval=self.config.snapshot_interval,
+                snapshot_interval=self.layout.snapshot_interval,
                 at_end=at_end,
                 stored=self.tiers.contains,
                 resident=self.hot.get,

@@ -54,7 +54,13 @@ class CacheConfig:
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
             the prompt, so decoding does not re-allocate at once.
-        snapshot_interval: keep a recurrent-state snapshot every N blocks.
+        snapshot_interval: during prefill, keep a recurrent-state snapshot every
+            N blocks; 0 (the default) picks N from ``snapshot_ratio``. The state
+            at the end of every stored sequence is kept whatever N is.
+        snapshot_ratio: with ``snapshot_interval=0``, the interval snapshots'
+            bytes are at most this multiple of the attention K/V bytes of the
+            blocks they sit on (N = ceil(snapshot bytes / (ratio * K/V bytes
+            of a block))); a model without attention layers snapshots every block.
     """
 
     block_size: int = 256
@@ -71,10 +77,14 @@ class CacheConfig:
     kv_group_size: int = 64
     quantized_kv_start: int = 0
     restore_headroom: int = 256
-    snapshot_interval: int = 1
+    snapshot_interval: int = 0
+    snapshot_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "snapshot_interval", "kv_group_size"):
+        ratio = self.snapshot_ratio
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not ratio > 0:
+            raise ValueError(f"snapshot_ratio must be a number > 0, got {ratio!r}")
+        for name in ("block_size", "kv_group_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -85,6 +95,7 @@ class CacheConfig:
             "write_queue_bytes",
             "quantized_kv_start",
             "restore_headroom",
+            "snapshot_interval",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -134,6 +145,11 @@ def _parse_field(name: str, raw: str) -> object:
         return raw
     if name == "kv_bits" and raw.strip().lower() in ("", "none"):
         return None
+    if name == "snapshot_ratio":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
     try:
         return int(raw)
     except ValueError:

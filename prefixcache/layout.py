@@ -7,12 +7,21 @@ It is part of the namespace: blocks of another layout are never served.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from .codecs import Codec, codec_for
 from .config import CacheConfig
@@ -35,6 +44,7 @@ class ModelLayout:
         self.codecs: list[Codec] = [codec_for(c) for c in probe]
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
+        self.state_bytes, self.kv_token_bytes = _sizes(probe)
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
@@ -52,6 +62,22 @@ class ModelLayout:
         payload coverage, plain KV codecs do not.
         """
         return any(type(codec).covers is not Codec.covers for codec in self.codecs)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Blocks between recurrent-state snapshots during prefill.
+
+        ``config.snapshot_interval`` when set; else the fewest blocks whose
+        attention K/V bytes times ``snapshot_ratio`` reach one snapshot's bytes,
+        so interval snapshots cost at most that multiple of the K/V they sit on.
+        """
+        cfg = self.config
+        if cfg.snapshot_interval or not self.kv_token_bytes:
+            return cfg.snapshot_interval or 1
+        kv_block = self.kv_token_bytes * cfg.block_size
+        if cfg.kv_bits:  # packed bits, plus a scale and a bias per group (fp16-sized)
+            kv_block = kv_block * (cfg.kv_bits / 16 + 2 / cfg.kv_group_size)
+        return max(1, math.ceil(self.state_bytes / (cfg.snapshot_ratio * kv_block)))
 
     def fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""
@@ -105,3 +131,20 @@ class ModelLayout:
                 f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
                 f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
             )
+
+
+def _sizes(caches: Sequence[Any]) -> tuple[int, int]:
+    """(bytes of one recurrent-state snapshot, attention K/V bytes per token) of a probe."""
+    state = kv = 0
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            sub = _sizes(cache.caches)
+            state, kv = state + sub[0], kv + sub[1]
+        elif isinstance(cache, ArraysCache):
+            state += sum(a.nbytes for a in cache.cache if a is not None)
+        elif (
+            isinstance(cache, KVCache | RotatingKVCache | ChunkedKVCache) and cache.keys is not None
+        ):
+            k, v = cache.keys, cache.values
+            kv += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
+    return state, kv

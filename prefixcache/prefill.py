@@ -40,7 +40,7 @@ def prefill(
     cfg = pc.config
     cache, start = pc.fetch(tokens, extra=extra)
     snapshots = any(codec_for(c).snapshots(c) for c in cache)
-    step = chunk_step(prefill_step_size, cfg.block_size, cfg.snapshot_interval, snapshots)
+    step = chunk_step(prefill_step_size, cfg.block_size, pc.layout.snapshot_interval, snapshots)
     ids = mx.array(tokens, dtype=mx.int32)
     logits = None
     for end in chunk_ends(start, len(tokens), step):

@@ -52,6 +52,7 @@ STATEFUL = (RotatingKVCache, ArraysCache, ChunkedKVCache)
 
 def make_pc(model, kv, tier: str, tmp_path) -> PrefixCache:
     quant = {} if kv is None else dict(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
+    quant["snapshot_interval"] = 1  # every boundary: the matrix restores at block 3
     if tier == "hot":
         config = CacheConfig(block_size=BLOCK, hot_cache_only=True, **quant)
     else:  # a 1-byte hot tier: every block is written to and served from the SSD tier

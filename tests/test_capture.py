@@ -17,6 +17,7 @@ BLOCK = 16
 
 
 def hot_pc(model, **settings) -> PrefixCache:
+    settings = {"snapshot_interval": 1, **settings}  # every boundary, unless a test says
     return PrefixCache(
         model, CacheConfig(block_size=BLOCK, hot_cache_only=True, **settings), model_id="tiny"
     )
@@ -139,6 +140,32 @@ def test_snapshot_interval_bounds_snapshots():
         # boundaries 32, 64, 96, and the prompt's end (a tail at 96..100)
         assert sorted(with_state) == [1, 3, 5, 6]
         assert pc.match(prompt(1, 90) + [7] * 20) == 64
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.25])
+def test_default_interval_bounds_snapshot_bytes_by_the_kv(ratio):
+    """snapshot_interval=0: interval snapshots cost at most ``ratio`` x the K/V under them."""
+    model = tiny_model("qwen3_next")
+    tokens = prompt(1, 130)
+    with hot_pc(model, snapshot_interval=0, snapshot_ratio=ratio) as pc:
+        layout = pc.layout
+        interval = layout.snapshot_interval
+        assert interval == -(-layout.state_bytes // int(ratio * layout.kv_token_bytes * BLOCK))
+        pc.prefill(tokens)
+        blocks = sorted(pc.hot, key=lambda b: b.index)
+        recurrent = {
+            f"{i}." for i, c in enumerate(make_prompt_cache(model)) if not c.is_trimmable()
+        }
+
+        def state(b):
+            return sum(a.nbytes for n, a in b.arrays.items() if n[: n.index(".") + 1] in recurrent)
+
+        with_state = [b.index for b in blocks if state(b)]
+        full = [i for i in range(130 // BLOCK) if (i + 1) % interval == 0]
+        assert with_state == [*full, 130 // BLOCK]  # the interval, and the tail (the end)
+        interior = sum(state(b) for b in blocks if b.num_tokens == BLOCK)
+        kv = sum(b.nbytes - state(b) for b in blocks if b.num_tokens == BLOCK)
+        assert interior <= ratio * kv
 
 
 def test_default_step_of_a_recurrent_model_snapshots_every_interval():
