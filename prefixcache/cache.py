@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +18,7 @@ from .errors import MissReason, Shortfall
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .model_id import model_fingerprint
+from .partial import Match, best_child
 from .restore import plan, rebuild, walk
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
@@ -58,7 +58,8 @@ class PrefixCache:
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
-        self.tiers = Tiers(self.config, self._stats, lower)
+        shed = self._shed if self.layout.state_prefixes else None
+        self.tiers = Tiers(self.config, self._stats, lower, shed)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
         self._closed = False
 
@@ -355,6 +356,14 @@ class PrefixCache:
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
 
+    def _shed(self, block: Block) -> Block | None:
+        """``block`` without its recurrent-state snapshot (None: it has none)."""
+        prefixes = self.layout.state_prefixes
+        lean = {n: a for n, a in block.arrays.items() if not n.startswith(prefixes)}
+        if len(lean) == len(block.arrays):
+            return None
+        return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
+
     def _drop_superseded(self, block: Block) -> None:
         """Drop hot tails that ``block`` extends: cutting ``block`` back gives the same.
 
@@ -365,57 +374,6 @@ class PrefixCache:
         for other in self.hot.children(block.parent):
             if other.num_tokens < block.num_tokens and block.tokens.startswith(other.tokens):
                 self.hot.remove([other.key])
-
-
-@dataclass(frozen=True, slots=True)
-class Match:
-    """Where a prompt stands in the tiers.
-
-    Attributes:
-        keys: chain keys of the prompt's matched full blocks, then (when
-            ``partial``) the partial block's key; past ``depth`` when not.
-        owners: the tier (position in ``Tiers.all``) each key is loaded from.
-        depth: full blocks matched, root-first.
-        reason: why block ``depth`` did not match, if any.
-        partial: the hot child of the last matched block (a full block the
-            prompt diverges inside, or a tail) sharing the most tokens.
-        common: tokens ``partial`` shares with the prompt.
-    """
-
-    keys: list[bytes]
-    owners: list[int]
-    depth: int
-    reason: MissReason | None
-    partial: Block | None
-    common: int
-
-
-def best_child(children: Sequence[Block], index: int, rest: bytes) -> tuple[Block | None, int]:
-    """The child at chain ``index`` sharing the most leading tokens with ``rest``
-    (of equals, the last stored: a later capture holds more payloads)."""
-    best, common = None, 0
-    for child in children:
-        if child.index != index:
-            continue
-        n = common_tokens(child.tokens, rest)
-        if n and n >= common:
-            best, common = child, n
-    return best, common
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
-    hi = min(len(a), len(b)) // 4
-    if a[: hi * 4] == b[: hi * 4]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[: mid * 4] == b[: mid * 4]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _nonempty(tokens: Sequence[int]) -> bytes:

@@ -45,6 +45,7 @@ class ModelLayout:
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
         self.state_bytes, self.kv_token_bytes = _sizes(probe)
+        self.state_prefixes = _state_prefixes(probe, "")
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
@@ -148,3 +149,15 @@ def _sizes(caches: Sequence[Any]) -> tuple[int, int]:
             k, v = cache.keys, cache.values
             kv += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
     return state, kv
+
+
+def _state_prefixes(caches: Sequence[Any], prefix: str) -> tuple[str, ...]:
+    """Payload-name prefixes of the recurrent-state layers (``"{layer}."``; nested
+    in a CacheList ``"{layer}.{part}."``)."""
+    out: list[str] = []
+    for i, cache in enumerate(caches):
+        if isinstance(cache, CacheList):
+            out += _state_prefixes(cache.caches, f"{prefix}{i}.")
+        elif isinstance(cache, ArraysCache):
+            out.append(f"{prefix}{i}.")
+    return tuple(out)

@@ -166,3 +166,22 @@ def test_recurrent_state_is_never_cut_back(arch):
         assert num_cached == 32
         want = reference(model, probe, 32)
         assert max_diff(continued(model, cache, probe[32:]), want) == 0.0
+
+
+def test_interval_snapshots_are_shed_before_any_block():
+    model = tiny_model("qwen3_next")
+    tokens = prompt(1, 100)  # blocks 0..5, each with a snapshot, and a 4-token tail
+    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, snapshot_interval=1)
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        pc.prefill(tokens, prefill_step_size=BLOCK)
+        num_blocks, nbytes = len(pc.hot), pc.hot.nbytes
+        state = pc.layout.state_bytes
+        assert pc.trim_hot(nbytes - 6 * state) == 0  # no block goes ...
+        assert pc.stats()["hot"]["num_shed_snapshots"] == 6  # ... the 6 interval snapshots do
+        assert len(pc.hot) == num_blocks and pc.hot.nbytes == nbytes - 6 * state
+        cache, num_cached = pc.fetch([*tokens, 1, 2])
+        assert num_cached == 100  # the state at the sequence's end stays
+        want = reference(model, [*tokens, 1, 2], 100)
+        assert max_diff(continued(model, cache, [1, 2]), want) == 0.0
+        assert pc.fetch(tokens[:40] + prompt(2, 5))[1] == 0  # no state at 16 or 32 now
+        assert pc.trim_hot(nbytes - 7 * state) == 1  # then blocks go, leaves first

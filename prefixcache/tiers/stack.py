@@ -21,7 +21,7 @@ from ..errors import MissReason, Shortfall
 from ..host import Place, Placed
 from ..stats import Stats
 from .base import ChainEntry, Tier, TierReader
-from .hot import HotTier
+from .hot import HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -29,9 +29,15 @@ _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 class Tiers:
     """The tiers of one PrefixCache, hot first (not thread-safe: the facade locks)."""
 
-    def __init__(self, config: CacheConfig, stats: Stats, lower: Sequence[Tier]):
+    def __init__(
+        self,
+        config: CacheConfig,
+        stats: Stats,
+        lower: Sequence[Tier],
+        shed: ShedHook | None = None,
+    ):
         self.config, self.stats = config, stats
-        self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict)
+        self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict, shed=shed)
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
         through = config.write_policy == "write_through"
