@@ -317,10 +317,14 @@ class PrefixCache:
                 return self._usable(found, found.depth, num_tokens)
             return blocks, tokens
 
+        if not self.layout.needs_capture:  # every payload is always cut: nothing to check
+            blocks, tokens = usable(depth) if depth > 0 else (0, 0)
+            return (blocks, tokens, None) if blocks > 0 else (0, 0, None)
+        template = self.layout.template  # its settings are all the checks read
         return plan(
             depth,
             usable=usable,
-            fresh=self.layout.fresh,
+            fresh=lambda _: template,
             payload=names,
             block_size=self.config.block_size,
         )

@@ -114,8 +114,8 @@ def chain_keys(root: bytes, data: bytes, block_size: int) -> list[bytes]:
     step = block_size * 4
     keys: list[bytes] = []
     parent = root
-    hasher = xxhash.xxh3_128
+    digest = xxhash.xxh3_128_digest  # the function: no hasher object per block
     for start in range(0, len(data) - step + 1, step):
-        parent = hasher(parent + data[start : start + step]).digest()
+        parent = digest(parent + data[start : start + step])
         keys.append(parent)
     return keys

@@ -7,6 +7,7 @@ It is part of the namespace: blocks of another layout are never served.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -54,7 +55,7 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.signature)
 
-    @property
+    @functools.cached_property
     def needs_capture(self) -> bool:
         """Whether some layer's payload exists only while prefilling.
 
