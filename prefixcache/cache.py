@@ -93,8 +93,9 @@ class PrefixCache:
             num_tokens = len(data) // 4
             cache, num_cached, reason = self._restore(found, num_tokens)
             reason = reason or found.reason
-            if reason is None and num_cached < num_tokens - 1:
-                reason = MissReason.PARTIAL_BLOCK
+            shared = found.depth * self.config.block_size + found.common
+            if reason is None and num_cached < min(shared, num_tokens - 1):
+                reason = MissReason.PARTIAL_BLOCK  # a stored block shared more, unusably
             self._stats.fetched(num_tokens, num_cached, reason)
             return cache, num_cached
 
