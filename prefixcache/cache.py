@@ -11,7 +11,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import Block
-from .capture import cut_blocks, cut_tail
+from .capture import cut_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
 from .errors import MissReason, Shortfall
@@ -226,9 +226,7 @@ class PrefixCache:
             )
             self.tiers.keep(cut.new)
             self.tiers.replace(cut.upgraded)
-            tail = None
-            if at_end:
-                tail = cut_tail(keys, root, data, cache, block_size=bs, stored=self.hot.contains)
+            tail = cut.tail
             if tail is not None:
                 self.tiers.keep_tail(tail)
             for block in [*cut.new[-1:], *([tail] if tail else [])]:

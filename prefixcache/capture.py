@@ -42,6 +42,7 @@ class Cut:
 
     new: list[Block]
     upgraded: list[Block]
+    tail: Block | None = None
 
 
 def chunk_ends(start: int, stop: int, step: int) -> list[int]:
@@ -101,10 +102,10 @@ def cut_blocks(
         block_size: tokens per block.
         snapshot_interval: recurrent state is kept at every n-th boundary.
         at_end: the cache is a finished sequence: the block ending where it
-            ends keeps a snapshot too (else a prefill chunk's end: only the
-            interval's boundaries do).
+            ends keeps a snapshot too, and its tail is cut (else a prefill
+            chunk's end: only the interval's boundaries keep snapshots).
         stored: whether a key is held by any tier.
-        resident: the hot block of a key, or None.
+        resident: the hot block of a key, or None (tails are hot only).
     """
     length = len(data) // 4
     codecs = [codec_for(c) for c in cache]
@@ -126,9 +127,18 @@ def cut_blocks(
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    # evaluates only what is kept: the cuts of complete blocks are never computed
-    mx.eval([b.arrays for b in new], [b.arrays for b in upgraded])
-    return Cut(new, upgraded)
+    tail = None
+    if at_end:
+        tail = cut_tail(
+            keys, root, data, cache, block_size=block_size, stored=resident_key(resident)
+        )
+    # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
+    mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
+    return Cut(new, upgraded, tail)
+
+
+def resident_key(resident: Callable[[bytes], Block | None]) -> Callable[[bytes], bool]:
+    return lambda key: resident(key) is not None
 
 
 def cut_tail(
@@ -140,7 +150,8 @@ def cut_tail(
     block_size: int,
     stored: Callable[[bytes], bool],
 ) -> Block | None:
-    """The tail block of ``data`` (the tokens after its last full block), or None.
+    """The tail block of ``data`` (the tokens after its last full block), or None;
+    its arrays are not evaluated.
 
     Args:
         keys: chain keys of the full blocks of ``data``.
@@ -161,7 +172,6 @@ def cut_tail(
     if stored(key):
         return None
     arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
-    mx.eval(arrays)
     return Block.make(key, parent, root, index, tail, arrays)
 
 
