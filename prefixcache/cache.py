@@ -107,6 +107,22 @@ class PrefixCache:
             found = self._match(data, extra)
             return self._plan(found, found.depth + 1, len(data) // 4)[1]
 
+    def stored_prefix(
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+    ) -> int:
+        """Tokens of ``tokens`` some stored sequence shares, restorable or not.
+
+        Where this exceeds ``match`` on a model with recurrent layers, the
+        stored sequences branch there without state to resume from: a
+        scheduler that ``store``\ s its cache at the block boundary below it
+        (as ``prefill`` does) lets the next prompt branching there hit.
+        """
+        data = _nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            found = self._match(data, extra)
+            return found.depth * self.config.block_size + found.common
+
     def store(
         self, tokens: Sequence[int], cache: Sequence[Any], *, extra: Mapping[str, str] | None = None
     ) -> int:

@@ -185,3 +185,27 @@ def test_interval_snapshots_are_shed_before_any_block():
         assert max_diff(continued(model, cache, [1, 2]), want) == 0.0
         assert pc.fetch(tokens[:40] + prompt(2, 5))[1] == 0  # no state at 16 or 32 now
         assert pc.trim_hot(nbytes - 7 * state) == 1  # then blocks go, leaves first
+
+
+def test_prefill_keeps_the_state_where_stored_sequences_branch():
+    """Sparse snapshots miss a shared system prompt once; then its end state is kept."""
+    model = tiny_model("qwen3_next")
+    system = prompt(1, 48)  # 3 blocks; the interval (8 blocks) has no snapshot there
+    users = [system + prompt(10 + i, 20) for i in range(3)]
+    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, snapshot_interval=8)
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        pc.prefill(users[0])
+        assert pc.stored_prefix(users[1]) == 48 and pc.match(users[1]) == 0
+        _, logits = pc.prefill(users[1])  # misses, and keeps the state at 48
+        assert max_diff(logits, reference(model, users[1], 48)) == 0.0
+        assert pc.match(users[2]) == 48
+        _, logits = pc.prefill(users[2])
+        assert pc.stats()["cached_tokens"] == 48
+        assert max_diff(logits, reference(model, users[2], 48)) == 0.0
+        # negative control: another system prompt's state at 48 gives other logits
+        other = prompt(2, 48) + users[2][48:]
+        pc.prefill(prompt(2, 48) + prompt(3, 5))
+        pc.prefill(prompt(2, 48) + prompt(4, 5))  # branches at 48: its state is kept
+        theirs, num_theirs = pc.fetch(other)
+        assert num_theirs == 48
+        assert max_diff(continued(model, theirs, users[2][48:]), logits) > 0.0
