@@ -114,7 +114,7 @@ class PrefixCache:
 
         Where this exceeds ``match`` on a model with recurrent layers, the
         stored sequences branch there without state to resume from: a
-        scheduler that ``store``\ s its cache at the block boundary below it
+        scheduler that calls ``store`` at the block boundary below it
         (as ``prefill`` does) lets the next prompt branching there hit.
         """
         data = _nonempty(tokens)
