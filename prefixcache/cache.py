@@ -58,7 +58,7 @@ class PrefixCache:
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
-        shed = self._shed if self.layout.state_prefixes else None
+        shed = self.layout.without_state if self.layout.state_prefixes else None
         self.tiers = Tiers(self.config, self._stats, lower, shed)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
         self._closed = False
@@ -374,14 +374,6 @@ class PrefixCache:
             self.tiers.after_hit(found.keys[:num_blocks], loader.loaded)
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
-
-    def _shed(self, block: Block) -> Block | None:
-        """``block`` without its recurrent-state snapshot (None: it has none)."""
-        prefixes = self.layout.state_prefixes
-        lean = {n: a for n, a in block.arrays.items() if not n.startswith(prefixes)}
-        if len(lean) == len(block.arrays):
-            return None
-        return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
 
     def _drop_superseded(self, block: Block) -> None:
         """Drop hot tails that ``block`` extends: cutting ``block`` back gives the same.

@@ -92,20 +92,17 @@ def cut_blocks(
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
 ) -> Cut:
-    """Cut the blocks ``keys[first:]`` that no tier holds, and upgrades of hot ones.
+    """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
 
     Args:
-        keys: chain keys of the full blocks of ``data``.
-        root: namespace root key.
-        data: the tokens the cache holds, as uint32 bytes.
-        cache: the live cache list (holding ``len(data) // 4`` tokens).
+        keys, root: chain keys of the full blocks of ``data``; the namespace root key.
+        data, cache: the tokens (uint32 bytes) and the live cache list holding them.
         block_size: tokens per block.
         snapshot_interval: recurrent state is kept at every n-th boundary.
         at_end: the cache is a finished sequence: the block ending where it
             ends keeps a snapshot too, and its tail is cut (else a prefill
             chunk's end: only the interval's boundaries keep snapshots).
-        stored: whether a key is held by any tier.
-        resident: the hot block of a key, or None (tails are hot only).
+        stored, resident: whether a key is held by any tier; its hot block or None.
     """
     length = len(data) // 4
     codecs = [codec_for(c) for c in cache]
@@ -127,18 +124,15 @@ def cut_blocks(
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    tail = None
-    if at_end:
-        tail = cut_tail(
-            keys, root, data, cache, block_size=block_size, stored=resident_key(resident)
-        )
+    # tails are hot only: a resident tail is held
+    tail = (
+        cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
+        if at_end
+        else None
+    )
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
     return Cut(new, upgraded, tail)
-
-
-def resident_key(resident: Callable[[bytes], Block | None]) -> Callable[[bytes], bool]:
-    return lambda key: resident(key) is not None
 
 
 def cut_tail(
@@ -148,7 +142,7 @@ def cut_tail(
     cache: Sequence[Any],
     *,
     block_size: int,
-    stored: Callable[[bytes], bool],
+    stored: Callable[[bytes], object],
 ) -> Block | None:
     """The tail block of ``data`` (the tokens after its last full block), or None;
     its arrays are not evaluated.
@@ -159,7 +153,7 @@ def cut_tail(
         data: the tokens the cache holds, as uint32 bytes.
         cache: the live cache list (holding ``len(data) // 4`` tokens).
         block_size: tokens per block.
-        stored: whether a tail key is held already (then None is returned).
+        stored: whether (truthy) a tail key is held already (then None is returned).
     """
     length = len(data) // 4
     index = length // block_size

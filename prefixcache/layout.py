@@ -24,6 +24,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from .blocks import Block
 from .codecs import Codec, codec_for
 from .config import CacheConfig
 from .errors import LayoutMismatchError
@@ -80,6 +81,14 @@ class ModelLayout:
         if cfg.kv_bits:  # packed bits, plus a scale and a bias per group (fp16-sized)
             kv_block = kv_block * (cfg.kv_bits / 16 + 2 / cfg.kv_group_size)
         return max(1, math.ceil(self.state_bytes / (cfg.snapshot_ratio * kv_block)))
+
+    def without_state(self, block: Block) -> Block | None:
+        """``block`` without its recurrent-state snapshot (None: it has none)."""
+        prefixes = self.state_prefixes
+        lean = {n: a for n, a in block.arrays.items() if not n.startswith(prefixes)}
+        if len(lean) == len(block.arrays):
+            return None
+        return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
 
     def fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""
