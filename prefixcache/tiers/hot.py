@@ -4,8 +4,9 @@ Eviction never strands a child: only blocks with no child in the hot tier are
 evicted (leaves first). Touching a chain deepest-first keeps ancestors more
 recent than their descendants, so the LRU end is almost always a leaf.
 Before any block goes, interval snapshots go: a block inside a chain (one
-with children) is replaced by its ``shed`` version (without recurrent state),
-oldest first, so snapshots are evicted before the chain they sit on.
+child) is replaced by its ``shed`` version (without recurrent state), oldest
+first, so snapshots are evicted before the chain they sit on. Chain ends and
+branch points (two children or more) keep theirs: that is where prompts resume.
 Not thread-safe by itself: the manager holds its lock around every call.
 """
 
@@ -136,8 +137,10 @@ class HotTier(Tier):
     def _shed_one(self) -> bool:
         """Drop the snapshot of the oldest block inside a chain that has one."""
         for key in list(self._sheddable):
-            if not self._children.get(key):
-                continue  # a chain's end: its state is what a next turn resumes from
+            if len(self._children.get(key, ())) != 1:
+                # a chain's end: what a next turn resumes from; a branch point:
+                # what every new branch resumes from
+                continue
             del self._sheddable[key]
             block = self._lru[key]
             lean = self.shed(block) if self.shed is not None else None
