@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .blocks import Block
 from .capture import cut_blocks
 from .codecs import codec_for, round_up
 from .config import CacheConfig
@@ -17,8 +18,9 @@ from .errors import MissReason, Shortfall
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .model_id import model_fingerprint
+from .partial import Match, best_child
 from .periodic import Periodic
-from .restore import Walk, plan, rebuild, walk
+from .restore import plan, rebuild, walk
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
 from .tiers.base import Tier
@@ -57,7 +59,8 @@ class PrefixCache:
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
-        self.tiers = Tiers(self.config, self._stats, lower)
+        shed = self.layout.without_state if self.layout.state_prefixes else None
+        self.tiers = Tiers(self.config, self._stats, lower, shed)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
         self._closed = False
         seconds = self.config.counters_save_seconds
@@ -83,7 +86,9 @@ class PrefixCache:
     ) -> tuple[list[Any], int]:
         """A fresh cache holding the longest cached prefix of ``tokens``.
 
-        Always leaves at least one token to prefill.
+        Full blocks of the chain, then the part of a stored block or tail the
+        prompt shares (see :class:`Match`). Always leaves at least one token to
+        prefill.
 
         Returns:
             (cache list for the model, number of tokens it holds)
@@ -91,12 +96,13 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            keys, found, owners = self._match(data, extra)
+            found = self._match(data, extra)
             num_tokens = len(data) // 4
-            cache, num_cached, reason = self._restore(keys, owners, found.depth, num_tokens)
+            cache, num_cached, reason = self._restore(found, num_tokens)
             reason = reason or found.reason
-            if reason is None and num_tokens % self.config.block_size:
-                reason = MissReason.PARTIAL_BLOCK
+            shared = found.depth * self.config.block_size + found.common
+            if reason is None and num_cached < min(shared, num_tokens - 1):
+                reason = MissReason.PARTIAL_BLOCK  # a stored block shared more, unusably
             self._stats.fetched(num_tokens, num_cached, reason)
             return cache, num_cached
 
@@ -105,39 +111,42 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            keys, found, _ = self._match(data, extra)
-            return self._plan(keys, found.depth, len(data) // 4)[1]
+            found = self._match(data, extra)
+            return self._plan(found, found.depth + 1, len(data) // 4)[1]
+
+    def stored_prefix(
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+    ) -> int:
+        """Tokens of ``tokens`` some stored sequence shares, restorable or not.
+
+        Where this exceeds ``match`` on a model with recurrent layers, the
+        stored sequences branch there without state to resume from: a
+        scheduler that calls ``store`` at the block boundary below it
+        (as ``prefill`` does) lets the next prompt branching there hit.
+        """
+        data = _nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            found = self._match(data, extra)
+            return found.depth * self.config.block_size + found.common
 
     def store(
         self, tokens: Sequence[int], cache: Sequence[Any], *, extra: Mapping[str, str] | None = None
     ) -> int:
-        """Keep every new full block of ``cache``; returns how many were new.
+        """Keep every new full block of ``cache`` (returns how many) and its tail.
+
+        ``cache`` is a finished sequence: every layer's state at its exact end
+        is kept (the tail, the tokens after the last full block, as a tail
+        block; recurrent state with the block or tail ending there), so the
+        next turn of a conversation reuses all of this one, recurrent models
+        included.
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        data = token_bytes(tokens)
-        with self._lock:
-            self._check_open()
-            self.layout.validate(cache, len(data) // 4)
-            root = self._root(extra)
-            cut = cut_blocks(
-                chain_keys(root, data, self.config.block_size),
-                root,
-                data,
-                cache,
-                block_size=self.config.block_size,
-                snapshot_interval=self.config.snapshot_interval,
-                first=0,
-                stored=self.tiers.contains,
-                resident=self.hot.get,
-            )
-            self.tiers.keep(cut.new)
-            self.tiers.replace(cut.upgraded)
-            self._stats.num_stores += 1
-            return len(cut.new)
+        return self._store(tokens, cache, extra, at_end=True)
 
     def capture(
         self,
@@ -148,13 +157,14 @@ class PrefixCache:
     ) -> int:
         """``store`` for a cache being prefilled: call it after every chunk.
 
-        Window K/V are cut before the window moves on and recurrent state at
-        the boundary the cache stands on (see capture.py); e.g. from
+        Window K/V are cut before the window moves on and recurrent state every
+        ``snapshot_interval`` blocks (see capture.py); e.g. from
         ``generate_step``'s ``prompt_progress_callback`` (``prefill_step_size``
         a multiple of ``block_size``; skip its last call, ``done == total``,
-        made once the first generated token is in the cache).
+        made once the first generated token is in the cache). Call ``store``
+        once the sequence is complete: it keeps the state at its end.
         """
-        return self.store(tokens_so_far, cache, extra=extra)
+        return self._store(tokens_so_far, cache, extra, at_end=False)
 
     def prefill(
         self,
@@ -166,7 +176,7 @@ class PrefixCache:
         """``fetch``, prefill the rest in block-aligned chunks, ``capture`` each.
 
         ``prefill_step_size`` (a multiple of ``block_size``; chunks end on its
-        multiples) defaults to ``snapshot_interval`` blocks for models with
+        multiples) defaults to the snapshot interval (``layout.snapshot_interval``) for models with
         recurrent layers, else ~2048 tokens. Returns (cache, last logits).
         """
         from .prefill import prefill
@@ -221,6 +231,42 @@ class PrefixCache:
 
     # -- internals ----------------------------------------------------------
 
+    def _store(
+        self,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        extra: Mapping[str, str] | None,
+        *,
+        at_end: bool,
+    ) -> int:
+        data = token_bytes(tokens)
+        with self._lock:
+            self._check_open()
+            self.layout.validate(cache, len(data) // 4)
+            root = self._root(extra)
+            bs = self.config.block_size
+            keys = chain_keys(root, data, bs)
+            cut = cut_blocks(
+                keys,
+                root,
+                data,
+                cache,
+                block_size=bs,
+                snapshot_interval=self.layout.snapshot_interval,
+                at_end=at_end,
+                stored=self.tiers.contains,
+                resident=self.hot.get,
+            )
+            self.tiers.keep(cut.new)
+            self.tiers.replace(cut.upgraded)
+            tail = cut.tail
+            if tail is not None:
+                self.tiers.keep_tail(tail)
+            for block in [*cut.new[-1:], *([tail] if tail else [])]:
+                self._drop_superseded(block)
+            self._stats.num_stores += 1
+            return len(cut.new)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
@@ -246,55 +292,91 @@ class PrefixCache:
         self.tiers.save_counters(self._root(None), counter_delta(now, self._saved))
         self._saved = now
 
-    def _match(
-        self, data: bytes, extra: Mapping[str, str] | None
-    ) -> tuple[list[bytes], Walk, list[int]]:
-        """(chain keys of ``data``, how far the tiers match it, the tier of each block)."""
+    def _match(self, data: bytes, extra: Mapping[str, str] | None) -> Match:
+        """How far the tiers hold the prompt ``data``: chain, then a partial block."""
         root = self._root(extra)
-        keys = chain_keys(root, data, self.config.block_size)
-        entries, owners = self.tiers.chain(keys)
-        found = walk(entries, root, data, self.config.block_size)
-        if found.reason is None and found.depth < len(keys):
-            found = Walk(found.depth, self.tiers.missing_reason(keys[found.depth]))
-        return keys, found, owners
-
-    def _usable(self, depth: int, num_tokens: int) -> tuple[int, int]:
-        """(blocks to restore, tokens cached): at least one token is left to prefill."""
         bs = self.config.block_size
+        keys = chain_keys(root, data, bs)
+        entries, owners = self.tiers.chain(keys)
+        found = walk(entries, root, data, bs)
+        depth, reason = found.depth, found.reason
+        if reason is None and depth < len(keys):
+            reason = self.tiers.missing_reason(keys[depth])
+        partial, common = best_child(
+            self.hot.children(keys[depth - 1] if depth else root), depth, data[depth * bs * 4 :]
+        )
+        if partial is not None:
+            keys, owners = [*keys[:depth], partial.key], [*owners[:depth], 0]
+        return Match(keys, owners, depth, reason, partial, common)
+
+    def _usable(self, found: Match, depth: int, num_tokens: int) -> tuple[int, int]:
+        """(blocks to restore, tokens cached) for ``depth`` blocks of ``found``'s keys:
+        at least one token is left to prefill."""
+        bs = self.config.block_size
+        if depth > found.depth:  # through the partial block
+            return depth, self._partial_tokens(found, num_tokens)
         if depth * bs < num_tokens:
             return depth, depth * bs
         if self.layout.trimmable_at(num_tokens - 1):
             return depth, num_tokens - 1
         return depth - 1, (depth - 1) * bs
 
+    def _partial_tokens(self, found: Match, num_tokens: int) -> int:
+        """Tokens cached when restoring through ``found.partial`` (0: not usable).
+
+        The partial block is cut back to the tokens the prompt shares with it,
+        which every cache but recurrent state allows; recurrent state is
+        restored only where the block (a tail) ends.
+        """
+        start = found.depth * self.config.block_size
+        shared = min(found.common, num_tokens - 1 - start)
+        if shared <= 0 or found.partial is None:
+            return 0
+        if shared == found.partial.num_tokens or self.layout.trimmable_at(start + shared):
+            return start + shared
+        return 0
+
     def _plan(
-        self, keys: list[bytes], depth: int, num_tokens: int
+        self, found: Match, depth: int, num_tokens: int
     ) -> tuple[int, int, MissReason | None]:
         """(blocks, tokens, reason) restorable given which payloads blocks hold."""
+        keys = found.keys
+        depth = min(depth, len(keys) if found.partial else found.depth)
+        hot = self.hot.get
 
         def names(index: int) -> Container[str] | None:
-            block = self.hot.get(keys[index])
+            block = hot(keys[index])
             return None if block is None else block.arrays  # lower tiers: checked on load
 
+        def usable(d: int) -> tuple[int, int]:
+            blocks, tokens = self._usable(found, d, num_tokens)
+            if d > found.depth and not tokens:  # the partial block is of no use
+                return self._usable(found, found.depth, num_tokens)
+            return blocks, tokens
+
+        if not self.layout.needs_capture:  # every payload is always cut: nothing to check
+            blocks, tokens = usable(depth) if depth > 0 else (0, 0)
+            return (blocks, tokens, None) if blocks > 0 else (0, 0, None)
+        template = self.layout.template  # its settings are all the checks read
         return plan(
             depth,
-            usable=lambda d: self._usable(d, num_tokens),
-            fresh=self.layout.fresh,
+            usable=usable,
+            fresh=lambda _: template,
             payload=names,
             block_size=self.config.block_size,
         )
 
-    def _restore(
-        self, keys: list[bytes], owners: list[int], depth: int, num_tokens: int
-    ) -> tuple[list[Any], int, MissReason | None]:
+    def _restore(self, found: Match, num_tokens: int) -> tuple[list[Any], int, MissReason | None]:
         reason = None
+        depth = found.depth + 1
+        bs = self.config.block_size
         while depth > 0:
-            num_blocks, num_cached, why = self._plan(keys, depth, num_tokens)
+            num_blocks, num_cached, why = self._plan(found, depth, num_tokens)
             reason = reason or why
             if num_blocks <= 0:
                 break
             fresh = self.layout.fresh(num_cached)
-            loader = self.tiers.chain_load(keys, owners)
+            loader = self.tiers.chain_load(found.keys, found.owners)
             try:
                 cache = rebuild(
                     fresh,
@@ -302,15 +384,29 @@ class PrefixCache:
                     loader,
                     num_blocks=num_blocks,
                     num_tokens=num_cached,
-                    capacity=round_up(num_tokens + self.config.restore_headroom),
-                    block_size=self.config.block_size,
+                    # a partial block is copied whole, then cut back by the offset
+                    capacity=round_up(
+                        max(num_tokens + self.config.restore_headroom, num_blocks * bs)
+                    ),
+                    block_size=bs,
                 )
             except Shortfall as short:
                 depth, reason = short.index, reason or short.reason
                 continue
-            self.tiers.after_hit(keys[:num_blocks], loader.loaded)
+            self.tiers.after_hit(found.keys[:num_blocks], loader.loaded)
             return cache, num_cached, reason
         return make_prompt_cache(self.model), 0, reason
+
+    def _drop_superseded(self, block: Block) -> None:
+        """Drop hot tails that ``block`` extends: cutting ``block`` back gives the same.
+
+        Not for recurrent layers: a tail's state at its own end is what it adds.
+        """
+        if not self.layout.trimmable_at(1):
+            return
+        for other in self.hot.children(block.parent):
+            if other.num_tokens < block.num_tokens and block.tokens.startswith(other.tokens):
+                self.hot.remove([other.key])
 
 
 def _nonempty(tokens: Sequence[int]) -> bytes:

@@ -12,6 +12,13 @@ A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
 union of both payloads (see ``Tiers.replace``).
+
+The tail of a stored sequence (its last tokens after the last full block) is
+cut as a tail block (``cut_tail``): a child of that last full block, outside
+the chain, carrying every layer's payload at the sequence's exact end (the
+recurrent state there included). The block that ends the sequence exactly
+keeps its snapshot too, whatever the interval: the next turn of a
+conversation resumes from there.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import mlx.core as mx
 
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
+from .hashing import tail_key
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
@@ -34,6 +42,7 @@ class Cut:
 
     new: list[Block]
     upgraded: list[Block]
+    tail: Block | None = None
 
 
 def chunk_ends(start: int, stop: int, step: int) -> list[int]:
@@ -79,11 +88,64 @@ def cut_blocks(
     *,
     block_size: int,
     snapshot_interval: int,
-    first: int,
+    at_end: bool,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
 ) -> Cut:
-    """Cut the blocks ``keys[first:]`` that no tier holds, and upgrades of hot ones.
+    """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
+
+    Args:
+        keys, root: chain keys of the full blocks of ``data``; the namespace root key.
+        data, cache: the tokens (uint32 bytes) and the live cache list holding them.
+        block_size: tokens per block.
+        snapshot_interval: recurrent state is kept at every n-th boundary.
+        at_end: the cache is a finished sequence: the block ending where it
+            ends keeps a snapshot too, and its tail is cut (else a prefill
+            chunk's end: only the interval's boundaries keep snapshots).
+        stored, resident: whether a key is held by any tier; its hot block or None.
+    """
+    length = len(data) // 4
+    codecs = [codec_for(c) for c in cache]
+    reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
+    new: list[Block] = []
+    upgraded: list[Block] = []
+    for i in range(len(keys)):
+        old = resident(keys[i]) if i >= reach // block_size else None
+        if old is None and stored(keys[i]):
+            continue
+        snapshot = (i + 1) % snapshot_interval == 0 or (at_end and (i + 1) * block_size == length)
+        arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+        if old is None:
+            tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
+            parent = keys[i - 1] if i else root
+            new.append(Block.make(keys[i], parent, root, i, tokens, arrays))
+            continue
+        gained = _gained(old.arrays, arrays)
+        if gained:
+            merged = {**old.arrays, **gained}
+            upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
+    # tails are hot only: a resident tail is held
+    tail = (
+        cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
+        if at_end
+        else None
+    )
+    # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
+    mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
+    return Cut(new, upgraded, tail)
+
+
+def cut_tail(
+    keys: Sequence[bytes],
+    root: bytes,
+    data: bytes,
+    cache: Sequence[Any],
+    *,
+    block_size: int,
+    stored: Callable[[bytes], object],
+) -> Block | None:
+    """The tail block of ``data`` (the tokens after its last full block), or None;
+    its arrays are not evaluated.
 
     Args:
         keys: chain keys of the full blocks of ``data``.
@@ -91,34 +153,36 @@ def cut_blocks(
         data: the tokens the cache holds, as uint32 bytes.
         cache: the live cache list (holding ``len(data) // 4`` tokens).
         block_size: tokens per block.
-        snapshot_interval: recurrent state is kept at every n-th boundary.
-        first: first chain index to consider (earlier blocks were handled).
-        stored: whether a key is held by any tier.
-        resident: the hot block of a key, or None.
+        stored: whether (truthy) a tail key is held already (then None is returned).
     """
     length = len(data) // 4
-    codecs = [codec_for(c) for c in cache]
-    reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
-    new: list[Block] = []
-    upgraded: list[Block] = []
-    for i in range(first, len(keys)):
-        old = resident(keys[i]) if i >= reach // block_size else None
-        if old is None and stored(keys[i]):
+    index = length // block_size
+    start = index * block_size
+    if start == length:
+        return None
+    parent = keys[index - 1] if index else root
+    tail = data[start * 4 :]
+    key = tail_key(parent, tail)
+    if stored(key):
+        return None
+    arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
+    return Block.make(key, parent, root, index, tail, arrays)
+
+
+def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Payloads of ``new`` that ``old`` lacks; a window's partial payloads (``keep.*``,
+    ``last.*``) add nothing to a layer that holds the whole block (``keys``)."""
+    out = {}
+    for name, arr in new.items():
+        if name in old:
             continue
-        snapshot = (i + 1) % snapshot_interval == 0
-        arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
-        if old is None:
-            tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
-            parent = keys[i - 1] if i else root
-            new.append(Block.make(keys[i], parent, root, i, tokens, arrays))
-            continue
-        gained = {name: a for name, a in arrays.items() if name not in old.arrays}
-        if gained:
-            merged = {**old.arrays, **gained}
-            upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    # evaluates only what is kept: the cuts of complete blocks are never computed
-    mx.eval([b.arrays for b in new], [b.arrays for b in upgraded])
-    return Cut(new, upgraded)
+        for part in ("last.", "keep."):
+            head, sep, _ = name.partition(part)
+            if sep and head + "keys" in old:
+                break
+        else:
+            out[name] = arr
+    return out
 
 
 def _cut(

@@ -54,7 +54,13 @@ class CacheConfig:
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
             the prompt, so decoding does not re-allocate at once.
-        snapshot_interval: keep a recurrent-state snapshot every N blocks.
+        snapshot_interval: during prefill, keep a recurrent-state snapshot every
+            N blocks; 0 (the default) picks N from ``snapshot_ratio``. The state
+            at the end of every stored sequence is kept whatever N is.
+        snapshot_ratio: with ``snapshot_interval=0``, the interval snapshots'
+            bytes are at most this multiple of the attention K/V bytes of the
+            blocks they sit on (N = ceil(snapshot bytes / (ratio * K/V bytes
+            of a block))); a model without attention layers snapshots every block.
         ssd_retry_seconds: after a disk or index failure turned the SSD tier's
             writes off, how long until the writer probes the directory again.
         counters_save_seconds: how often a cache adds its counters to the
@@ -87,7 +93,8 @@ class CacheConfig:
     kv_group_size: int = 64
     quantized_kv_start: int = 0
     restore_headroom: int = 256
-    snapshot_interval: int = 1
+    snapshot_interval: int = 0
+    snapshot_ratio: float = 1.0
     ssd_retry_seconds: float = 30.0
     counters_save_seconds: float = 5.0
     remote_url: str | None = None
@@ -100,9 +107,11 @@ class CacheConfig:
     prefill_tokens_per_s: int = 0
 
     def __post_init__(self) -> None:
+        ratio = self.snapshot_ratio
+        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not ratio > 0:
+            raise ValueError(f"snapshot_ratio must be a number > 0, got {ratio!r}")
         for name in (
             "block_size",
-            "snapshot_interval",
             "kv_group_size",
             "remote_connect_timeout_ms",
             "remote_timeout_ms",
@@ -121,6 +130,7 @@ class CacheConfig:
             "remote_breaker_ms",
             "remote_max_bytes",
             "prefill_tokens_per_s",
+            "snapshot_interval",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -182,6 +192,11 @@ def _parse_field(name: str, raw: str) -> object:
         return raw.strip() or None
     if name == "kv_bits" and raw.strip().lower() in ("", "none"):
         return None
+    if name == "snapshot_ratio":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
     try:
         return int(raw)
     except ValueError:

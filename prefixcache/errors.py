@@ -15,7 +15,7 @@ class MissReason(str, Enum):
     """Why a fetch did not reuse every full block of the prompt."""
 
     NO_PREFIX = "no_prefix"  # the next block was never stored
-    PARTIAL_BLOCK = "partial_block"  # the prompt's tail is shorter than a block
+    PARTIAL_BLOCK = "partial_block"  # a stored block shares more tokens than could be cut back
     EVICTED = "evicted"  # the next block was stored, then evicted from every tier
     PENDING_WRITE = "pending_write"  # the next block was dropped from the write queue
     BOUNDARY_MISSING = "boundary_state_missing"  # no recurrent snapshot at the boundary

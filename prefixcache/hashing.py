@@ -9,11 +9,21 @@ a new version number):
   with sorted keys, no spaces, ASCII only.
 - block key = xxh3_128(parent key (16 bytes) + the block's token ids as
   little-endian uint32), digest in big-endian byte order (xxhash's ``digest``).
+
+Addition in v1 (keys of full blocks unchanged; locked by its own golden vector):
+
+- tail key = xxh3_128(b"prefixcache/v1/tail\0" + parent key (16 bytes) + the
+  tail's token ids as little-endian uint32): the key of a stored sequence's
+  last tokens (fewer than a block) after its last full block ``parent``. The
+  tag keeps tail keys apart from block keys; tails are found through their
+  parent (a tier's children lookup), never by hashing a prompt.
 """
 
 from __future__ import annotations
 
+import array
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -22,6 +32,8 @@ import xxhash
 
 FORMAT_VERSION = 1
 _ROOT_TAG = b"prefixcache/v1/root\0"
+_TAIL_TAG = b"prefixcache/v1/tail\0"
+_NATIVE_LE = sys.byteorder == "little" and array.array("I").itemsize == 4
 _MAX_TOKEN = 2**32 - 1
 
 
@@ -61,10 +73,18 @@ class Namespace:
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Validate token ids and encode them as little-endian uint32 bytes.
 
+    A list of ints goes through ``array.array("I")`` (which checks the range
+    as it packs: several times faster than numpy's conversion of a list).
+
     Raises:
         TypeError: tokens are not integers.
         ValueError: a token is negative or does not fit in uint32.
     """
+    if _NATIVE_LE and isinstance(tokens, list | tuple | range):
+        try:
+            return array.array("I", tokens).tobytes()
+        except (OverflowError, TypeError):
+            pass  # numpy below names the bad value
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a flat sequence, got shape {arr.shape}")
@@ -83,13 +103,19 @@ def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def tail_key(parent: bytes, tail: bytes) -> bytes:
+    """Key of a sequence's tail ``tail`` (uint32 token bytes, shorter than a block)
+    stored after its last full block ``parent`` (a block key or the root key)."""
+    return xxhash.xxh3_128(_TAIL_TAG + parent + tail).digest()
+
+
 def chain_keys(root: bytes, data: bytes, block_size: int) -> list[bytes]:
     """Keys of every full block of ``data`` (uint32 token bytes), in order."""
     step = block_size * 4
     keys: list[bytes] = []
     parent = root
-    hasher = xxhash.xxh3_128
+    digest = xxhash.xxh3_128_digest  # the function: no hasher object per block
     for start in range(0, len(data) - step + 1, step):
-        parent = hasher(parent + data[start : start + step]).digest()
+        parent = digest(parent + data[start : start + step])
         keys.append(parent)
     return keys

@@ -7,13 +7,24 @@ It is part of the namespace: blocks of another layout are never served.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
+from .blocks import Block
 from .codecs import Codec, codec_for
 from .config import CacheConfig
 from .errors import LayoutMismatchError
@@ -35,6 +46,8 @@ class ModelLayout:
         self.codecs: list[Codec] = [codec_for(c) for c in probe]
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
+        self.state_bytes, self.kv_token_bytes = _sizes(probe)
+        self.state_prefixes = _state_prefixes(probe, "")
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
@@ -43,7 +56,7 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.signature)
 
-    @property
+    @functools.cached_property
     def needs_capture(self) -> bool:
         """Whether some layer's payload exists only while prefilling.
 
@@ -52,6 +65,30 @@ class ModelLayout:
         payload coverage, plain KV codecs do not.
         """
         return any(type(codec).covers is not Codec.covers for codec in self.codecs)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Blocks between recurrent-state snapshots during prefill.
+
+        ``config.snapshot_interval`` when set; else the fewest blocks whose
+        attention K/V bytes times ``snapshot_ratio`` reach one snapshot's bytes,
+        so interval snapshots cost at most that multiple of the K/V they sit on.
+        """
+        cfg = self.config
+        if cfg.snapshot_interval or not self.kv_token_bytes:
+            return cfg.snapshot_interval or 1
+        kv_block = self.kv_token_bytes * cfg.block_size
+        if cfg.kv_bits:  # packed bits, plus a scale and a bias per group (fp16-sized)
+            kv_block = kv_block * (cfg.kv_bits / 16 + 2 / cfg.kv_group_size)
+        return max(1, math.ceil(self.state_bytes / (cfg.snapshot_ratio * kv_block)))
+
+    def without_state(self, block: Block) -> Block | None:
+        """``block`` without its recurrent-state snapshot (None: it has none)."""
+        prefixes = self.state_prefixes
+        lean = {n: a for n, a in block.arrays.items() if not n.startswith(prefixes)}
+        if len(lean) == len(block.arrays):
+            return None
+        return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
 
     def fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""
@@ -105,3 +142,32 @@ class ModelLayout:
                 f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
                 f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
             )
+
+
+def _sizes(caches: Sequence[Any]) -> tuple[int, int]:
+    """(bytes of one recurrent-state snapshot, attention K/V bytes per token) of a probe."""
+    state = kv = 0
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            sub = _sizes(cache.caches)
+            state, kv = state + sub[0], kv + sub[1]
+        elif isinstance(cache, ArraysCache):
+            state += sum(a.nbytes for a in cache.cache if a is not None)
+        elif (
+            isinstance(cache, KVCache | RotatingKVCache | ChunkedKVCache) and cache.keys is not None
+        ):
+            k, v = cache.keys, cache.values
+            kv += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
+    return state, kv
+
+
+def _state_prefixes(caches: Sequence[Any], prefix: str) -> tuple[str, ...]:
+    """Payload-name prefixes of the recurrent-state layers (``"{layer}."``; nested
+    in a CacheList ``"{layer}.{part}."``)."""
+    out: list[str] = []
+    for i, cache in enumerate(caches):
+        if isinstance(cache, CacheList):
+            out += _state_prefixes(cache.caches, f"{prefix}{i}.")
+        elif isinstance(cache, ArraysCache):
+            out.append(f"{prefix}{i}.")
+    return tuple(out)

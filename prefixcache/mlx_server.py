@@ -83,10 +83,8 @@ class TieredPromptCache:
             if cache is None or not text:
                 return None, tokens
             try:
-                if cache.layout.needs_capture:
-                    restored, num_cached = _fetch_extended(cache, text)
-                else:
-                    restored, num_cached = cache.fetch(text)
+                # only what was restored: the server reports it as cached_tokens
+                restored, num_cached = cache.fetch(text)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
                 return None, tokens
@@ -277,21 +275,6 @@ def _fate(stats: dict[str, object]) -> str:
     if not ssd["enabled"]:
         text += f" ssd_failures={ssd['num_failures']} (SSD writes off at close)"
     return text
-
-
-def _fetch_extended(cache: PrefixCache, text: list[int]) -> tuple[list[Any], int]:
-    """Fetch, then prefill up to the last block boundary here, capturing each block.
-
-    Window and recurrent state exist only while prefilling and mlx-lm's prefill
-    does not hand them out, so for such models the block-aligned part of the
-    prompt is prefilled by ``PrefixCache.prefill``; the server prefills the rest.
-    """
-    bs = cache.config.block_size
-    aligned = (len(text) - 1) // bs * bs
-    if aligned == 0:
-        return cache.fetch(text)
-    restored, _ = cache.prefill(text[:aligned])
-    return restored, aligned
 
 
 _SUMMARY = (

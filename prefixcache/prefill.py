@@ -49,6 +49,9 @@ def prefill(
 ) -> tuple[list[Any], mx.array]:
     """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
 
+    For a model with recurrent layers a chunk also ends at the block boundary
+    below where stored sequences branch off this prompt (``stored_prefix``),
+    and the state there is kept: the next prompt branching there resumes.
     After each chunk mlx-lm's KV quantization schedule is applied (as
     ``generate_step`` does), the cache is evaluated and the blocks it completed
     are stored (window K/V while still in the window, recurrent state at the
@@ -61,10 +64,17 @@ def prefill(
     cfg = pc.config
     cache, start = pc.fetch(tokens, extra=extra)
     snapshots = any(codec_for(c).snapshots(c) for c in cache)
-    step = chunk_step(prefill_step_size, cfg.block_size, cfg.snapshot_interval, snapshots)
+    step = chunk_step(prefill_step_size, cfg.block_size, pc.layout.snapshot_interval, snapshots)
+    ends = chunk_ends(start, len(tokens), step)
+    if snapshots:  # keep the state where stored sequences branch off this prompt
+        branch = min(pc.stored_prefix(tokens, extra=extra), len(tokens) - 1)
+        branch = branch // cfg.block_size * cfg.block_size
+        ends = sorted({*ends, branch}) if branch > start else ends
+    else:
+        branch = 0
     ids = mx.array(tokens, dtype=mx.int32)
     logits = None
-    for end in chunk_ends(start, len(tokens), step):
+    for end in ends:
         began = time.perf_counter()
         out = pc.model(ids[None, start:end], cache=cache)
         maybe_quantize_kv_cache(cache, cfg.quantized_kv_start, cfg.kv_group_size, cfg.kv_bits)
@@ -74,6 +84,8 @@ def prefill(
         mx.eval(logits, [c.state for c in cache])
         del out
         pc.note_prefill(end - start, time.perf_counter() - began)
-        pc.capture(tokens[:end], cache, extra=extra)
+        # ``store`` keeps the state at the sequence's end and at the branch point
+        keep = pc.store if end in (len(tokens), branch) else pc.capture
+        keep(tokens[:end], cache, extra=extra)
         start = end
     return cache, logits

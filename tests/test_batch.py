@@ -115,13 +115,11 @@ def test_batch_generator_with_restored_caches_equals_single(arch):
         done = [*p, *tokens[uid]]  # 64 + 12 + 6: a fifth full block
         finished_cache = finished[uid]
         assert pc.store(done, finished_cache) == 1
+        # ... with its tail and every layer's state at its end (window, recurrent state)
         cache, num_cached = pc.fetch([*done, 1])
-        if arch != "llama":  # a finished cache lacks the window / state of that block
-            assert num_cached == 64
-            return
-        assert num_cached == 80
-        for c in finished_cache:
-            c.trim(len(done) - 80)
-        tail = [*done[80:], 1]
-        live = single_continue(model, finished_cache, tail)
-        assert max_diff(single_continue(model, cache, tail), live) == 0.0
+        assert num_cached == len(done) == 82
+        live = single_continue(model, finished_cache, [1])
+        assert max_diff(single_continue(model, cache, [1]), live) == 0.0
+        # negative control: the other sequence's end state gives other logits
+        other, _ = pc.fetch([*full[1], 1])
+        assert max_diff(single_continue(model, other, [1]), live) > 0.0

@@ -17,6 +17,7 @@ BLOCK = 16
 
 
 def hot_pc(model, **settings) -> PrefixCache:
+    settings = {"snapshot_interval": 1, **settings}  # every boundary, unless a test says
     return PrefixCache(
         model, CacheConfig(block_size=BLOCK, hot_cache_only=True, **settings), model_id="tiny"
     )
@@ -78,11 +79,14 @@ def test_capture_from_generate_step_progress_callback(arch):
                 pc.capture(a[: num_cached + done], cache)
 
         run(model, a[num_cached:], cache, callback=progress)
-        assert pc.match(b) == 48
+        # a window is cut back to the 56 shared tokens; recurrent state exists at 48 only
+        shared_len = 56 if arch == "gemma3_text" else 48
+        assert pc.match(b) == shared_len
         restored, num_cached = pc.fetch(b)
-        assert num_cached == 48
+        assert num_cached == shared_len
         tokens, logprobs = run(model, b[num_cached:], restored)
-        cold_tokens, cold_logprobs = run(model, b, make_prompt_cache(model))
+        live, _ = cold(model, b[:num_cached])
+        cold_tokens, cold_logprobs = run(model, b[num_cached:], live)
         assert tokens == cold_tokens
         assert max_diff(logprobs, cold_logprobs) == 0.0
 
@@ -105,11 +109,12 @@ def test_partial_blocks_are_upgraded_by_a_later_capture(arch, reason):
         pc.prefill(b, prefill_step_size=BLOCK)  # misses again, then captures everything
         assert pc.stats()["upgraded_blocks"] >= 3  # the 3 shared blocks
         restored, num_cached = pc.fetch(c)
-        assert num_cached == 48
+        # a window is cut back to the 56 shared tokens; recurrent state exists at 48 only
+        assert num_cached == (56 if arch == "gemma3_text" else 48)
         assert reasons(pc)[reason] == 2  # no new miss for c
-        logits = model(mx.array([c[48:]]), cache=restored)[:, -1, :]
-        live, _ = cold(model, c[:48])
-        assert max_diff(logits, model(mx.array([c[48:]]), cache=live)[:, -1, :]) == 0.0
+        logits = model(mx.array([c[num_cached:]]), cache=restored)[:, -1, :]
+        live, _ = cold(model, c[:num_cached])
+        assert max_diff(logits, model(mx.array([c[num_cached:]]), cache=live)[:, -1, :]) == 0.0
 
 
 def test_snapshots_only_at_chunk_ends_shorten_the_match():
@@ -123,7 +128,13 @@ def test_snapshots_only_at_chunk_ends_shorten_the_match():
         _, logits = pc.prefill(b, prefill_step_size=32)
         assert pc.stats()["cached_tokens"] == 32
         assert reasons(pc)["boundary_state_missing"] == 1
-        assert max_diff(logits, cold(model, b, step=32)[1]) == 0.0
+        # a and b branch inside block 3: a chunk also ends at 48, whose state is kept
+        live, pos = make_prompt_cache(model), 0
+        for end in (32, 48, 64, len(b)):
+            want = model(mx.array([b[pos:end]]), cache=live)[:, -1, :]
+            pos = end
+        assert max_diff(logits, want) == 0.0
+        assert pc.match(shared + prompt(4, 30)) == 48
 
 
 def test_snapshot_interval_bounds_snapshots():
@@ -132,8 +143,35 @@ def test_snapshot_interval_bounds_snapshots():
     with hot_pc(model, snapshot_interval=2) as pc:
         pc.prefill(tokens, prefill_step_size=BLOCK)
         with_state = [b.index for b in pc.hot if any(n.startswith("0.") for n in b.arrays)]
-        assert sorted(with_state) == [1, 3, 5]  # boundaries 32, 64, 96
+        # boundaries 32, 64, 96, and the prompt's end (a tail at 96..100)
+        assert sorted(with_state) == [1, 3, 5, 6]
         assert pc.match(prompt(1, 90) + [7] * 20) == 64
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.25])
+def test_default_interval_bounds_snapshot_bytes_by_the_kv(ratio):
+    """snapshot_interval=0: interval snapshots cost at most ``ratio`` x the K/V under them."""
+    model = tiny_model("qwen3_next")
+    tokens = prompt(1, 130)
+    with hot_pc(model, snapshot_interval=0, snapshot_ratio=ratio) as pc:
+        layout = pc.layout
+        interval = layout.snapshot_interval
+        assert interval == -(-layout.state_bytes // int(ratio * layout.kv_token_bytes * BLOCK))
+        pc.prefill(tokens)
+        blocks = sorted(pc.hot, key=lambda b: b.index)
+        recurrent = {
+            f"{i}." for i, c in enumerate(make_prompt_cache(model)) if not c.is_trimmable()
+        }
+
+        def state(b):
+            return sum(a.nbytes for n, a in b.arrays.items() if n[: n.index(".") + 1] in recurrent)
+
+        with_state = [b.index for b in blocks if state(b)]
+        full = [i for i in range(130 // BLOCK) if (i + 1) % interval == 0]
+        assert with_state == [*full, 130 // BLOCK]  # the interval, and the tail (the end)
+        interior = sum(state(b) for b in blocks if b.num_tokens == BLOCK)
+        kv = sum(b.nbytes - state(b) for b in blocks if b.num_tokens == BLOCK)
+        assert interior <= ratio * kv
 
 
 def test_default_step_of_a_recurrent_model_snapshots_every_interval():

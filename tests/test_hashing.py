@@ -8,7 +8,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixcache.hashing import Namespace, chain_keys, token_bytes
+from prefixcache.hashing import Namespace, chain_keys, tail_key, token_bytes
 
 LAYOUT = (("KVCache", "float32", 2, 16, 16),) * 2
 NS = Namespace("org/model", LAYOUT)
@@ -18,6 +18,7 @@ NS = Namespace("org/model", LAYOUT)
 GOLDEN_ROOT = "978e3227610d0ba39297b75c6502ba47"
 GOLDEN_ROOT_QUANT_ADAPTER = "1141f23546bddf346cb4ff85b2b03b99"
 GOLDEN_CHAIN = ["43d89fab67d2b30f72425c26ffcabbb8", "be986b6ec5223fd92da5904e3139f0ca"]
+GOLDEN_TAIL = "7393e1f377d66798c37e6565266e1cd8"  # a v1 addition: tail keys
 GOLDEN_ZERO_ROOT = ["4e7b4f6b8cadfb2a1b1a20c2457494c4", "bad84e898fec8dace6ba4906880b0aa0"]
 
 
@@ -40,6 +41,15 @@ def test_golden_chain_keys():
     second = xxhash.xxh3_128(first + struct.pack("<4I", 5, 6, 7, 8)).digest()
     assert zero == [first, second]
     assert [k.hex() for k in zero] == GOLDEN_ZERO_ROOT
+
+
+def test_golden_tail_key():
+    tail = tail_key(bytes(16), token_bytes([1, 2, 3]))
+    by_hand = b"prefixcache/v1/tail\0" + bytes(16) + struct.pack("<3I", 1, 2, 3)
+    assert tail == xxhash.xxh3_128(by_hand).digest()
+    assert tail.hex() == GOLDEN_TAIL
+    # never a block key: a block of the same tokens under the same parent differs
+    assert tail != chain_keys(bytes(16), token_bytes([1, 2, 3]), 3)[0]
 
 
 def test_only_full_blocks_are_keyed():

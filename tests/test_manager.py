@@ -46,12 +46,12 @@ def test_store_keeps_only_new_full_blocks(llama):
     shared = prompt(1, 2 * BLOCK)
     a, b = shared + prompt(2, 20), shared + prompt(3, 40)
     with hot_pc(llama) as pc:
-        assert pc.store(a, filled(llama, a)) == 3  # 52 tokens -> 3 full blocks
+        assert pc.store(a, filled(llama, a)) == 3  # 52 tokens -> 3 full blocks (+ a tail)
         assert pc.store(a, filled(llama, a)) == 0  # idempotent
         assert pc.store(b, filled(llama, b)) == 2  # 2 shared blocks deduplicated
         st = pc.stats()
-        assert st["stored_blocks"] == 5 and st["hot"]["num_blocks"] == 5
-        assert pc.match(a) == 48 and pc.match(b) == 4 * BLOCK
+        assert st["stored_blocks"] == 7 and st["hot"]["num_blocks"] == 7  # 5 blocks, 2 tails
+        assert pc.match(a) == 51 and pc.match(b) == 71  # tails: one token left to prefill
         assert pc.match(shared + prompt(9, 5)) == 2 * BLOCK
         assert pc.match(prompt(9, 40)) == 0
 
@@ -123,8 +123,8 @@ def test_bad_input_is_refused_and_nothing_stored_changes(llama):
         for key, arrays in before.items():
             assert all(np.array_equal(x, y) for x, y in zip(arrays, after[key], strict=True))
         cache, num_cached = pc.fetch(tokens)
-        assert num_cached == 32
-        assert max_diff(prefill(llama, tokens[32:], cache), live_logits(llama, tokens, 32)) == 0
+        assert num_cached == 39  # 2 blocks + 7 of the tail's 8 tokens
+        assert max_diff(prefill(llama, tokens[39:], cache), live_logits(llama, tokens, 39)) == 0
 
 
 def test_namespaces_isolate(llama):
@@ -133,7 +133,7 @@ def test_namespaces_isolate(llama):
         pc.store(tokens, filled(llama, tokens), extra={"adapter": "a"})
         assert pc.match(tokens) == 0
         assert pc.match(tokens, extra={"adapter": "b"}) == 0
-        assert pc.match(tokens, extra={"adapter": "a"}) == 32
+        assert pc.match(tokens, extra={"adapter": "a"}) == 39
     other = PrefixCache(llama, CacheConfig(block_size=BLOCK, hot_cache_only=True), model_id="x")
     assert other.namespace.root_key() != hot_pc(llama).namespace.root_key()
     # The default model id fingerprints the weights: other weights, other namespace.
@@ -177,7 +177,7 @@ def test_stats_and_prometheus(llama):
         pc.fetch(prompt(13, 20))
         st = pc.stats()
         text = prometheus_text(st)
-    assert st["num_hits"] == 1 and st["num_misses"] == 1 and st["cached_tokens"] == 32
+    assert st["num_hits"] == 1 and st["num_misses"] == 1 and st["cached_tokens"] == 39
     assert "prefixcache_hits_total 1" in text
     assert 'prefixcache_misses_by_reason_total{reason="no_prefix"} 1' in text
     assert "prefixcache_hot_bytes " in text

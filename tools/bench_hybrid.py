@@ -10,7 +10,11 @@ For each, in one run:
   - the peak MLX memory of a restore above what is held before it (the hot
     blocks), against the restored cache's bytes plus one block,
   - MLX active memory (and RSS) after 10 and after ``--requests`` prefill/store
-    requests with a bounded hot tier: flat means no leaked snapshots.
+    requests with a bounded hot tier: flat means no leaked snapshots,
+  - cached / reusable tokens on an interleaved multi-turn chat trace (shared
+    system prompts, growing histories) served the way a scheduler with its own
+    prefill loop serves it: ``fetch``, prefill the rest, ``store(tokens, cache)``
+    (reusable = the longest prefix any stored sequence shares, one token left).
 
     python tools/bench_hybrid.py --requests 1000
 """
@@ -61,7 +65,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--request-tokens", type=int, default=72)
     p.add_argument("--hot-mib", type=int, default=4, help="hot tier budget of the request loop")
-    p.add_argument("--snapshot-interval", type=int, default=1)
+    p.add_argument(
+        "--snapshot-interval", type=int, default=0, help="0: from the config's snapshot_ratio"
+    )
+    p.add_argument("--conversations", type=int, default=8, help="of the chat trace")
+    p.add_argument("--turns", type=int, default=4, help="of the chat trace")
+    p.add_argument("--trace-only", action="store_true", help="only the chat trace")
     return p
 
 
@@ -74,17 +83,60 @@ def tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 512, n).tolist()
 
 
+def interval_setting(args) -> dict[str, int]:
+    """The config's snapshot_interval when given (0: the config's default picks it)."""
+    return {"snapshot_interval": args.snapshot_interval} if args.snapshot_interval else {}
+
+
+def trace_row(model, args) -> dict[str, float]:
+    """cached / reusable tokens of an interleaved chat trace through fetch + plain store."""
+    bs = args.block_size
+    rng = np.random.default_rng(7)
+    systems = [tokens(200 + s, 2 * bs + 17) for s in range(3)]
+    history = [list(systems[c % 3]) for c in range(args.conversations)]
+    order = [c for _ in range(args.turns) for c in rng.permutation(args.conversations)]
+    stored: list[list[int]] = []
+    cached = reusable = 0
+    cfg = CacheConfig(block_size=bs, hot_cache_only=True, hot_max_bytes=8 << 30)
+    with PrefixCache(model, cfg, model_id="bench") as pc:
+        for c in order:
+            prompt = history[c] + tokens(int(rng.integers(1 << 30)), 40)
+            reply = tokens(int(rng.integers(1 << 30)), 24)
+            reusable += min(len(prompt) - 1, max((shared(prompt, s) for s in stored), default=0))
+            cache, num_cached = pc.fetch(prompt)
+            cached += num_cached
+            full = prompt + reply  # the reply is fed as decoding would feed it
+            for start in range(num_cached, len(full), 256):
+                model(mx.array([full[start : start + 256]]), cache=cache)
+                mx.eval([x.state for x in cache])
+            pc.store(full, cache)
+            stored.append(full)
+            history[c] = full
+        reasons = {k: v for k, v in pc.stats()["miss_reasons"].items() if v}
+    return {"trace_cached": cached, "trace_reusable": reusable, "trace_reasons": reasons}
+
+
+def shared(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def restore_row(model, args) -> dict[str, float]:
     bs = args.block_size
     cfg = CacheConfig(
         block_size=bs,
         hot_cache_only=True,
         hot_max_bytes=8 << 30,
-        snapshot_interval=args.snapshot_interval,
+        **interval_setting(args),
     )
     prompt = tokens(0, args.tokens)
     with PrefixCache(model, cfg, model_id="bench") as pc:
-        live, _ = pc.prefill(prompt, prefill_step_size=bs * args.snapshot_interval)
+        interval = args.snapshot_interval or pc.layout.snapshot_interval
+        live, _ = pc.prefill(prompt, prefill_step_size=bs * interval)
         live_bytes = nbytes(live)  # includes mlx-lm's 256-token buffer steps
         del live
         cached = args.tokens // bs * bs
@@ -102,6 +154,7 @@ def restore_row(model, args) -> dict[str, float]:
         restored = nbytes(cache)
         assert num_cached == cached, (num_cached, cached)
     return {
+        "interval": interval,
         "stored_b_token": hot_bytes / cached,
         "live_b_token": live_bytes / args.tokens,
         "hot_mib": hot_bytes / MiB,
@@ -118,7 +171,7 @@ def growth_row(model, args) -> dict[str, float]:
         block_size=args.block_size,
         hot_cache_only=True,
         hot_max_bytes=args.hot_mib * MiB,
-        snapshot_interval=args.snapshot_interval,
+        **interval_setting(args),
     )
     system = tokens(1, args.block_size * 2)
     marks: dict[int, tuple[int, int, int]] = {}
@@ -147,6 +200,7 @@ def growth_row(model, args) -> dict[str, float]:
 
 COLUMNS = [
     ("model", "model", "{}"),
+    ("interval", "snapshot interval", "{}"),
     ("stored_b_token", "stored B/token", "{:.0f}"),
     ("live_b_token", "live cache B/token", "{:.0f}"),
     ("restored_mib", "restored MiB", "{:.2f}"),
@@ -167,6 +221,16 @@ def main() -> None:
     for name in args.models:
         arch, overrides = MODELS[name]
         model = build_model(arch, **overrides)
+        trace = trace_row(model, args)
+        print(
+            f"{name}: chat trace through fetch + store: cached {trace['trace_cached']} / "
+            f"reusable {trace['trace_reusable']} = "
+            f"{trace['trace_cached'] / max(1, trace['trace_reusable']):.2f}; "
+            f"miss reasons {trace['trace_reasons']}",
+            flush=True,
+        )
+        if args.trace_only:
+            continue
         row = {"model": name, **restore_row(model, args), **growth_row(model, args)}
         rows.append(row)
         print(
@@ -176,7 +240,7 @@ def main() -> None:
         )
     print(
         f"\nN = {args.requests} requests; block_size {args.block_size}; restore of "
-        f"{args.tokens} tokens; snapshot_interval {args.snapshot_interval}"
+        f"{args.tokens} tokens"
     )
     print("| " + " | ".join(h for _, h, _ in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))

@@ -1,10 +1,11 @@
 """Codec for ArraysCache: recurrent state (mamba/SSM, gated delta net, conv state).
 
 The state summarises every token seen so far and cannot be sliced, so it is
-snapshotted when the cache stands exactly at a block boundary (after a prefill
-chunk that ends there) and kept with the block that ends there. A restore at
-``L`` tokens needs only the snapshot of block ``L / block_size - 1``; ``L`` is
-always a boundary (the cache cannot be trimmed). ArraysCache has no
+snapshotted where the cache stands (the end of a prefill chunk, or of a stored
+sequence) and kept with the block, or the tail block, that ends there. A
+restore at ``L`` tokens needs only the snapshot of the block holding token
+``L - 1``, and only if that block ends at ``L`` (the cache cannot be trimmed:
+the facade restores a recurrent model only where a block or tail ends). ArraysCache has no
 ``offset``: the caller's token count says where the cache stands.
 """
 
@@ -16,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has, owned
+from .base import Builder, Codec, Has, num_blocks, owned
 from .kv import dtype_name
 
 BOUNDARY = MissReason.BOUNDARY_MISSING
@@ -59,9 +60,7 @@ class ArraysCodec(Codec):
         return {str(i): owned(a) for i, a in enumerate(cache.cache)}
 
     def blocks_needed(self, fresh: ArraysCache, num_tokens: int, block_size: int) -> Sequence[int]:
-        if num_tokens % block_size:
-            raise ValueError(f"recurrent state exists at block boundaries, not at {num_tokens}")
-        return (num_tokens // block_size - 1,) if num_tokens else ()
+        return (num_blocks(num_tokens, block_size) - 1,) if num_tokens else ()
 
     def covers(
         self, fresh: ArraysCache, index: int, num_tokens: int, block_size: int, has: Has

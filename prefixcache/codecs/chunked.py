@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
-from ..errors import MissReason
+from ..errors import LayoutMismatchError, MissReason
 from .base import Builder, Codec, Has, num_blocks, owned, round_up
 from .kv import KVBuilder, kv_signature
 
@@ -42,14 +42,20 @@ class ChunkedKVCodec(Codec):
         self, cache: ChunkedKVCache, start: int, end: int, *, length: int, snapshot: bool = True
     ) -> dict[str, mx.array]:
         first = cache.start_position
-        if cache.keys is None or start < first or end > cache.offset:
+        if cache.keys is None or end <= first or end > cache.offset:
             return {}
-        a, b = start - first, end - first
+        a, b = max(start, first) - first, end - first
         # after maybe_trim_front the buffer itself is a slice of an older one
-        return {
+        out = {
             "keys": owned(cache.keys[..., a:b, :], cache.keys),
             "values": owned(cache.values[..., a:b, :], cache.values),
         }
+        if start >= first:
+            return out
+        # trimmed in front: the tokens still held, enough for a restore near the end
+        out = {f"last.{name}": x for name, x in out.items()}
+        out["last.first"] = mx.array([first - start], dtype=mx.int32)
+        return out
 
     def blocks_needed(
         self, fresh: ChunkedKVCache, num_tokens: int, block_size: int
@@ -60,7 +66,7 @@ class ChunkedKVCodec(Codec):
     def covers(
         self, fresh: ChunkedKVCache, index: int, num_tokens: int, block_size: int, has: Has
     ) -> MissReason | None:
-        return None if has("keys") else CHUNK
+        return None if has("keys") or has("last.keys") else CHUNK  # ``last``: see the builder
 
     def builder(
         self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int
@@ -76,6 +82,18 @@ class ChunkedBuilder(KVBuilder):
     def __init__(self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int):
         first = first_block(fresh, num_tokens, block_size) * block_size
         super().__init__(fresh, num_tokens, round_up(capacity - first), block_size, first=first)
+
+    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+        """A block trimmed in front (``last.*``) serves if it holds every token the
+        restored chunk needs; the buffer before it is cut off by the model's next
+        ``maybe_trim_front``."""
+        if "keys" in arrays or "last.keys" not in arrays:
+            return super().add(index, arrays)
+        start = index * self.block_size + int(arrays["last.first"].item())
+        if start > max(0, self.num_tokens - self.cache.chunk_size):
+            raise LayoutMismatchError(f"block {index} lost tokens of the chunk", CHUNK)
+        self.keys.add(start - self.first, arrays["last.keys"])
+        self.values.add(start - self.first, arrays["last.values"])
 
     def finish(self) -> ChunkedKVCache:
         cache = super().finish()

@@ -58,11 +58,12 @@ class Ring:
 
 
 def tail_start(fresh: RotatingKVCache, num_tokens: int, block_size: int) -> int:
-    """First window token a cache rebuilt at ``num_tokens`` holds after its ``keep`` ones."""
+    """First window token a cache rebuilt at ``num_tokens`` holds after its ``keep`` ones:
+    exactly the window (``max_size`` tokens in all), as a 1-token step leaves it."""
     window = fresh.max_size - fresh.keep
     if num_tokens <= fresh.max_size:
         return fresh.keep
-    return max(fresh.keep, (num_tokens - window) // block_size * block_size)
+    return max(fresh.keep, num_tokens - window)
 
 
 def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
@@ -95,15 +96,28 @@ class RotatingKVCodec(Codec):
         ring = Ring.of(cache)
         head = [(start, min(end, ring.keep))] if start < ring.keep else []
         tail = max(start, ring.keep)
-        if tail < end and tail < ring.first:  # overwritten: keep only the first tokens
-            if not head:
-                return {}
-            return {
-                "keep.keys": _gather(cache.keys, head),
-                "keep.values": _gather(cache.values, head),
-            }
+        if tail < end and tail < ring.first:  # partly overwritten
+            return self._partly_overwritten(cache, ring, head, start, end)
         ranges = head + (ring.segments(tail, end) if tail < end else [])
         return {"keys": _gather(cache.keys, ranges), "values": _gather(cache.values, ranges)}
+
+    @staticmethod
+    def _partly_overwritten(
+        cache: RotatingKVCache, ring: Ring, head: list, start: int, end: int
+    ) -> dict[str, mx.array]:
+        """A block whose first window tokens the ring overwrote: its ``keep`` tokens,
+        and the tokens still held (``last.*``, from ``last.first`` in the block), which
+        a restore ending near the window's end needs (a finished cache's last window)."""
+        out = {}
+        if head:
+            out["keep.keys"] = _gather(cache.keys, head)
+            out["keep.values"] = _gather(cache.values, head)
+        if ring.first < end:
+            tail = ring.segments(ring.first, end)
+            out["last.keys"] = _gather(cache.keys, tail)
+            out["last.values"] = _gather(cache.values, tail)
+            out["last.first"] = mx.array([ring.first - start], dtype=mx.int32)
+        return out
 
     def blocks_needed(
         self, fresh: RotatingKVCache, num_tokens: int, block_size: int
@@ -118,8 +132,8 @@ class RotatingKVCodec(Codec):
     def covers(
         self, fresh: RotatingKVCache, index: int, num_tokens: int, block_size: int, has: Has
     ) -> MissReason | None:
-        if has("keys"):
-            return None
+        if has("keys") or has("last.keys"):
+            return None  # how far ``last`` reaches back, the builder checks
         keep_only = (index + 1) * block_size <= tail_start(fresh, num_tokens, block_size)
         return None if keep_only and has("keep.keys") else WINDOW
 
@@ -152,23 +166,29 @@ class RotatingBuilder(Builder):
         self.values = TokenBuffer(size)
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
-        whole = "keys" in arrays
-        name = "keys" if whole else "keep.keys"
-        if name not in arrays:
-            raise LayoutMismatchError(f"block {index} has no sliding-window keys", WINDOW)
-        keys, values = arrays[name], arrays[name.replace("keys", "values")]
         start = index * self.block_size
-        end = start + keys.shape[2]
-        if not whole and max(start, self.tail) < min(end, self.num_tokens):
-            raise LayoutMismatchError(f"block {index} lost its window tokens", WINDOW)
-        spans = [(start, min(end, self.keep), start)]  # (first token, end, buffer position)
-        if whole:
-            a = max(start, self.tail)
-            spans.append((a, min(end, self.num_tokens), self.keep + a - self.tail))
-        for a, b, pos in spans:
-            if a < b:
-                self.keys.add(pos, keys[..., a - start : b - start, :])
-                self.values.add(pos, values[..., a - start : b - start, :])
+        stop = min(start + self.block_size, self.num_tokens)  # this block's tokens restored
+        whole = "keys" in arrays
+        keep = "keys" if whole else "keep.keys"
+        window, first = ("keys", start) if whole else ("last.keys", None)
+        if not whole and window in arrays:
+            first = start + int(arrays["last.first"].item())
+        a, b = start, min(stop, self.keep)  # tokens kept at the front
+        if a < b:
+            if keep not in arrays:
+                raise LayoutMismatchError(f"block {index} has no sliding-window keys", WINDOW)
+            self._add(arrays, keep, start, a, b, a)
+        a, b = max(start, self.tail), stop  # tokens of the window
+        if a < b:
+            if first is None or first > a:
+                raise LayoutMismatchError(f"block {index} lost its window tokens", WINDOW)
+            self._add(arrays, window, first, a, b, self.keep + a - self.tail)
+
+    def _add(self, arrays: dict[str, mx.array], name: str, first: int, a: int, b: int, pos: int):
+        """Tokens ``[a, b)`` of payload ``name`` (starting at token ``first``) at buffer ``pos``."""
+        keys, values = arrays[name], arrays[name.replace("keys", "values")]
+        self.keys.add(pos, keys[..., a - first : b - first, :])
+        self.values.add(pos, values[..., a - first : b - first, :])
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

@@ -3,6 +3,10 @@
 Eviction never strands a child: only blocks with no child in the hot tier are
 evicted (leaves first). Touching a chain deepest-first keeps ancestors more
 recent than their descendants, so the LRU end is almost always a leaf.
+Before any block goes, interval snapshots go: a block inside a chain (one
+child) is replaced by its ``shed`` version (without recurrent state), oldest
+first, so snapshots are evicted before the chain they sit on. Chain ends and
+branch points (two children or more) keep theirs: that is where prompts resume.
 Not thread-safe by itself: the manager holds its lock around every call.
 """
 
@@ -16,6 +20,7 @@ from ..errors import MissReason
 from .base import Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
+ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
 class HotTier(Tier):
@@ -25,13 +30,18 @@ class HotTier(Tier):
     resident = True
     load_miss = MissReason.EVICTED
 
-    def __init__(self, max_bytes: int, on_evict: EvictHook | None = None):
+    def __init__(
+        self, max_bytes: int, on_evict: EvictHook | None = None, shed: ShedHook | None = None
+    ):
         self.max_bytes = max_bytes
         self.on_evict = on_evict
+        self.shed = shed
+        self.num_shed = 0
+        self._sheddable: dict[bytes, None] = {}  # keys to try ``shed`` on, oldest first
         self.nbytes = 0
         self.num_evictions = 0
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
-        self._children: dict[bytes, int] = {}
+        self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
 
     def __len__(self) -> int:
@@ -52,6 +62,21 @@ class HotTier(Tier):
     def entry(self, key: bytes) -> Block | None:
         return self._lru.get(key)
 
+    def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
+        get = self._lru.get
+        out = []
+        for key in keys[start:] if start else keys:
+            block = get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def children(self, parent: bytes) -> list[Block]:
+        """Hot blocks whose parent is ``parent``: full blocks and tails (partial reuse)."""
+        kids = self._children.get(parent)
+        return [self._lru[k] for k in kids] if kids else []
+
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         return _HotReader(self, keys)
 
@@ -64,6 +89,7 @@ class HotTier(Tier):
             "nbytes": self.nbytes,
             "max_bytes": self.max_bytes,
             "num_evictions": self.num_evictions,
+            "num_shed_snapshots": self.num_shed,
         }
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -89,7 +115,9 @@ class HotTier(Tier):
         self._lru[block.key] = block
         if cold:
             self._lru.move_to_end(block.key, last=False)
-        self._children[block.parent] = self._children.get(block.parent, 0) + 1
+        self._children.setdefault(block.parent, {})[block.key] = None
+        if self.shed is not None:
+            self._sheddable[block.key] = None
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
@@ -100,12 +128,31 @@ class HotTier(Tier):
         """Evict LRU leaves until at most ``max_bytes`` are held; returns how many."""
         num = 0
         while self.nbytes > max_bytes:
+            if self._shed_one():
+                continue
             leaf = next((k for k in self._lru if not self._children.get(k)), None)
             if leaf is None:  # unreachable: a finite forest always has a leaf
                 break
             self._evict(leaf)
             num += 1
         return num
+
+    def _shed_one(self) -> bool:
+        """Drop the snapshot of the oldest block inside a chain that has one."""
+        for key in list(self._sheddable):
+            if len(self._children.get(key, ())) != 1:
+                # a chain's end: what a next turn resumes from; a branch point:
+                # what every new branch resumes from
+                continue
+            del self._sheddable[key]
+            block = self._lru[key]
+            lean = self.shed(block) if self.shed is not None else None
+            if lean is not None:
+                self._lru[key] = lean  # same key: its LRU place is kept
+                self.nbytes -= block.nbytes - lean.nbytes
+                self.num_shed += 1
+                return True
+        return False
 
     def _evict(self, key: bytes) -> None:
         dirty = key in self._dirty
@@ -120,10 +167,10 @@ class HotTier(Tier):
             return None
         self.nbytes -= block.nbytes
         self._dirty.discard(key)
-        left = self._children[block.parent] - 1
-        if left:
-            self._children[block.parent] = left
-        else:
+        self._sheddable.pop(key, None)
+        kids = self._children[block.parent]
+        del kids[key]
+        if not kids:
             del self._children[block.parent]
         return block
 

@@ -21,7 +21,7 @@ from ..errors import MissReason, Shortfall
 from ..host import Place, Placed
 from ..stats import Stats
 from .base import ChainEntry, Tier, TierReader
-from .hot import HotTier
+from .hot import HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -29,9 +29,15 @@ _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 class Tiers:
     """The tiers of one PrefixCache, hot first (not thread-safe: the facade locks)."""
 
-    def __init__(self, config: CacheConfig, stats: Stats, lower: Sequence[Tier]):
+    def __init__(
+        self,
+        config: CacheConfig,
+        stats: Stats,
+        lower: Sequence[Tier],
+        shed: ShedHook | None = None,
+    ):
         self.config, self.stats = config, stats
-        self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict)
+        self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict, shed=shed)
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
         through = config.write_policy == "write_through"
@@ -112,6 +118,20 @@ class Tiers:
             if not cold:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
+
+    def keep_tail(self, block: Block) -> None:
+        """Place a tail block (fewer tokens than a block, outside the chain): hot only.
+
+        Tails are found through their parent (``HotTier.children``); the lower
+        tiers find blocks by chain key only, so a tail is not spilled: when hot
+        evicts it, it is gone (its parent and the chain stay).
+        """
+        cold = block.parent != block.root and block.parent not in self.hot
+        if cold and not self.lower:
+            return  # its parent is gone: no fetch can reach it
+        self.stats.kept(block.nbytes, upgrade=False)
+        self._evicted_set.discard(block.key)
+        self.hot.put(block, cold=cold)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""

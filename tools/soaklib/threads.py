@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass
 
 from . import common
-from .common import BLOCK, Result, Tally, Workload, make_prompts, open_cache
+from .common import Result, Tally, Workload, make_prompts, open_cache
 
 BLOCK_BYTES = 8192
 
@@ -66,7 +66,7 @@ class _Run:
             pc.store(work.prompts[i], work.reference(i)[1])
         else:
             n = pc.match(work.prompts[i])
-            if n % BLOCK or n >= len(work.prompts[i]):
+            if not 0 <= n < len(work.prompts[i]):  # partial blocks: any length below the prompt
                 tally.errors += 1
                 tally.findings.append(f"match gave {n} for a {len(work.prompts[i])}-token prompt")
         hot = pc.stats()["hot"]["nbytes"]
