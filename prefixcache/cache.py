@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from .blocks import Block
 from .capture import cut_blocks
-from .codecs import codec_for, round_up
 from .config import CacheConfig
-from .errors import MissReason, Shortfall
+from .errors import MissReason
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
+from .lookup import Lookup
 from .model_id import model_fingerprint
-from .partial import Match, best_child
 from .periodic import Periodic
-from .restore import plan, rebuild, walk
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
 from .tiers.base import Tier
@@ -61,6 +57,7 @@ class PrefixCache:
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
         self.tiers = Tiers(self.config, self._stats, lower, shed)
+        self.lookup = Lookup(self.config, self.layout, self.tiers)
         self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
         self._closed = False
         seconds = self.config.counters_save_seconds
@@ -96,9 +93,9 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self._match(data, extra)
+            found = self.lookup.match(data, self._root(extra))
             num_tokens = len(data) // 4
-            cache, num_cached, reason = self._restore(found, num_tokens)
+            cache, num_cached, reason = self.lookup.restore(found, num_tokens)
             reason = reason or found.reason
             shared = found.depth * self.config.block_size + found.common
             if reason is None and num_cached < min(shared, num_tokens - 1):
@@ -111,8 +108,8 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self._match(data, extra)
-            return self._plan(found, found.depth + 1, len(data) // 4)[1]
+            found = self.lookup.match(data, self._root(extra))
+            return self.lookup.plan(found, found.depth + 1, len(data) // 4)[1]
 
     def stored_prefix(
         self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
@@ -127,7 +124,7 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self._match(data, extra)
+            found = self.lookup.match(data, self._root(extra))
             return found.depth * self.config.block_size + found.common
 
     def store(
@@ -262,8 +259,9 @@ class PrefixCache:
             tail = cut.tail
             if tail is not None:
                 self.tiers.keep_tail(tail)
-            for block in [*cut.new[-1:], *([tail] if tail else [])]:
-                self._drop_superseded(block)
+            if self.layout.trimmable_at(1):  # recurrent state: a tail's end state is its own
+                for block in [*cut.new[-1:], *([tail] if tail else [])]:
+                    self.hot.drop_superseded(block)
             self._stats.num_stores += 1
             return len(cut.new)
 
@@ -291,122 +289,6 @@ class PrefixCache:
         now = self._stats.as_dict()
         self.tiers.save_counters(self._root(None), counter_delta(now, self._saved))
         self._saved = now
-
-    def _match(self, data: bytes, extra: Mapping[str, str] | None) -> Match:
-        """How far the tiers hold the prompt ``data``: chain, then a partial block."""
-        root = self._root(extra)
-        bs = self.config.block_size
-        keys = chain_keys(root, data, bs)
-        entries, owners = self.tiers.chain(keys)
-        found = walk(entries, root, data, bs)
-        depth, reason = found.depth, found.reason
-        if reason is None and depth < len(keys):
-            reason = self.tiers.missing_reason(keys[depth])
-        partial, common = best_child(
-            self.hot.children(keys[depth - 1] if depth else root), depth, data[depth * bs * 4 :]
-        )
-        if partial is not None:
-            keys, owners = [*keys[:depth], partial.key], [*owners[:depth], 0]
-        return Match(keys, owners, depth, reason, partial, common)
-
-    def _usable(self, found: Match, depth: int, num_tokens: int) -> tuple[int, int]:
-        """(blocks to restore, tokens cached) for ``depth`` blocks of ``found``'s keys:
-        at least one token is left to prefill."""
-        bs = self.config.block_size
-        if depth > found.depth:  # through the partial block
-            return depth, self._partial_tokens(found, num_tokens)
-        if depth * bs < num_tokens:
-            return depth, depth * bs
-        if self.layout.trimmable_at(num_tokens - 1):
-            return depth, num_tokens - 1
-        return depth - 1, (depth - 1) * bs
-
-    def _partial_tokens(self, found: Match, num_tokens: int) -> int:
-        """Tokens cached when restoring through ``found.partial`` (0: not usable).
-
-        The partial block is cut back to the tokens the prompt shares with it,
-        which every cache but recurrent state allows; recurrent state is
-        restored only where the block (a tail) ends.
-        """
-        start = found.depth * self.config.block_size
-        shared = min(found.common, num_tokens - 1 - start)
-        if shared <= 0 or found.partial is None:
-            return 0
-        if shared == found.partial.num_tokens or self.layout.trimmable_at(start + shared):
-            return start + shared
-        return 0
-
-    def _plan(
-        self, found: Match, depth: int, num_tokens: int
-    ) -> tuple[int, int, MissReason | None]:
-        """(blocks, tokens, reason) restorable given which payloads blocks hold."""
-        keys = found.keys
-        depth = min(depth, len(keys) if found.partial else found.depth)
-        hot = self.hot.get
-
-        def names(index: int) -> Container[str] | None:
-            block = hot(keys[index])
-            return None if block is None else block.arrays  # lower tiers: checked on load
-
-        def usable(d: int) -> tuple[int, int]:
-            blocks, tokens = self._usable(found, d, num_tokens)
-            if d > found.depth and not tokens:  # the partial block is of no use
-                return self._usable(found, found.depth, num_tokens)
-            return blocks, tokens
-
-        if not self.layout.needs_capture:  # every payload is always cut: nothing to check
-            blocks, tokens = usable(depth) if depth > 0 else (0, 0)
-            return (blocks, tokens, None) if blocks > 0 else (0, 0, None)
-        template = self.layout.template  # its settings are all the checks read
-        return plan(
-            depth,
-            usable=usable,
-            fresh=lambda _: template,
-            payload=names,
-            block_size=self.config.block_size,
-        )
-
-    def _restore(self, found: Match, num_tokens: int) -> tuple[list[Any], int, MissReason | None]:
-        reason = None
-        depth = found.depth + 1
-        bs = self.config.block_size
-        while depth > 0:
-            num_blocks, num_cached, why = self._plan(found, depth, num_tokens)
-            reason = reason or why
-            if num_blocks <= 0:
-                break
-            fresh = self.layout.fresh(num_cached)
-            loader = self.tiers.chain_load(found.keys, found.owners)
-            try:
-                cache = rebuild(
-                    fresh,
-                    [codec_for(c) for c in fresh],
-                    loader,
-                    num_blocks=num_blocks,
-                    num_tokens=num_cached,
-                    # a partial block is copied whole, then cut back by the offset
-                    capacity=round_up(
-                        max(num_tokens + self.config.restore_headroom, num_blocks * bs)
-                    ),
-                    block_size=bs,
-                )
-            except Shortfall as short:
-                depth, reason = short.index, reason or short.reason
-                continue
-            self.tiers.after_hit(found.keys[:num_blocks], loader.loaded)
-            return cache, num_cached, reason
-        return make_prompt_cache(self.model), 0, reason
-
-    def _drop_superseded(self, block: Block) -> None:
-        """Drop hot tails that ``block`` extends: cutting ``block`` back gives the same.
-
-        Not for recurrent layers: a tail's state at its own end is what it adds.
-        """
-        if not self.layout.trimmable_at(1):
-            return
-        for other in self.hot.children(block.parent):
-            if other.num_tokens < block.num_tokens and block.tokens.startswith(other.tokens):
-                self.hot.remove([other.key])
 
 
 def _nonempty(tokens: Sequence[int]) -> bytes:

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache import cache as manager_module
+from prefixcache import lookup as lookup_module
 from prefixcache.blocks import Block
 from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.buffer import TokenBuffer
@@ -286,7 +286,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         monkeypatch.setattr(ChainLoad, "first_shapes", lambda self, indices: None)
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
     seen: list[tuple[int, set[type]]] = []
-    real = manager_module.rebuild
+    real = lookup_module.rebuild
 
     def watched(fresh, codecs, loader, **kwargs):
         load = loader.load
@@ -299,7 +299,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         loader.load = load_and_note
         return real(fresh, codecs, loader, **kwargs)
 
-    monkeypatch.setattr(manager_module, "rebuild", watched)
+    monkeypatch.setattr(lookup_module, "rebuild", watched)
     tokens = prompt(9, 6 * 16 + 5)
     with stored_on_ssd(tmp_path, model, tokens, kv) as pc:
         restored, num = pc.fetch(tokens)

@@ -182,6 +182,12 @@ class HotTier(Tier):
         self._dirty.clear()
         return blocks
 
+    def drop_superseded(self, block: Block) -> None:
+        """Drop tails that ``block`` extends: cutting ``block`` back gives the same."""
+        for other in self.children(block.parent):
+            if other.num_tokens < block.num_tokens and block.tokens.startswith(other.tokens):
+                self.remove([other.key])
+
 
 class _HotReader(TierReader):
     """Hot blocks need no reading: the restore copies them from the tier itself."""
