@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
+import numpy as np
 import pytest
 from redis_server import RedisServer
-from ssd_child import ROOT, block_key, check_block, make_block
+from ssd_child import ROOT, block_key, check_block, expected_bits, make_block
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
+from prefixcache.host import HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
 from prefixcache.tiers.remote.format import PART_BYTES, check_part, decode_meta, meta_key, part_key
 
@@ -25,16 +28,20 @@ def stored(tier: RemoteTier, blocks) -> list[bytes]:
     return [b.key for b in blocks]
 
 
-def load_all(tier: RemoteTier, keys: list[bytes]):
+def load_all(tier: RemoteTier, keys: list[bytes], place=None):
     """held + a planned read of every held block, as a restore does (blocks or None)."""
     metas = tier.held(keys, 0)
     reader = tier.reader(keys)
     order = list(range(len(metas)))
-    reader.prepare(order, None)
+    reader.prepare(order, place)
     out = []
     try:
         for i in order:
-            out.append(_block(reader.load(i)))
+            loaded = reader.load(i)
+            if place is not None and loaded is not None:  # placed, but for the one without
+                kinds = {n: type(a) for n, a in loaded.arrays.items()}
+                assert kinds == {n: HostArray if n == UNPLACED else Placed for n in kinds}
+            out.append(_block(loaded))
             if out[-1] is None:  # a restore stops at its first unusable block
                 break
         return out
@@ -42,11 +49,29 @@ def load_all(tier: RemoteTier, keys: list[bytes]):
         reader.close()
 
 
+UNPLACED = "0.values"
+
+
+def placer(buffers: dict):
+    """A restore's ``place``: each tensor but one into its own buffer, in uneven
+    runs (so parts start and end inside runs); ``buffers`` collects them."""
+
+    def place(index, name, dtype, shape):
+        if name == UNPLACED:
+            return None  # no place: the reader's host buffer
+        buf = buffers[index, name] = np.zeros(int(np.prod(shape)) * dtype.size, np.uint8)
+        cuts = [0, 12345, buf.nbytes // 2 + 7, buf.nbytes]
+        return [memoryview(buf[a:b]) for a, b in pairwise(cuts)]
+
+    return place
+
+
 def _block(loaded):
     return None if loaded is None else loaded.to_block()
 
 
-def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path):
+@pytest.mark.parametrize("placed", [False, True])
+def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed):
     server = RedisServer(str(tmp_path), unix=True)  # the unix:// scheme too
     try:
         tier = tier_for(server.url)
@@ -58,10 +83,14 @@ def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path):
         assert max(len(client.get(part_key("prefixcache", keys[0], n))) for n in range(3)) > (
             PART_BYTES
         )  # the data of a full part plus its header
-        got = load_all(tier, keys)
+        buffers: dict = {}
+        got = load_all(tier, keys, placer(buffers) if placed else None)
         for block in got:
             check_block(block, scale=4000)
         assert tier.stats()["num_loads"] == 2 and tier.stats()["num_corrupt"] == 0
+        for (index, name), buf in buffers.items():  # the bytes went straight into place
+            want = expected_bits(keys[index], 4000)[name]
+            assert buf.tobytes() == want.tobytes() and want.any()
         tier.close()
     finally:
         server.stop()
@@ -92,11 +121,13 @@ def test_evicted_part_is_a_counted_miss(redis_server):
     assert got[1] is None  # the stream stops at the first unusable block
     assert tier.load_miss is MissReason.EVICTED
     assert tier.stats()["num_missing_parts"] == 1
+    check_block(load_all(tier, keys[:1])[0], scale=3000)  # no reply of the miss left unread
     tier.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "other_block", "other_number"])
-def test_a_wrong_part_is_never_restored(redis_server, damage):
+@pytest.mark.parametrize("placed", [False, True])
+@pytest.mark.parametrize("damage", ["flip", "other_block", "other_number", "short", "not_a_string"])
+def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
     tier = tier_for(redis_server.url)
     keys = stored(tier, [make_block(4, i, scale=3000) for i in range(2)])
     client = redis_server.client()
@@ -106,14 +137,24 @@ def test_a_wrong_part_is_never_restored(redis_server, damage):
         value[-1] ^= 1
     elif damage == "other_block":  # same size, checksum in its own header is right
         value = client.get(part_key("prefixcache", keys[1], 1))
-    else:
+    elif damage == "other_number":
         value = client.get(part_key("prefixcache", keys[0], 0))[: len(client.get(name))]
-    client.set(name, bytes(value))
-    assert load_all(tier, keys) == [None]
+    elif damage == "short":  # a torn write: the header is right, the bytes stop early
+        value = client.get(name)[:-1000]
+    if damage == "not_a_string":
+        client.delete(name)
+        client.rpush(name, b"x")  # GET answers an error reply
+    else:
+        client.set(name, bytes(value))
+    buffers: dict = {}
+    assert load_all(tier, keys, placer(buffers) if placed else None) == [None]
     assert tier.load_miss is MissReason.CORRUPT and tier.stats()["num_corrupt"] == 1
-    meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])))
-    with pytest.raises(PayloadError):
-        check_part(meta, 1, client.get(name))
+    if damage != "not_a_string":
+        meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])))
+        with pytest.raises(PayloadError):
+            check_part(meta, 1, client.get(name))
+    client.delete(name)  # the block's other part and the next block still read cleanly
+    assert load_all(tier, keys[1:])[0] is not None
     tier.close()
 
 

@@ -6,7 +6,9 @@ bf16: 128 KiB per token, 32 MiB per 256-token block) through one PrefixCache
 empty local tiers), interleaved and repeated (medians of per-round ratios):
 
   get      a plain pipelined GET of the very same part keys (every byte the
-           restore needs, one pipeline): what the server and client deliver
+           restore needs, one pipeline) through redis-py: what a client gets
+  read     the same GETs' replies read off the socket into one fresh buffer
+           (no parser, no check, no restore): the transport's own bound
   fetch    PrefixCache.fetch of the whole chain on host b: lookup, fetch,
            verify every part, restore into an mlx-lm cache (GB/s of payload)
   ttft     host b's time to first token: fetch + prefill of the 1-token suffix
@@ -36,12 +38,14 @@ import tempfile
 import time
 
 import mlx.core as mx
+import numpy as np
 from benchlib import shaped_model, synthetic_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.tiers.remote.format import decode_meta, meta_key, part_key
+from prefixcache.tiers.remote.wire import Replies, pipelined_gets
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from redis_server import RedisServer  # the tests' server launcher
@@ -83,6 +87,21 @@ def plain_get(client, names: list[str]) -> int:
     return sum(len(v) for v in pipe.execute())
 
 
+def socket_read(client, names: list[str]) -> int:
+    """The replies of pipelined GETs of ``names`` read into one fresh buffer."""
+
+    def body(replies: Replies) -> int:
+        sizes = []
+        for _ in names:
+            sizes.append(replies.length())
+            replies.read_into(memoryview(buf)[sum(sizes[:-1]) :][: sizes[-1]])
+            replies.end()
+        return sum(sizes)
+
+    buf = np.empty(sum(client.strlen(n) for n in names), np.uint8)
+    return pipelined_gets(client, names, body)
+
+
 def store_cost(args, model, server: RedisServer) -> dict[str, float]:
     """ms: ``store`` of a chain on the caller's thread without and with the remote
     tier (blocks go remote on store), and how long until the server has them all."""
@@ -112,15 +131,19 @@ def transfer(args, model, server: RedisServer) -> dict[str, list[float]]:
         meta = decode_meta(key, client.get(meta_key("prefixcache", key)))
         names += [part_key("prefixcache", key, n) for n in range(meta.num_parts)]
     nbytes = len(tokens) * args.layers * 2 * args.kv_heads * args.head_dim * 2
-    out: dict[str, list[float]] = {"get": [], "fetch": [], "ratio": [], "ttft": [], "prefill": []}
+    out: dict[str, list[float]] = {k: [] for k in ("get", "read", "fetch", "ratio", "bound")}
+    out |= {"ttft": [], "prefill": []}
     b = PrefixCache(model, config(args, server.url), model_id="bench")
     prompt = [*tokens, 7]
     for _ in range(args.repeat):
         t_get = timed(lambda: plain_get(client, names))
+        t_read = timed(lambda: socket_read(client, names))
         t_fetch = timed(lambda: b.fetch(tokens))
         out["get"].append(nbytes / t_get / 1e9)
+        out["read"].append(nbytes / t_read / 1e9)
         out["fetch"].append(nbytes / t_fetch / 1e9)
         out["ratio"].append(t_get / t_fetch)
+        out["bound"].append(t_read / t_fetch)
         out["ttft"].append(timed(lambda: first_token(model, b, prompt)))
         if not out["prefill"]:  # one recompute: it takes far longer than the rest
             out["prefill"].append(timed(lambda: first_token(model, None, prompt)))
@@ -178,9 +201,11 @@ def main() -> None:
     print(f"{args.tokens} tokens, {mib:.0f} MiB, {args.repeat} rounds, {server.url.split(':')[0]}")
     print("| measure | median | range |")
     print("|---|---|---|")
-    for name, unit in (("get", "GB/s"), ("fetch", "GB/s"), ("ratio", "x")):
+    rows = (("get", "get", " GB/s"), ("read", "read", " GB/s"), ("fetch", "fetch", " GB/s"),
+            ("ratio", "fetch / get", ""), ("bound", "fetch / read", ""))  # fmt: skip
+    for name, label, unit in rows:
         lo, hi = min(res[name]), max(res[name])
-        print(f"| {name} | {med[name]:.2f} {unit} | {lo:.2f}-{hi:.2f} |")
+        print(f"| {label} | {med[name]:.2f}{unit} | {lo:.2f}-{hi:.2f} |")
     for name in ("ttft", "prefill"):
         lo, hi = min(res[name]) * 1000, max(res[name]) * 1000
         print(f"| {name} | {med[name] * 1000:.0f} ms | {lo:.0f}-{hi:.0f} |")

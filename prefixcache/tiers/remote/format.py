@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Tensor
+from ...host import MX_DTYPES, Tensor
 
 if TYPE_CHECKING:
     from ...blocks import Block
@@ -114,7 +114,7 @@ def decode_meta(key: bytes, value: bytes) -> RemoteMeta:
         specs = tuple((n, d, tuple(s)) for n, d, s in json.loads(value[at:-8]))
     except (ValueError, TypeError, struct.error) as e:
         raise PayloadError(f"remote meta of {key.hex()}: bad tensor specs: {e}") from None
-    if sum(_spec_bytes(s) for s in specs) != nbytes or num_parts != parts_of(nbytes):
+    if sum(spec_bytes(s) for s in specs) != nbytes or num_parts != parts_of(nbytes):
         raise PayloadError(f"remote meta of {key.hex()}: specs do not cover {nbytes} bytes")
     return RemoteMeta(key, parent, root, index, tokens, nbytes, sums, specs)
 
@@ -148,40 +148,43 @@ def encode_parts(key: bytes, tensors: list[Tensor]) -> tuple[list[bytearray], li
     return parts, sums
 
 
+PART_HEAD_BYTES = _PART_HEAD.size
+
+
+def part_checksum(meta: RemoteMeta, n: int, head: bytes, size: int) -> int:
+    """The checksum part ``n``'s header ``head`` gives for its ``size`` bytes,
+    once the header names block ``meta``, part ``n`` and the meta's part count,
+    the size is right and the checksum is the meta's (the bytes are not hashed
+    here: fill.py hashes them as they arrive).
+
+    Raises:
+        PayloadError: another block's or version's part, or torn.
+    """
+    if len(head) < _PART_HEAD.size:
+        raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
+    magic, key, got, num, checksum = _PART_HEAD.unpack_from(head)
+    want = min(PART_BYTES, meta.nbytes - n * PART_BYTES)
+    if (magic, key, got, num) != (_PART_MAGIC, meta.key, n, meta.num_parts) or size != want:
+        raise PayloadError(f"remote part {n} of {meta.key.hex()} does not belong to it")
+    if checksum != meta.sums[n]:
+        raise PayloadError(f"remote part {n} of {meta.key.hex()} is of another version")
+    return checksum
+
+
 def check_part(meta: RemoteMeta, n: int, value: bytes) -> memoryview:
     """Part ``n``'s bytes, verified against its own header and the meta.
 
     Raises:
         PayloadError: another block's or version's part, torn, or a bad checksum.
     """
-    if len(value) < _PART_HEAD.size:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
-    magic, key, got, num, checksum = _PART_HEAD.unpack_from(value)
     data = memoryview(value)[_PART_HEAD.size :]
-    want = min(PART_BYTES, meta.nbytes - n * PART_BYTES)
-    if (magic, key, got, num) != (_PART_MAGIC, meta.key, n, meta.num_parts) or len(data) != want:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} does not belong to it")
-    if checksum != meta.sums[n] or xxhash.xxh3_64_intdigest(data) != checksum:
+    checksum = part_checksum(meta, n, value, len(data))
+    if xxhash.xxh3_64_intdigest(data) != checksum:
         raise PayloadError(f"remote part {n} of {meta.key.hex()} fails its checksum")
     return data
 
 
-def assemble(meta: RemoteMeta, parts: list[memoryview]) -> dict[str, HostArray]:
-    """The block's tensors as HostArrays over one buffer holding the verified parts."""
-    buf = np.empty(meta.nbytes, np.uint8)
-    at = 0
-    for data in parts:
-        buf[at : at + len(data)] = np.frombuffer(data, np.uint8)
-        at += len(data)
-    arrays, at = {}, 0
-    for name, dtype, shape in meta.specs:
-        size = _spec_bytes((name, dtype, shape))
-        arrays[name] = HostArray(buf[at : at + size], MX_DTYPES[dtype], shape)
-        at += size
-    return arrays
-
-
-def _spec_bytes(spec: Spec) -> int:
+def spec_bytes(spec: Spec) -> int:
     _, dtype, shape = spec
     if dtype not in MX_DTYPES or any(d < 0 for d in shape):
         raise PayloadError(f"bad tensor spec {spec!r}")

@@ -1,12 +1,16 @@
 """Remote reads for a restore: a background thread fetches blocks in chain order.
 
-Each block is one round trip (MGET of its parts; its meta came with the
-chain's lookup), verified part by part (format.py) and assembled into one host
-buffer, all on the reader thread with bytes and numpy only; the caller gets
-HostArrays (a builder copies them into the restore buffers, or turns them into
-MLX arrays on its own thread). The thread fetches at most ``AHEAD`` blocks
-beyond the one the caller takes, so a long chain is never all in memory at
-once. It stops at the first block it cannot use: the restore stops there too.
+Each block is one round trip (pipelined GETs of its parts; its meta came with
+the chain's lookup). Their replies are read off the socket straight into the
+tensors' places in the restore buffers (wire.py) and verified as they arrive
+(fill.py: one copy, hashed while in the CPU cache), all on the fetch thread
+with bytes and numpy only; the caller gets ``Placed`` tensors, and HostArrays
+for tensors with no place (a builder copies those in, or turns them into MLX
+arrays on its own thread).
+The thread fetches at most ``AHEAD`` blocks beyond the one the caller takes,
+so a long chain is never all in memory at once. It stops at the first block it
+cannot use: the restore stops there too (a block that fails may have written
+some of its bytes into the buffers: they are never exposed).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +26,9 @@ from ...errors import MissReason, PayloadError
 from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
 from .client import RemoteClient, RemoteUnavailable
-from .format import RemoteMeta, assemble, check_part, decode_meta, meta_key, part_key
+from .fill import Targets, receive, targets
+from .format import RemoteMeta, decode_meta, meta_key, part_key
+from .wire import Replies, pipelined_gets
 
 
 class Source(Protocol):
@@ -61,6 +67,7 @@ class RemoteReader(TierReader):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0
+        self._place: Place | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._results: queue.Queue[Fetched | Failed | Exception] = queue.Queue(AHEAD)
@@ -75,7 +82,7 @@ class RemoteReader(TierReader):
 
     def prepare(self, indices: list[int], place: Place | None) -> None:
         self.close()
-        self._order, self._next = list(indices), 0
+        self._order, self._next, self._place = list(indices), 0, place
         if indices:
             self._stop = threading.Event()
             self._results = queue.Queue(AHEAD)
@@ -97,6 +104,7 @@ class RemoteReader(TierReader):
             self._stop.set()
             self._thread.join()
             self._thread = None
+        self._place = None  # it reaches the restore buffers: hold nothing once closed
 
     def _take(self, index: int) -> Fetched | Failed | Exception:
         """The fetch thread's next result; if the thread stopped before it (after a
@@ -140,19 +148,17 @@ class RemoteReader(TierReader):
                     return Failed(key, MissReason.EVICTED, None)
                 meta = decode_meta(key, raw)
             names = [part_key(tier.prefix, key, n) for n in range(meta.num_parts)]
-            values = tier.client.call(lambda r: r.mget(names)) if names else []
-            seconds = time.perf_counter() - start
-            if any(v is None for v in values):  # evicted by the server, or a torn write
-                return Failed(key, MissReason.EVICTED, None)
-            parts = [check_part(meta, n, v) for n, v in enumerate(values)]
+            into = targets(meta, self._place)
+            if not tier.client.call(lambda r: pipelined_gets(r, names, _receive_all(into, meta))):
+                return Failed(key, MissReason.EVICTED, None)  # evicted, or a torn write
         except RemoteUnavailable as e:
             return Failed(key, MissReason.REMOTE_UNAVAILABLE, e)
         except PayloadError as e:
             return Failed(key, MissReason.CORRUPT, e)
-        arrays = assemble(meta, parts)
+        seconds = time.perf_counter() - start
         block = StreamedBlock(
-            key, meta.parent, meta.root, meta.index, meta.tokens, arrays, meta.nbytes
-        )  # type: ignore[arg-type]
+            key, meta.parent, meta.root, meta.index, meta.tokens, into.arrays, meta.nbytes
+        )
         return Fetched(block, seconds)
 
     def _use(self, result: Fetched | Failed | Exception) -> StreamedBlock | None:
@@ -164,3 +170,12 @@ class RemoteReader(TierReader):
             return None
         self.tier.loaded(result.block.nbytes, result.seconds)
         return result.block
+
+
+def _receive_all(into: Targets, meta: RemoteMeta) -> Callable[[Replies], bool]:
+    """Read every part of ``meta`` into ``into``; False at the first missing one."""
+
+    def body(replies: Replies) -> bool:
+        return all(receive(into, meta, n, replies) for n in range(meta.num_parts))
+
+    return body

@@ -9,12 +9,13 @@ evicts it, which with a large hot tier is late or never.
 
 ``held`` looks a prompt's chain up in one round trip (MGET of the metas);
 ``reader`` fetches payloads on a background thread (format.py: verified
-parts); a remote hit is promoted into hot and ssd by the stack. The server
-bounds its memory itself (``maxmemory`` with ``allkeys-lru``); an evicted or
-torn part is a counted miss. When the server is down or slow every call gives
-up within the configured timeout and the breaker (client.py) stops calling for
-a while: the local tiers keep serving. The cost gate (gate.py) refuses a
-remote restore that is expected to be slower than recomputing.
+parts, read straight into the restore buffers); a remote hit is promoted into
+hot and ssd by the stack. The server bounds its memory itself (``maxmemory``
+with ``allkeys-lru``); an evicted or torn part is a counted miss. When the
+server is down or slow every call gives up within the configured timeout and
+the breaker (client.py) stops calling for a while: the local tiers keep
+serving. The cost gate (gate.py) refuses a remote restore that is expected to
+be slower than recomputing.
 """
 
 from __future__ import annotations

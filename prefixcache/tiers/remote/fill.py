@@ -1,0 +1,106 @@
+"""Remote parts into their places: each part's bytes are copied once, straight to
+where the restore wants them, and hashed on the way.
+
+A block's payload is its tensors' bytes back to back (format.py). The restore
+offers each tensor a destination (``place``: the contiguous runs of the
+restore buffer it belongs in, as for the SSD stream); a tensor without one goes
+into a host buffer of the block's own. :class:`Targets` lays those runs end to
+end, so that every payload offset falls in exactly one run, and ``receive``
+reads a part's reply (wire.py) into the runs in slices of at most ``_SLICE``
+bytes, hashing each slice right after it arrived, while it is still in the
+CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
+no intermediate buffer. The part's checksum is checked at the end: a part that fails has
+written some of its bytes already, so the block is a miss and the restore
+stops before it (the SSD stream's rule too).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ...errors import PayloadError
+from ...host import MX_DTYPES, HostArray, Place, Placed
+from .format import PART_BYTES, PART_HEAD_BYTES, RemoteMeta, part_checksum, spec_bytes
+from .wire import Replies
+
+# Read and hash in slices that stay in the CPU cache between the two passes.
+_SLICE = 256 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """Where a block's payload bytes go, in payload order."""
+
+    arrays: dict[str, HostArray | Placed]  # what the restore gets for each tensor
+    runs: list[memoryview]  # the destinations of the payload, end to end ('B' format)
+    starts: list[int]  # the payload offset of each run
+
+
+def targets(meta: RemoteMeta, place: Place | None) -> Targets:
+    """The destinations of block ``meta``'s payload: each tensor's place (its
+    size must match), else a slice of one new host buffer."""
+    sizes = [spec_bytes(s) for s in meta.specs]
+    dests: list[list[memoryview] | None] = []
+    for (name, dtype, shape), size in zip(meta.specs, sizes, strict=True):
+        dest = place(meta.index, name, MX_DTYPES[dtype], shape) if place is not None else None
+        dests.append(dest if dest is not None and _nbytes(dest) == size else None)
+    loose = sum(size for size, dest in zip(sizes, dests, strict=True) if dest is None)
+    buf = np.empty(loose, np.uint8) if loose else None
+    arrays: dict[str, HostArray | Placed] = {}
+    runs: list[memoryview] = []
+    used = 0
+    for (name, dtype, shape), size, dest in zip(meta.specs, sizes, dests, strict=True):
+        if dest is None:
+            assert buf is not None or size == 0
+            data = buf[used : used + size] if buf is not None else np.empty(0, np.uint8)
+            used += size
+            arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
+            dest = [memoryview(data)]
+        else:
+            arrays[name] = Placed(tuple(dest), MX_DTYPES[dtype], shape)
+        runs += [v.cast("B") for v in dest if v.nbytes]
+    starts = np.cumsum([0] + [r.nbytes for r in runs[:-1]]).tolist() if runs else []
+    return Targets(arrays, runs, starts)
+
+
+def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
+    """Read part ``n`` of block ``meta`` from ``replies`` into its runs and verify
+    it: its header names this block, part and count, and the xxh3-64 of its
+    bytes matches both its header and the meta. False: the part is missing.
+
+    Raises:
+        PayloadError: another block's or version's part, torn, or a bad checksum.
+    """
+    length = replies.length()
+    if length is None:
+        return False
+    if length < PART_HEAD_BYTES:
+        raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
+    size = length - PART_HEAD_BYTES
+    checksum = part_checksum(meta, n, replies.read(PART_HEAD_BYTES), size)
+    hasher = xxhash.xxh3_64()
+    offset = n * PART_BYTES
+    r = bisect_right(into.starts, offset) - 1
+    done = 0
+    while done < size:
+        run = into.runs[r]
+        at = offset + done - into.starts[r]
+        take = min(size - done, run.nbytes - at, _SLICE)
+        dest = run[at : at + take]
+        replies.read_into(dest)
+        hasher.update(dest)
+        done += take
+        if at + take == run.nbytes:
+            r += 1
+    replies.end()
+    if hasher.intdigest() != checksum:
+        raise PayloadError(f"remote part {n} of {meta.key.hex()} fails its checksum")
+    return True
+
+
+def _nbytes(views: list[memoryview]) -> int:
+    return sum(v.nbytes for v in views)
