@@ -240,8 +240,9 @@ class ChainLoad:
         if block is None:
             raise Shortfall(index, tier.load_miss)
         self.tiers.stats.block_hit(tier.name)
+        # promoted: into hot while it has room, onto the tiers above its own (e.g. ssd)
         keep = self.owners[index] > 1 or block.nbytes <= self._room
-        if not tier.resident and keep:
+        if self.tiers.config.promote and not tier.resident and keep:
             self._room -= block.nbytes
             self.loaded.append((self.owners[index], block.to_block()))
         return block.arrays, tier.resident
