@@ -107,8 +107,7 @@ def cut_blocks(
     length = len(data) // 4
     codecs = [codec_for(c) for c in cache]
     reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
-    new: list[Block] = []
-    upgraded: list[Block] = []
+    new, upgraded = [], []
     for i in range(len(keys)):
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
@@ -124,12 +123,9 @@ def cut_blocks(
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    # tails are hot only: a resident tail is held
-    tail = (
-        cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
-        if at_end
-        else None
-    )
+    tail = None
+    if at_end:  # a resident tail is held
+        tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
     return Cut(new, upgraded, tail)

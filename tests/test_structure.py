@@ -1,0 +1,103 @@
+"""The package's shape rules, checked from its source: no import cycle, small modules
+and functions (STYLE: one concept per module)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "prefixcache"
+MAX_MODULE_LINES = 300
+MAX_FUNCTION_LINES = 50
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules ``name`` imports anywhere (lazy ones too), TYPE_CHECKING blocks aside."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in known and c != name}
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def graph_of(mods: dict[str, Path]) -> dict[str, set[str]]:
+    known = set(mods)
+    # a package's __init__ is imported with any of its submodules: not an edge back
+    return {
+        name: {t for t in imports(name, path, known) if not name.startswith(t + ".")}
+        for name, path in mods.items()
+    }
+
+
+def test_no_import_cycle():
+    assert find_cycle(graph_of(modules())) is None
+
+
+def test_the_cycle_check_finds_a_cycle():
+    """Negative control: a graph with a cycle is caught."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_module_and_function_sizes(name):
+    path = modules()[name]
+    source = path.read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} is over {MAX_MODULE_LINES}"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            size = node.end_lineno - node.lineno + 1
+            assert size <= MAX_FUNCTION_LINES, f"{path}:{node.lineno} {node.name} has {size}"
