@@ -32,6 +32,7 @@ import mlx.core as mx
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
 from .hashing import tail_key
+from .window import WindowPolicy
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
@@ -91,6 +92,7 @@ def cut_blocks(
     at_end: bool,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
+    window: WindowPolicy | None = None,
 ) -> Cut:
     """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
 
@@ -103,6 +105,7 @@ def cut_blocks(
             ends keeps a snapshot too, and its tail is cut (else a prefill
             chunk's end: only the interval's boundaries keep snapshots).
         stored, resident: whether a key is held by any tier; its hot block or None.
+        window: which blocks keep the sliding-window layers' payloads (None: all).
     """
     length = len(data) // 4
     codecs = [codec_for(c) for c in cache]
@@ -115,6 +118,8 @@ def cut_blocks(
             continue
         snapshot = (i + 1) % snapshot_interval == 0 or (at_end and (i + 1) * block_size == length)
         arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+        if window is not None and not window.keeps(i, length if at_end else None):
+            arrays = window.strip(arrays)  # never evaluated: costs nothing
         if old is None:
             tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
             parent = keys[i - 1] if i else root
