@@ -18,7 +18,8 @@ cut as a tail block (``cut_tail``): a child of that last full block, outside
 the chain, carrying every layer's payload at the sequence's exact end (the
 recurrent state there included). The block that ends the sequence exactly
 keeps its snapshot too, whatever the interval: the next turn of a
-conversation resumes from there.
+conversation resumes from there. Sliding-window K/V are kept only in blocks
+within the window of those same restore points (window.py).
 """
 
 from __future__ import annotations
