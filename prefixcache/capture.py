@@ -101,12 +101,11 @@ def cut_blocks(
         keys, root: chain keys of the full blocks of ``data``; the namespace root key.
         data, cache: the tokens (uint32 bytes) and the live cache list holding them.
         block_size: tokens per block.
-        snapshot_interval: recurrent state is kept at every n-th boundary.
+        snapshot_interval, window: restore points' interval; which blocks keep window K/V.
         at_end: the cache is a finished sequence: the block ending where it
             ends keeps a snapshot too, and its tail is cut (else a prefill
             chunk's end: only the interval's boundaries keep snapshots).
         stored, resident: whether a key is held by any tier; its hot block or None.
-        window: which blocks keep the sliding-window layers' payloads (None: all).
     """
     length = len(data) // 4
     codecs = [codec_for(c) for c in cache]
@@ -117,10 +116,7 @@ def cut_blocks(
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        snapshot = (i + 1) % snapshot_interval == 0 or (at_end and (i + 1) * block_size == length)
-        arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
-        if window is not None and not window.keeps(i, length if at_end else None):
-            arrays = window.strip(arrays)  # never evaluated: costs nothing
+        arrays = _block(codecs, cache, i, block_size, length, at_end, snapshot_interval, window)
         if old is None:
             tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
             parent = keys[i - 1] if i else root
@@ -189,6 +185,25 @@ def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.
         else:
             out[name] = arr
     return out
+
+
+def _block(
+    codecs: list[Codec],
+    cache: Sequence[Any],
+    i: int,
+    block_size: int,
+    length: int,
+    at_end: bool,
+    interval: int,
+    window: WindowPolicy | None,
+) -> dict[str, mx.array]:
+    """Block ``i``'s payload: recurrent state at every ``interval``-th boundary and where
+    a stored sequence ends (``at_end``: at ``length``); window K/V where ``window`` keeps it."""
+    snapshot = (i + 1) % interval == 0 or (at_end and (i + 1) * block_size == length)
+    arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+    if window is not None and not window.keeps(i, length if at_end else None):
+        arrays = window.strip(arrays)  # never evaluated: costs nothing
+    return arrays
 
 
 def _cut(
