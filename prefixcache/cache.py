@@ -253,6 +253,7 @@ class PrefixCache:
                 at_end=at_end,
                 stored=self.tiers.contains,
                 resident=self.hot.get,
+                window=self.layout.window_policy,
             )
             self.tiers.keep(cut.new)
             self.tiers.replace(cut.upgraded)

@@ -18,7 +18,8 @@ cut as a tail block (``cut_tail``): a child of that last full block, outside
 the chain, carrying every layer's payload at the sequence's exact end (the
 recurrent state there included). The block that ends the sequence exactly
 keeps its snapshot too, whatever the interval: the next turn of a
-conversation resumes from there.
+conversation resumes from there. Sliding-window K/V are kept only in blocks
+within the window of those same restore points (window.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import mlx.core as mx
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
 from .hashing import tail_key
+from .window import WindowPolicy
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
 
@@ -91,6 +93,7 @@ def cut_blocks(
     at_end: bool,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
+    window: WindowPolicy | None = None,
 ) -> Cut:
     """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
 
@@ -98,7 +101,7 @@ def cut_blocks(
         keys, root: chain keys of the full blocks of ``data``; the namespace root key.
         data, cache: the tokens (uint32 bytes) and the live cache list holding them.
         block_size: tokens per block.
-        snapshot_interval: recurrent state is kept at every n-th boundary.
+        snapshot_interval, window: restore points' interval; which blocks keep window K/V.
         at_end: the cache is a finished sequence: the block ending where it
             ends keeps a snapshot too, and its tail is cut (else a prefill
             chunk's end: only the interval's boundaries keep snapshots).
@@ -112,8 +115,7 @@ def cut_blocks(
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        snapshot = (i + 1) % snapshot_interval == 0 or (at_end and (i + 1) * block_size == length)
-        arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+        arrays = _block(codecs, cache, i, block_size, length, at_end, snapshot_interval, window)
         if old is None:
             tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
             parent = keys[i - 1] if i else root
@@ -179,6 +181,25 @@ def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.
         else:
             out[name] = arr
     return out
+
+
+def _block(
+    codecs: list[Codec],
+    cache: Sequence[Any],
+    i: int,
+    block_size: int,
+    length: int,
+    at_end: bool,
+    interval: int,
+    window: WindowPolicy | None,
+) -> dict[str, mx.array]:
+    """Block ``i``'s payload: recurrent state at every ``interval``-th boundary and where
+    a stored sequence ends (``at_end``: at ``length``); window K/V where ``window`` keeps it."""
+    snapshot = (i + 1) % interval == 0 or (at_end and (i + 1) * block_size == length)
+    arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+    if window is not None and not window.keeps(i, length if at_end else None):
+        arrays = window.strip(arrays)  # never evaluated: costs nothing
+    return arrays
 
 
 def _cut(

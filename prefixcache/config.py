@@ -54,13 +54,15 @@ class CacheConfig:
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
             the prompt, so decoding does not re-allocate at once.
-        snapshot_interval: during prefill, keep a recurrent-state snapshot every
-            N blocks; 0 (the default) picks N from ``snapshot_ratio``. The state
-            at the end of every stored sequence is kept whatever N is.
-        snapshot_ratio: with ``snapshot_interval=0``, the interval snapshots'
-            bytes are at most this multiple of the attention K/V bytes of the
-            blocks they sit on (N = ceil(snapshot bytes / (ratio * K/V bytes
-            of a block))); a model without attention layers snapshots every block.
+        snapshot_interval: during prefill, a restore point every N blocks: a
+            recurrent-state snapshot, and sliding-window K/V in the blocks its
+            window covers; 0 (the default) picks N from ``snapshot_ratio``. The
+            end of every stored sequence is a restore point whatever N is.
+        snapshot_ratio: with ``snapshot_interval=0``, what interval points keep
+            (snapshot and window K/V bytes) is at most this multiple of the
+            full-attention K/V bytes of the blocks they sit on (N = ceil(point
+            bytes / (ratio * K/V bytes of a block))); a model without
+            full-attention layers has a restore point at every block.
         ssd_retry_seconds: after a disk or index failure turned the SSD tier's
             writes off, how long until the writer probes the directory again.
         counters_save_seconds: how often a cache adds its counters to the

@@ -28,6 +28,7 @@ from .blocks import Block
 from .codecs import Codec, codec_for
 from .config import CacheConfig
 from .errors import LayoutMismatchError
+from .window import WindowPolicy, window_tokens, windows
 
 
 class ModelLayout:
@@ -46,8 +47,10 @@ class ModelLayout:
         self.codecs: list[Codec] = [codec_for(c) for c in probe]
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
-        self.state_bytes, self.kv_token_bytes = _sizes(probe)
+        self.state_bytes, self.kv_token_bytes, self.window_token_bytes = _sizes(probe)
         self.state_prefixes = _state_prefixes(probe, "")
+        self.window_prefixes = tuple(p for p, _ in windows(probe))
+        self.window, self.window_keep = window_tokens(probe)
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None
@@ -68,11 +71,13 @@ class ModelLayout:
 
     @property
     def snapshot_interval(self) -> int:
-        """Blocks between recurrent-state snapshots during prefill.
+        """Blocks between restore points: recurrent-state snapshots, and the
+        sliding windows kept around them (window.py).
 
         ``config.snapshot_interval`` when set; else the fewest blocks whose
-        attention K/V bytes times ``snapshot_ratio`` reach one snapshot's bytes,
-        so interval snapshots cost at most that multiple of the K/V they sit on.
+        full-attention K/V bytes times ``snapshot_ratio`` reach what one point
+        keeps (a snapshot, and the window layers' blocks it needs), so interval
+        points cost at most that multiple of the K/V they sit on.
         """
         cfg = self.config
         if cfg.snapshot_interval or not self.kv_token_bytes:
@@ -80,7 +85,20 @@ class ModelLayout:
         kv_block = self.kv_token_bytes * cfg.block_size
         if cfg.kv_bits:  # packed bits, plus a scale and a bias per group (fp16-sized)
             kv_block = kv_block * (cfg.kv_bits / 16 + 2 / cfg.kv_group_size)
-        return max(1, math.ceil(self.state_bytes / (cfg.snapshot_ratio * kv_block)))
+        # a point keeps the blocks holding the window of restores in its last block
+        window = (self.window // cfg.block_size + 1) * cfg.block_size if self.window else 0
+        point = self.state_bytes + self.window_token_bytes * window
+        return max(1, math.ceil(point / (cfg.snapshot_ratio * kv_block)))
+
+    @functools.cached_property
+    def window_policy(self) -> WindowPolicy | None:
+        """Which blocks keep the window layers' K/V (None: no window layer)."""
+        if not self.window_prefixes:
+            return None
+        bs = self.config.block_size
+        return WindowPolicy(
+            self.window_prefixes, self.window, self.window_keep, bs, self.snapshot_interval
+        )
 
     def without_state(self, block: Block) -> Block | None:
         """``block`` without its recurrent-state snapshot (None: it has none)."""
@@ -144,21 +162,26 @@ class ModelLayout:
             )
 
 
-def _sizes(caches: Sequence[Any]) -> tuple[int, int]:
-    """(bytes of one recurrent-state snapshot, attention K/V bytes per token) of a probe."""
-    state = kv = 0
+def _sizes(caches: Sequence[Any]) -> tuple[int, int, int]:
+    """(bytes of one recurrent-state snapshot, full-attention K/V bytes per token,
+    sliding-window K/V bytes per token) of a probe."""
+    state = kv = window = 0
     for cache in caches:
         if isinstance(cache, CacheList):
             sub = _sizes(cache.caches)
-            state, kv = state + sub[0], kv + sub[1]
+            state, kv, window = state + sub[0], kv + sub[1], window + sub[2]
         elif isinstance(cache, ArraysCache):
             state += sum(a.nbytes for a in cache.cache if a is not None)
         elif (
             isinstance(cache, KVCache | RotatingKVCache | ChunkedKVCache) and cache.keys is not None
         ):
             k, v = cache.keys, cache.values
-            kv += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
-    return state, kv
+            size = (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
+            if isinstance(cache, RotatingKVCache):
+                window += size
+            else:
+                kv += size
+    return state, kv, window
 
 
 def _state_prefixes(caches: Sequence[Any], prefix: str) -> tuple[str, ...]:

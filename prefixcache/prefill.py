@@ -49,9 +49,9 @@ def prefill(
 ) -> tuple[list[Any], mx.array]:
     """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
 
-    For a model with recurrent layers a chunk also ends at the block boundary
-    below where stored sequences branch off this prompt (``stored_prefix``),
-    and the state there is kept: the next prompt branching there resumes.
+    With recurrent or sliding-window layers a chunk also ends at the block boundary
+    below where stored sequences branch off this prompt (``stored_prefix``), and
+    the state and windows there are kept: the next prompt branching there resumes.
     After each chunk mlx-lm's KV quantization schedule is applied (as
     ``generate_step`` does), the cache is evaluated and the blocks it completed
     are stored (window K/V while still in the window, recurrent state at the
@@ -66,7 +66,7 @@ def prefill(
     snapshots = any(codec_for(c).snapshots(c) for c in cache)
     step = chunk_step(prefill_step_size, cfg.block_size, pc.layout.snapshot_interval, snapshots)
     ends = chunk_ends(start, len(tokens), step)
-    if snapshots:  # keep the state where stored sequences branch off this prompt
+    if snapshots or pc.layout.window_policy is not None:  # keep them where prompts branch
         branch = min(pc.stored_prefix(tokens, extra=extra), len(tokens) - 1)
         branch = branch // cfg.block_size * cfg.block_size
         ends = sorted({*ends, branch}) if branch > start else ends
