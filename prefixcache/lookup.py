@@ -81,11 +81,12 @@ class Lookup:
         """(blocks, tokens, reason) restorable given which payloads blocks hold."""
         keys = found.keys
         depth = min(depth, len(keys) if found.partial else found.depth)
-        hot = self.tiers.hot.get
+        tiers, owners, known = self.tiers.all, found.owners, {}
 
         def names(index: int) -> Container[str] | None:
-            block = hot(keys[index])
-            return None if block is None else block.arrays  # lower tiers: checked on load
+            if index not in known:  # None: unknown, the load checks it
+                known[index] = tiers[owners[index]].payload_names(keys[index])
+            return known[index]
 
         def usable(d: int) -> tuple[int, int]:
             blocks, tokens = self.usable(found, d, num_tokens)

@@ -11,7 +11,7 @@ implementing :class:`Tier` plus one line in ``tiers/__init__.py``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..errors import MissReason
@@ -125,6 +125,11 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027
         """Flush and release; re-raises a background failure once."""
+
+    def payload_names(self, key: bytes) -> Container[str] | None:
+        """The flat payload names block ``key`` holds, if known without reading its
+        payload (a restore plan skips blocks lacking a layer's part); None: unknown."""
+        return None
 
     def miss_reason(self, key: bytes) -> MissReason | None:
         """Why the last ``held`` stopped at ``key`` if not because the tier lacks

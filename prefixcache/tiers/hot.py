@@ -13,7 +13,7 @@ Not thread-safe by itself: the manager holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from ..blocks import Block
 from ..errors import MissReason
@@ -61,6 +61,10 @@ class HotTier(Tier):
 
     def entry(self, key: bytes) -> Block | None:
         return self._lru.get(key)
+
+    def payload_names(self, key: bytes) -> Container[str] | None:
+        block = self._lru.get(key)
+        return None if block is None else block.arrays
 
     def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
         get = self._lru.get

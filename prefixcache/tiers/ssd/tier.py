@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
@@ -33,7 +33,7 @@ from .directory import open_dir
 from .files import payload_path
 from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
-from .payload import read_payload
+from .payload import read_header, read_payload
 from .records import SsdRecords
 from .writes import SsdWrites, TierError
 
@@ -94,12 +94,9 @@ class SsdTier(Tier):
             hold=writer_hold,
         )
 
-    # -- public verbs --------------------------------------------------------
-
     @property
     def enabled(self) -> bool:
-        """False after a disk or index failure until a retry works: puts are no-ops,
-        stored blocks are still read."""
+        """False after a disk or index failure until a retry works (reads go on)."""
         return self.health.enabled
 
     @property
@@ -141,6 +138,15 @@ class SsdTier(Tier):
 
     def entry(self, key: bytes) -> BlockMeta | None:
         return self.get_meta(key)
+
+    def payload_names(self, key: bytes) -> Container[str] | None:
+        item = self.writer.pending(key)  # else the header's: unverified, the load checks
+        if item is not None:
+            return item.block.arrays
+        try:
+            return {name for name, _, _ in read_header(self.payload_file(key), key)}
+        except (OSError, PayloadError):
+            return None
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
