@@ -124,7 +124,7 @@ def cut_blocks(
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    # tails are hot only: a resident tail is held
+    # a hot tail is held; one held only below is cut again (its put there is a no-op)
     tail = (
         cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
         if at_end

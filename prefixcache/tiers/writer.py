@@ -116,6 +116,11 @@ class Writer:
         with self._cond:
             return self._pending.get(key)
 
+    def pending_children(self, parent: bytes) -> list[WriteItem]:
+        """Queued items whose block's parent is ``parent`` (a scan: the queue is short)."""
+        with self._cond:
+            return [item for item in self._pending.values() if item.block.parent == parent]
+
     def wake(self) -> None:
         """Ask for a housekeeping round without waiting for it."""
         with self._cond:

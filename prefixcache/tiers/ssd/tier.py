@@ -6,14 +6,13 @@ Layout of a directory::
     blocks/ab/<key hex>.safetensors
 
 ``put`` only queues (the caller's thread takes zero-copy byte views of the
-already evaluated arrays); a background writer reserves room (evicting LRU
-leaves), writes each payload atomically and indexes it. ``load`` serves a
-block from the queue while it is pending, else reads and verifies its payload.
-A corrupt block (or a payload path that is a symlink: never followed) is
-quarantined (entry and file removed), counted, logged once and becomes a miss.
-A failure of the disk or the index at run time (full, read-only, gone, I/O
-error) turns writes off with one log line and is retried later (health.py,
-writes.py): the tier never raises it to the cache.
+already evaluated arrays); a writer thread reserves room (evicting LRU leaves),
+writes each payload atomically and indexes it. ``load`` serves a block from the
+queue while pending, else reads and verifies its payload; tails are kept and
+listed (``children``) like blocks. A corrupt block (or a symlinked payload: never
+followed) is quarantined, counted, logged once and becomes a miss. A disk or
+index failure at run time (full, read-only, gone, I/O error) turns writes off
+with one log line and is retried (health.py, writes.py): never raised to the cache.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ class SsdTier(Tier):
     """
 
     name = "ssd"
+    lists_children = True
 
     def __init__(
         self,
@@ -141,6 +141,13 @@ class SsdTier(Tier):
 
     def entry(self, key: bytes) -> BlockMeta | None:
         return self.get_meta(key)
+
+    def children(self, parent: bytes) -> list[BlockMeta]:
+        """Blocks and tails queued or indexed under ``parent`` (bad entries skipped)."""
+        found = {k: decode_or_none(k, raw) for k, raw in self.index.children(parent)}
+        for item in self.writer.pending_children(parent):
+            found[item.block.key] = BlockMeta.of(item.block, now=item.queued)
+        return [meta for meta in found.values() if meta is not None]
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
