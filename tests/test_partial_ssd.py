@@ -8,6 +8,8 @@ restored the same way, gives other logits).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import max_diff, prompt, tiny_model
 from dict_tier import DictTier
@@ -119,3 +121,33 @@ def test_tails_go_only_to_tiers_that_list_children(tier_class, llama):
             [13, 16, 16] if tier.lists_children else [16, 16]
         )
         assert pc.fetch([*tokens, 1])[1] == (45 if tier.lists_children else 32)
+
+
+def test_cli_inspects_and_verifies_tails(tmp_path, llama, capsys):
+    """ls, show, tree, verify and gc on a directory holding tails (written through)."""
+    from prefixcache.cli import main
+
+    a = prompt(1, 45)
+    with ssd_pc(llama, tmp_path, write_policy="write_through") as pc:
+        for tokens in (a, a[:32] + prompt(2, 13)):
+            pc.store(tokens, finished(llama, tokens))
+        parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+        tails = {m.key.hex() for m in pc.ssd.children(parent)}
+    d = ["--ssd-dir", str(tmp_path / "ssd"), "--json"]
+
+    def run(*args: str) -> dict:
+        capsys.readouterr()
+        assert main([*args, *d]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    rows = {r["key"]: r for r in run("ls")["rows"]}
+    assert len(rows) == 4 and len(tails) == 2
+    assert {(rows[k]["num_tokens"], rows[k]["prefix_tokens"]) for k in tails} == {(13, 45)}
+    key = sorted(tails)[0]
+    shown = run("show", key)
+    assert (shown["prefix_tokens"], shown["complete"], len(shown["chain"])) == (45, True, 3)
+    assert run("ls", "--chains")["rows"][0]["prefix_tokens"] == 45
+    checked = run("verify")
+    assert checked["ok"] and checked["num_checked"] == 4 and checked["num_detached"] == 0
+    assert main(["gc", "--ssd-dir", str(tmp_path / "ssd")]) == 0
+    assert len(run("ls")["rows"]) == 4  # nothing of it is dangling
