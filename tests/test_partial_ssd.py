@@ -9,6 +9,7 @@ restored the same way, gives other logits).
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from conftest import max_diff, prompt, tiny_model
@@ -151,3 +152,30 @@ def test_cli_inspects_and_verifies_tails(tmp_path, llama, capsys):
     assert checked["ok"] and checked["num_checked"] == 4 and checked["num_detached"] == 0
     assert main(["gc", "--ssd-dir", str(tmp_path / "ssd")]) == 0
     assert len(run("ls")["rows"]) == 4  # nothing of it is dangling
+
+
+def test_a_tail_still_queued_for_the_writer_is_found_and_restored(tmp_path, llama):
+    from prefixcache.tiers.ssd.tier import SsdTier
+
+    a = prompt(1, 45)
+    probe = a + prompt(3, 5)
+    config = CacheConfig(
+        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0, hot_max_bytes=1
+    )
+    hold = threading.Event()
+    ssd = SsdTier(config, writer_hold=hold)
+    with PrefixCache(llama, config, model_id="tiny", tiers=[ssd]) as pc:
+        try:
+            pc.store(a, finished(llama, a))
+            parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+            assert ssd.index.children(parent) == []  # nothing written yet
+            assert [m.num_tokens for m in ssd.children(parent)] == [13]
+            cache, num_cached = pc.fetch(probe)
+            assert num_cached == 45
+            want = reference(llama, probe, 45)
+            assert max_diff(continued(llama, cache, probe[45:]), want) == 0.0
+        finally:
+            hold.set()
+        pc.flush()
+        assert [m.num_tokens for m in ssd.children(parent)] == [13]
+        assert len(ssd.index.children(parent)) == 1 and ssd.writer.pending_children(parent) == []
