@@ -179,3 +179,31 @@ def test_a_tail_still_queued_for_the_writer_is_found_and_restored(tmp_path, llam
         pc.flush()
         assert [m.num_tokens for m in ssd.children(parent)] == [13]
         assert len(ssd.index.children(parent)) == 1 and ssd.writer.pending_children(parent) == []
+
+
+def test_an_unreadable_tail_entry_is_quarantined_by_the_lookup_and_stored_again(tmp_path, llama):
+    import lmdb
+
+    a = prompt(1, 45)
+    probe = a + prompt(3, 5)
+    with ssd_pc(llama, tmp_path, hot_max_bytes=1) as pc:
+        pc.store(a, finished(llama, a))
+        pc.flush()
+        parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+        (tail,) = pc.ssd.children(parent)
+    env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=16)
+    with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+        value = bytearray(txn.get(tail.key))
+        value[40] ^= 0xFF  # the entry fails its own checksum
+        txn.put(tail.key, bytes(value))
+    env.close()
+    with ssd_pc(llama, tmp_path, hot_max_bytes=1) as pc:
+        assert pc.fetch(probe)[1] == 32  # the tail is not served ...
+        assert pc.stats()["ssd"]["num_corrupt"] == 1  # ... it is counted and dropped
+        assert pc.ssd.children(parent) == []
+        pc.store(a, finished(llama, a))  # and stored again
+        pc.flush()
+        cache, num_cached = pc.fetch(probe)
+        assert num_cached == 45
+        want = reference(llama, probe, 45)
+        assert max_diff(continued(llama, cache, probe[45:]), want) == 0.0

@@ -143,8 +143,8 @@ class SsdTier(Tier):
         return self.get_meta(key)
 
     def children(self, parent: bytes) -> list[BlockMeta]:
-        """Blocks and tails queued or indexed under ``parent`` (bad entries skipped)."""
-        found = {k: decode_or_none(k, raw) for k, raw in self.index.children(parent)}
+        """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined)."""
+        found = {key: self._decoded(key, raw) for key, raw in self.index.children(parent)}
         for item in self.writer.pending_children(parent):
             found[item.block.key] = BlockMeta.of(item.block, now=item.queued)
         return [meta for meta in found.values() if meta is not None]
@@ -165,11 +165,7 @@ class SsdTier(Tier):
         item = self.writer.pending(key)
         if item is not None:
             return BlockMeta.of(item.block, now=item.queued)
-        raw = self.index.get(key)
-        meta = decode_or_none(key, raw)
-        if raw is not None and meta is None:
-            self.quarantine(key, raw, "bad index entry")
-        return meta
+        return self._decoded(key, self.index.get(key))
 
     def load(self, key: bytes) -> Block | None:
         """The block with fresh arrays, or None (absent, or corrupt and now quarantined)."""
@@ -178,10 +174,7 @@ class SsdTier(Tier):
             self._counts.add("num_pending_loads")
             return item.fresh_block()
         raw = self.index.get(key)
-        meta = decode_or_none(key, raw)
-        if meta is None:
-            if raw is not None:
-                self.quarantine(key, raw, "bad index entry")
+        if (meta := self._decoded(key, raw)) is None:
             return None
         try:
             path = self.payload_file(key)
@@ -257,6 +250,13 @@ class SsdTier(Tier):
         return self.index.reconcile()
 
     # -- internals ----------------------------------------------------------
+
+    def _decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
+        """The decoded entry; None if absent or unreadable (then quarantined)."""
+        meta = decode_or_none(key, raw)
+        if raw is not None and meta is None:
+            self.quarantine(key, raw, "bad index entry")
+        return meta
 
     def read_error(self, key: bytes, error: OSError) -> None:
         """A payload that cannot be read now (EMFILE, EIO...): a miss, not a verdict."""
