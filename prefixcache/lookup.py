@@ -2,11 +2,12 @@
 
 Metadata only: the chain is matched by key through the tiers (``Tiers.chain``)
 and checked token by token (``restore.walk``); past it, a partial block (a
-stored block the prompt diverges inside, or a tail) is picked from the
-children every tier lists under the last match (``partial.best_child``). ``plan`` then finds the
-deepest prefix every layer can be rebuilt at, leaving at least one token to
-prefill, before anything is copied; ``restore`` rebuilds it (restore.py),
-falling back to a shorter prefix when a block cannot be loaded.
+stored block the prompt diverges inside, or a tail) is picked from the children
+every tier lists under the last match (``partial.best_child``) and loaded from
+that tier. ``plan`` then finds the deepest prefix every layer can be rebuilt
+at, leaving at least one token to prefill, before anything is copied;
+``restore`` rebuilds it (restore.py), falling back to a shorter prefix when a
+block cannot be loaded.
 """
 
 from __future__ import annotations
