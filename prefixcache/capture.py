@@ -126,7 +126,7 @@ def cut_blocks(
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
     tail = None
-    if at_end:  # a resident tail is held
+    if at_end:  # a hot tail is held; one held only below is cut again (its put is a no-op)
         tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)

@@ -2,11 +2,12 @@
 
 Metadata only: the chain is matched by key through the tiers (``Tiers.chain``)
 and checked token by token (``restore.walk``); past it, a partial block (a
-stored block the prompt diverges inside, or a tail) is picked from the hot
-children of the last match (``partial.best_child``). ``plan`` then finds the
-deepest prefix every layer can be rebuilt at, leaving at least one token to
-prefill, before anything is copied; ``restore`` rebuilds it (restore.py),
-falling back to a shorter prefix when a block cannot be loaded.
+stored block the prompt diverges inside, or a tail) is picked from the children
+every tier lists under the last match (``partial.best_child``) and loaded from
+that tier. ``plan`` then finds the deepest prefix every layer can be rebuilt
+at, leaving at least one token to prefill, before anything is copied;
+``restore`` rebuilds it (restore.py), falling back to a shorter prefix when a
+block cannot be loaded.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ class Lookup:
         depth, reason = found.depth, found.reason
         if reason is None and depth < len(keys):
             reason = self.tiers.missing_reason(keys[depth])
-        partial, common = best_child(
-            self.tiers.hot.children(keys[depth - 1] if depth else root),
+        partial, owner, common = best_child(
+            self.tiers.children(keys[depth - 1] if depth else root),
             depth,
             data[depth * bs * 4 :],
         )
         if partial is not None:
-            keys, owners = [*keys[:depth], partial.key], [*owners[:depth], 0]
+            keys, owners = [*keys[:depth], partial.key], [*owners[:depth], owner]
         return Match(keys, owners, depth, reason, partial, common)
 
     def usable(self, found: Match, depth: int, num_tokens: int) -> tuple[int, int]:
@@ -73,7 +74,7 @@ class Lookup:
         shared = min(found.common, num_tokens - 1 - start)
         if shared <= 0 or found.partial is None:
             return 0
-        if shared == found.partial.num_tokens or self.layout.trimmable_at(start + shared):
+        if shared * 4 == len(found.partial.tokens) or self.layout.trimmable_at(start + shared):
             return start + shared
         return 0
 

@@ -1,10 +1,11 @@
 """Partial blocks: where a prompt leaves the stored chain, the stored block it shares most with.
 
 A prompt's full blocks are matched by chain key. Past the last match, the
-children of the last matched block (full blocks of other sequences, and tails:
-the last tokens of stored sequences) are compared with the prompt token by
-token; the one sharing the most tokens can be restored and cut back to them
-(see ``PrefixCache._partial_tokens`` for which caches allow it).
+children of the last matched block that any tier lists (full blocks of other
+sequences, and tails: the last tokens of stored sequences) are compared with
+the prompt token by token; the one sharing the most tokens can be restored
+from its tier and cut back to them (``Lookup.partial_tokens`` says which
+caches allow it).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .blocks import Block
 from .errors import MissReason
+from .tiers.base import ChainEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +27,9 @@ class Match:
         owners: the tier (position in ``Tiers.all``) each key is loaded from.
         depth: full blocks matched, root-first.
         reason: why block ``depth`` did not match, if any.
-        partial: the hot child of the last matched block (a full block the
-            prompt diverges inside, or a tail) sharing the most tokens.
+        partial: the child of the last matched block (a full block the
+            prompt diverges inside, or a tail) sharing the most tokens, in
+            the tier ``owners[depth]``.
         common: tokens ``partial`` shares with the prompt.
     """
 
@@ -35,21 +37,24 @@ class Match:
     owners: list[int]
     depth: int
     reason: MissReason | None
-    partial: Block | None
+    partial: ChainEntry | None
     common: int
 
 
-def best_child(children: Sequence[Block], index: int, rest: bytes) -> tuple[Block | None, int]:
-    """The child at chain ``index`` sharing the most leading tokens with ``rest``
-    (of equals, the last stored: a later capture holds more payloads)."""
-    best, common = None, 0
-    for child in children:
+def best_child(
+    children: Sequence[tuple[ChainEntry, int]], index: int, rest: bytes
+) -> tuple[ChainEntry | None, int, int]:
+    """(child, its tier, tokens shared) of the (child, tier) at chain ``index``
+    sharing the most leading tokens with ``rest``. Of equals, an upper tier's
+    (faster to load), then the last listed (a later capture holds more payloads)."""
+    best, owner, common = None, 0, 0
+    for child, tier in children:
         if child.index != index:
             continue
         n = common_tokens(child.tokens, rest)
-        if n and n >= common:
-            best, common = child, n
-    return best, common
+        if n and (n > common or (n == common and tier <= owner)):
+            best, owner, common = child, tier, n
+    return best, owner, common
 
 
 def common_tokens(a: bytes, b: bytes) -> int:

@@ -31,6 +31,7 @@ class Entry:
 
 class DictTier(Tier):
     name = "remote"
+    lists_children = True
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
@@ -39,6 +40,9 @@ class DictTier(Tier):
 
     def entry(self, key: bytes) -> Entry | None:
         return self.entries.get(key)
+
+    def children(self, parent: bytes) -> list[Entry]:
+        return [e for e in self.entries.values() if e.parent == parent]
 
     def contains(self, key: bytes) -> bool:
         return key in self.entries

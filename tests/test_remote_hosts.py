@@ -45,7 +45,8 @@ def test_a_prefix_stored_on_one_host_restores_bit_exactly_on_another(tmp_path, l
     st = second["stats"]
     assert st["cached_tokens"] == 4 * BLOCK and st["remote_block_hits"] == 4
     assert st["ssd_block_hits"] == 0 and st["hot_block_hits"] == 0
-    assert st["ssd"]["num_blocks"] == 4  # the remote hit was promoted onto b's ssd
+    # the remote hit was promoted onto b's ssd; b's own 5-token tail spilled there too
+    assert st["ssd"]["num_blocks"] == 5
     tokens = prompt(1, 4 * BLOCK + 5)
     assert max_diff(second["logits"], live_logits(llama, tokens, 4 * BLOCK)) == 0.0
     other = prompt(1, 4 * BLOCK + 5)

@@ -238,7 +238,7 @@ def test_sigkill_while_writing_never_leaves_a_torn_block(open_tier, tmp_path, se
     for meta in metas:
         check_block(tier.load(meta.key))
     assert tier.stats()["num_corrupt"] == 0
-    assert tier.reconcile() == (0, 0)  # open-time recovery left nothing behind
+    assert tier.index.reconcile() == (0, 0)  # open-time recovery left nothing behind
     assert len(payload_files(path)) == len(metas) == tier.stats()["num_blocks"]
 
 
@@ -382,7 +382,7 @@ def test_reconcile_removes_orphans_and_dangling_entries(open_tier, tmp_path):
     for p in (orphan, stray_temp):
         with open(p, "wb") as f:
             f.write(b"junk")
-    assert tier.reconcile() == (2, 1)
+    assert tier.index.reconcile() == (2, 1)
     assert sorted(payload_files(tmp_path / "ssd")) == sorted(
         p for p in files if blocks[3].key.hex() not in p
     )
@@ -548,7 +548,7 @@ def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path)
     tier.flush()
     check_block(tier.load(good.key))
     assert tier.load(bad.key) is None and tier.stats()["num_failures"] == 1
-    assert tier.reconcile() == (0, 0)  # nothing orphaned
+    assert tier.index.reconcile() == (0, 0)  # nothing orphaned
     tier.close()
 
 

@@ -16,7 +16,7 @@ import time
 from ..config import parse_bytes
 from ..stats import Stats, add_counters
 from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
-from ..tiers.ssd.inventory import Entry, Inventory, NamespaceInfo
+from ..tiers.ssd.inventory import Entry, Inventory, NamespaceInfo, end_token
 from ..tiers.ssd.view import SsdView
 from .common import Doc, count, duration, emit, ssd_command
 from .remote import with_remote
@@ -161,9 +161,11 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
 
 
 def _block_row(inv: Inventory, e: Entry) -> Doc:
+    parent = inv.entries.get(e.parent)
+    end = end_token(e.index, e.num_tokens, parent and parent.num_tokens)
     return {
         "key": e.key.hex(), "model": inv.namespaces[e.root].model, "root": e.root.hex(),
-        "index": e.index, "num_tokens": e.num_tokens, "prefix_tokens": (e.index + 1) * e.num_tokens,
+        "index": e.index, "num_tokens": e.num_tokens, "prefix_tokens": end,
         "nbytes": e.file_bytes, "payload_nbytes": e.nbytes, "created": e.created,
         "last_used": e.last_used, "num_children": len(inv.children.get(e.key, ())),
         "detached": inv.link_error(e) is not None,

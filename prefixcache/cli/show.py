@@ -13,7 +13,7 @@ import numpy as np
 
 from ..blocks import BlockMeta
 from ..tiers.ssd.index import decode_or_none
-from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment
+from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment, end_token
 from ..tiers.ssd.view import SsdView
 from .common import Doc, emit, ssd_command
 from .report import format_age, format_bytes, short, table, tree_lines
@@ -112,10 +112,11 @@ def _show_doc(
     m = chain[-1]
     path = view.payload_file(m.key)
     complete = chain[0].parent == chain[0].root and chain[0].index == 0
+    end = end_token(m.index, m.num_tokens, chain[-2].num_tokens if len(chain) > 1 else None)
     doc: Doc = {
         "key": m.key.hex(), "model": ns.model, "root": m.root.hex(),
         "namespace": json.loads(ns.text) if ns.model is not None else None,
-        "index": m.index, "num_tokens": m.num_tokens, "prefix_tokens": (m.index + 1) * m.num_tokens,
+        "index": m.index, "num_tokens": m.num_tokens, "prefix_tokens": end,
         "nbytes": m.file_bytes, "payload_nbytes": m.nbytes, "checksum": f"{m.checksum:016x}",
         "created": m.created, "last_used": m.last_used, "payload_path": path,
         "payload_exists": os.path.exists(path), "complete": complete,

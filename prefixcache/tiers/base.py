@@ -79,12 +79,15 @@ class Tier(ABC):
         eager: takes every stored block at once, whatever the write policy
             (else blocks arrive on spill, or at once under ``write_through``).
         load_miss: the miss reason when a block it held could not be loaded.
+        lists_children: ``children`` lists what it holds under a parent, so
+            tails (found only that way) are put to it; else they are not.
     """
 
     name: ClassVar[str]
     resident: ClassVar[bool] = False
     eager: ClassVar[bool] = False
     load_miss: ClassVar[MissReason] = MissReason.CORRUPT
+    lists_children: ClassVar[bool] = False
 
     @abstractmethod
     def entry(self, key: bytes) -> ChainEntry | None:
@@ -100,6 +103,12 @@ class Tier(ABC):
                 break
             out.append(found)
         return out
+
+    def children(self, parent: bytes) -> Sequence[ChainEntry]:
+        """Entries held under ``parent`` (a block key or a root key): full blocks
+        and tails alike, for partial-block reuse. A tier that cannot list them
+        keeps this default (and ``lists_children`` False)."""
+        return []
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:

@@ -28,6 +28,7 @@ class HotTier(Tier):
 
     name = "hot"
     resident = True
+    lists_children = True
     load_miss = MissReason.EVICTED
 
     def __init__(

@@ -70,6 +70,15 @@ class Tiers:
             owners += [t] * len(got)
         return entries, owners
 
+    def children(self, parent: bytes) -> list[tuple[ChainEntry, int]]:
+        """Every entry some tier lists under ``parent``, with the position in ``all``
+        of the tier it is loaded from (the first that lists it)."""
+        out: dict[bytes, tuple[ChainEntry, int]] = {}
+        for t, tier in enumerate(self.all):
+            for entry in tier.children(parent) if tier.lists_children else ():
+                out.setdefault(entry.key, (entry, t))
+        return list(out.values())
+
     def contains(self, key: bytes) -> bool:
         return any(tier.contains(key) for tier in self.all)
 
@@ -107,7 +116,8 @@ class Tiers:
             self.stats.kept(block.nbytes, upgrade=upgrade)
             self._evicted_set.discard(block.key)
             for tier in self._on_store:
-                tier.put(block)
+                if self._finds(tier, block):
+                    tier.put(block)
             dirty = bool(self._on_spill)
             cold = block.parent != block.root and block.parent not in self.hot
             if cold and not self.lower:  # its parent is gone: no fetch can reach it
@@ -120,18 +130,15 @@ class Tiers:
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
     def keep_tail(self, block: Block) -> None:
-        """Place a tail block (fewer tokens than a block, outside the chain): hot only.
+        """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
-        Tails are found through their parent (``HotTier.children``); the lower
-        tiers find blocks by chain key only, so a tail is not spilled: when hot
-        evicts it, it is gone (its parent and the chain stay).
+        Tails are found through their parent (``Tier.children``), so they go to
+        the lower tiers that list children, as blocks do; with none, a tail
+        whose parent is gone could never be found again and is not kept.
         """
         cold = block.parent != block.root and block.parent not in self.hot
-        if cold and not self.lower:
-            return  # its parent is gone: no fetch can reach it
-        self.stats.kept(block.nbytes, upgrade=False)
-        self._evicted_set.discard(block.key)
-        self.hot.put(block, cold=cold)
+        if not (cold and not self.lower):
+            self.keep([block])
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
@@ -146,7 +153,8 @@ class Tiers:
     def spill(self, block: Block) -> None:
         spilled = False
         for tier in self._on_spill:
-            spilled = tier.put(block) or spilled
+            if self._finds(tier, block):
+                spilled = tier.put(block) or spilled
         self.stats.num_spills += spilled
 
     def flush(self) -> None:
@@ -184,6 +192,10 @@ class Tiers:
 
     def snapshot(self) -> dict[str, object]:
         return {tier.name: tier.stats() for tier in self.all}
+
+    def _finds(self, tier: Tier, block: Block) -> bool:
+        """Whether a lookup can find ``block`` on ``tier``: a tail only by its parent."""
+        return tier.lists_children or block.num_tokens >= self.config.block_size
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
         if dirty:

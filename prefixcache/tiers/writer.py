@@ -77,6 +77,7 @@ class Writer:
         self._cond = threading.Condition()
         self._queue: deque[WriteItem] = deque()
         self._pending: dict[bytes, WriteItem] = {}
+        self._by_parent: dict[bytes, dict[bytes, None]] = {}  # parent -> pending child keys
         self._queue_bytes = 0
         self._num_in = 0  # items ever queued
         self._num_out = 0  # items ever finished (written, skipped or failed)
@@ -106,6 +107,7 @@ class Writer:
                 return False
             self._queue.append(item)
             self._pending[item.block.key] = item
+            self._by_parent.setdefault(item.block.parent, {})[item.block.key] = None
             self._queue_bytes += item.nbytes
             self._num_in += 1
             self._cond.notify_all()
@@ -115,6 +117,11 @@ class Writer:
         """The queued item of ``key``, until it is written and indexed."""
         with self._cond:
             return self._pending.get(key)
+
+    def pending_children(self, parent: bytes) -> list[WriteItem]:
+        """Queued items whose block's parent is ``parent``."""
+        with self._cond:
+            return [self._pending[key] for key in self._by_parent.get(parent, ())]
 
     def wake(self) -> None:
         """Ask for a housekeeping round without waiting for it."""
@@ -188,6 +195,10 @@ class Writer:
                 for item in batch:
                     self._queue.popleft()
                     del self._pending[item.block.key]
+                    kids = self._by_parent[item.block.parent]
+                    del kids[item.block.key]
+                    if not kids:
+                        del self._by_parent[item.block.parent]
                     self._queue_bytes -= item.nbytes
                 self._num_out += len(batch)
                 self._done = max(self._done, round_)

@@ -68,8 +68,8 @@ def tokens(seed: int, n: int) -> list[int]:
 def make_prompts(num_groups: int, per_group: int, seed: int = 0) -> list[list[int]]:
     """Prompts in groups: each group shares a 2-block prefix, suffixes differ.
 
-    Lengths are never a multiple of BLOCK, so every full block is restorable
-    and the cached length is always a multiple of BLOCK.
+    Every prompt ends in a tail of at least 2 tokens, so serving it again reads
+    every block it stored, the tail too (cut back: one token is left to prefill).
     """
     rng = np.random.default_rng(seed)
     out = []
@@ -77,7 +77,7 @@ def make_prompts(num_groups: int, per_group: int, seed: int = 0) -> list[list[in
         system = tokens(seed * 1000 + g, 2 * BLOCK)
         for p in range(per_group):
             n = int(rng.integers(BLOCK // 2, 4 * BLOCK))
-            n += 1 if (2 * BLOCK + n) % BLOCK == 0 else 0
+            n += 2 if n % BLOCK == 0 else 1 if n % BLOCK == 1 else 0
             out.append(system + tokens(seed * 1000 + 100 * (g + 1) + p, n))
     return out
 

@@ -103,6 +103,19 @@ class SsdIndex:
     def get(self, key: bytes) -> bytes | None:
         return self._txn(lambda t: t.get(key, db=self._db["blocks"]))
 
+    def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
+        """(key, entry) of every block indexed under ``parent``, in one read."""
+
+        def read(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+            cur = txn.cursor(db=self._db["children"])
+            if not cur.set_key(parent):
+                return []
+            keys = [bytes(k) for k in cur.iternext_dup()]
+            rows = ((k, txn.get(k, db=self._db["blocks"])) for k in keys)
+            return [(k, bytes(raw)) for k, raw in rows if raw is not None]
+
+        return self._txn(read)
+
     def totals(self) -> dict[str, int]:
         """num_blocks, nbytes (payload file bytes) and num_corrupt_total (all processes)."""
 

@@ -25,6 +25,13 @@ def scan(view: SsdView) -> Iterator[tuple[bytes, bytes, BlockMeta | None]]:
         yield key, raw, decode_or_none(key, raw)
 
 
+def end_token(index: int, num_tokens: int, parent_tokens: int | None) -> int:
+    """Where a block of ``num_tokens`` at chain ``index`` ends in its sequence: blocks
+    before it are full (``parent_tokens`` each, when its parent is known), and a
+    tail (shorter than a block) starts where its parent ends."""
+    return index * (num_tokens if parent_tokens is None else parent_tokens) + num_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """A block's index fields, without its token ids."""

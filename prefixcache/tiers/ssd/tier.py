@@ -6,14 +6,13 @@ Layout of a directory::
     blocks/ab/<key hex>.safetensors
 
 ``put`` only queues (the caller's thread takes zero-copy byte views of the
-already evaluated arrays); a background writer reserves room (evicting LRU
-leaves), writes each payload atomically and indexes it. ``load`` serves a
-block from the queue while it is pending, else reads and verifies its payload.
-A corrupt block (or a payload path that is a symlink: never followed) is
-quarantined (entry and file removed), counted, logged once and becomes a miss.
-A failure of the disk or the index at run time (full, read-only, gone, I/O
-error) turns writes off with one log line and is retried later (health.py,
-writes.py): the tier never raises it to the cache.
+already evaluated arrays); a writer thread reserves room (evicting LRU leaves),
+writes each payload atomically and indexes it. ``load`` serves a block from the
+queue while pending, else reads and verifies its payload; tails are kept and
+listed (``children``) like blocks. A corrupt block (or a symlinked payload: never
+followed) is quarantined, counted, logged once and becomes a miss. A disk or
+index failure at run time (full, read-only, gone, I/O error) turns writes off
+with one log line and is retried (health.py, writes.py): never raised to the cache.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ class SsdTier(Tier):
     """
 
     name = "ssd"
+    lists_children = True
 
     def __init__(
         self,
@@ -148,6 +148,13 @@ class SsdTier(Tier):
         except (OSError, PayloadError):
             return None
 
+    def children(self, parent: bytes) -> list[BlockMeta]:
+        """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined)."""
+        found = {key: self._decoded(key, raw) for key, raw in self.index.children(parent)}
+        for item in self.writer.pending_children(parent):
+            found[item.block.key] = BlockMeta.of(item.block, now=item.queued)
+        return [meta for meta in found.values() if meta is not None]
+
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
 
@@ -164,11 +171,7 @@ class SsdTier(Tier):
         item = self.writer.pending(key)
         if item is not None:
             return BlockMeta.of(item.block, now=item.queued)
-        raw = self.index.get(key)
-        meta = decode_or_none(key, raw)
-        if raw is not None and meta is None:
-            self.quarantine(key, raw, "bad index entry")
-        return meta
+        return self._decoded(key, self.index.get(key))
 
     def load(self, key: bytes) -> Block | None:
         """The block with fresh arrays, or None (absent, or corrupt and now quarantined)."""
@@ -177,10 +180,7 @@ class SsdTier(Tier):
             self._counts.add("num_pending_loads")
             return item.fresh_block()
         raw = self.index.get(key)
-        meta = decode_or_none(key, raw)
-        if meta is None:
-            if raw is not None:
-                self.quarantine(key, raw, "bad index entry")
+        if (meta := self._decoded(key, raw)) is None:
             return None
         try:
             path = self.payload_file(key)
@@ -251,11 +251,12 @@ class SsdTier(Tier):
         self._counts.add("num_evictions", num)
         return num
 
-    def reconcile(self) -> tuple[int, int]:
-        """Full scan (``gc``): (orphan files removed, dangling entries removed)."""
-        return self.index.reconcile()
-
-    # -- internals ----------------------------------------------------------
+    def _decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
+        """The decoded entry; None if absent or unreadable (then quarantined)."""
+        meta = decode_or_none(key, raw)
+        if raw is not None and meta is None:
+            self.quarantine(key, raw, "bad index entry")
+        return meta
 
     def read_error(self, key: bytes, error: OSError) -> None:
         """A payload that cannot be read now (EMFILE, EIO...): a miss, not a verdict."""
