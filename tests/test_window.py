@@ -164,3 +164,34 @@ def test_default_interval_bounds_window_bytes_by_the_global_kv(gemma, ratio):
         window = sum(window_bytes(b) for b in pc.hot)
         kv = sum(b.nbytes - window_bytes(b) for b in pc.hot)
         assert 0 < window <= ratio * kv
+
+
+@pytest.mark.parametrize("headers", [True, False], ids=["planned", "control_no_headers"])
+def test_an_ssd_restore_between_points_loads_each_block_once(gemma, tmp_path, headers, monkeypatch):
+    """From the SSD tier the plan reads which payloads each block holds from its
+    header (``payload_names``), so the fallback to the covered point 48 loads
+    only the blocks of that restore. Control: with the names unknown, the
+    restore finds the gaps while loading and reloads the chain on each retry."""
+    from prefixcache.tiers.ssd.tier import SsdTier
+
+    if not headers:
+        monkeypatch.setattr(SsdTier, "payload_names", lambda self, key: None)
+    a = prompt(1, 100)
+    probe = a[:70] + prompt(7, 10)
+    config = CacheConfig(
+        block_size=BLOCK, snapshot_interval=6, hot_max_bytes=1, promote=False,
+        ssd_dir=str(tmp_path), ssd_min_free_bytes=0,
+    )  # fmt: skip
+    with PrefixCache(gemma, config, model_id="tiny") as pc:
+        pc.prefill(a, prefill_step_size=BLOCK)
+        pc.flush()
+        before = pc.stats()["ssd"]["num_loads"]
+        cache, num_cached = pc.fetch(probe)
+        loads = pc.stats()["ssd"]["num_loads"] - before
+        assert num_cached == 48
+        want = live_logits(gemma, probe, 48, step=BLOCK)
+        assert max_diff(continued(gemma, cache, probe[48:]), want) == 0.0
+    if headers:
+        assert loads == 48 // BLOCK  # blocks 0-5, once each
+    else:
+        assert loads > 48 // BLOCK
