@@ -42,11 +42,10 @@ class Lookup:
         depth, reason = found.depth, found.reason
         if reason is None and depth < len(keys):
             reason = self.tiers.missing_reason(keys[depth])
-        partial, owner, common = best_child(
-            self.tiers.children(keys[depth - 1] if depth else root),
-            depth,
-            data[depth * bs * 4 :],
-        )
+        rest = data[depth * bs * 4 :]
+        # the prompt ends on the chain: no partial block to look for (no LMDB read)
+        children = self.tiers.children(keys[depth - 1] if depth else root) if rest else []
+        partial, owner, common = best_child(children, depth, rest)
         if partial is not None:
             keys, owners = [*keys[:depth], partial.key], [*owners[:depth], owner]
         return Match(keys, owners, depth, reason, partial, common)
