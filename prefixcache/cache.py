@@ -11,12 +11,12 @@ import mlx.nn as nn
 
 from .capture import cut_blocks
 from .config import CacheConfig
-from .errors import MissReason
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
 from .periodic import Periodic
+from .restore import restore
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
 from .tiers.base import Tier
@@ -54,6 +54,7 @@ class PrefixCache:
             model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
+        self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
         self.tiers = Tiers(self.config, self._stats, lower, shed)
@@ -81,11 +82,11 @@ class PrefixCache:
     def fetch(
         self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
     ) -> tuple[list[Any], int]:
-        """A fresh cache holding the longest cached prefix of ``tokens``.
+        """A fresh cache holding the deepest restorable prefix of ``tokens``.
 
-        Full blocks of the chain, then the part of a stored block or tail the
-        prompt shares (see :class:`Match`). Always leaves at least one token to
-        prefill.
+        Every stored block, tail and checkpoint that shares a prefix with the
+        prompt is a candidate; the deepest one every layer can be rebuilt at
+        wins (lookup.py). Always leaves at least one token to prefill.
 
         Returns:
             (cache list for the model, number of tokens it holds)
@@ -93,57 +94,89 @@ class PrefixCache:
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self.lookup.match(data, self._root(extra))
-            num_tokens = len(data) // 4
-            cache, num_cached, reason = self.lookup.restore(found, num_tokens)
-            reason = reason or found.reason
-            shared = found.depth * self.config.block_size + found.common
-            if reason is None and num_cached < min(shared, num_tokens - 1):
-                reason = MissReason.PARTIAL_BLOCK  # a stored block shared more, unusably
-            self._stats.fetched(num_tokens, num_cached, reason)
-            return cache, num_cached
+            root = self._root(extra)
+            got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
+            self._last_shared = (data, root, got.shared)
+            self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
+            return got.cache, got.num_tokens
 
     def match(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
-        """Tokens ``fetch`` would restore (from the index only; restores nothing)."""
+        """Tokens ``fetch`` would restore (from the tiers' metadata; restores nothing)."""
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self.lookup.match(data, self._root(extra))
-            return self.lookup.plan(found, found.depth + 1, len(data) // 4)[1]
+            return self.lookup.plan(data, self._root(extra)).num_tokens
 
     def stored_prefix(
         self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
     ) -> int:
         """Tokens of ``tokens`` some stored sequence shares, restorable or not.
 
-        Where this exceeds ``match`` on a model with recurrent layers, the
-        stored sequences branch there without state to resume from: a
-        scheduler that calls ``store`` at the block boundary below it
-        (as ``prefill`` does) lets the next prompt branching there hit.
+        Where this exceeds ``match`` on a model whose state cannot be cut back
+        (recurrent layers, windows), the prompt leaves a stored sequence there
+        without state to resume from: ``checkpoints`` names it.
         """
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
-            found = self.lookup.match(data, self._root(extra))
-            return found.depth * self.config.block_size + found.common
+            return self._shared(data, self._root(extra))
+
+    def checkpoints(
+        self,
+        tokens: Sequence[int],
+        num_cached: int = 0,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> list[int]:
+        """Where to ``capture`` the cache while prefilling ``tokens``: ascending
+        positions in ``(num_cached, len(tokens))``.
+
+        A model whose caches can be cut back to any token (KV, quantized,
+        windows that have not wrapped) needs none: the list is empty. Else,
+        Marconi-style: the junction where the prompt leaves a stored sequence
+        it shares a prefix with (``stored_prefix``, at the exact token: the
+        shared prefix's second sighting), the prompt's end minus
+        ``checkpoint_tail`` tokens (an exact repeat, or a next turn whose
+        template re-renders the last tokens, resumes there), and the snapshot
+        interval's points (``layout.snapshot_interval`` blocks apart: prompts
+        that will branch where nothing is stored yet). The scheduler loop::
+
+            cache, n = pc.fetch(tokens)
+            for stop in pc.checkpoints(tokens, n):
+                ...prefill tokens[n:stop] into cache...; n = stop
+                pc.capture(tokens[:stop], cache)
+            ...prefill the rest, generate...
+            pc.store(tokens + reply[:-1], cache)
+        """
+        data = _nonempty(tokens)
+        if not self.lookup.needs_checkpoints(len(data) // 4):
+            return []
+        with self._lock:
+            self._check_open()
+            shared = self._shared(data, self._root(extra))
+        return self.lookup.checkpoints(len(data) // 4, num_cached, shared)
 
     def store(
-        self, tokens: Sequence[int], cache: Sequence[Any], *, extra: Mapping[str, str] | None = None
+        self,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
     ) -> int:
-        """Keep every new full block of ``cache`` (returns how many) and its tail.
+        """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
+        and the tail (the tokens after the last full block), with every layer's
+        state at the exact end. Returns how many new full blocks were kept.
 
-        ``cache`` is a finished sequence: every layer's state at its exact end
-        is kept (the tail, the tokens after the last full block, as a tail
-        block; recurrent state with the block or tail ending there), so the
-        next turn of a conversation reuses all of this one, recurrent models
-        included.
+        After generating, the cache holds the prompt and every generated token
+        but the last: ``store(tokens + generated[:-1], cache)``. The next turn
+        of a conversation then resumes from there on every layout.
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        return self._store(tokens, cache, extra, at_end=True)
+        return self._store(tokens, cache, extra)
 
     def capture(
         self,
@@ -152,16 +185,15 @@ class PrefixCache:
         *,
         extra: Mapping[str, str] | None = None,
     ) -> int:
-        """``store`` for a cache being prefilled: call it after every chunk.
+        """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
+        state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
+        ending there), with the window and chunk K/V a restore there needs.
 
-        Window K/V are cut before the window moves on and recurrent state every
-        ``snapshot_interval`` blocks (see capture.py); e.g. from
-        ``generate_step``'s ``prompt_progress_callback`` (``prefill_step_size``
-        a multiple of ``block_size``; skip its last call, ``done == total``,
-        made once the first generated token is in the cache). Call ``store``
-        once the sequence is complete: it keeps the state at its end.
+        Raises:
+            the errors of ``store``: a cache that does not hold exactly
+            ``tokens_so_far`` cannot be kept there.
         """
-        return self._store(tokens_so_far, cache, extra, at_end=False)
+        return self._store(tokens_so_far, cache, extra)
 
     def prefill(
         self,
@@ -228,13 +260,18 @@ class PrefixCache:
 
     # -- internals ----------------------------------------------------------
 
+    def _shared(self, data: bytes, root: bytes) -> int:
+        """``stored_prefix`` (the last fetch's when it was of the same prompt)."""
+        last = self._last_shared
+        if last is not None and last[0] == data and last[1] == root:
+            return last[2]
+        return self.lookup.shared(data, root)
+
     def _store(
         self,
         tokens: Sequence[int],
         cache: Sequence[Any],
         extra: Mapping[str, str] | None,
-        *,
-        at_end: bool,
     ) -> int:
         data = token_bytes(tokens)
         with self._lock:
@@ -250,11 +287,11 @@ class PrefixCache:
                 cache,
                 block_size=bs,
                 snapshot_interval=self.layout.snapshot_interval,
-                at_end=at_end,
                 stored=self.tiers.contains,
                 resident=self.hot.get,
                 window=self.layout.window_policy,
             )
+            self._last_shared = None  # what is stored changed
             self.tiers.keep(cut.new)
             self.tiers.replace(cut.upgraded)
             tail = cut.tail

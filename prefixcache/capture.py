@@ -1,25 +1,25 @@
 """Capture: cut a live cache into blocks (pure: no tier, no policy).
 
-Sliding-window K/V and recurrent state cannot be cut out of a finished cache:
-the window has moved on, and the state is the state at its end only. So blocks
-are cut while prefilling, after every chunk, with chunks ending on block
-boundaries: every block the chunk completed is still in its window, and the
-state at the chunk's end is the state at a block boundary. Blocks go straight
-into the tiers (the facade's ``store``), so no boundary snapshot is held anywhere
-else. The block-aligned prefill loop that calls it is prefill.py.
+Sliding-window and chunked K/V and recurrent state cannot be cut out of a
+finished cache: the window has moved on, and the state is the state at its
+end only. So what a later restore needs of them is cut where the cache stands:
+at checkpoints while prefilling (``PrefixCache.checkpoints``), and at the end
+of a finished sequence. Every cut keeps the state at the cache's exact end.
+Blocks go straight into the tiers (the facade's ``store``), so no snapshot is
+held anywhere else. The prefill loop that does it is prefill.py.
 
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
 union of both payloads (see ``Tiers.replace``).
 
-The tail of a stored sequence (its last tokens after the last full block) is
-cut as a tail block (``cut_tail``): a child of that last full block, outside
-the chain, carrying every layer's payload at the sequence's exact end (the
-recurrent state there included). The block that ends the sequence exactly
-keeps its snapshot too, whatever the interval: the next turn of a
-conversation resumes from there. Sliding-window K/V are kept only in blocks
-within the window of those same restore points (window.py).
+The tail of a cut (its last tokens after the last full block) is cut as a
+tail block (``cut_tail``): a child of that last full block, outside the
+chain, carrying every layer's payload at the exact end (the recurrent state
+there included). A block that ends exactly there keeps its snapshot too,
+whatever the interval: the next turn of a conversation, or the next prompt
+branching there, resumes from it. Window and chunk K/V are kept only in
+blocks within the window of those same restore points (window.py).
 """
 
 from __future__ import annotations
@@ -58,21 +58,14 @@ def chunk_ends(start: int, stop: int, step: int) -> list[int]:
     return [*range((start // step + 1) * step, stop, step), stop]
 
 
-def chunk_step(
-    prefill_step_size: int | None, block_size: int, snapshot_interval: int, snapshots: bool
-) -> int:
-    """The prefill chunk: a multiple of ``block_size``.
-
-    By default a model with recurrent layers is prefilled one snapshot interval
-    at a time (a snapshot can only be taken at a chunk's end); others in
-    chunks of about mlx-lm's 2048 tokens.
+def chunk_step(prefill_step_size: int | None, block_size: int) -> int:
+    """The prefill chunk: a multiple of ``block_size`` (about mlx-lm's 2048 tokens
+    by default), so chunk ends fall on block boundaries.
 
     Raises:
         ValueError: ``prefill_step_size`` is not a positive multiple of ``block_size``.
     """
     if prefill_step_size is None:
-        if snapshots:
-            return block_size * snapshot_interval
         return max(block_size, DEFAULT_STEP // block_size * block_size)
     if prefill_step_size < 1 or prefill_step_size % block_size:
         raise ValueError(
@@ -90,7 +83,6 @@ def cut_blocks(
     *,
     block_size: int,
     snapshot_interval: int,
-    at_end: bool,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
     window: WindowPolicy | None = None,
@@ -102,9 +94,6 @@ def cut_blocks(
         data, cache: the tokens (uint32 bytes) and the live cache list holding them.
         block_size: tokens per block.
         snapshot_interval, window: restore points' interval; which blocks keep window K/V.
-        at_end: the cache is a finished sequence: the block ending where it
-            ends keeps a snapshot too, and its tail is cut (else a prefill
-            chunk's end: only the interval's boundaries keep snapshots).
         stored, resident: whether a key is held by any tier; its hot block or None.
     """
     length = len(data) // 4
@@ -115,7 +104,7 @@ def cut_blocks(
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        arrays = _block(codecs, cache, i, block_size, length, at_end, snapshot_interval, window)
+        arrays = _block(codecs, cache, i, block_size, length, snapshot_interval, window)
         if old is None:
             tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
             parent = keys[i - 1] if i else root
@@ -125,9 +114,8 @@ def cut_blocks(
         if gained:
             merged = {**old.arrays, **gained}
             upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
-    tail = None
-    if at_end:  # a hot tail is held; one held only below is cut again (its put is a no-op)
-        tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
+    # a hot tail is held; one held only below is cut again (its put is a no-op)
+    tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
     return Cut(new, upgraded, tail)
@@ -189,15 +177,14 @@ def _block(
     i: int,
     block_size: int,
     length: int,
-    at_end: bool,
     interval: int,
     window: WindowPolicy | None,
 ) -> dict[str, mx.array]:
     """Block ``i``'s payload: recurrent state at every ``interval``-th boundary and where
-    a stored sequence ends (``at_end``: at ``length``); window K/V where ``window`` keeps it."""
-    snapshot = (i + 1) % interval == 0 or (at_end and (i + 1) * block_size == length)
+    the cache ends (``length``); window K/V where ``window`` keeps it."""
+    snapshot = (i + 1) % interval == 0 or (i + 1) * block_size == length
     arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
-    if window is not None and not window.keeps(i, length if at_end else None):
+    if window is not None and not window.keeps(i, length):
         arrays = window.strip(arrays)  # never evaluated: costs nothing
     return arrays
 

@@ -37,7 +37,8 @@ class CacheConfig:
     """Settings of a PrefixCache. The same names are CLI flags and env vars.
 
     Attributes:
-        block_size: tokens per block; only full blocks are cached.
+        block_size: tokens per block: full blocks form the hashed chain; the
+            tokens after the last full block are kept too, as a tail.
         hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
         hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
@@ -63,6 +64,10 @@ class CacheConfig:
             full-attention K/V bytes of the blocks they sit on (N = ceil(point
             bytes / (ratio * K/V bytes of a block))); a model without
             full-attention layers has a restore point at every block.
+        checkpoint_tail: ``PrefixCache.checkpoints`` keeps the state this many
+            tokens before a prompt's end, so an exact repeat, or a next turn
+            whose chat template re-renders the last tokens, resumes there
+            (mlx-lm's server keeps a segment of up to 11 tokens at the end).
         ssd_retry_seconds: after a disk or index failure turned the SSD tier's
             writes off, how long until the writer probes the directory again.
         counters_save_seconds: how often a cache adds its counters to the
@@ -97,6 +102,7 @@ class CacheConfig:
     restore_headroom: int = 256
     snapshot_interval: int = 0
     snapshot_ratio: float = 1.0
+    checkpoint_tail: int = 11
     ssd_retry_seconds: float = 30.0
     counters_save_seconds: float = 5.0
     remote_url: str | None = None
@@ -133,6 +139,7 @@ class CacheConfig:
             "remote_max_bytes",
             "prefill_tokens_per_s",
             "snapshot_interval",
+            "checkpoint_tail",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 from .blocks import Block
 from .codecs import Codec, codec_for
 from .config import CacheConfig
-from .errors import LayoutMismatchError
+from .errors import LayoutMismatchError, MissReason
 from .window import WindowPolicy, window_tokens, windows
 
 
@@ -49,7 +49,8 @@ class ModelLayout:
         self.template = make_prompt_cache(model)  # read-only: classes and settings
         self.state_bytes, self.kv_token_bytes, self.window_token_bytes = _sizes(probe)
         self.state_prefixes = _state_prefixes(probe, "")
-        self.window_prefixes = tuple(p for p, _ in windows(probe))
+        self.window_prefixes = tuple(p for p, _, _ in windows(probe))
+        self.window_sizes = tuple(w + k for _, w, k in windows(probe))
         self.window, self.window_keep = window_tokens(probe)
         cfg = config
         self.kv_quant = (
@@ -59,15 +60,35 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.signature)
 
-    @functools.cached_property
-    def needs_capture(self) -> bool:
-        """Whether some layer's payload exists only while prefilling.
+    @property
+    def checkpointed(self) -> bool:
+        """Whether some layer cannot be cut back to any earlier token: recurrent
+        state (kept only where it was taken), or a window or chunk's K/V (kept
+        only around restore points, window.py). Such layouts need checkpoints
+        where prompts will resume (``PrefixCache.checkpoints``)."""
+        return bool(self.state_prefixes or self.window_prefixes)
 
-        Sliding windows, recurrent state and chunked attention lose what
-        earlier blocks need once the prefill moves on; their codecs check
-        payload coverage, plain KV codecs do not.
-        """
-        return any(type(codec).covers is not Codec.covers for codec in self.codecs)
+    def fits_window(self, num_tokens: int) -> bool:
+        """Whether every window and chunk holds ``num_tokens`` whole (none wrapped yet)."""
+        return all(num_tokens <= size for size in self.window_sizes)
+
+    def missing(
+        self, num_tokens: int, payload: Callable[[int], Container[str] | None]
+    ) -> MissReason | None:
+        """Why a restore of ``num_tokens`` from blocks whose payload names are
+        ``payload(index)`` (None: unknown) cannot serve every layer, or None."""
+        bs = self.config.block_size
+        for layer, (codec, fresh) in enumerate(zip(self.codecs, self.template, strict=True)):
+            prefix = f"{layer}."
+
+            def has(index: int, prefix: str = prefix):
+                names = payload(index)
+                return None if names is None else (lambda name: prefix + name in names)
+
+            gap = codec.missing(fresh, num_tokens, bs, has)
+            if gap is not None:
+                return gap[1]
+        return None
 
     @property
     def snapshot_interval(self) -> int:
@@ -164,7 +185,7 @@ class ModelLayout:
 
 def _sizes(caches: Sequence[Any]) -> tuple[int, int, int]:
     """(bytes of one recurrent-state snapshot, full-attention K/V bytes per token,
-    sliding-window K/V bytes per token) of a probe."""
+    sliding-window and chunked K/V bytes per token) of a probe."""
     state = kv = window = 0
     for cache in caches:
         if isinstance(cache, CacheList):
@@ -177,7 +198,7 @@ def _sizes(caches: Sequence[Any]) -> tuple[int, int, int]:
         ):
             k, v = cache.keys, cache.values
             size = (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
-            if isinstance(cache, RotatingKVCache):
+            if isinstance(cache, RotatingKVCache | ChunkedKVCache):
                 window += size
             else:
                 kv += size

@@ -1,30 +1,88 @@
-"""Lookup: where a prompt stands in the tiers, how much of it a restore can give, the restore.
+"""Lookup: where a prompt stands in the tiers, and the deepest prefix a restore can give.
 
-Metadata only: the chain is matched by key through the tiers (``Tiers.chain``)
-and checked token by token (``restore.walk``); past it, a partial block (a
-stored block the prompt diverges inside, or a tail) is picked from the children
-every tier lists under the last match (``partial.best_child``) and loaded from
-that tier. ``plan`` then finds the deepest prefix every layer can be rebuilt
-at, leaving at least one token to prefill, before anything is copied;
-``restore`` rebuilds it (restore.py), falling back to a shorter prefix when a
-block cannot be loaded.
+Metadata only: nothing is loaded. The prompt's full blocks are matched by
+chain key through the tiers (``Tiers.chain``) and checked token by token.
+Then restore points are tried deepest first, level by level from the end of
+the matched chain back to the root. At each level (a matched block, or the
+root) they are:
+
+- the children some tier lists under it (tails: the last tokens of a stored
+  sequence or a checkpoint, carrying every layer's state there; blocks of
+  sequences that diverge there): at the end of a child the prompt shares
+  whole, or cut back to the tokens it shares where every layer allows it
+  (KV, quantized, windows, chunks: not recurrent state);
+- the block boundary itself (the chain up to that block).
+
+A point is restorable when every layer finds what it needs in the blocks it
+would be rebuilt from (a recurrent snapshot where it ends, the window's or
+chunk's K/V before it: ``Codec.missing``), judged from the payload names the
+tiers list. The first restorable point is the :class:`Plan` the rebuild
+(restore.py) is handed; a block that then fails to load is excluded and the
+search runs again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
-from typing import Any
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
 
-from mlx_lm.models.cache import make_prompt_cache
-
-from .codecs import codec_for, round_up
 from .config import CacheConfig
-from .errors import MissReason, Shortfall
+from .errors import MissReason
 from .hashing import chain_keys
 from .layout import ModelLayout
-from .partial import Match, best_child
-from .restore import plan, rebuild, walk
+from .tiers.base import ChainEntry, Tier
 from .tiers.stack import Tiers
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A restore chosen from metadata, handed to the rebuild.
+
+    Attributes:
+        entries: the blocks to load, root-first: chain blocks, and as the last
+            one possibly a child (a tail, or a block the prompt diverges inside).
+        tiers: the tier each entry is loaded from.
+        num_tokens: tokens the restored cache holds (0: nothing is restorable).
+        shared: tokens of the prompt that some stored sequence shares.
+        reason: why fewer than ``shared`` (at most the prompt minus one) are
+            restored, or None.
+    """
+
+    entries: tuple[ChainEntry, ...]
+    tiers: tuple[Tier, ...]
+    num_tokens: int
+    shared: int
+    reason: MissReason | None
+
+    @property
+    def keys(self) -> list[bytes]:
+        return [e.key for e in self.entries]
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    """A candidate restore point: ``num_tokens`` from the chain's first ``depth``
+    blocks and, if any, ``child`` (held by ``tier``); ``cut`` when the last block
+    holds more tokens than the point (the layers must allow cutting it back)."""
+
+    num_tokens: int
+    depth: int
+    child: ChainEntry | None = None
+    tier: Tier | None = None
+    cut: bool = False
+
+
+@dataclass(slots=True)
+class _Standing:
+    """The prompt's matched chain: entries, the tier of each, why it stops."""
+
+    data: bytes
+    root: bytes
+    keys: list[bytes]
+    entries: list[ChainEntry]
+    tiers: list[Tier]
+    reason: MissReason | None
+    children: dict[int, list[tuple[ChainEntry, Tier]]] = field(default_factory=dict)
 
 
 class Lookup:
@@ -33,108 +91,171 @@ class Lookup:
     def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: Tiers):
         self.config, self.layout, self.tiers = config, layout, tiers
 
-    def match(self, data: bytes, root: bytes) -> Match:
-        """How far the tiers hold the prompt ``data``: chain, then a partial block."""
+    def plan(self, data: bytes, root: bytes, *, exclude: Container[bytes] = ()) -> Plan:
+        """The deepest restorable prefix of the prompt ``data`` (uint32 bytes),
+        leaving at least one token to prefill; ``exclude``: keys not to use."""
+        stand = self._stand(data, root, exclude)
+        limit = len(data) // 4 - 1
+        shared = self._shared(stand)
+        reason, deepest = None, 0  # why the deepest point failed, and its tokens
+        names: dict[bytes, Container[str] | None] = {}
+        chosen = None
+        for point in self._points(stand, limit, exclude):
+            why = self._why_not(stand, point, names)
+            if why is None:
+                chosen = point
+                break
+            if reason is None:
+                reason, deepest = why, point.num_tokens
+        num_tokens = chosen.num_tokens if chosen else 0
+        if num_tokens >= deepest:  # another candidate as deep served
+            reason = None
+        reason = reason or stand.reason
+        if reason is None and num_tokens < min(shared, limit):
+            reason = MissReason.PARTIAL_BLOCK
+        if chosen is None:
+            return Plan((), (), 0, shared, reason)
+        return self._plan(stand, chosen, shared, reason)
+
+    def needs_checkpoints(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` has layers that cannot be cut back."""
+        layout = self.layout
+        if not layout.checkpointed:
+            return False
+        return bool(layout.state_prefixes) or not layout.fits_window(num_tokens)
+
+    def checkpoints(self, num_tokens: int, num_cached: int, shared: int) -> list[int]:
+        """Checkpoints of a prompt of ``num_tokens`` restored at ``num_cached`` that
+        shares ``shared`` with stored sequences (see ``PrefixCache.checkpoints``)."""
+        points = {shared, num_tokens - self.config.checkpoint_tail}
+        step = self.layout.snapshot_interval * self.config.block_size
+        points.update(range((num_cached // step + 1) * step, num_tokens, step))
+        return sorted(p for p in points if num_cached < p < num_tokens)
+
+    def shared(self, data: bytes, root: bytes) -> int:
+        """Tokens of ``data`` that some stored sequence shares, restorable or not."""
+        return self._shared(self._stand(data, root, ()))
+
+    # -- the matched chain -------------------------------------------------------
+
+    def _stand(self, data: bytes, root: bytes, exclude: Container[bytes]) -> _Standing:
         bs = self.config.block_size
         keys = chain_keys(root, data, bs)
-        entries, owners = self.tiers.chain(keys)
-        found = walk(entries, root, data, bs)
-        depth, reason = found.depth, found.reason
+        entries, tiers = self.tiers.chain(keys)
+        depth, reason = walk(entries, root, data, bs)
+        if exclude:
+            depth = next((i for i in range(depth) if keys[i] in exclude), depth)
         if reason is None and depth < len(keys):
             reason = self.tiers.missing_reason(keys[depth])
-        rest = data[depth * bs * 4 :]
-        # the prompt ends on the chain: no partial block to look for (no LMDB read)
-        children = self.tiers.children(keys[depth - 1] if depth else root) if rest else []
-        partial, owner, common = best_child(children, depth, rest)
-        if partial is not None:
-            keys, owners = [*keys[:depth], partial.key], [*owners[:depth], owner]
-        return Match(keys, owners, depth, reason, partial, common)
+        return _Standing(data, root, keys, entries[:depth], tiers[:depth], reason)
 
-    def usable(self, found: Match, depth: int, num_tokens: int) -> tuple[int, int]:
-        """(blocks to restore, tokens cached) for ``depth`` blocks of ``found``'s keys:
-        at least one token is left to prefill."""
+    def _children(self, stand: _Standing, level: int) -> list[tuple[ChainEntry, Tier]]:
+        """What the tiers list under the chain's block ``level - 1`` (the root at 0)."""
+        found = stand.children.get(level)
+        if found is None:
+            parent = stand.entries[level - 1].key if level else stand.root
+            found = stand.children[level] = self.tiers.children(parent)
+        return found
+
+    def _shared(self, stand: _Standing) -> int:
+        depth = len(stand.entries)
+        start = depth * self.config.block_size
+        rest = stand.data[start * 4 :]
+        if not rest:  # the prompt ends on the chain: nothing to list (no LMDB read)
+            return start
+        common = (common_tokens(c.tokens, rest) for c, _ in self._children(stand, depth))
+        return start + max(common, default=0)
+
+    # -- restore points, deepest first -----------------------------------------
+
+    def _points(self, stand: _Standing, limit: int, exclude: Container[bytes]):
+        """Candidate restore points at most ``limit`` tokens long, deepest first."""
         bs = self.config.block_size
-        if depth > found.depth:  # through the partial block
-            return depth, self.partial_tokens(found, num_tokens)
-        if depth * bs < num_tokens:
-            return depth, depth * bs
-        if self.layout.trimmable_at(num_tokens - 1):
-            return depth, num_tokens - 1
-        return depth - 1, (depth - 1) * bs
+        for level in range(len(stand.entries), -1, -1):
+            start = level * bs
+            found = []
+            rest = stand.data[start * 4 :]
+            skip = stand.keys[level] if level < len(stand.entries) else None  # the chain's own
+            for child, tier in self._children(stand, level) if rest else ():
+                if child.key == skip or child.key in exclude:
+                    continue
+                common = common_tokens(child.tokens, rest)
+                end = min(start + common, limit)
+                if end > start:
+                    cut = (end - start) * 4 < len(child.tokens)
+                    found.append(_Point(end, level, child, tier, cut))
+            found.sort(key=lambda p: (-p.num_tokens, p.cut, self._rank_of(p.tier)))
+            yield from found
+            if level:
+                yield _Point(min(start, limit), level, cut=start > limit)
 
-    def partial_tokens(self, found: Match, num_tokens: int) -> int:
-        """Tokens cached when restoring through ``found.partial`` (0: not usable).
+    def _why_not(
+        self, stand: _Standing, point: _Point, names: dict[bytes, Container[str] | None]
+    ) -> MissReason | None:
+        """Why ``point`` cannot be restored from what the tiers hold, or None."""
+        n = point.num_tokens
+        if n <= 0:
+            return MissReason.NO_PREFIX
+        if point.cut and not self.layout.trimmable_at(n):
+            return MissReason.PARTIAL_BLOCK  # recurrent state exists only where a block ends
+        route = [*zip(stand.entries[: point.depth], stand.tiers[: point.depth], strict=True)]
+        if point.child is not None:
+            route.append((point.child, point.tier))
 
-        The partial block is cut back to the tokens the prompt shares with it,
-        which every cache but recurrent state allows; recurrent state is
-        restored only where the block (a tail) ends.
-        """
-        start = found.depth * self.config.block_size
-        shared = min(found.common, num_tokens - 1 - start)
-        if shared <= 0 or found.partial is None:
-            return 0
-        if shared * 4 == len(found.partial.tokens) or self.layout.trimmable_at(start + shared):
-            return start + shared
-        return 0
+        def payload(index: int) -> Container[str] | None:
+            entry, tier = route[index]
+            if entry.key not in names:  # None: unknown, the load checks it
+                names[entry.key] = tier.payload_names(entry.key)
+            return names[entry.key]
 
-    def plan(self, found: Match, depth: int, num_tokens: int) -> tuple[int, int, MissReason | None]:
-        """(blocks, tokens, reason) restorable given which payloads blocks hold."""
-        keys = found.keys
-        depth = min(depth, len(keys) if found.partial else found.depth)
-        tiers, owners, known = self.tiers.all, found.owners, {}
+        return self.layout.missing(n, payload)
 
-        def names(index: int) -> Container[str] | None:
-            if index not in known:  # None: unknown, the load checks it
-                known[index] = tiers[owners[index]].payload_names(keys[index])
-            return known[index]
+    def _plan(
+        self, stand: _Standing, point: _Point, shared: int, reason: MissReason | None
+    ) -> Plan:
+        entries = [*stand.entries[: point.depth]]
+        tiers = [*stand.tiers[: point.depth]]
+        if point.child is not None:
+            entries.append(point.child)
+            tiers.append(point.tier)
+        return Plan(tuple(entries), tuple(tiers), point.num_tokens, shared, reason)
 
-        def usable(d: int) -> tuple[int, int]:
-            blocks, tokens = self.usable(found, d, num_tokens)
-            if d > found.depth and not tokens:  # the partial block is of no use
-                return self.usable(found, found.depth, num_tokens)
-            return blocks, tokens
+    def _rank_of(self, tier: Tier | None) -> int:
+        return 0 if tier is None else self.tiers.all.index(tier)
 
-        if not self.layout.needs_capture:  # every payload is always cut: nothing to check
-            blocks, tokens = usable(depth) if depth > 0 else (0, 0)
-            return (blocks, tokens, None) if blocks > 0 else (0, 0, None)
-        template = self.layout.template  # its settings are all the checks read
-        return plan(
-            depth,
-            usable=usable,
-            fresh=lambda _: template,
-            payload=names,
-            block_size=self.config.block_size,
+
+def walk(
+    entries: Sequence[ChainEntry], root: bytes, data: bytes, block_size: int
+) -> tuple[int, MissReason | None]:
+    """(how many of ``entries`` (held by the tiers, root-first) match the prompt
+    ``data``, why the next one does not): parent links, positions and stored token
+    ids are checked (a key collision shows as ``token_mismatch``)."""
+    step = block_size * 4
+    parent = root
+    depth = len(entries)
+    for i, entry in enumerate(entries):
+        if entry.parent != parent or entry.index != i:
+            depth = i
+            break
+        parent = entry.key
+    # the tokens in one comparison (a join is cheaper than a slice per block)
+    if b"".join([e.tokens for e in entries[:depth]]) != data[: depth * step]:
+        depth = next(
+            i for i, e in enumerate(entries) if e.tokens != data[i * step : (i + 1) * step]
         )
+    return depth, None if depth == len(entries) else MissReason.TOKEN_MISMATCH
 
-    def restore(self, found: Match, num_tokens: int) -> tuple[list[Any], int, MissReason | None]:
-        """(a fresh cache holding the deepest restorable prefix of ``found``, its
-        tokens, why not more); a block that fails to load shortens the restore."""
-        reason = None
-        depth = found.depth + 1
-        bs = self.config.block_size
-        while depth > 0:
-            num_blocks, num_cached, why = self.plan(found, depth, num_tokens)
-            reason = reason or why
-            if num_blocks <= 0:
-                break
-            fresh = self.layout.fresh(num_cached)
-            loader = self.tiers.chain_load(found.keys, found.owners)
-            try:
-                cache = rebuild(
-                    fresh,
-                    [codec_for(c) for c in fresh],
-                    loader,
-                    num_blocks=num_blocks,
-                    num_tokens=num_cached,
-                    # a partial block is copied whole, then cut back by the offset
-                    capacity=round_up(
-                        max(num_tokens + self.config.restore_headroom, num_blocks * bs)
-                    ),
-                    block_size=bs,
-                )
-            except Shortfall as short:
-                depth, reason = short.index, reason or short.reason
-                continue
-            self.tiers.after_hit(found.keys[:num_blocks], loader.loaded)
-            return cache, num_cached, reason
-        return make_prompt_cache(self.layout.model), 0, reason  # a miss: as mlx-lm makes it
+
+def common_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
+    hi = min(len(a), len(b)) // 4
+    if a[: hi * 4] == b[: hi * 4]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

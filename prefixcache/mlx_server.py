@@ -64,6 +64,7 @@ class TieredPromptCache:
         self._cache: PrefixCache | None = None
         self._opened = False
         self._hot_only_since: float | None = None  # the SSD tier could not be opened
+        self._last: tuple[ModelKey, list[int], int] | None = None  # the last fetch
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
         self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
 
@@ -79,6 +80,7 @@ class TieredPromptCache:
         tokens = list(tokens)
         text = text_prefix(tokens)
         with self._lock:
+            self._last = None
             cache = self._open(model)
             if cache is None or not text:
                 return None, tokens
@@ -88,9 +90,29 @@ class TieredPromptCache:
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
                 return None, tokens
+            self._last = (model, tokens, num_cached)
         if num_cached == 0:
             return None, tokens
         return restored, tokens[num_cached:]
+
+    def checkpoints(self, model: ModelKey, tokens: Sequence[int], num_cached: int = 0) -> list[int]:
+        """Where the server's prefill of ``tokens`` should stop so the cache keeps state
+        there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
+        text = text_prefix(list(tokens))
+        with self._lock:
+            cache = self._open(model)
+            if cache is None or not text:
+                return []
+            try:
+                return cache.checkpoints(text, num_cached)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("checkpoints", err)
+                return []
+
+    def last_fetch(self) -> tuple[ModelKey, list[int], int] | None:
+        """(model key, tokens, tokens restored) of the last ``fetch_nearest_cache``."""
+        with self._lock:
+            return self._last
 
     def insert_cache(
         self,

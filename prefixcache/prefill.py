@@ -1,7 +1,8 @@
-"""Block-aligned prefill: fetch the cached prefix, prefill the rest, capture every chunk.
+"""Prefill on the checkpoint protocol: fetch the cached prefix, prefill the rest,
+capture at every checkpoint, store the finished cache.
 
-Uses only the facade's public verbs (``fetch``, ``capture``), so a scheduler
-with its own prefill loop can do exactly the same.
+Uses only the facade's public verbs (``fetch``, ``checkpoints``, ``capture``,
+``store``), so a scheduler with its own prefill loop can do exactly the same.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from .capture import chunk_ends, chunk_step
-from .codecs import codec_for
 from .config import CacheConfig
 
 
@@ -29,9 +29,25 @@ class Cache(Protocol):
         self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
     ) -> tuple[list[Any], int]: ...
 
+    def checkpoints(
+        self,
+        tokens: Sequence[int],
+        num_cached: int = 0,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> list[int]: ...
+
     def capture(
         self,
         tokens_so_far: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> int: ...
+
+    def store(
+        self,
+        tokens: Sequence[int],
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
@@ -47,15 +63,14 @@ def prefill(
     prefill_step_size: int | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> tuple[list[Any], mx.array]:
-    """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
+    """Fetch the cached prefix, prefill the rest, capture at every checkpoint, store.
 
-    With recurrent or sliding-window layers a chunk also ends at the block boundary
-    below where stored sequences branch off this prompt (``stored_prefix``), and
-    the state and windows there are kept: the next prompt branching there resumes.
-    After each chunk mlx-lm's KV quantization schedule is applied (as
-    ``generate_step`` does), the cache is evaluated and the blocks it completed
-    are stored (window K/V while still in the window, recurrent state at the
-    chunk's end boundary). Each chunk's speed is reported (``note_prefill``).
+    The checkpoint protocol (``PrefixCache.checkpoints``) with mlx-lm's own
+    chunking: chunks end on multiples of the step and at every checkpoint,
+    where the cache is captured (the state there is kept); the finished cache
+    is stored. After each chunk mlx-lm's KV quantization schedule is applied
+    (as ``generate_step`` does), the cache is evaluated and the chunk's speed
+    reported (``note_prefill``).
 
     Returns:
         (the cache holding all of ``tokens``, the last token's logits (1, vocab))
@@ -63,15 +78,9 @@ def prefill(
     tokens = list(tokens)
     cfg = pc.config
     cache, start = pc.fetch(tokens, extra=extra)
-    snapshots = any(codec_for(c).snapshots(c) for c in cache)
-    step = chunk_step(prefill_step_size, cfg.block_size, pc.layout.snapshot_interval, snapshots)
-    ends = chunk_ends(start, len(tokens), step)
-    if snapshots or pc.layout.window_policy is not None:  # keep them where prompts branch
-        branch = min(pc.stored_prefix(tokens, extra=extra), len(tokens) - 1)
-        branch = branch // cfg.block_size * cfg.block_size
-        ends = sorted({*ends, branch}) if branch > start else ends
-    else:
-        branch = 0
+    checkpoints = set(pc.checkpoints(tokens, start, extra=extra))
+    step = chunk_step(prefill_step_size, cfg.block_size)
+    ends = sorted(checkpoints.union(chunk_ends(start, len(tokens), step)))
     ids = mx.array(tokens, dtype=mx.int32)
     logits = None
     for end in ends:
@@ -84,8 +93,9 @@ def prefill(
         mx.eval(logits, [c.state for c in cache])
         del out
         pc.note_prefill(end - start, time.perf_counter() - began)
-        # ``store`` keeps the state at the sequence's end and at the branch point
-        keep = pc.store if end in (len(tokens), branch) else pc.capture
-        keep(tokens[:end], cache, extra=extra)
+        if end == len(tokens):
+            pc.store(tokens, cache, extra=extra)
+        elif end in checkpoints:
+            pc.capture(tokens[:end], cache, extra=extra)
         start = end
     return cache, logits

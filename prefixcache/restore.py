@@ -1,117 +1,166 @@
-"""Restore: walk a prompt's block chain and rebuild caches at their final length.
+"""Restore: rebuild a :class:`~prefixcache.lookup.Plan` into caches at their final length.
 
 Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
 up to mlx-lm's 256-token step) filled block by block by slice assignment, so
 there is no growing concatenation and the suffix prefill writes in place.
-Blocks are fed block-major and evaluated one at a time. SSD payloads stream
-through: the buffers are allocated, unwritten, from the first streamed block's
-header (``Loader.first_shapes``; else that block's copy allocates them), and the stream's
-reader threads read each tensor straight into the buffer it belongs to
-(``place``: one copy from the page cache, no read buffer), so the peak is the
-restored cache (plus one block when the first block had to allocate). Tensors
-without such a destination come as HostArrays (views of a read buffer):
-builders that take them copy the bytes in; the others get MLX arrays of them.
+Blocks are fed block-major and evaluated one at a time, each loaded from the
+tier the plan names (:class:`ChainLoad`). Hot blocks are used as they are;
+the other tiers' readers stream theirs: the buffers are allocated, unwritten,
+from the first streamed block's header (else that block's copy allocates
+them), and the SSD reader's threads read every tensor straight into the
+buffer it belongs to (``place``: one copy from the page cache, no read
+buffer), so the peak is the restored cache (plus one block when the first
+block had to allocate). Tensors without such a destination come as
+HostArrays (views of a read buffer): builders that take them copy the bytes
+in; the others get MLX arrays of them. Lower-tier blocks are collected for
+promotion as they pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
-from .blocks import split_layers
-from .codecs import Builder, Codec, codec_for
+from .blocks import Block, split_layers
+from .codecs import Builder, Codec, codec_for, round_up
 from .errors import LayoutMismatchError, MissReason, Shortfall
 from .host import HostArray, Place, Placed
-from .tiers.base import ChainEntry
-
-
-class Loader(Protocol):
-    """Loads the blocks of one restore (tiers.stack.ChainLoad): the one loader contract."""
-
-    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
-        """The first block of ``order`` to be streamed, with its tensors' dtypes and
-        shapes, so its layers' buffers exist before anything is read; or None."""
-
-    def prepare(self, order: list[int], place: Place | None) -> None:
-        """Start loading the blocks of ``order``; ``place`` gives a streamed tensor
-        its destination in the restore buffers."""
-
-    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
-        """(block ``index``'s flat payload, whether it stays in memory anyway);
-        raises Shortfall. Streamed arrays are valid until the next ``load``."""
-
-    def close(self) -> None:
-        """Stop whatever ``prepare`` started; nothing writes into the buffers after."""
+from .lookup import Lookup, Plan
+from .tiers.base import Tier, TierReader
+from .tiers.stack import Tiers
 
 
 @dataclass(frozen=True, slots=True)
-class Walk:
-    """Result of walking a prompt's keys through the tiers."""
+class Restored:
+    """What a fetch restored: the cache, its tokens, why not more, the shared prefix."""
 
-    depth: int  # blocks matched, root-first
-    reason: MissReason | None  # why block ``depth`` did not match, if any
-
-
-def walk(entries: Sequence[ChainEntry], root: bytes, data: bytes, block_size: int) -> Walk:
-    """How many of ``entries`` (held by the tiers, root-first) match the prompt
-    ``data``: parent links, positions and stored token ids are checked."""
-    step = block_size * 4
-    parent = root
-    depth = len(entries)
-    for i, entry in enumerate(entries):
-        if entry.parent != parent or entry.index != i:
-            depth = i
-            break
-        parent = entry.key
-    # the tokens in one comparison (a join is cheaper than a slice per block)
-    if b"".join([e.tokens for e in entries[:depth]]) != data[: depth * step]:
-        depth = next(
-            i for i, e in enumerate(entries) if e.tokens != data[i * step : (i + 1) * step]
-        )
-    return Walk(depth, None if depth == len(entries) else MissReason.TOKEN_MISMATCH)
+    cache: list[Any]
+    num_tokens: int
+    reason: MissReason | None
+    shared: int
 
 
-def rebuild(
-    fresh: list[Any],
-    codecs: Sequence[Codec],
-    loader: Loader,
-    *,
-    num_blocks: int,
-    num_tokens: int,
-    capacity: int,
-    block_size: int,
-) -> list[Any]:
-    """Fill every layer of ``fresh`` from ``num_blocks`` chain blocks.
+def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Restored:
+    """A fresh cache holding the deepest restorable prefix of the prompt ``data``.
+
+    The lookup's plan is rebuilt; a block that fails to load is excluded and the
+    next plan tried. Lower-tier blocks loaded are promoted (``Tiers.after_hit``).
+    """
+    tiers, layout, bs = lookup.tiers, lookup.layout, lookup.config.block_size
+    exclude: set[bytes] = set()
+    reason, shared = None, None
+    while True:
+        plan = lookup.plan(data, root, exclude=exclude)
+        shared = plan.shared if shared is None else shared
+        reason = reason or plan.reason
+        if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
+            return Restored(make_prompt_cache(layout.model), 0, reason, shared)
+        loader = ChainLoad(tiers, plan)
+        # a block cut back is copied whole: the buffers hold every block
+        capacity = round_up(max(len(data) // 4 + headroom, len(plan.entries) * bs))
+        try:
+            cache = rebuild(layout.fresh(plan.num_tokens), loader, capacity=capacity, block_size=bs)
+        except Shortfall as short:
+            exclude.add(plan.entries[short.index].key)
+            reason = reason or short.reason
+            continue
+        tiers.after_hit(plan.keys, loader.loaded)
+        return Restored(cache, plan.num_tokens, reason, shared)
+
+
+class ChainLoad:
+    """Loads the blocks of one plan in chain order, each from the tier that holds it.
+
+    ``loaded`` collects lower-tier blocks to promote (as MLX copies): into hot
+    while it has room, and onto the lower tiers above their own (e.g. a remote
+    hit kept on ssd), when ``promote`` is on.
+    """
+
+    def __init__(self, tiers: Tiers, plan: Plan):
+        self.stack, self.plan = tiers, plan
+        self.keys = plan.keys
+        self.loaded: list[tuple[Tier, Block]] = []
+        hot = tiers.hot
+        self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
+        self._readers: dict[Tier, TierReader] = {}
+
+    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
+        """The first block of ``order`` not resident in memory, with its tensors'
+        shapes if its tier knows them before loading it; else None."""
+        tiers = self.plan.tiers
+        first = next((i for i in order if not tiers[i].resident), None)
+        if first is None:
+            return None
+        mine = [i for i in order if tiers[i] is tiers[first] and i >= first]
+        shapes = self._reader(tiers[first]).first_shapes(mine)
+        return None if shapes is None else (first, shapes)
+
+    def prepare(self, order: list[int], place: Place | None) -> None:
+        """Start every lower tier's reader on its blocks of ``order``."""
+        tiers = self.plan.tiers
+        for tier in dict.fromkeys(tiers[i] for i in order):
+            if not tier.resident:
+                self._reader(tier).prepare([i for i in order if tiers[i] is tier], place)
+
+    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
+        """(block ``index``'s flat payload, whether it stays in memory anyway).
+
+        Raises:
+            Shortfall: the tier could not load it.
+        """
+        tier = self.plan.tiers[index]
+        block = self._reader(tier).load(index)
+        if block is None:
+            raise Shortfall(index, tier.load_miss)
+        self.stack.stats.block_hit(tier.name)
+        promote = self.stack.config.promote and not tier.resident
+        if promote and (self.stack.above(tier) or block.nbytes <= self._room):
+            self._room -= block.nbytes
+            self.loaded.append((tier, block.to_block()))
+        return block.arrays, tier.resident
+
+    def close(self) -> None:
+        """Stop every reader (and wait for its threads); safe to call more than once."""
+        for reader in self._readers.values():
+            reader.close()
+
+    def _reader(self, tier: Tier) -> TierReader:
+        reader = self._readers.get(tier)
+        if reader is None:
+            reader = self._readers[tier] = tier.reader(self.keys)
+        return reader
+
+
+def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: int) -> list[Any]:
+    """Fill every layer of ``fresh`` from the blocks of ``loader``'s plan.
 
     Args:
         fresh: empty caches from make_prompt_cache (quantized where due).
-        codecs: the codec of each layer.
-        loader: loads the chain's blocks (see :class:`Loader`); closed before
-            the buffers are let go, whether the rebuild succeeds or not.
-        num_blocks: blocks of the chain to restore.
-        num_tokens: tokens the caches will hold (<= num_blocks * block_size).
+        loader: loads the plan's blocks; closed before the buffers are let go,
+            whether the rebuild succeeds or not.
         capacity: buffer length in tokens.
         block_size: tokens per block.
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
     """
+    plan = loader.plan
+    codecs = [codec_for(c) for c in fresh]
+    num_tokens = plan.num_tokens
     builders = [
         codec.builder(cache, num_tokens, capacity, block_size)
         for codec, cache in zip(codecs, fresh, strict=True)
     ]
-    users: dict[int, list[int]] = {}
-    for layer, (codec, cache) in enumerate(zip(codecs, fresh, strict=True)):
-        for index in codec.blocks_needed(cache, num_tokens, block_size):
-            users.setdefault(index, []).append(layer)
-    if users and max(users) >= num_blocks:
-        raise ValueError(f"{num_tokens} tokens need block {max(users)}; restoring {num_blocks}")
+    users = _users(codecs, fresh, num_tokens, block_size)
+    if users and max(users) >= len(plan.entries):
+        raise ValueError(f"{num_tokens} tokens need block {max(users)} of {len(plan.entries)}")
     order = sorted(users)
     try:
-        _reserve_first(builders, users, loader.first_shapes(order) if order else None, block_size)
+        _reserve_first(builders, users, plan, loader.first_shapes(order) if order else None)
         loader.prepare(order, _placer(builders, users))
         for index in order:
             _add_block(builders, users, index, *loader.load(index))
@@ -122,18 +171,30 @@ def rebuild(
     return caches
 
 
+def _users(
+    codecs: Sequence[Codec], fresh: Sequence[Any], num_tokens: int, block_size: int
+) -> dict[int, list[int]]:
+    """Chain index -> the layers that need that block."""
+    users: dict[int, list[int]] = {}
+    for layer, (codec, cache) in enumerate(zip(codecs, fresh, strict=True)):
+        for index in codec.blocks_needed(cache, num_tokens, block_size):
+            users.setdefault(index, []).append(layer)
+    return users
+
+
 def _reserve_first(
     builders: list[Builder],
     users: dict[int, list[int]],
+    plan: Plan,
     first: tuple[int, Mapping[str, Placed]] | None,
-    block_size: int,
 ) -> None:
     """Allocate the buffers of the first streamed block's layers from its header."""
     if first is None:
         return
     index, specs = first
-    # a token axis of one block bounds what an unverified header can allocate
-    specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == block_size}
+    # the block's own token count bounds what an unverified header can allocate
+    tokens = len(plan.entries[index].tokens) // 4
+    specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
     for i in users[index]:
         builders[i].reserve(index, layers.get(i, {}))
@@ -180,78 +241,6 @@ def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
 
 def _to_mx(a: Any) -> Any:
     return a.to_mx() if isinstance(a, HostArray | Placed) else a
-
-
-def plan(
-    depth: int,
-    *,
-    usable: Callable[[int], tuple[int, int]],
-    fresh: Callable[[int], list[Any]],
-    payload: Callable[[int], Container[str] | None],
-    block_size: int,
-) -> tuple[int, int, MissReason | None]:
-    """The deepest restorable prefix of at most ``depth`` blocks, from metadata only.
-
-    A window, chunk or recurrent layer may lack its payload in some blocks
-    (cut after the window moved on, no snapshot at that boundary); this finds
-    where every layer has what it needs before anything is copied.
-
-    Args:
-        depth: blocks matched by the walk.
-        usable: blocks -> (blocks to restore, tokens cached), as the manager
-            leaves at least one token to prefill.
-        fresh: tokens cached -> empty caches for them (quantized where due).
-        payload: chain index -> the block's flat payload names, or None when
-            unknown (the rebuild then checks, and may still fall short).
-        block_size: tokens per block.
-
-    Returns:
-        (blocks to restore, tokens cached, why fewer than ``depth`` or None)
-    """
-    reason = None
-    while depth > 0:
-        num_blocks, num_tokens = usable(depth)
-        if num_blocks <= 0:
-            break
-        gap = first_gap(fresh(num_tokens), num_tokens, block_size, payload)
-        if gap is None:
-            return num_blocks, num_tokens, reason
-        # every codec's needs are suffix-closed: no depth between gap and depth works
-        depth, why = gap
-        reason = reason or why
-    return 0, 0, reason
-
-
-def first_gap(
-    caches: list[Any],
-    num_tokens: int,
-    block_size: int,
-    payload: Callable[[int], Container[str] | None],
-) -> tuple[int, MissReason] | None:
-    """A needed block whose payload cannot serve a layer, with the reason; None if all can."""
-    layers = []
-    for layer, cache in enumerate(caches):
-        codec = codec_for(cache)
-        if type(codec).covers is Codec.covers:
-            continue  # trusts every block: its payload is always cut
-        layers.append((layer, codec, cache, codec.blocks_needed(cache, num_tokens, block_size)))
-    layers.sort(key=lambda t: len(t[3]))  # windows and snapshots first: they fail fast
-    for layer, codec, cache, needed in layers:
-        prefix = f"{layer}."
-        for index in reversed(needed):
-            names = payload(index)
-            if names is None:
-                continue
-            why = codec.covers(
-                cache,
-                index,
-                num_tokens,
-                block_size,
-                lambda n, p=prefix, names=names: p + n in names,
-            )
-            if why is not None:
-                return index, why
-    return None
 
 
 def _reason(err: Exception) -> MissReason:

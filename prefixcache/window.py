@@ -1,11 +1,12 @@
-"""Window policy: which blocks keep their sliding-window layers' K/V.
+"""Window policy: which blocks keep their sliding-window and chunked layers' K/V.
 
 A sliding-window layer (RotatingKVCache of ``max_size`` W, ``keep`` K) rebuilt
 at L tokens needs its first K tokens and its last W - K before L, nothing
-else. So a block's window payload is kept only where a restore can use it:
-inside the window of a restore point. Restore points are those of recurrent
-snapshots (capture.py): the exact end of every stored sequence and every
-``snapshot_interval``-th block boundary. A point P keeps the window of every
+else; a chunked layer (ChunkedKVCache of ``chunk_size`` C, Llama 4) its last
+C. So a block's window payload is kept only where a restore can use it: inside
+the window of a restore point. Restore points are those of recurrent
+snapshots (capture.py): the exact end of every stored sequence or checkpoint
+and every ``snapshot_interval``-th block boundary. A point P keeps the window of every
 restore ending in ``[P - block_size, P]`` (a prompt equal to a stored sequence
 is restored one token short; one diverging in the last block, cut back inside
 it). Every other block carries no window payload for those layers; a restore
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, RotatingKVCache
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,16 +42,16 @@ class WindowPolicy:
     block_size: int
     interval: int
 
-    def keeps(self, index: int, point: int | None) -> bool:
+    def keeps(self, index: int, point: int) -> bool:
         """Whether block ``index`` keeps its window payload: it holds front tokens,
-        or lies in the window of the next interval boundary or of ``point``
-        (a stored sequence's end), when given."""
+        or lies in the window of the next interval boundary or of ``point`` (where
+        the cache it is cut from ends: a stored sequence's end, a checkpoint)."""
         bs = self.block_size
         if index * bs < self.keep:
             return True
         step = self.interval * bs
         boundary = -(-(index + 1) * bs // step) * step  # first boundary at or after the block
-        return self._within(index, boundary) or (point is not None and self._within(index, point))
+        return self._within(index, boundary) or self._within(index, point)
 
     def _within(self, index: int, point: int) -> bool:
         """Whether block ``index`` holds a token some restore ending in
@@ -64,20 +65,21 @@ class WindowPolicy:
         return {n: a for n, a in arrays.items() if not n.startswith(self.prefixes)}
 
 
-def windows(caches: Sequence[Any], prefix: str = "") -> list[tuple[str, RotatingKVCache]]:
-    """The window layers of a cache list, with their payload-name prefixes."""
-    out: list[tuple[str, RotatingKVCache]] = []
+def windows(caches: Sequence[Any], prefix: str = "") -> list[tuple[str, int, int]]:
+    """The window layers of a cache list: (payload-name prefix, tokens a restore needs
+    before its end, tokens it keeps at the front)."""
+    out: list[tuple[str, int, int]] = []
     for i, cache in enumerate(caches):
         if isinstance(cache, CacheList):
             out += windows(cache.caches, f"{prefix}{i}.")
         elif isinstance(cache, RotatingKVCache):
-            out.append((f"{prefix}{i}.", cache))
+            out.append((f"{prefix}{i}.", cache.max_size - cache.keep, cache.keep))
+        elif isinstance(cache, ChunkedKVCache):
+            out.append((f"{prefix}{i}.", cache.chunk_size, 0))
     return out
 
 
 def window_tokens(caches: Sequence[Any]) -> tuple[int, int]:
     """(the widest window after its front tokens, the most front tokens) of a cache list."""
-    found = [c for _, c in windows(caches)]
-    return max((c.max_size - c.keep for c in found), default=0), max(
-        (c.keep for c in found), default=0
-    )
+    found = windows(caches)
+    return max((w for _, w, _ in found), default=0), max((k for _, _, k in found), default=0)

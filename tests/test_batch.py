@@ -72,10 +72,11 @@ def test_restored_caches_merge_into_a_batch(arch):
     with hot_pc(model) as pc:
         for p in (a, b):
             pc.prefill(p, prefill_step_size=BLOCK)
-        caches = [pc.fetch([*a[:64], 3]), pc.fetch([*b[:48], 4])]
-        assert [n for _, n in caches] == [64, 48]  # different lengths: left padding
+        # restore points of both (64: an interval point; 49: b's end minus 11)
+        caches = [pc.fetch([*a[:64], 3]), pc.fetch([*b[:49], 4])]
+        assert [n for _, n in caches] == [64, 49]  # different lengths: left padding
         batched = model(mx.array([[5], [6]]), cache=merge([c for c, _ in caches]))[:, -1, :]
-        for row, (p, n, tok) in enumerate([(a, 64, 5), (b, 48, 6)]):
+        for row, (p, n, tok) in enumerate([(a, 64, 5), (b, 49, 6)]):
             single, _ = pc.fetch([*p[:n], 0])
             assert max_diff(batched[row], single_continue(model, single, [tok])[0]) == 0.0
 
@@ -85,7 +86,7 @@ def test_batch_generator_with_restored_caches_equals_single(arch):
     """mlx-lm's BatchGenerator merges restored caches: same tokens and logprobs as alone."""
     model = tiny_model(arch)
     a, b = prompt(1, 70), prompt(2, 60)
-    full = [a[:64] + prompt(3, 12), b[:48] + prompt(4, 5)]
+    full = [a[:64] + prompt(3, 12), b[:49] + prompt(4, 5)]  # at restore points of a and b
     with hot_pc(model) as pc:
         for p in (a, b):
             pc.prefill(p, prefill_step_size=BLOCK)

@@ -1,12 +1,15 @@
 """Exactness matrix over every mlx-lm cache type, through the hot tier, the SSD tier
 and a test-only tier written against the tier contract alone (dict_tier.py).
 
-Each case stores one prompt with ``PrefixCache.prefill`` (block-aligned chunks,
-capture after each), then serves a second prompt sharing 3.5 blocks (longer
-than gemma3's 16-token window and llama4's 32-token chunk): the restored and
-continued logits must equal a live run under the same chunking bit for bit,
-greedy decoding through mlx-lm's generate_step must match a cold run, and a
-wrong prompt's window / recurrent / chunked payload must change the logits.
+Each case stores one prompt with ``PrefixCache.prefill`` (one-block chunks,
+a checkpoint at every boundary), then serves a second prompt sharing 3.5
+blocks (longer than gemma3's 16-token window and llama4's 32-token chunk):
+the restored and continued logits must equal a live run under the same
+chunking bit for bit. The second prompt's prefill keeps the state where it
+leaves the first (a checkpoint), so a third prompt sharing as much resumes
+there on every layout: greedy decoding through mlx-lm's generate_step from
+it must match a cold run, and a wrong prompt's window / recurrent / chunked
+payload must change the logits.
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ def make_pc(model, kv, tier: str, tmp_path) -> PrefixCache:
     return PrefixCache(model, config, model_id="tiny")
 
 
-def live(model, tokens, *, kv=None, split: int = 0) -> mx.array:
-    """Last logits of a cold run chunked as PrefixCache.prefill chunks it."""
+def live(model, tokens, *, kv=None, split: int = 0, cuts=()) -> mx.array:
+    """Last logits of a cold run chunked as PrefixCache.prefill chunks it (``cuts``:
+    its checkpoints)."""
     cache = make_prompt_cache(model)
     pos, logits = 0, None
-    for end in chunk_ends(0, split, STEP) + chunk_ends(split, len(tokens), STEP):
+    ends = {*chunk_ends(0, split, STEP), *chunk_ends(split, len(tokens), STEP), *cuts}
+    for end in sorted(ends):
         logits = model(mx.array([tokens[pos:end]]), cache=cache)[:, -1, :]
         if kv is not None:
             maybe_quantize_kv_cache(cache, kv[2], kv[1], kv[0])
@@ -141,23 +146,25 @@ def test_restore_continue_generate_exact(case, tier, tmp_path):
     wrong = prompt(6, SHARED) + prompt(7, 20)
     # a trimmable cache reuses the shared part of a's block 3 (cut back) from any tier:
     # each lists the children of block 2 (DictTier too: the contract, not a built-in)
-    recurrent = any(codec_for(x).snapshots(x) for x in make_prompt_cache(model))
+    recurrent = any(not x.is_trimmable() for x in make_prompt_cache(model))
     cached = CACHED if recurrent else SHARED
     with make_pc(model, kv, tier, tmp_path) as pc:
         pc.prefill(a, prefill_step_size=STEP)
         pc.prefill(wrong, prefill_step_size=STEP)
         pc.flush()
+        cuts = pc.checkpoints(b, cached)  # where b's prefill will cut chunks and capture
         cache, logits = pc.prefill(b, prefill_step_size=STEP)
         stats = pc.stats()
         assert stats["cached_tokens"] == cached
         assert stats[f"{tier}_block_hits"] >= 1  # mamba2 needs only the last snapshot
         if kv is not None:
             assert any(isinstance(x, QuantizedKVCache) for x in cache)
-        assert max_diff(logits, live(model, b, kv=kv, split=cached)) == 0.0
+        assert max_diff(logits, live(model, b, kv=kv, split=cached, cuts=cuts)) == 0.0
 
-        # greedy decoding through mlx-lm's own loop, against a cold run chunked alike
+        # greedy decoding through mlx-lm's own loop, against a cold run chunked alike;
+        # b's prefill kept the state where it left a (a checkpoint): c resumes there
         restored, num_cached = pc.fetch(c)
-        assert num_cached == cached
+        assert num_cached == SHARED
         tokens, logprobs = greedy(model, c[num_cached:], restored, kv)
         cold = make_prompt_cache(model)
         if num_cached:

@@ -56,12 +56,12 @@ def test_chunk_plan():
     assert chunk_ends(0, 50, 16) == [16, 32, 48, 50]
     assert chunk_ends(20, 50, 16) == [32, 48, 50]  # absolute multiples, as a cold run
     assert chunk_ends(48, 48, 16) == []
-    assert chunk_step(None, 16, 3, snapshots=True) == 48
-    assert chunk_step(None, 16, 1, snapshots=False) == 2048
-    assert chunk_step(32, 16, 1, snapshots=False) == 32
+    assert chunk_step(None, 16) == 2048
+    assert chunk_step(None, 48) == 2016
+    assert chunk_step(32, 16) == 32
     for bad in (24, 0, -16):
         with pytest.raises(ValueError, match="multiple of block_size=16"):
-            chunk_step(bad, 16, 1, snapshots=False)
+            chunk_step(bad, 16)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next", "falcon_h1"])
@@ -93,10 +93,12 @@ def test_capture_from_generate_step_progress_callback(arch):
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("gemma3_text", "window_not_covered"), ("mamba2", "boundary_state_missing")],
+    [("gemma3_text", "window_not_covered"), ("mamba2", "partial_block")],
 )
-def test_partial_blocks_are_upgraded_by_a_later_capture(arch, reason):
-    """A finished cache lacks old windows / snapshots; a later prefill fills them in."""
+def test_a_junction_checkpoint_serves_the_third_prompt(arch, reason):
+    """A finished cache lacks old windows / snapshots: the second prompt sharing its
+    first 56 tokens misses; its prefill keeps the state where it leaves the first
+    (the junction), and the third resumes there, exactly."""
     model = tiny_model(arch)
     shared = prompt(1, 56)
     a, b, c = (shared + prompt(s, 30) for s in (2, 3, 4))
@@ -105,36 +107,44 @@ def test_partial_blocks_are_upgraded_by_a_later_capture(arch, reason):
         assert pc.store(a, finished) == len(a) // BLOCK  # window / state payloads are partial
         _, num_cached = pc.fetch(b)
         assert num_cached == 0
-        assert reasons(pc)[reason] == 1
-        pc.prefill(b, prefill_step_size=BLOCK)  # misses again, then captures everything
-        assert pc.stats()["upgraded_blocks"] >= 3  # the 3 shared blocks
+        assert reasons(pc)[reason] == 1  # a's block 3 shares 8 tokens of it, unusably
+        assert 56 in pc.checkpoints(b)  # the junction
+        pc.prefill(b, prefill_step_size=BLOCK)  # misses again, then keeps the state at 56
         restored, num_cached = pc.fetch(c)
-        # a window is cut back to the 56 shared tokens; recurrent state exists at 48 only
-        assert num_cached == (56 if arch == "gemma3_text" else 48)
+        assert num_cached == 56
         assert reasons(pc)[reason] == 2  # no new miss for c
-        logits = model(mx.array([c[num_cached:]]), cache=restored)[:, -1, :]
-        live, _ = cold(model, c[:num_cached])
-        assert max_diff(logits, model(mx.array([c[num_cached:]]), cache=live)[:, -1, :]) == 0.0
+        logits = model(mx.array([c[56:]]), cache=restored)[:, -1, :]
+        live, pos = make_prompt_cache(model), 0
+        for end in (16, 32, 48, 56):  # b's chunks up to its checkpoint
+            model(mx.array([c[pos:end]]), cache=live)
+            pos = end
+        want = model(mx.array([c[56:]]), cache=live)[:, -1, :]
+        assert max_diff(logits, want) == 0.0
+        # negative control: a's state at its end, continued with c's tokens
+        theirs, _ = pc.fetch([*a, 1])
+        wrong = model(mx.array([c[56:]]), cache=theirs)[:, -1, :]
+        assert max_diff(wrong, want) > 0.0
 
 
-def test_snapshots_only_at_chunk_ends_shorten_the_match():
-    """Recurrent state exists where a chunk ended: 32, not 48, with 32-token chunks."""
+def test_checkpoints_end_chunks_whatever_the_step():
+    """With 32-token chunks the state is kept at every interval point (16) and at the
+    junction (56) all the same: they end chunks of their own."""
     model = tiny_model("mamba2")
     shared = prompt(1, 56)
     a, b = shared + prompt(2, 30), shared + prompt(3, 30)
     with hot_pc(model) as pc:
         pc.prefill(a, prefill_step_size=32)
-        assert pc.match(b) == 32
+        assert pc.match(b) == 48
+        cuts = pc.checkpoints(b, 48)
+        assert cuts == [56, 64, 75, 80]  # junction, interval points, the end minus 11
         _, logits = pc.prefill(b, prefill_step_size=32)
-        assert pc.stats()["cached_tokens"] == 32
-        assert reasons(pc)["boundary_state_missing"] == 1
-        # a and b branch inside block 3: a chunk also ends at 48, whose state is kept
+        assert pc.stats()["cached_tokens"] == 48
         live, pos = make_prompt_cache(model), 0
-        for end in (32, 48, 64, len(b)):
+        for end in (16, 32, 48, *cuts, len(b)):  # a's chunks, then b's
             want = model(mx.array([b[pos:end]]), cache=live)[:, -1, :]
             pos = end
         assert max_diff(logits, want) == 0.0
-        assert pc.match(shared + prompt(4, 30)) == 48
+        assert pc.match(shared + prompt(4, 30)) == 56
 
 
 def test_snapshot_interval_bounds_snapshots():
@@ -143,9 +153,9 @@ def test_snapshot_interval_bounds_snapshots():
     with hot_pc(model, snapshot_interval=2) as pc:
         pc.prefill(tokens, prefill_step_size=BLOCK)
         with_state = [b.index for b in pc.hot if any(n.startswith("0.") for n in b.arrays)]
-        # boundaries 32, 64, 96, and the prompt's end (a tail at 96..100)
-        assert sorted(with_state) == [1, 3, 5, 6]
-        assert pc.match(prompt(1, 90) + [7] * 20) == 64
+        # boundaries 32, 64, 96, the end minus 11 (a tail at 80..89), the end (96..100)
+        assert sorted(with_state) == [1, 3, 5, 5, 6]
+        assert pc.match(prompt(1, 90) + [7] * 20) == 89
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.25])
@@ -168,7 +178,8 @@ def test_default_interval_bounds_snapshot_bytes_by_the_kv(ratio):
 
         with_state = [b.index for b in blocks if state(b)]
         full = [i for i in range(130 // BLOCK) if (i + 1) % interval == 0]
-        assert with_state == [*full, 130 // BLOCK]  # the interval, and the tail (the end)
+        # the interval, the end minus 11 (a tail at 112..119), the end (a tail at 128..130)
+        assert with_state == sorted([*full, (130 - 11) // BLOCK, 130 // BLOCK])
         interior = sum(state(b) for b in blocks if b.num_tokens == BLOCK)
         kv = sum(b.nbytes - state(b) for b in blocks if b.num_tokens == BLOCK)
         assert interior <= ratio * kv
@@ -234,11 +245,11 @@ def test_upgrades_reach_the_ssd_tier(tmp_path):
         pc.prefill(b, prefill_step_size=BLOCK)
         assert pc.stats()["upgraded_blocks"] == 3
     with PrefixCache(model, config, model_id="tiny") as pc:  # a restart: the hot tier is empty
-        restored, num_cached = pc.fetch(c)
-        assert num_cached == 48
+        restored, num_cached = pc.fetch(c)  # at b's junction checkpoint
+        assert num_cached == 56
         assert pc.stats()["ssd_block_hits"] >= 3
-        live, _ = cold(model, c[:48])
-        tail = mx.array([c[48:]])
+        live, _ = cold(model, c[:56])
+        tail = mx.array([c[56:]])
         assert max_diff(model(tail, cache=restored), model(tail, cache=live)) == 0.0
 
 

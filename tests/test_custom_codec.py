@@ -16,9 +16,9 @@ import pytest
 from conftest import QUANT_LLAMA, max_diff, prompt
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from prefixcache import CacheConfig, PrefixCache, UnsupportedCacheError
+from prefixcache import CacheConfig, MissReason, PrefixCache, UnsupportedCacheError
 from prefixcache.capture import chunk_ends
-from prefixcache.codecs import Builder, Codec, Has, register_codec, unregister_codec
+from prefixcache.codecs import Builder, Codec, Payload, register_codec, unregister_codec
 from prefixcache.codecs.base import round_up
 from prefixcache.tiny import build_model
 
@@ -113,8 +113,12 @@ class TurboQuantCodec(Codec):
             for part, arr in zip(PARTS, packed, strict=True)
         }
 
-    def covers(self, fresh, index, num_tokens, block_size, has: Has):
-        return None if has("keys.q") and has("values.q") else self.missing_reason
+    def missing(self, fresh, num_tokens, block_size, payload: Payload):
+        for index in range(-(-num_tokens // block_size)):
+            has = payload(index)
+            if has is not None and not (has("keys.q") and has("values.q")):
+                return index, MissReason.LAYOUT_MISMATCH
+        return None
 
     def builder(self, fresh, num_tokens, capacity, block_size) -> Builder:
         return TurboQuantBuilder(fresh, num_tokens, capacity, block_size)

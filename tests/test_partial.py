@@ -23,6 +23,7 @@ TRIMMABLE = {
     "rotating": ("gemma3_text", {}, None),
     "chunked": ("llama4", {}, None),
 }
+WINDOWED = ("rotating",)  # its 16-token window: K/V kept only around restore points
 
 
 def make_pc(model, kv) -> PrefixCache:
@@ -43,10 +44,13 @@ def continued(model, cache, tokens, kv=None) -> mx.array:
     return prefill(model, tokens, cache, kv=kv)
 
 
-def reference(model, tokens, split: int, kv=None) -> mx.array:
-    """Logits of ``tokens`` live, chunked as the restored run is: up to ``split``, then on."""
+def reference(model, tokens, split: int, *cuts: int, kv=None) -> mx.array:
+    """Logits of ``tokens`` live, chunked as the restored run is: up to ``split``,
+    then to each of ``cuts`` (checkpoints the stored prefill ended chunks at), then on."""
     cache = finished(model, tokens[:split], kv)
-    return continued(model, cache, tokens[split:], kv)
+    for start, end in zip((split, *cuts), cuts, strict=False):
+        continued(model, cache, tokens[start:end], kv)
+    return continued(model, cache, tokens[(split, *cuts)[-1] :], kv)
 
 
 @pytest.mark.parametrize("case", list(TRIMMABLE))
@@ -62,7 +66,7 @@ def test_tail_of_a_stored_sequence_is_reused(case):
         assert pc.match(probe) == 45
         cache, num_cached = pc.fetch(probe)
         assert num_cached == 45
-        want = reference(model, probe, 45, kv)
+        want = reference(model, probe, 45, kv=kv)
         assert max_diff(continued(model, cache, probe[45:], kv), want) == 0.0
         # negative control: the other tail's cache, continued with the same tokens
         theirs, num_theirs = pc.fetch([*other, 1])
@@ -85,9 +89,18 @@ def test_prompt_diverging_inside_a_stored_block_is_cut_back(case, where):
         else:
             pc.store(a, finished(model, a, kv))
             pc.store(other, finished(model, other, kv))
+        cuts = [40]
+        if where == "block" and case in WINDOWED:
+            # a's block 2 was cut after the window left its first tokens: the deepest
+            # covered point is 32; the probe's prefill keeps the state at 40 (junction)
+            assert pc.fetch(probe)[1] == 32
+            cuts = [32, *pc.checkpoints(probe, 32)]
+            assert cuts == [32, 39, 40]  # 39: the probe's end minus checkpoint_tail
+            pc.prefill(probe, prefill_step_size=BLOCK)
+            probe = a[:40] + prompt(4, 10)
         cache, num_cached = pc.fetch(probe)
         assert num_cached == 40
-        want = reference(model, probe, 40, kv)
+        want = reference(model, probe, *cuts, kv=kv)
         assert max_diff(continued(model, cache, probe[40:], kv), want) == 0.0
         # negative control: cut back from the other sequence's block (its tokens 32..40)
         theirs, num_theirs = pc.fetch(other[:40] + probe[40:])
@@ -159,19 +172,22 @@ def test_recurrent_state_is_never_cut_back(arch):
     with make_pc(model, None) as pc:
         pc.store(a, finished(model, a))
         assert pc.fetch(probe)[1] == 0  # no state at 32 or 40 was kept
-        assert pc.stats()["miss_reasons"]["boundary_state_missing"] == 1
+        assert pc.stats()["miss_reasons"]["partial_block"] == 1  # the tail shares 8
     with make_pc(model, None) as pc:
-        pc.prefill(a, prefill_step_size=BLOCK)  # snapshots at 16 and 32 too
+        pc.prefill(a, prefill_step_size=BLOCK)  # checkpoints: 45 - 11 = 34 (and 16, 32)
         cache, num_cached = pc.fetch(probe)
-        assert num_cached == 32
-        want = reference(model, probe, 32)
-        assert max_diff(continued(model, cache, probe[32:]), want) == 0.0
+        assert num_cached == 34
+        want = reference(model, probe, 34)
+        assert max_diff(continued(model, cache, probe[34:]), want) == 0.0
 
 
 def test_interval_snapshots_are_shed_before_any_block():
     model = tiny_model("qwen3_next")
     tokens = prompt(1, 100)  # blocks 0..5, each with a snapshot, and a 4-token tail
-    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, snapshot_interval=1)
+    # no checkpoint before the end (checkpoint_tail 0): only the interval's snapshots
+    config = CacheConfig(
+        block_size=BLOCK, hot_cache_only=True, snapshot_interval=1, checkpoint_tail=0
+    )
     with PrefixCache(model, config, model_id="tiny") as pc:
         pc.prefill(tokens, prefill_step_size=BLOCK)
         num_blocks, nbytes = len(pc.hot), pc.hot.nbytes

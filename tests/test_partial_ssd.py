@@ -49,7 +49,7 @@ def test_tail_evicted_from_hot_restores_from_ssd(case, tmp_path):
         cache, num_cached = pc.fetch(probe)
         assert num_cached == 45
         assert pc.stats()["ssd_block_hits"] == 3
-        want = reference(model, probe, 45, kv)
+        want = reference(model, probe, 45, kv=kv)
         assert max_diff(continued(model, cache, probe[45:], kv), want) == 0.0
         # negative control: the other tail, restored from the SSD the same way
         theirs, num_theirs = pc.fetch([*other, 1])

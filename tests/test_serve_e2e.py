@@ -78,9 +78,10 @@ class Server:
             time.sleep(0.2)
         raise AssertionError(f"server not ready in {START_TIMEOUT}s:\n{self.text()}")
 
-    def chat(self, messages: list[dict[str, str]]) -> tuple[str, int]:
-        """(reply, cached prompt tokens) of one greedy chat completion."""
-        body = {"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}
+    def chat(self, messages: list[dict[str, str]], **extra: object) -> tuple[str, int]:
+        """(reply, cached prompt tokens) of one greedy chat completion (``extra``: more
+        request fields, e.g. ``seed``, which sends it down mlx-lm's sequential path)."""
+        body = {"messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS, **extra}
         reply = requests.post(self.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
         reply.raise_for_status()
         data = reply.json()
@@ -176,3 +177,38 @@ def test_serve_multi_turn_matches_plain_and_survives_restart(model_dir, tmp_path
     assert num_cached >= cached[0][-1], (num_cached, cached)
     second = _closed_stats(again.text())
     assert second["ssd_block_hits"] > 0 and second["hot_block_hits"] == 0, second
+
+
+@pytest.mark.parametrize("path", ["batched", "sequential"])
+def test_serve_hybrid_reuses_at_least_what_plain_mlx_lm_does(tmp_path, path):
+    """A recurrent hybrid (qwen3_next): three conversations on one system prompt,
+    two turns each, interleaved. Against plain ``mlx_lm.server`` on the same requests:
+    replies identical, and every request reuses at least as many tokens. Through
+    mlx-lm's batched path (segments cut at checkpoints) and its sequential one (a
+    ``seed`` in the request; the prefill stops at checkpoints)."""
+    model = save_model(tmp_path / "qwen3_next", "qwen3_next")
+    extra = {"seed": 0} if path == "sequential" else {}
+    questions = [QUESTIONS[0][:2], QUESTIONS[1][:2], ("Where is the ticket office?", "Why?")]
+
+    def converse(server: Server) -> tuple[list[str], list[int]]:
+        histories = [[{"role": "system", "content": SYSTEM}] for _ in questions]
+        replies, cached = [], []
+        for turn in range(2):
+            for conv, asked in enumerate(questions):
+                histories[conv].append({"role": "user", "content": asked[turn]})
+                reply, num_cached = server.chat(histories[conv], **extra)
+                replies.append(reply)
+                cached.append(num_cached)
+                histories[conv].append({"role": "assistant", "content": reply})
+        return replies, cached
+
+    with running(_ours(model, tmp_path / "ssd"), tmp_path / "ours.log") as ours:
+        replies, cached = converse(ours)
+    with running(_plain(model), tmp_path / "plain.log") as plain:
+        plain_replies, plain_cached = converse(plain)
+    assert replies == plain_replies
+    assert all(o >= p for o, p in zip(cached, plain_cached, strict=True)), (cached, plain_cached)
+    # the third conversation's first turn resumes at least at the system prompt's end
+    # (the second one left it there), and every second turn resumes the first
+    assert cached[2] > BLOCK_SIZE * 4, cached
+    assert all(c > cached[i] for i, c in enumerate(cached[3:])), cached

@@ -18,20 +18,20 @@ from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache import lookup as lookup_module
+from prefixcache import restore as restore_module
 from prefixcache.blocks import Block
 from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed, StreamedBlock
+from prefixcache.restore import ChainLoad
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import read_header
 from prefixcache.tiers.ssd.prime import SLICE, Primer, cached
 from prefixcache.tiers.ssd.stream import stream
 from prefixcache.tiers.ssd.tier import SsdTier
-from prefixcache.tiers.stack import ChainLoad
 
 
 @pytest.fixture
@@ -286,9 +286,9 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         monkeypatch.setattr(ChainLoad, "first_shapes", lambda self, indices: None)
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
     seen: list[tuple[int, set[type]]] = []
-    real = lookup_module.rebuild
+    real = restore_module.rebuild
 
-    def watched(fresh, codecs, loader, **kwargs):
+    def watched(fresh, loader, **kwargs):
         load = loader.load
 
         def load_and_note(index):
@@ -297,9 +297,9 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
             return arrays, resident
 
         loader.load = load_and_note
-        return real(fresh, codecs, loader, **kwargs)
+        return real(fresh, loader, **kwargs)
 
-    monkeypatch.setattr(lookup_module, "rebuild", watched)
+    monkeypatch.setattr(restore_module, "rebuild", watched)
     tokens = prompt(9, 6 * 16 + 5)
     with stored_on_ssd(tmp_path, model, tokens, kv) as pc:
         restored, num = pc.fetch(tokens)

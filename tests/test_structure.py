@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "prefixcache"
-MAX_MODULE_LINES = 300
+MAX_MODULE_LINES = 400  # STYLE: 100-300 lines is the target, 400 fails
 MAX_FUNCTION_LINES = 50
 
 

@@ -23,6 +23,9 @@ BLOCK = 8
 
 
 def hot_pc(model, **settings) -> PrefixCache:
+    """Restore points: the interval's and each sequence's end (no checkpoint before
+    the end: ``checkpoint_tail`` 0 unless given)."""
+    settings = {"checkpoint_tail": 0, **settings}
     config = CacheConfig(block_size=BLOCK, hot_cache_only=True, **settings)
     return PrefixCache(model, config, model_id="tiny")
 

@@ -2,8 +2,10 @@
 
 mlx-lm builds ``ResponseGenerator(model_provider, prompt_cache)``; for the
 duration of the call that class is swapped for a subclass that passes a
-``TieredPromptCache`` instead and flushes it on shutdown. Argument parsing,
-model loading, batching and HTTP stay mlx-lm's. SIGTERM takes mlx-lm's Ctrl-C
+``TieredPromptCache`` instead and flushes it on shutdown, and cuts the
+prompt's segments again at its checkpoints; its ``stream_generate`` (the
+sequential path) prefills up to each checkpoint first (mlx_segments.py).
+Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM takes mlx-lm's Ctrl-C
 path, so the hot tier is flushed to SSD either way. Imported only to serve
 (it imports mlx-lm); the options are serve.py's.
 """
@@ -22,6 +24,7 @@ from mlx_lm import server
 
 from ..config import CacheConfig
 from ..mlx_fit import ModelKey, ModelPair
+from ..mlx_segments import CheckpointedPrefill, cut_segments
 from ..mlx_server import TieredPromptCache
 from .metrics import serve_metrics
 
@@ -50,6 +53,7 @@ def run_mlx_server(
     generator_class = _generator_class(server.ResponseGenerator, config, generators)
     with (
         _swapped(server, "ResponseGenerator", generator_class),
+        _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
         _swapped(sys, "argv", argv),
         _sigterm_interrupts(),
         serve_metrics(metrics_port, lambda: generators[-1].tiered.stats() if generators else {}),
@@ -75,6 +79,15 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
             made.append(self)
             super().__init__(model_provider, self.tiered)
 
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> tuple:
+            """mlx-lm's segments, cut again at the prompt's checkpoints: its batched
+            path inserts the cache at each segment's end."""
+            prompt, segments, types, *rest = super()._tokenize(tokenizer, request, args)
+            cuts = self.tiered.checkpoints(self.model_provider.model_key, prompt)
+            if cuts:
+                segments, types = cut_segments(segments, types, cuts)
+            return (prompt, segments, types, *rest)
+
         def stop_and_join(self) -> None:
             try:
                 super().stop_and_join()
@@ -82,6 +95,18 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
                 self.tiered.close()
 
     return TieredResponseGenerator
+
+
+def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callable[..., Any]:
+    """mlx-lm's ``stream_generate`` for its sequential path, prefilling up to each
+    checkpoint first (with the cache inserted there)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            return stream_generate(*args, **kwargs)
+        return CheckpointedPrefill(stream_generate, made[-1].tiered)(*args, **kwargs)
+
+    return run
 
 
 @contextmanager

@@ -35,10 +35,10 @@ before a ``PrefixCache`` is built for a model that uses it::
 A :class:`Builder` receives each needed block's payload in chain order
 (``add``), exposes the arrays to evaluate after each block (``buffers``) and
 returns the rebuilt cache (``finish``); it must give the cache new arrays,
-never the payload's own objects. Optional hooks: ``blocks_needed`` (a window
-needs only its last blocks), ``covers`` (is a stored payload enough, checked
-before anything is copied; ``missing_reason`` names the miss), ``trimmable_at``,
-``snapshots`` (state that exists only at block boundaries) and ``reach``
+never the payload's own objects. Optional hooks, each with its default on
+:class:`Codec`: ``blocks_needed`` (a window needs only its last blocks),
+``missing`` (which needed block's stored payload cannot serve the layer, and
+why; judged before anything is copied), ``trimmable_at`` and ``reach``
 (blocks that may gain a payload from a later capture). Lookup is by exact
 class: a subclass of a built-in cache needs its own codec. A cache class with
 no codec is refused with :class:`UnsupportedCacheError` when the
@@ -48,7 +48,7 @@ namespace, so blocks of one codec's layout are never served to another.
 
 from ..errors import LayoutMismatchError, UnsupportedCacheError
 from .arrays import ArraysCodec
-from .base import Builder, Codec, Has, num_blocks, round_up
+from .base import Builder, Codec, Has, Payload, num_blocks, round_up
 from .cachelist import CacheListCodec
 from .chunked import ChunkedKVCodec
 from .kv import KVCodec
@@ -75,6 +75,7 @@ __all__ = [
     "Has",
     "KVCodec",
     "LayoutMismatchError",
+    "Payload",
     "QuantizedKVCodec",
     "RotatingKVCodec",
     "UnsupportedCacheError",

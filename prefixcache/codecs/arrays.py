@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has, num_blocks, owned
+from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
 
 BOUNDARY = MissReason.BOUNDARY_MISSING
@@ -25,7 +25,6 @@ BOUNDARY = MissReason.BOUNDARY_MISSING
 
 class ArraysCodec(Codec):
     cache_type = ArraysCache
-    missing_reason = BOUNDARY
 
     def layout(self, cache: ArraysCache) -> tuple[object, ...]:
         if cache.empty():
@@ -45,9 +44,6 @@ class ArraysCodec(Codec):
     def trimmable_at(self, fresh: ArraysCache, num_tokens: int) -> bool:
         return False
 
-    def snapshots(self, cache: ArraysCache) -> bool:
-        return True
-
     def reach(self, cache: ArraysCache, length: int) -> int:
         return max(0, length - 1)  # only the block ending where the cache stands
 
@@ -62,10 +58,16 @@ class ArraysCodec(Codec):
     def blocks_needed(self, fresh: ArraysCache, num_tokens: int, block_size: int) -> Sequence[int]:
         return (num_blocks(num_tokens, block_size) - 1,) if num_tokens else ()
 
-    def covers(
-        self, fresh: ArraysCache, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        return None if all(has(str(i)) for i in range(len(fresh.cache))) else BOUNDARY
+    def missing(
+        self, fresh: ArraysCache, num_tokens: int, block_size: int, payload: Payload
+    ) -> tuple[int, MissReason] | None:
+        if not num_tokens:
+            return None
+        last = num_blocks(num_tokens, block_size) - 1  # the state is where it ends
+        has = payload(last)
+        if has is None or all(has(str(i)) for i in range(len(fresh.cache))):
+            return None
+        return last, BOUNDARY
 
     def builder(
         self, fresh: ArraysCache, num_tokens: int, capacity: int, block_size: int

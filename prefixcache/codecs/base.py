@@ -10,8 +10,8 @@ Not every payload can be cut at any time: a sliding window only holds its last
 tokens and a recurrent state exists only at the boundary where the cache
 stands. So ``cut`` may return nothing for a layer, a stored block may lack some
 layers' payloads, and a codec says which blocks it needs (``blocks_needed``)
-and whether a block's payload is enough (``covers``) before a restore copies
-anything.
+and which needed block's stored payload cannot serve it (``missing``), judged
+before a restore copies anything.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..errors import MissReason
 STEP = 256  # mlx-lm's KV buffer growth step
 
 Has = Callable[[str], bool]  # is a payload name (without the layer prefix) stored?
+Payload = Callable[[int], "Has | None"]  # chain index -> its stored names; None: unknown
 
 
 def round_up(n: int, step: int = STEP) -> int:
@@ -96,11 +97,9 @@ class Codec(ABC):
 
     Attributes:
         cache_type: the mlx-lm (or third-party) cache class handled.
-        missing_reason: the miss reason when a needed payload is absent.
     """
 
     cache_type: ClassVar[type]
-    missing_reason: ClassVar[MissReason] = MissReason.LAYOUT_MISMATCH
 
     @abstractmethod
     def layout(self, cache: Any) -> tuple[object, ...]:
@@ -117,10 +116,6 @@ class Codec(ABC):
         allows it; else one block short.
         """
         return bool(fresh.is_trimmable())
-
-    def snapshots(self, cache: Any) -> bool:
-        """Whether the payload is state that exists only at block boundaries."""
-        return False
 
     def reach(self, cache: Any, length: int) -> int:
         """First token whose block may gain a payload from ``cache`` now.
@@ -152,16 +147,16 @@ class Codec(ABC):
         """Chain indices whose payload this layer needs to hold ``num_tokens`` tokens."""
         return range(num_blocks(num_tokens, block_size))
 
-    def covers(
-        self, fresh: Any, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        """Why block ``index``'s stored payload cannot serve this layer, or None.
+    def missing(
+        self, fresh: Any, num_tokens: int, block_size: int, payload: Payload
+    ) -> tuple[int, MissReason] | None:
+        """A needed block whose stored payload cannot serve this layer, and why; None
+        when every needed block can (or is not known: the rebuild then checks).
 
-        Called before a restore copies anything, with ``has`` telling which of
-        this layer's payload names the block holds. A codec whose ``cut``
-        always gives a payload (KV, quantized) keeps this default: the check
-        is skipped for it (it would cost a lookup per block and layer), and
-        its builder's ``add`` raising LayoutMismatchError is the backstop.
+        Called before a restore copies anything; ``payload(index)`` tells which of
+        this layer's payload names block ``index`` holds. A codec whose ``cut``
+        always gives a payload (KV, quantized) keeps this default: nothing to
+        check, and its builder's ``add`` raising LayoutMismatchError is the backstop.
         """
         return None
 

@@ -16,7 +16,7 @@ from mlx_lm.models.cache import CacheList
 
 from ..blocks import join_layers, split_layers
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has
+from .base import Builder, Codec, Has, Payload
 from .registry import codec_for
 
 
@@ -39,9 +39,6 @@ class CacheListCodec(Codec):
     def trimmable_at(self, fresh: CacheList, num_tokens: int) -> bool:
         return all(codec.trimmable_at(c, num_tokens) for codec, c in subs(fresh))
 
-    def snapshots(self, cache: CacheList) -> bool:
-        return any(codec.snapshots(c) for codec, c in subs(cache))
-
     def reach(self, cache: CacheList, length: int) -> int:
         return min(codec.reach(c, length) for codec, c in subs(cache))
 
@@ -57,15 +54,18 @@ class CacheListCodec(Codec):
         needed = (codec.blocks_needed(c, num_tokens, block_size) for codec, c in subs(fresh))
         return tuple(sorted(set().union(*needed)))
 
-    def covers(
-        self, fresh: CacheList, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
+    def missing(
+        self, fresh: CacheList, num_tokens: int, block_size: int, payload: Payload
+    ) -> tuple[int, MissReason] | None:
         for j, (codec, c) in enumerate(subs(fresh)):
-            if index not in codec.blocks_needed(c, num_tokens, block_size):
-                continue
-            why = codec.covers(c, index, num_tokens, block_size, lambda n, j=j: has(f"{j}.{n}"))
-            if why is not None:
-                return why
+
+            def part(index: int, j: int = j) -> Has | None:
+                has = payload(index)
+                return None if has is None else (lambda name: has(f"{j}.{name}"))
+
+            gap = codec.missing(c, num_tokens, block_size, part)
+            if gap is not None:
+                return gap
         return None
 
     def builder(self, fresh: CacheList, num_tokens: int, capacity: int, block_size: int) -> Builder:

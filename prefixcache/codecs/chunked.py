@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has, num_blocks, owned, round_up
+from .base import Builder, Codec, Payload, num_blocks, owned, round_up
 from .kv import KVBuilder, kv_signature
 
 CHUNK = MissReason.WINDOW_NOT_COVERED
@@ -27,7 +27,6 @@ def first_block(fresh: ChunkedKVCache, num_tokens: int, block_size: int) -> int:
 
 class ChunkedKVCodec(Codec):
     cache_type = ChunkedKVCache
-    missing_reason = CHUNK
 
     def layout(self, cache: ChunkedKVCache) -> tuple[object, ...]:
         return (*kv_signature(cache), cache.chunk_size)
@@ -63,10 +62,15 @@ class ChunkedKVCodec(Codec):
         first = first_block(fresh, num_tokens, block_size)
         return range(first, num_blocks(num_tokens, block_size))
 
-    def covers(
-        self, fresh: ChunkedKVCache, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        return None if has("keys") or has("last.keys") else CHUNK  # ``last``: see the builder
+    def missing(
+        self, fresh: ChunkedKVCache, num_tokens: int, block_size: int, payload: Payload
+    ) -> tuple[int, MissReason] | None:
+        for index in reversed(self.blocks_needed(fresh, num_tokens, block_size)):
+            has = payload(index)
+            # ``last``: a block trimmed in front; how far it reaches back, the builder checks
+            if has is not None and not (has("keys") or has("last.keys")):
+                return index, CHUNK
+        return None
 
     def builder(
         self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has, num_blocks, owned
+from .base import Builder, Codec, Payload, num_blocks, owned
 from .buffer import TokenBuffer
 from .kv import kv_signature
 
@@ -74,7 +74,6 @@ def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
 
 class RotatingKVCodec(Codec):
     cache_type = RotatingKVCache
-    missing_reason = WINDOW
 
     def layout(self, cache: RotatingKVCache) -> tuple[object, ...]:
         return (*kv_signature(cache), cache.max_size, cache.keep)
@@ -129,13 +128,17 @@ class RotatingKVCodec(Codec):
             return range(last)
         return (*range(head), *range(first, last))
 
-    def covers(
-        self, fresh: RotatingKVCache, index: int, num_tokens: int, block_size: int, has: Has
-    ) -> MissReason | None:
-        if has("keys") or has("last.keys"):
-            return None  # how far ``last`` reaches back, the builder checks
-        keep_only = (index + 1) * block_size <= tail_start(fresh, num_tokens, block_size)
-        return None if keep_only and has("keep.keys") else WINDOW
+    def missing(
+        self, fresh: RotatingKVCache, num_tokens: int, block_size: int, payload: Payload
+    ) -> tuple[int, MissReason] | None:
+        tail = tail_start(fresh, num_tokens, block_size)
+        for index in reversed(self.blocks_needed(fresh, num_tokens, block_size)):
+            has = payload(index)
+            if has is None or has("keys") or has("last.keys"):
+                continue  # how far ``last`` reaches back, the builder checks
+            if not ((index + 1) * block_size <= tail and has("keep.keys")):
+                return index, WINDOW
+        return None
 
     def builder(
         self, fresh: RotatingKVCache, num_tokens: int, capacity: int, block_size: int

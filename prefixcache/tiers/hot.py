@@ -188,9 +188,14 @@ class HotTier(Tier):
         return blocks
 
     def drop_superseded(self, block: Block) -> None:
-        """Drop tails that ``block`` extends: cutting ``block`` back gives the same."""
+        """Drop tails that ``block`` extends and holds every payload of: cutting
+        ``block`` back gives the same (a window the ring overwrote in part does not)."""
         for other in self.children(block.parent):
-            if other.num_tokens < block.num_tokens and block.tokens.startswith(other.tokens):
+            if (
+                other.num_tokens < block.num_tokens
+                and block.tokens.startswith(other.tokens)
+                and other.arrays.keys() <= block.arrays.keys()
+            ):
                 self.remove([other.key])
 
 

@@ -1,8 +1,8 @@
 """Tiers: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
-Read path: a chain is matched through the tiers in order (``chain``), each block
-is loaded from the tier that holds it (``ChainLoad``), and lower-tier hits are
-promoted upward. Write path: new blocks go into hot; under ``write_back`` a
+Read path: a chain is matched through the tiers in order (``chain``, ``children``;
+the restore itself is restore.py's), and lower-tier hits are promoted upward
+(``after_hit``). Write path: new blocks go into hot; under ``write_back`` a
 dirty block spills to the lower tiers when hot evicts it, under
 ``write_through`` it is put there at once, and an ``eager`` tier takes every
 block at once. With no lower tier (``hot_cache_only``) an evicted block is
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ..blocks import Block
 from ..config import CacheConfig
-from ..errors import MissReason, Shortfall
-from ..host import Place, Placed
+from ..errors import MissReason
 from ..stats import Stats
-from .base import ChainEntry, Tier, TierReader
+from .base import ChainEntry, Tier
 from .hot import HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
@@ -51,33 +49,38 @@ class Tiers:
 
     # -- read path -----------------------------------------------------------
 
-    def chain(self, keys: Sequence[bytes]) -> tuple[list[ChainEntry], list[int]]:
+    def chain(self, keys: Sequence[bytes]) -> tuple[list[ChainEntry], list[Tier]]:
         """Entries of ``keys`` held by some tier, root-first and consecutive, with
-        the position in ``all`` of the tier each is loaded from (the first that has it)."""
+        the tier each is loaded from (the first that has it)."""
         entries: list[ChainEntry] = []
-        owners: list[int] = []
+        owners: list[Tier] = []
         while len(entries) < len(keys):
             start = len(entries)
-            for t, tier in enumerate(self.all):
+            for tier in self.all:
                 got = tier.held(keys, start)
-                if t:  # a block hot holds too is loaded from hot
+                if tier is not self.hot:  # a block hot holds too is loaded from hot
                     got = got[: next((i for i, e in enumerate(got) if e.key in self.hot), None)]
                 if got:
                     break
             else:
                 break
             entries += got
-            owners += [t] * len(got)
+            owners += [tier] * len(got)
         return entries, owners
 
-    def children(self, parent: bytes) -> list[tuple[ChainEntry, int]]:
-        """Every entry some tier lists under ``parent``, with the position in ``all``
-        of the tier it is loaded from (the first that lists it)."""
-        out: dict[bytes, tuple[ChainEntry, int]] = {}
-        for t, tier in enumerate(self.all):
+    def children(self, parent: bytes) -> list[tuple[ChainEntry, Tier]]:
+        """Every entry some tier lists under ``parent``, with the tier it is loaded
+        from (the first that lists it)."""
+        out: dict[bytes, tuple[ChainEntry, Tier]] = {}
+        for tier in self.all:
             for entry in tier.children(parent) if tier.lists_children else ():
-                out.setdefault(entry.key, (entry, t))
+                out.setdefault(entry.key, (entry, tier))
         return list(out.values())
+
+    def above(self, tier: Tier) -> list[Tier]:
+        """The lower tiers above ``tier`` (e.g. ssd above remote): where its hits
+        are kept too; hot is not among them."""
+        return self.lower[: self.lower.index(tier)] if tier in self.lower else []
 
     def contains(self, key: bytes) -> bool:
         return any(tier.contains(key) for tier in self.all)
@@ -89,18 +92,14 @@ class Tiers:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
-    def chain_load(self, keys: Sequence[bytes], owners: Sequence[int]) -> ChainLoad:
-        """The loader of one restore of ``keys`` (``owners`` from :meth:`chain`)."""
-        return ChainLoad(self, keys, owners)
-
-    def after_hit(self, chain: Sequence[bytes], loaded: Sequence[tuple[int, Block]]) -> None:
+    def after_hit(self, chain: Sequence[bytes], loaded: Sequence[tuple[Tier, Block]]) -> None:
         """Promote lower-tier hits into the tiers above them; mark the chain used."""
         if self.config.promote:
-            for t, block in sorted(loaded, key=lambda p: p[1].index):
+            for owner, block in sorted(loaded, key=lambda p: p[1].index):
                 promoted = False
                 if self.hot.nbytes + block.nbytes <= self.hot.max_bytes:
                     promoted = self.hot.put(block)
-                for tier in self.all[1:t]:  # e.g. a remote hit is kept on ssd too
+                for tier in self.above(owner):  # e.g. a remote hit is kept on ssd too
                     promoted = tier.put(block) or promoted
                 self.stats.num_promotions += promoted
         self.hot.touch(chain)
@@ -206,69 +205,3 @@ class Tiers:
                 self._evicted_set.discard(self._evicted[0])
             self._evicted.append(block.key)
             self._evicted_set.add(block.key)
-
-
-class ChainLoad:
-    """Loads the blocks of one restore in chain order, each from the tier that holds it.
-
-    Hot blocks come as they are; the other tiers' readers stream theirs (the SSD
-    reader straight into the restore buffers). ``loaded`` collects lower-tier
-    blocks to promote, as MLX copies, while hot has room (and ``promote`` is on).
-    """
-
-    def __init__(self, tiers: Tiers, keys: Sequence[bytes], owners: Sequence[int]):
-        self.tiers, self.keys, self.owners = tiers, keys, owners
-        self.loaded: list[tuple[int, Block]] = []
-        hot = tiers.hot
-        self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
-        self._readers: dict[int, TierReader] = {}
-
-    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
-        """The first block of ``order`` not resident in memory, with its tensors'
-        shapes if its tier knows them before loading it; else None."""
-        first = next((i for i in order if not self._tier(i).resident), None)
-        if first is None:
-            return None
-        owner = self.owners[first]
-        mine = [i for i in order if self.owners[i] == owner and i >= first]
-        shapes = self._reader(owner).first_shapes(mine)
-        return None if shapes is None else (first, shapes)
-
-    def prepare(self, order: list[int], place: Place | None) -> None:
-        """Start every tier's reader on its blocks of ``order``."""
-        for owner in sorted(set(self.owners[i] for i in order)):
-            if not self.tiers.all[owner].resident:
-                mine = [i for i in order if self.owners[i] == owner]
-                self._reader(owner).prepare(mine, place)
-
-    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
-        """(block ``index``'s flat payload, whether it stays in memory anyway).
-
-        Raises:
-            Shortfall: the tier could not load it.
-        """
-        tier = self._tier(index)
-        block = self._reader(self.owners[index]).load(index)
-        if block is None:
-            raise Shortfall(index, tier.load_miss)
-        self.tiers.stats.block_hit(tier.name)
-        # promoted: into hot while it has room, onto the tiers above its own (e.g. ssd)
-        keep = self.owners[index] > 1 or block.nbytes <= self._room
-        if self.tiers.config.promote and not tier.resident and keep:
-            self._room -= block.nbytes
-            self.loaded.append((self.owners[index], block.to_block()))
-        return block.arrays, tier.resident
-
-    def close(self) -> None:
-        """Stop every reader (and wait for its threads); safe to call more than once."""
-        for reader in self._readers.values():
-            reader.close()
-
-    def _tier(self, index: int) -> Tier:
-        return self.tiers.all[self.owners[index]]
-
-    def _reader(self, owner: int) -> TierReader:
-        reader = self._readers.get(owner)
-        if reader is None:
-            reader = self._readers[owner] = self.tiers.all[owner].reader(self.keys)
-        return reader
