@@ -205,24 +205,23 @@ def _negative_control(runner: Runner, last) -> bool:
 
 
 def _sizes(pc) -> dict:
-    """Bytes per token of full blocks, and recurrent-state bytes against K/V bytes."""
-    prefixes = pc.layout.state_prefixes
-    state = other = tokens = tails = 0
+    """Bytes per token of the full blocks, and what restore points keep (recurrent
+    state, window and chunk K/V) against the full-attention K/V (the
+    ``snapshot_ratio`` budget; None without full-attention layers)."""
+    layout = pc.layout
+    kept = tuple(layout.state_prefixes) + tuple(layout.window_prefixes)
+    points = kv = tokens = 0
     for block in pc.hot:
         for name, arr in block.arrays.items():
-            if prefixes and name.startswith(prefixes):
-                state += arr.nbytes
+            if kept and name.startswith(kept):
+                points += arr.nbytes
             else:
-                other += arr.nbytes
+                kv += arr.nbytes
         if block.num_tokens == pc.config.block_size:
             tokens += block.num_tokens
-        else:
-            tails += 1
     return {
-        "b_token": (state + other) / max(1, tokens),
-        "state_ratio": state / max(1, other),
-        "tails": tails,
-        "interval": pc.layout.snapshot_interval,
+        "b_token": (points + kv) / max(1, tokens),
+        "points_ratio": points / kv if kv else None,
         "ratio": pc.config.snapshot_ratio,
     }
 
@@ -254,7 +253,7 @@ def main() -> None:
             "extra_ms": extra * 1e3,
             "b_plain": plain["b_token"],
             "b_proto": proto["b_token"],
-            "state_ratio": proto["state_ratio"],
+            "points_ratio": proto["points_ratio"],
             "snapshot_ratio": proto["ratio"],
         }
         rows.append(row)
@@ -272,7 +271,7 @@ def main() -> None:
         ("cost", "checkpoints + captures / prefill saved"),
         ("b_plain", "plain B/token"),
         ("b_proto", "protocol B/token"),
-        ("state_ratio", "state / K/V bytes"),
+        ("points_ratio", "state + window K/V / full-attention K/V"),
         ("snapshot_ratio", "snapshot_ratio"),
     ]
     print("| " + " | ".join(h for _, h in heads) + " |")
@@ -282,6 +281,8 @@ def main() -> None:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, float):
