@@ -123,6 +123,11 @@ class ChainLoad:
             self.loaded.append((tier, block.to_block()))
         return block.arrays, tier.resident
 
+    def host_views(self, index: int) -> Mapping[str, Any]:
+        """Host bytes of block ``index``'s arrays, when its tier keeps them (hot)."""
+        views = self._reader(self.plan.tiers[index]).host_views(index)
+        return {} if views is None else views
+
     def close(self) -> None:
         """Stop every reader (and wait for its threads); safe to call more than once."""
         for reader in self._readers.values():
@@ -160,10 +165,13 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         raise ValueError(f"{num_tokens} tokens need block {max(users)} of {len(plan.entries)}")
     order = sorted(users)
     try:
-        _reserve_first(builders, users, plan, loader.first_shapes(order) if order else None)
-        loader.prepare(order, _placer(builders, users))
-        for index in order:
-            _add_block(builders, users, index, *loader.load(index))
+        if order and all(plan.tiers[i].resident for i in order):
+            _add_resident(builders, users, order, loader)
+        else:
+            _reserve_first(builders, users, plan, loader.first_shapes(order) if order else None)
+            loader.prepare(order, _placer(builders, users))
+            for index in order:
+                _add_block(builders, users, index, *loader.load(index))
     finally:
         loader.close()
     caches = [b.finish() for b in builders]
@@ -180,6 +188,30 @@ def _users(
         for index in codec.blocks_needed(cache, num_tokens, block_size):
             users.setdefault(index, []).append(layer)
     return users
+
+
+def _add_resident(
+    builders: list[Builder], users: dict[int, list[int]], order: list[int], loader: ChainLoad
+) -> None:
+    """Blocks all held in memory: each layer's builder takes them together where it
+    can (``Builder.add_resident``: one copy per buffer), else one at a time."""
+    blocks = {i: (loader.load(i)[0], loader.host_views(i)) for i in order}
+    layers: dict[int, list[int]] = {}
+    for index in order:
+        for layer in users[index]:
+            layers.setdefault(layer, []).append(index)
+    for layer, indices in layers.items():
+        builder = builders[layer]
+        if builder.add_resident(indices, [blocks[i] for i in indices], f"{layer}."):
+            continue
+        for index in indices:
+            _add_block([builder], {index: [0]}, index, _layer(blocks[index][0], layer), True)
+
+
+def _layer(arrays: Mapping[str, Any], layer: int) -> dict[str, Any]:
+    """Layer ``layer``'s part of a flat payload, under ``"0."`` (one builder's view)."""
+    prefix = f"{layer}."
+    return {"0." + n[len(prefix) :]: a for n, a in arrays.items() if n.startswith(prefix)}
 
 
 def _reserve_first(

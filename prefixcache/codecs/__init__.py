@@ -48,7 +48,7 @@ namespace, so blocks of one codec's layout are never served to another.
 
 from ..errors import LayoutMismatchError, UnsupportedCacheError
 from .arrays import ArraysCodec
-from .base import Builder, Codec, Has, Payload, num_blocks, round_up
+from .base import Builder, Codec, Has, Payload, Resident, num_blocks, round_up
 from .cachelist import CacheListCodec
 from .chunked import ChunkedKVCodec
 from .kv import KVCodec
@@ -77,6 +77,7 @@ __all__ = [
     "LayoutMismatchError",
     "Payload",
     "QuantizedKVCodec",
+    "Resident",
     "RotatingKVCodec",
     "UnsupportedCacheError",
     "codec_for",

@@ -21,12 +21,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import MissReason
 
 STEP = 256  # mlx-lm's KV buffer growth step
 
 Has = Callable[[str], bool]  # is a payload name (without the layer prefix) stored?
+# a block held in memory: its flat payload, and the host bytes of its 4-axis arrays
+Resident = tuple[Mapping[str, mx.array], Mapping[str, np.ndarray]]
 Payload = Callable[[int], "Has | None"]  # chain index -> its stored names; None: unknown
 
 
@@ -77,6 +80,13 @@ class Builder(ABC):
     @abstractmethod
     def finish(self) -> Any:
         """Return the rebuilt layer cache."""
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        """Take several blocks held in memory at once (the hot tier's, in chain
+        order): each a flat payload and the host bytes of its arrays, this layer's
+        names under ``prefix``. Returns False, taking nothing, where it cannot (then
+        each block comes through ``add``). A fast path: one copy per buffer."""
+        return False
 
     def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
         """Allocate (unwritten) the buffers block ``index``'s streamed tensors go into,

@@ -1,14 +1,16 @@
 """TokenBuffer: one (B, heads, capacity, dim) buffer assembled from token-axis segments.
 
-Segments of blocks already in memory (hot) are joined by ONE concatenate with
-the zero headroom: every byte is written once. Blocks streamed from SSD need the
-buffer at once: it is allocated unwritten (``reserve``; uninit.py) and from then
-on written only through a host view of its memory, so its address never
-changes: the SSD stream reads later blocks straight into it (``destination``;
-they arrive as ``Placed``), a HostArray is copied in at once, and a hot segment
-after that is copied in the same way; ``finish`` zeroes what no block wrote.
-Either way the result is a single buffer of final length plus headroom that the
-next prefill writes into in place, and every byte is written once.
+The buffer is allocated unwritten (uninit.py; huge pages where Linux gives
+them) and written only through a host view of its memory, so its address never
+changes. Segments of blocks in memory (hot) are queued and copied in together
+(one numpy call per run of consecutive segments: memcpy speed, where MLX's
+concatenate on the CPU writes several times slower into fresh small pages).
+Blocks streamed from SSD need the buffer at once (``reserve``): the stream
+reads later blocks straight into it (``destination``; they arrive as
+``Placed``), and a HostArray is copied in at once. ``finish`` zeroes what no
+block wrote (the headroom). The result is a single buffer of final length
+plus headroom that the next prefill writes into in place; every byte is
+written once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class TokenBuffer:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.array: mx.array | None = None
-        self._pending: list[tuple[int, mx.array]] = []
+        # (first token, array, its host bytes if known): in-memory segments to copy
+        self._pending: list[tuple[int, mx.array, np.ndarray | None]] = []
         self._end = 0  # tokens [0, _end) are covered by what was added
         # Byte view of ``array`` once it is written in place; set once, never reset
         # (reader threads hold destinations into it).
@@ -44,7 +47,19 @@ class TokenBuffer:
         elif isinstance(x, HostArray) or self._host is not None:
             self._write(start, x)
         else:
-            self._pending.append((start, x))
+            self._pending.append((start, x, None))
+
+    def add_run(self, segments: list[tuple[int, mx.array, np.ndarray]]) -> None:
+        """Queue in-memory segments (first token, array, its host bytes) at once: the
+        hot tier's blocks of a restore, copied in together by ``materialize``."""
+        if self._host is not None:
+            for start, x, _ in segments:
+                self._write(start, x)
+            return
+        self._pending += segments
+        if segments:
+            last = max(segments, key=lambda s: s[0])
+            self._end = max(self._end, last[0] + last[1].shape[2])
 
     def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
         """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write
@@ -82,16 +97,52 @@ class TokenBuffer:
         return [memoryview(region[b, h]) for b in range(batch) for h in range(heads)]
 
     def materialize(self) -> mx.array | None:
-        """Write the queued segments; returns the buffer (lazy) or None if empty."""
+        """Write the queued segments; returns the buffer or None if empty.
+
+        Segments of blocks in memory are copied into a new, unwritten buffer
+        (huge pages where Linux gives them) through its host view: one copy of
+        every byte, at memcpy speed (MLX's concatenate writes into fresh small
+        pages, several times slower on the CPU).
+        """
         if not self._pending:
             return self.array
-        if self.array is None:
-            self.array = self._allocate(self._pending[0][1])
-        else:
-            for start, x in self._pending:
-                self.array[..., start : start + x.shape[2], :] = x
-        self._pending.clear()
+        if self._host is None:
+            x = self._pending[0][1]
+            if len(x.shape) != 4:
+                raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
+            self._open(empty((*x.shape[:2], self.capacity, x.shape[3]), x.dtype, stream=mx.cpu))
+        self._copy_pending()
         return self.array
+
+    def _copy_pending(self) -> None:
+        """Copy the queued in-memory segments into the host view, joined where they
+        follow each other (one numpy call for a whole chain)."""
+        pending = sorted(self._pending, key=lambda p: p[0])
+        self._pending.clear()
+        run: list[np.ndarray] = []
+        first = end = 0
+        for start, x, view in [*pending, (None, None, None)]:
+            if run and start != end:
+                self._copy_run(run, first, end)
+                run = []
+            if start is None:
+                break
+            if not run:
+                first = start
+            if len(x.shape) != 4 or x.dtype != self.array.dtype:
+                raise LayoutMismatchError(f"block tensor {x.dtype}{tuple(x.shape)} does not fit")
+            run.append(host_bytes(x) if view is None else view)
+            end = start + x.shape[2]
+
+    def _copy_run(self, run: list[np.ndarray], start: int, end: int) -> None:
+        """Segments (host bytes) of tokens ``[start, end)``, in order, into the buffer."""
+        if not 0 <= start <= end <= self.capacity:
+            raise LayoutMismatchError(f"tokens [{start}, {end}) outside {self.capacity}")
+        out = self._host[:, :, start:end, :]
+        try:
+            np.concatenate(run, axis=2, out=out) if len(run) > 1 else np.copyto(out, run[0])
+        except ValueError as err:  # another head count or head size
+            raise LayoutMismatchError(f"block tensors do not fit the buffer: {err}") from None
 
     def finish(self) -> mx.array | None:
         """The buffer, with the tokens no block wrote (the headroom) zeroed."""
@@ -115,7 +166,7 @@ class TokenBuffer:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
         if self._host is None and not self.reserve(x):
-            self._open(self.materialize())  # hot segments queued before: joined once
+            self.materialize()  # hot segments queued before: copied in first
         region = self._fit(start, x)
         if region is None:
             raise LayoutMismatchError(
@@ -130,21 +181,3 @@ class TokenBuffer:
         self.array = array
         self._host = host_view(array)
         advise_huge(self._host)
-
-    def _allocate(self, like: mx.array) -> mx.array:
-        parts: list[mx.array] = []
-        end = 0
-        for start, x in sorted(self._pending, key=lambda p: p[0]):
-            if start > end:
-                parts.append(_zeros_like(x, start - end))
-            parts.append(x)
-            end = start + x.shape[2]
-        if end < self.capacity:
-            parts.append(_zeros_like(parts[-1] if parts else like, self.capacity - end))
-        # mx.array copies: a lone hot array must not become the cache's buffer.
-        return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(parts[0])
-
-
-def _zeros_like(x: mx.array, tokens: int) -> mx.array:
-    # a broadcast: concatenate reads it without a transient buffer of zeros
-    return mx.broadcast_to(mx.zeros((1, 1, 1, 1), x.dtype), (*x.shape[:2], tokens, x.shape[3]))

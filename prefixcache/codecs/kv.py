@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec
+from .base import Builder, Codec, Resident
 from .buffer import TokenBuffer
 
 
@@ -90,6 +91,18 @@ class KVBuilder(Builder):
         pos = index * self.block_size - self.first
         self.keys.add(pos, arrays["keys"])
         self.values.add(pos, arrays["values"])
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        keys, values = prefix + "keys", prefix + "values"
+        if not all(keys in arrays and keys in views for arrays, views in blocks):
+            return False  # e.g. a chunked block trimmed in front: one at a time
+        bs, first = self.block_size, self.first
+        at = [i * bs - first for i in indices]
+        self.keys.add_run([(p, a[keys], v[keys]) for p, (a, v) in zip(at, blocks, strict=True)])
+        self.values.add_run(
+            [(p, a[values], v[values]) for p, (a, v) in zip(at, blocks, strict=True)]
+        )
+        return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
         """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""

@@ -8,6 +8,7 @@ on restore with ``mx.quantize``, which matches ``KVCache.to_quantized`` bit for 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from ..errors import LayoutMismatchError
 from ..host import HostArray
-from .base import Builder, Codec
+from .base import Builder, Codec, Resident
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
 
@@ -82,6 +83,16 @@ class QuantizedBuilder(Builder):
         for name, bufs in self.parts.items():
             for buf, p in zip(bufs, self._packed(arrays, name), strict=True):
                 buf.add(start, p)
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        names = [f"{prefix}{name}.{p}" for name in self.parts for p in PARTS]
+        if not all(n in arrays and n in views for arrays, views in blocks for n in names):
+            return False  # a full-precision block is quantized on its own
+        at = [i * self.block_size for i in indices]
+        bufs = [b for bufs in self.parts.values() for b in bufs]
+        for buf, n in zip(bufs, names, strict=True):
+            buf.add_run([(p, a[n], v[n]) for p, (a, v) in zip(at, blocks, strict=True)])
+        return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
         """Buffers to allocate for a streamed packed block (see TokenBuffer.reserve)."""

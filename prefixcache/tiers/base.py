@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from ..errors import MissReason
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..blocks import Block
     from ..host import Place, Placed
 
@@ -65,6 +67,11 @@ class TierReader(ABC):
     @abstractmethod
     def load(self, index: int) -> Loaded | None:
         """Chain block ``index`` with its payload, or None when it is unusable."""
+
+    def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
+        """Host bytes of block ``index``'s 4-axis arrays when the tier holds them in
+        memory for good (the hot tier: a restore copies them in one go); else None."""
+        return None
 
     def close(self) -> None:  # noqa: B027
         """Stop loading; safe to call more than once."""

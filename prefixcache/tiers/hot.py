@@ -13,10 +13,13 @@ Not thread-safe by itself: the manager holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
 
 from ..blocks import Block
 from ..errors import MissReason
+from ..host import host_bytes
 from .base import Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
@@ -44,6 +47,8 @@ class HotTier(Tier):
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
+        # host bytes of a block's arrays, made on its first restore
+        self._views: dict[bytes, tuple[Block, dict[str, np.ndarray]]] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -166,10 +171,23 @@ class HotTier(Tier):
         if block is not None and self.on_evict is not None:
             self.on_evict(block, dirty)
 
+    def host_views(self, key: bytes) -> dict[str, np.ndarray]:
+        """Host bytes of block ``key``'s 4-axis arrays (made once, kept while it is
+        held): what a restore copies from, without a view per array per restore."""
+        block = self._lru[key]
+        made = self._views.get(key)
+        if made is None or made[0] is not block:  # new, or the block was replaced
+            made = self._views[key] = (
+                block,
+                {n: host_bytes(a) for n, a in block.arrays.items() if a.ndim == 4},
+            )
+        return made[1]
+
     def pop(self, key: bytes) -> Block | None:
         block = self._lru.pop(key, None)
         if block is None:
             return None
+        self._views.pop(key, None)
         self.nbytes -= block.nbytes
         self._dirty.discard(key)
         self._sheddable.pop(key, None)
@@ -207,3 +225,7 @@ class _HotReader(TierReader):
 
     def load(self, index: int) -> Block | None:
         return self.hot.get(self.keys[index])
+
+    def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
+        key = self.keys[index]
+        return self.hot.host_views(key) if key in self.hot else None
