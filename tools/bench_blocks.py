@@ -137,16 +137,17 @@ def main() -> None:
                 rows.append(row)
                 print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
     print()
-    print(
-        "| tier | block | blocks | MiB | fetch ms | fetch / reference | range | fetch - reference ms |"
-    )
+    print("| tier | block | blocks | MiB | fetch ms | fetch / reference | range | over ms |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['tier']} | {r['block']} | {r['blocks']} | {r['mib']:.0f} | {r['fetch_ms']:.1f} "
             f"| {r['ratio']:.2f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} |"
         )
-    print("\nreference: hot = one memcpy into one fresh buffer; ssd = one file read into one.")
+    print(
+        "\nreference: hot = one memcpy into one fresh buffer; ssd = one file read into one;"
+        " over = fetch minus reference (medians)."
+    )
 
 
 def _fmt(v) -> str:
