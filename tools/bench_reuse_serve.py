@@ -63,6 +63,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-words", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=16, help="generated per request")
     p.add_argument("--seed", type=int, default=0, help="text and model weights")
+    p.add_argument(
+        "--mlx-lm-args",
+        type=shlex.split,
+        default=[],
+        help="extra options for the plain mlx_lm.server only, e.g. '--prompt-cache-size 100' "
+        "(default: none, mlx-lm's defaults)",
+    )
     p.add_argument("--json", metavar="OUT", help="save every request and summary here")
     p.add_argument("--workdir", help="keep models, logs and the SSD tier here (default: temp)")
     return p
@@ -103,7 +110,7 @@ def run_arch(arch: str, args: argparse.Namespace, workdir: Path) -> ArchResult:
     cfg = trace_config(args)
     model = save_model(workdir / "model", arch, seed=args.seed)
     try:
-        servers = start_servers(model, workdir, args.block_size)
+        servers = start_servers(model, workdir, args.block_size, args.mlx_lm_args)
     except RuntimeError as err:
         summaries = tuple(Summary(arch, s, failure=f"no start: {err}") for s in SYSTEMS)
         return ArchResult(arch, summaries, {}, 0, {}, time.perf_counter() - began)

@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,11 +48,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def system_argv(system: str, model: Path, workdir: Path, block_size: int) -> list[str]:
-    """The command line that starts ``system`` on ``model`` (host and port added later)."""
+def system_argv(
+    system: str, model: Path, workdir: Path, block_size: int, mlx_lm_args: Sequence[str] = ()
+) -> list[str]:
+    """The command line that starts ``system`` on ``model`` (host and port added later).
+
+    ``mlx_lm_args`` go to the plain mlx-lm server only (e.g. a larger ``--prompt-cache-size``).
+    """
     plain = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
     if system == "mlx-lm":
-        return plain
+        return [*plain, *mlx_lm_args]
     if system == "none":
         return [*plain, "--prompt-cache-size", "0"]
     if system == "ours":
@@ -143,7 +149,9 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-def start_servers(model: Path, workdir: Path, block_size: int) -> dict[str, Server]:
+def start_servers(
+    model: Path, workdir: Path, block_size: int, mlx_lm_args: Sequence[str] = ()
+) -> dict[str, Server]:
     """Start every system on ``model`` side by side and wait until each is ready.
 
     Raises:
@@ -153,7 +161,7 @@ def start_servers(model: Path, workdir: Path, block_size: int) -> dict[str, Serv
     servers: dict[str, Server] = {}
     try:
         for system in SYSTEMS:
-            argv = system_argv(system, model, workdir, block_size)
+            argv = system_argv(system, model, workdir, block_size, mlx_lm_args)
             servers[system] = Server(system, argv, workdir / f"{system}.log")
         for server in servers.values():
             server.wait_ready()
