@@ -35,6 +35,18 @@ class Cache(Protocol):
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
+    ) -> int: ...
+
+    def store(
+        self,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> int: ...
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None: ...
@@ -46,6 +58,8 @@ def prefill(
     *,
     prefill_step_size: int | None = None,
     extra: Mapping[str, str] | None = None,
+    session: str | None = None,
+    persist: bool = True,
 ) -> tuple[list[Any], mx.array]:
     """Fetch the cached prefix, prefill the rest block-aligned, capturing every chunk.
 
@@ -55,10 +69,9 @@ def prefill(
     After each chunk mlx-lm's KV quantization schedule is applied (as
     ``generate_step`` does), the cache is evaluated and the blocks it completed
     are stored (window K/V while still in the window, recurrent state at the
-    chunk's end boundary). Each chunk's speed is reported (``note_prefill``).
-
-    Returns:
-        (the cache holding all of ``tokens``, the last token's logits (1, vocab))
+    chunk's end boundary). Each chunk's speed is reported (``note_prefill``);
+    ``session`` and ``persist`` go to every ``capture`` and ``store``. Returns
+    (the cache holding all of ``tokens``, the last token's logits (1, vocab)).
     """
     tokens = list(tokens)
     cfg = pc.config
@@ -86,6 +99,6 @@ def prefill(
         pc.note_prefill(end - start, time.perf_counter() - began)
         # ``store`` keeps the state at the sequence's end and at the branch point
         keep = pc.store if end in (len(tokens), branch) else pc.capture
-        keep(tokens[:end], cache, extra=extra)
+        keep(tokens[:end], cache, extra=extra, session=session, persist=persist)
         start = end
     return cache, logits
