@@ -35,11 +35,11 @@ class Pins:
     """Pinned block keys and when each pin ends; expired pins drop as they are met.
 
     Args:
-        clock: the time source (Unix seconds); tests pass their own.
+        clock: the time source (Unix seconds); default ``time.time``, looked up now.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock if clock is not None else time.time
         self._until: dict[bytes, float] = {}
 
     def __len__(self) -> int:
