@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from .config import CacheConfig
 from .periodic import Periodic
 from .stats import Stats, counter_delta
+from .tiers.governor import watch
 from .tiers.stack import Tiers
 from .warm import WarmStart
 
@@ -51,7 +52,7 @@ class Services:
             from .events import EventPublisher  # pyzmq and msgspec only when asked for
 
             self.events = EventPublisher(config.events_url, config.block_size)
-            tiers.watch(self.events)
+            watch(tiers.all, tiers.governor, self.events)
         seconds = config.counters_save_seconds
         self.saver = (  # a killed process loses at most `seconds` of counters
             Periodic(seconds, self._save_now, "prefixcache-counters")

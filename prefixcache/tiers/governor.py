@@ -19,6 +19,8 @@ Counts ``ssd_writes_deferred`` and ``ssd_writes_skipped`` in the cache's stats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from ..blocks import Block
@@ -128,3 +130,12 @@ class WriteGovernor:
             return False
         self.stats.ssd_writes_deferred += deferred
         return None
+
+
+def watch(tiers: Sequence[Tier], governor: WriteGovernor, listener: BlockListener) -> None:
+    """Report every block stored in and removed from ``tiers`` to ``listener``: each
+    tier that does not report its own (``Tier.watch`` False) is reported by the stack."""
+    governor.listener = listener
+    for tier in tiers:
+        if not tier.watch(listener):
+            governor.reported.add(tier.name)
