@@ -28,6 +28,7 @@ from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import SsdFormatError, UnsupportedCacheError
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
+from .request_options import Requests
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class TieredPromptCache:
         self._hot_only_since: float | None = None  # the SSD tier could not be opened
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
         self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
+        self.requests = Requests()  # per-request options (request_options.py)
+        self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
@@ -84,7 +87,8 @@ class TieredPromptCache:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
-                restored, num_cached = cache.fetch(text)
+                extra = self.requests.for_fetch(tokens).extra
+                restored, num_cached = cache.fetch(text, extra=extra)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
                 return None, tokens
@@ -111,8 +115,16 @@ class TieredPromptCache:
             text = text_prefix(tokens)
             if cache is None or not text:
                 return
+            opts = self.requests.for_insert(tokens)
+            if opts is None:
+                self.num_unattributed += 1
+                return
             try:
-                cache.store(held_tokens(text, prompt_cache), prompt_cache)
+                held = held_tokens(text, prompt_cache)
+                keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
+                cache.store(held, prompt_cache, **keep)
+                if opts.pin_tokens and len(held) >= opts.pin_tokens:
+                    cache.pin(held[: opts.pin_tokens], extra=opts.extra)
             except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
                 # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
                 self.num_rejected += 1
@@ -173,6 +185,7 @@ class TieredPromptCache:
                 "model_key": self._key,
                 "num_rejected": self.num_rejected,
                 "num_storage_errors": self.num_storage_errors,
+                "num_unattributed": self.num_unattributed,
                 "hot_only": int(self._hot_only_since is not None),
             }
 
