@@ -44,20 +44,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
     group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
     group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
-    group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
-    group.add_argument(
-        "--ssd-write-budget", type=_bytes_arg, help="SSD bytes written per day at most, e.g. 20G"
-    )
-    group.add_argument(
-        "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
-    )
-    group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
-    group.add_argument(
-        "--pin-system-prompts",
-        action="store_true",
-        default=None,
-        help="pin every request's system prompt (its first segment)",
-    )
+    _add_operator_args(group)
     group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
     group.add_argument(
         "--mx-cache-limit",
@@ -75,6 +62,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         return ns, []
 
     parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
+
+
+def _add_operator_args(group: argparse._ArgumentGroup) -> None:
+    """Operator controls (docs/operating.md): SSD wear, warm start, KV events, pins."""
+    group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
+    group.add_argument(
+        "--ssd-write-budget", type=_bytes_arg, help="SSD bytes written per day at most, e.g. 20G"
+    )
+    group.add_argument(
+        "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
+    )
+    group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
+    group.add_argument(
+        "--pin-system-prompts",
+        action="store_true",
+        default=None,
+        help="pin every request's system prompt (its first segment)",
+    )
 
 
 _CONFIG_FLAGS = (
