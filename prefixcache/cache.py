@@ -11,20 +11,21 @@ import mlx.nn as nn
 
 from .capture import cut_blocks
 from .config import CacheConfig
+from .controls import Controls, check_session, tail_keys
 from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
-from .periodic import Periodic
 from .restore import restore
-from .stats import Stats, counter_delta
+from .services import Services
+from .stats import Stats
 from .tiers import lower_tiers
 from .tiers.base import Tier
-from .tiers.hot import HotTier
 from .tiers.stack import Tiers
+from .verbs import ControlVerbs
 
 
-class PrefixCache:
+class PrefixCache(ControlVerbs):
     """A tiered, block-aware prefix cache for one model.
 
     Args:
@@ -59,23 +60,11 @@ class PrefixCache:
         shed = self.layout.without_state if self.layout.state_prefixes else None
         self.tiers = Tiers(self.config, self._stats, lower, shed)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
-        self._saved: dict[str, object] = self._stats.as_dict()  # counters as last saved
+        self.controls = Controls(self.tiers)
         self._closed = False
-        seconds = self.config.counters_save_seconds
-        self._saver = (  # a killed process loses at most `seconds` of counters
-            Periodic(seconds, self._save_counters_now, "prefixcache-counters")
-            if seconds > 0 and self.tiers.lower
-            else None
+        self.services = Services(
+            self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
         )
-
-    @property
-    def hot(self) -> HotTier:
-        return self.tiers.hot
-
-    @property
-    def ssd(self) -> Any:
-        """The SSD tier, or None (``hot_cache_only``)."""
-        return self.tiers.named("ssd")
 
     # -- public API -------------------------------------------------------
 
@@ -97,6 +86,7 @@ class PrefixCache:
             root = self._root(extra)
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
             self._last_shared = (data, root, got.shared)
+            self.controls.used(got.keys)
             self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
             return got.cache, got.num_tokens
 
@@ -162,6 +152,8 @@ class PrefixCache:
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> int:
         """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
         and the tail (the tokens after the last full block), with every layer's
@@ -170,13 +162,16 @@ class PrefixCache:
         After generating, the cache holds the prompt and every generated token
         but the last: ``store(tokens + generated[:-1], cache)``. The next turn
         of a conversation then resumes from there on every layout.
+        ``session`` tags the blocks only this session holds (``end_session``
+        drops them); ``persist=False`` keeps them hot only, never written to a
+        lower tier (docs/operating.md).
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        return self._store(tokens, cache, extra)
+        return self._store(tokens, cache, extra, session=session, persist=persist)
 
     def capture(
         self,
@@ -184,6 +179,8 @@ class PrefixCache:
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> int:
         """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
         state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
@@ -193,7 +190,7 @@ class PrefixCache:
             the errors of ``store``: a cache that does not hold exactly
             ``tokens_so_far`` cannot be kept there.
         """
-        return self._store(tokens_so_far, cache, extra)
+        return self._store(tokens_so_far, cache, extra, session=session, persist=persist)
 
     def prefill(
         self,
@@ -201,16 +198,19 @@ class PrefixCache:
         *,
         prefill_step_size: int | None = None,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> tuple[list[Any], mx.array]:
-        """``fetch``, prefill the rest in block-aligned chunks, ``capture`` each.
+        """``fetch``, prefill the rest capturing at every checkpoint, ``store``.
 
-        ``prefill_step_size`` (a multiple of ``block_size``; chunks end on its
-        multiples) defaults to the snapshot interval (``layout.snapshot_interval``) for models with
-        recurrent layers, else ~2048 tokens. Returns (cache, last logits).
+        ``prefill_step_size`` (a multiple of ``block_size``; chunks also end on
+        its multiples) defaults to about mlx-lm's 2048 tokens. Returns (cache,
+        last logits).
         """
         from .prefill import prefill
 
-        return prefill(self, tokens, prefill_step_size=prefill_step_size, extra=extra)
+        keep = {"extra": extra, "session": session, "persist": persist}
+        return prefill(self, tokens, prefill_step_size=prefill_step_size, **keep)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         """Report a prefill of ``num_tokens`` that took ``seconds`` (``prefill`` does;
@@ -221,36 +221,31 @@ class PrefixCache:
 
     def stats(self) -> dict[str, object]:
         with self._lock:
-            return self._stats.as_dict() | self.tiers.snapshot()
+            tiers = self.tiers.snapshot()
+            written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
+            out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
+            return out | tiers | self.services.stats()
 
     def flush(self) -> None:
         """Persist every dirty hot block to the lower tiers and wait for their writes."""
         with self._lock:
             self.tiers.flush()
-            self._save_counters()
-
-    def trim_hot(self, max_bytes: int) -> int:
-        """Evict LRU hot blocks (leaves first) until at most ``max_bytes`` are held.
-
-        Dirty blocks spill to the lower tiers as on any eviction. Returns how
-        many blocks left the hot tier.
-        """
-        with self._lock:
-            return self.hot.evict_to(max(0, max_bytes))
+            self.services.save_counters()
 
     def close(self) -> None:
-        saver, self._saver = self._saver, None
-        if saver is not None:
-            saver.stop()  # not under the lock: its last call may be waiting for it
+        self.services.stop()  # not under the lock: its threads may be waiting for it
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             try:
                 self.tiers.flush()
-                self._save_counters()
+                self.services.save_counters()
             finally:
-                self.tiers.close()
+                try:
+                    self.tiers.close()
+                finally:
+                    self.services.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -272,8 +267,12 @@ class PrefixCache:
         tokens: Sequence[int],
         cache: Sequence[Any],
         extra: Mapping[str, str] | None,
+        *,
+        session: str | None,
+        persist: bool,
     ) -> int:
         data = token_bytes(tokens)
+        check_session(session)
         with self._lock:
             self._check_open()
             self.layout.validate(cache, len(data) // 4)
@@ -292,11 +291,13 @@ class PrefixCache:
                 window=self.layout.window_policy,
             )
             self._last_shared = None  # what is stored changed
-            self.tiers.keep(cut.new)
+            self.tiers.keep(cut.new, persist=persist)
             self.tiers.replace(cut.upgraded)
             tail = cut.tail
             if tail is not None:
-                self.tiers.keep_tail(tail)
+                self.tiers.keep_tail(tail, persist=persist)
+            walked = [*keys, *tail_keys(root, keys, data, bs)]
+            self.controls.stored(session, persist, [*cut.new, *([tail] if tail else [])], walked)
             if self.layout.trimmable_at(1):  # recurrent state: a tail's end state is its own
                 for block in [*cut.new[-1:], *([tail] if tail else [])]:
                     self.hot.drop_superseded(block)
@@ -316,17 +317,6 @@ class PrefixCache:
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
         return root
-
-    def _save_counters_now(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._save_counters()
-
-    def _save_counters(self) -> None:
-        """Add the counters since the last save to the lower tiers' record of this model."""
-        now = self._stats.as_dict()
-        self.tiers.save_counters(self._root(None), counter_delta(now, self._saved))
-        self._saved = now
 
 
 def _nonempty(tokens: Sequence[int]) -> bytes:

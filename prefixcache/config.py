@@ -26,9 +26,9 @@ def parse_bytes(text: str | int) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"not a byte size: {text!r}") from None
-    if unit not in _SIZE_UNITS or value < 0:
-        raise ValueError(f"not a byte size: {text!r}")
+        raise ValueError(f"not a byte size (e.g. 512M, 8G): {text!r}") from None
+    if unit not in _SIZE_UNITS or not 0 <= value < float(1 << 62):  # also nan, inf
+        raise ValueError(f"not a byte size (e.g. 512M, 8G): {text!r}")
     return int(value * _SIZE_UNITS[unit])
 
 
@@ -84,6 +84,19 @@ class CacheConfig:
             this (0: leave it to the server's ``maxmemory``).
         prefill_tokens_per_s: recompute speed the remote cost gate compares a
             remote restore with (0: measured by ``PrefixCache.prefill``).
+        ssd_admit_after: a block is written to the SSD tier only once it has
+            been used this many times (stored, then restored); 1 writes every
+            block, 2 admits on the second sighting (docs/operating.md).
+        ssd_write_budget: bytes the SSD tier may write per day (a leaky bucket
+            shared by every process of the directory); 0: no budget.
+        warm_bytes: on open, load pinned blocks and the most recently used
+            chains, up to this many bytes, from the SSD tier into hot, in the
+            background; 0: no warm start.
+        events_url: publish BlockStored / BlockRemoved events (vLLM's KV-events
+            layout) on a ZeroMQ PUB socket at this address (``tcp://*:5557``
+            binds); None: no events. Needs the ``events`` extra.
+        pin_system_prompts: ``prefixcache serve`` pins every request's system
+            prompt (its first segment).
     """
 
     block_size: int = 256
@@ -113,6 +126,11 @@ class CacheConfig:
     remote_breaker_ms: int = 5000
     remote_max_bytes: int = 0
     prefill_tokens_per_s: int = 0
+    ssd_admit_after: int = 1
+    ssd_write_budget: int = 0
+    warm_bytes: int = 0
+    events_url: str | None = None
+    pin_system_prompts: bool = False
 
     def __post_init__(self) -> None:
         ratio = self.snapshot_ratio
@@ -124,6 +142,7 @@ class CacheConfig:
             "remote_connect_timeout_ms",
             "remote_timeout_ms",
             "remote_breaker_failures",
+            "ssd_admit_after",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -140,6 +159,8 @@ class CacheConfig:
             "prefill_tokens_per_s",
             "snapshot_interval",
             "checkpoint_tail",
+            "ssd_write_budget",
+            "warm_bytes",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -157,6 +178,7 @@ class CacheConfig:
                 f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}"
             )
         _check_remote(self.remote_url, self.remote_prefix)
+        _check_events(self.events_url)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
 
@@ -181,14 +203,23 @@ class CacheConfig:
 
 
 def _parse_field(name: str, raw: str) -> object:
-    if name in ("hot_cache_only", "promote"):
+    try:
+        return _parse_raw(name, raw)
+    except ValueError as err:  # name the variable the bad value came from
+        var = ENV_PREFIX + name.upper()
+        text = str(err)
+        raise ValueError(text if text.startswith(var) else f"{var}: {text}") from None
+
+
+def _parse_raw(name: str, raw: str) -> object:
+    if name in ("hot_cache_only", "promote", "pin_system_prompts"):
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
             return True
         if lowered in ("0", "false", "no", "off", ""):
             return False
         raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
-    if name.endswith("_bytes"):
+    if name.endswith("_bytes") or name == "ssd_write_budget":
         return parse_bytes(raw)
     if name in ("ssd_dir", "write_policy", "queue_full", "remote_prefix"):
         return raw
@@ -197,7 +228,7 @@ def _parse_field(name: str, raw: str) -> object:
             return float(raw)
         except ValueError:
             raise ValueError(f"{ENV_PREFIX}{name.upper()} must be seconds, got {raw!r}") from None
-    if name == "remote_url":
+    if name in ("remote_url", "events_url"):
         return raw.strip() or None
     if name == "kv_bits" and raw.strip().lower() in ("", "none"):
         return None
@@ -220,3 +251,11 @@ def _check_remote(url: str | None, prefix: str) -> None:
         raise ValueError(f"remote_url must start with one of {REMOTE_SCHEMES}, got {url!r}")
     if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :*?[]"):
         raise ValueError(f"remote_prefix must be a non-empty name without ' :*?[]', got {prefix!r}")
+
+
+EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_events(url: str | None) -> None:
+    if url is not None and (not isinstance(url, str) or not url.startswith(EVENT_SCHEMES)):
+        raise ValueError(f"events_url must start with one of {EVENT_SCHEMES}, got {url!r}")

@@ -74,3 +74,7 @@ class SsdDirError(OSError):
     def __init__(self, path: str, reason: str):
         super().__init__(f"SSD tier directory {path} is not usable: {reason}")
         self.path = path
+
+
+class PinCapacityError(ValueError):
+    """Pinning these blocks would hold more pinned bytes than a tier's cap allows."""

@@ -28,6 +28,7 @@ from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import SsdFormatError, UnsupportedCacheError
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
+from .request_options import Requests
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class TieredPromptCache:
         self._last: tuple[ModelKey, list[int], int] | None = None  # the last fetch
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
         self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
+        self.requests = Requests()  # per-request options (request_options.py)
+        self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
@@ -86,7 +89,8 @@ class TieredPromptCache:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
-                restored, num_cached = cache.fetch(text)
+                extra = self.requests.for_fetch(tokens).extra
+                restored, num_cached = cache.fetch(text, extra=extra)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
                 return None, tokens
@@ -104,7 +108,8 @@ class TieredPromptCache:
             if cache is None or not text:
                 return []
             try:
-                return cache.checkpoints(text, num_cached)
+                extra = self.requests.for_fetch(tokens).extra
+                return cache.checkpoints(text, num_cached, extra=extra)
             except _STORAGE_ERRORS as err:
                 self._storage_error("checkpoints", err)
                 return []
@@ -133,8 +138,16 @@ class TieredPromptCache:
             text = text_prefix(tokens)
             if cache is None or not text:
                 return
+            opts = self.requests.for_insert(tokens)
+            if opts is None:
+                self.num_unattributed += 1
+                return
             try:
-                cache.store(held_tokens(text, prompt_cache), prompt_cache)
+                held = held_tokens(text, prompt_cache)
+                keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
+                cache.store(held, prompt_cache, **keep)
+                if opts.pin_tokens and len(held) >= opts.pin_tokens:
+                    cache.pin(held[: opts.pin_tokens], extra=opts.extra)
             except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
                 # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
                 self.num_rejected += 1
@@ -195,6 +208,7 @@ class TieredPromptCache:
                 "model_key": self._key,
                 "num_rejected": self.num_rejected,
                 "num_storage_errors": self.num_storage_errors,
+                "num_unattributed": self.num_unattributed,
                 "hot_only": int(self._hot_only_since is not None),
             }
 

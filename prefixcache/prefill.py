@@ -43,6 +43,8 @@ class Cache(Protocol):
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> int: ...
 
     def store(
@@ -51,6 +53,8 @@ class Cache(Protocol):
         cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
     ) -> int: ...
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None: ...
@@ -62,6 +66,8 @@ def prefill(
     *,
     prefill_step_size: int | None = None,
     extra: Mapping[str, str] | None = None,
+    session: str | None = None,
+    persist: bool = True,
 ) -> tuple[list[Any], mx.array]:
     """Fetch the cached prefix, prefill the rest, capture at every checkpoint, store.
 
@@ -70,7 +76,8 @@ def prefill(
     where the cache is captured (the state there is kept); the finished cache
     is stored. After each chunk mlx-lm's KV quantization schedule is applied
     (as ``generate_step`` does), the cache is evaluated and the chunk's speed
-    reported (``note_prefill``).
+    reported (``note_prefill``). ``session`` and ``persist`` go to every
+    ``capture`` and ``store``.
 
     Returns:
         (the cache holding all of ``tokens``, the last token's logits (1, vocab))
@@ -93,9 +100,10 @@ def prefill(
         mx.eval(logits, [c.state for c in cache])
         del out
         pc.note_prefill(end - start, time.perf_counter() - began)
+        keep = {"extra": extra, "session": session, "persist": persist}
         if end == len(tokens):
-            pc.store(tokens, cache, extra=extra)
+            pc.store(tokens, cache, **keep)
         elif end in checkpoints:
-            pc.capture(tokens[:end], cache, extra=extra)
+            pc.capture(tokens[:end], cache, **keep)
         start = end
     return cache, logits

@@ -36,12 +36,14 @@ from .tiers.stack import Tiers
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """What a fetch restored: the cache, its tokens, why not more, the shared prefix."""
+    """What a fetch restored: the cache, its tokens, why not more, the shared prefix,
+    the keys of the blocks it was rebuilt from."""
 
     cache: list[Any]
     num_tokens: int
     reason: MissReason | None
     shared: int
+    keys: list[bytes]
 
 
 def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Restored:
@@ -58,7 +60,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         shared = plan.shared if shared is None else shared
         reason = reason or plan.reason
         if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
-            return Restored(make_prompt_cache(layout.model), 0, reason, shared)
+            return Restored(make_prompt_cache(layout.model), 0, reason, shared, [])
         loader = ChainLoad(tiers, plan)
         # a block cut back is copied whole: the buffers hold every block
         capacity = round_up(max(len(data) // 4 + headroom, len(plan.entries) * bs))
@@ -69,7 +71,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
             reason = reason or short.reason
             continue
         tiers.after_hit(plan.keys, loader.loaded)
-        return Restored(cache, plan.num_tokens, reason, shared)
+        return Restored(cache, plan.num_tokens, reason, shared, plan.keys)
 
 
 class ChainLoad:

@@ -30,6 +30,8 @@ class Stats:
     num_promotions: int = 0
     upgraded_blocks: int = 0
     num_discarded: int = 0
+    ssd_writes_deferred: int = 0
+    ssd_writes_skipped: int = 0
     block_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     miss_reasons: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in MissReason})
 
@@ -117,6 +119,21 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "upgraded_blocks": ("upgraded_blocks_total", _C, "blocks given payloads a later capture cut"),
     "num_discarded": ("discarded_blocks_total", _C, "blocks evicted from hot, kept nowhere"),
     "num_rejected": ("rejected_inserts_total", _C, "server inserts refused (type or layout)"),
+    "ssd_writes_deferred": (
+        "ssd_writes_deferred_total", _C, "ssd writes postponed (over the write budget)",
+    ),
+    "ssd_writes_skipped": (
+        "ssd_writes_skipped_total", _C, "blocks never written to ssd (not admitted, no budget)",
+    ),
+    "ssd_bytes_written": ("ssd_bytes_written_total", _C, "payload file bytes written to ssd"),
+    "num_pinned": ("pinned_blocks", _G, "blocks pinned (any tier)"),
+    "num_sessions": ("sessions", _G, "sessions with blocks only they hold"),
+    "hot.pinned_bytes": ("hot_pinned_bytes", _G, "bytes of pinned blocks in the hot tier"),
+    "ssd.pinned_bytes": ("ssd_pinned_bytes", _G, "file bytes of pinned blocks on the ssd tier"),
+    "ssd.num_pinned": ("ssd_pinned_blocks", _G, "pins recorded in the ssd index"),
+    "ssd.written_bytes_today": ("ssd_written_bytes_today", _G, "ssd bytes written today (UTC)"),
+    "ssd.write_budget": ("ssd_write_budget_bytes", _G, "ssd bytes allowed per day (0: none)"),
+    "ssd.write_budget_left": ("ssd_write_budget_left_bytes", _G, "ssd write budget left now"),
     "hot.num_blocks": ("hot_blocks", _G, "blocks in the hot tier"),
     "hot.nbytes": ("hot_bytes", _G, "payload bytes in the hot tier"),
     "hot.max_bytes": ("hot_max_bytes", _G, "byte budget of the hot tier"),

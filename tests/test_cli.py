@@ -438,7 +438,9 @@ def test_a_reader_runs_while_another_process_writes(copy, tmp_path):
 
 # -- metrics, logging, formatting ------------------------------------------------------
 
-_SAMPLE = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-z_]+="[^"]*"\})? (-?[0-9.e+]+)')
+_SAMPLE = re.compile(
+    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-z_]+="[^"]*"\})? (-?[0-9.]+(?:e[+-]?[0-9]+)?)'
+)
 
 
 def parse_prometheus(text: str) -> dict[str, tuple[str, list[float]]]:

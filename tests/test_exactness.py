@@ -103,3 +103,28 @@ def test_negative_control_wrong_prefix_changes_logits(case):
         bad, num_cached = pc.fetch(b)
         assert num_cached == 3 * BLOCK
         assert max_diff(prefill(model, b[48:], bad, step=BLOCK, kv=kv), live) > 0.0
+
+
+def test_a_cache_filled_in_one_chunk_is_written_and_restored(tmp_path):
+    """A first prefill chunk of 256 tokens (mlx-lm's buffer step) leaves the
+    attention's transposed values as the cache's buffer itself: blocks cut from it
+    are still row-major, so the SSD writer takes them and they restore exactly."""
+    model = tiny_model("llama")
+    tokens = prompt(11, 256)
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    assert not memoryview(cache[0].values).c_contiguous  # the case under test
+    config = CacheConfig(
+        block_size=BLOCK, ssd_dir=str(tmp_path), write_policy="write_through", hot_max_bytes=1
+    )
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        pc.store(tokens, cache)
+        pc.flush()
+        ssd = pc.stats()["ssd"]
+        assert ssd["num_writes"] == 16 and ssd["num_write_failures"] == 0
+        probe = [*tokens, 5, 6]
+        restored, n = pc.fetch(probe)
+        assert n == 256 and pc.stats()["ssd_block_hits"] == 16
+        want = live_logits(model, probe, 256, step=256)
+        assert max_diff(prefill(model, probe[256:], restored, step=256), want) == 0.0

@@ -44,6 +44,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
     group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
     group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
+    _add_operator_args(group)
     group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
     group.add_argument(
         "--mx-cache-limit",
@@ -63,10 +64,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
 
 
+def _add_operator_args(group: argparse._ArgumentGroup) -> None:
+    """Operator controls (docs/operating.md): SSD wear, warm start, KV events, pins."""
+    group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
+    group.add_argument(
+        "--ssd-write-budget", type=_bytes_arg, help="SSD bytes written per day at most, e.g. 20G"
+    )
+    group.add_argument(
+        "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
+    )
+    group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
+    group.add_argument(
+        "--pin-system-prompts",
+        action="store_true",
+        default=None,
+        help="pin every request's system prompt (its first segment)",
+    )
+
+
 _CONFIG_FLAGS = (
     "ssd_dir", "hot_max_bytes", "ssd_max_bytes", "block_size", "hot_cache_only", "write_policy",
     "remote_url", "remote_prefix", "remote_timeout_ms", "remote_connect_timeout_ms",
-    "remote_max_bytes",
+    "remote_max_bytes", "ssd_admit_after", "ssd_write_budget", "warm_bytes", "events_url",
+    "pin_system_prompts",
 )  # fmt: skip
 
 
@@ -79,7 +99,17 @@ def serve_config(args: argparse.Namespace) -> CacheConfig:
     config = CacheConfig.from_env(**{name: getattr(args, name, None) for name in _CONFIG_FLAGS})
     if ENV_PREFIX + "RESTORE_HEADROOM" not in os.environ:
         config = config.replace(restore_headroom=0)
+    if getattr(args, "warm_bytes", None) is None and ENV_PREFIX + "WARM_BYTES" not in os.environ:
+        config = config.replace(warm_bytes=config.hot_max_bytes // 2)  # serve starts warm
     return config
+
+
+def _bytes_arg(text: str) -> int:
+    """argparse type of a byte size: the error names the value."""
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def set_mx_cache_limit(args: argparse.Namespace) -> int | None:

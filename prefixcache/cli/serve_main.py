@@ -5,16 +5,26 @@ duration of the call that class is swapped for a subclass that passes a
 ``TieredPromptCache`` instead and flushes it on shutdown, and cuts the
 prompt's segments again at its checkpoints; its ``stream_generate`` (the
 sequential path) prefills up to each checkpoint first (mlx_segments.py).
-Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM takes mlx-lm's Ctrl-C
-path, so the hot tier is flushed to SSD either way. Imported only to serve
+Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
+takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way. Imported only to serve
 (it imports mlx-lm); the options are serve.py's.
+
+Per-request cache fields (``cache_salt``, ``session_id`` / ``X-Session-Id``,
+``cache.persist``) reach the cache through three narrow overrides
+(request_options.py, docs/operating.md): the HTTP handler parses them before
+mlx-lm's ``handle_completion`` (a bad one is a 400 naming it), ``generate``
+(same thread) files them under the request object, and ``_tokenize`` (the
+generation thread, just before the fetch) registers them with the prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +36,7 @@ from ..config import CacheConfig
 from ..mlx_fit import ModelKey, ModelPair
 from ..mlx_segments import CheckpointedPrefill, cut_segments
 from ..mlx_server import TieredPromptCache
+from ..request_options import DEFAULT, RequestOptions, parse
 from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)
@@ -51,9 +62,12 @@ def run_mlx_server(
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
     generator_class = _generator_class(server.ResponseGenerator, config, generators)
+    run_http = server._run_http_server
+    handler = _handler_class(server.APIHandler)
     with (
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
+        _swapped(server, "_run_http_server", lambda *a, **k: run_http(*a, handler_class=handler)),
         _swapped(sys, "argv", argv),
         _sigterm_interrupts(),
         serve_metrics(metrics_port, lambda: generators[-1].tiered.stats() if generators else {}),
@@ -76,17 +90,29 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
             kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
             cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
             self.tiered = TieredPromptCache(provider_models(model_provider), cfg)
+            self._options: dict[int, RequestOptions] = {}
+            self._options_lock = threading.Lock()
             made.append(self)
             super().__init__(model_provider, self.tiered)
 
-        def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> tuple:
-            """mlx-lm's segments, cut again at the prompt's checkpoints: its batched
-            path inserts the cache at each segment's end."""
-            prompt, segments, types, *rest = super()._tokenize(tokenizer, request, args)
+        def generate(self, request: Any, generation_args: Any, progress_callback: Any = None):
+            options = _asked.options  # set by the handler on this thread
+            with self._options_lock:
+                self._options[id(request)] = options  # the request lives until answered
+            return super().generate(request, generation_args, progress_callback)
+
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any):
+            out = super()._tokenize(tokenizer, request, args)
+            with self._options_lock:
+                options = self._options.pop(id(request), DEFAULT)
+            prompt, segments, kinds = out[0], out[1], out[2]
+            if config.pin_system_prompts and kinds[:1] == ["system"] and len(segments) > 1:
+                options = dataclasses.replace(options, pin_tokens=len(segments[0]))
+            self.tiered.requests.begin(prompt, options)
             cuts = self.tiered.checkpoints(self.model_provider.model_key, prompt)
-            if cuts:
-                segments, types = cut_segments(segments, types, cuts)
-            return (prompt, segments, types, *rest)
+            if cuts:  # its batched path inserts the cache at each segment's end
+                segments, kinds = cut_segments(segments, kinds, cuts)
+            return (prompt, segments, kinds, *out[3:])
 
         def stop_and_join(self) -> None:
             try:
@@ -107,6 +133,35 @@ def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callabl
         return CheckpointedPrefill(stream_generate, made[-1].tiered)(*args, **kwargs)
 
     return run
+
+
+class _Asked(threading.local):
+    """The cache options of the request this HTTP thread serves."""
+
+    options: RequestOptions = DEFAULT
+
+
+_asked = _Asked()
+
+
+def _handler_class(base: type) -> type:
+    """mlx-lm's APIHandler that parses the cache fields of each completion request."""
+
+    class CacheOptionsHandler(base):  # type: ignore[misc,valid-type]
+        def handle_completion(self, request: Any, stop_words: Any) -> None:
+            try:
+                _asked.options = parse(self.body, self.headers)
+            except ValueError as err:
+                self._set_completion_headers(400)
+                self.end_headers()
+                self.wfile.write(json.dumps({"error": str(err)}).encode())
+                return
+            try:
+                super().handle_completion(request, stop_words)
+            finally:
+                _asked.options = DEFAULT
+
+    return CacheOptionsHandler
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Resident
+from .base import Builder, Codec, Resident, owned
 from .buffer import TokenBuffer
 
 
@@ -18,12 +18,10 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def owned_slice(x: mx.array, start: int, end: int) -> mx.array:
-    """A copy of ``x[..., start:end, :]`` that owns its memory.
-
-    ``mx.contiguous`` returns the parent buffer itself when the slice is already
-    contiguous (one head, or the whole buffer): that would pin the live cache.
-    """
-    return mx.array(x[..., start:end, :])
+    """A row-contiguous copy of ``x[..., start:end, :]`` that owns its memory (see
+    ``owned``: a buffer a whole first chunk filled may be the attention's
+    transposed K/V itself, whose copy keeps that layout)."""
+    return owned(x[..., start:end, :], x)
 
 
 def check_single(cache: Any, keys: mx.array) -> None:

@@ -33,6 +33,14 @@ class ChainEntry(Protocol):
     nbytes: int
 
 
+class BlockListener(Protocol):
+    """Hears blocks enter and leave a tier (the KV events publisher, events.py)."""
+
+    def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None: ...
+
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None: ...
+
+
 class Loaded(Protocol):
     """A block loaded for a restore: a Block, or one whose tensors are host views."""
 
@@ -88,6 +96,8 @@ class Tier(ABC):
         load_miss: the miss reason when a block it held could not be loaded.
         lists_children: ``children`` lists what it holds under a parent, so
             tails (found only that way) are put to it; else they are not.
+        metered: its writes wear a local disk: the stack applies
+            ``ssd_admit_after`` and the tier's write budget before each put.
     """
 
     name: ClassVar[str]
@@ -95,6 +105,7 @@ class Tier(ABC):
     eager: ClassVar[bool] = False
     load_miss: ClassVar[MissReason] = MissReason.CORRUPT
     lists_children: ClassVar[bool] = False
+    metered: ClassVar[bool] = False
 
     @abstractmethod
     def entry(self, key: bytes) -> ChainEntry | None:
@@ -160,6 +171,35 @@ class Tier(ABC):
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:  # noqa: B027
         """Add a cache's counters since its last save to the tier's own record."""
+
+    def watch(self, listener: BlockListener) -> bool:
+        """Report blocks stored and removed to ``listener``; True if the tier does so
+        itself (e.g. from its writer thread, with its own evictions). False (the
+        default): the stack reports each accepted ``put`` and each ``remove``."""
+        return False
+
+    def check_pin(self, blocks: Sequence[Block]) -> None:  # noqa: B027
+        """Raise PinCapacityError if pinning ``blocks`` too would exceed the cap."""
+
+    def pin(self, blocks: Sequence[Block], until: float) -> None:  # noqa: B027
+        """Never evict these blocks until ``until`` (Unix time, inf: never). A tier that
+        cannot hold blocks against its own eviction (remote) keeps this default."""
+
+    def unpin(self, keys: Sequence[bytes]) -> None:  # noqa: B027
+        """End the pins of ``keys`` (the blocks stay, evictable again)."""
+
+    def pins(self) -> Mapping[bytes, float]:
+        """Pins the tier keeps across restarts: key -> end (Unix time)."""
+        return {}
+
+    def recent(self, max_bytes: int) -> Sequence[ChainEntry]:
+        """Blocks to load into hot first after a restart (warm start): pinned chains,
+        then the most recently used ones, each root-first, up to ``max_bytes``."""
+        return []
+
+    def write_budget_left(self) -> int | None:
+        """Bytes the tier may still write now under its write budget; None: no budget."""
+        return None
 
     @abstractmethod
     def stats(self) -> dict[str, int]:

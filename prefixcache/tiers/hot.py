@@ -20,7 +20,8 @@ import numpy as np
 from ..blocks import Block
 from ..errors import MissReason
 from ..host import host_bytes
-from .base import Tier, TierReader
+from ..pins import Pins
+from .base import BlockListener, Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
@@ -35,9 +36,15 @@ class HotTier(Tier):
     load_miss = MissReason.EVICTED
 
     def __init__(
-        self, max_bytes: int, on_evict: EvictHook | None = None, shed: ShedHook | None = None
+        self,
+        max_bytes: int,
+        on_evict: EvictHook | None = None,
+        shed: ShedHook | None = None,
+        pins: Pins | None = None,
     ):
         self.max_bytes = max_bytes
+        self.pins = pins if pins is not None else Pins()
+        self.listener: BlockListener | None = None
         self.on_evict = on_evict
         self.shed = shed
         self.num_shed = 0
@@ -93,10 +100,19 @@ class HotTier(Tier):
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.pop(key) is not None for key in keys)
 
+    def watch(self, listener: BlockListener) -> bool:
+        self.listener = listener
+        return True
+
+    def pinned_nbytes(self) -> int:
+        """Bytes of the pinned blocks held here (pins in force now)."""
+        return sum(b.nbytes for k, b in self._lru.items() if self.pins.holds(k))
+
     def stats(self) -> dict[str, int]:
         return {
             "num_blocks": len(self._lru),
             "nbytes": self.nbytes,
+            "pinned_bytes": self.pinned_nbytes(),
             "max_bytes": self.max_bytes,
             "num_evictions": self.num_evictions,
             "num_shed_snapshots": self.num_shed,
@@ -131,6 +147,8 @@ class HotTier(Tier):
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
+        if self.listener is not None:
+            self.listener.stored(self.name, [block])
         self.evict_to(self.max_bytes)
         return True
 
@@ -140,12 +158,31 @@ class HotTier(Tier):
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
-            leaf = next((k for k in self._lru if not self._children.get(k)), None)
-            if leaf is None:  # unreachable: a finite forest always has a leaf
+            leaf = self._victim()
+            if leaf is None:  # every leaf is pinned
                 break
             self._evict(leaf)
             num += 1
         return num
+
+    def _victim(self) -> bytes | None:
+        """The least recently used leaf that is not pinned, or None.
+
+        Pinned leaves met on the way move to the recent end, so the next scan
+        does not walk them again.
+        """
+        met, found = [], None
+        for key in self._lru:
+            if self._children.get(key):
+                continue
+            if self.pins.holds(key):
+                met.append(key)
+                continue
+            found = key
+            break
+        for key in met:
+            self._lru.move_to_end(key)
+        return found
 
     def _shed_one(self) -> bool:
         """Drop the snapshot of the oldest block inside a chain that has one."""
@@ -195,7 +232,18 @@ class HotTier(Tier):
         del kids[key]
         if not kids:
             del self._children[block.parent]
+        if self.listener is not None:
+            self.listener.removed(self.name, [key])
         return block
+
+    def mark_dirty(self, key: bytes) -> None:
+        """``key`` is to be spilled when evicted (a write deferred until then)."""
+        if key in self._lru:
+            self._dirty.add(key)
+
+    def mark_clean(self, key: bytes) -> None:
+        """``key`` is stored below already (nothing to spill when it goes)."""
+        self._dirty.discard(key)
 
     def take_dirty(self) -> list[Block]:
         """Dirty blocks (not yet on SSD) root-first, marked clean."""

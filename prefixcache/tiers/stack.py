@@ -6,19 +6,24 @@ the restore itself is restore.py's), and lower-tier hits are promoted upward
 dirty block spills to the lower tiers when hot evicts it, under
 ``write_through`` it is put there at once, and an ``eager`` tier takes every
 block at once. With no lower tier (``hot_cache_only``) an evicted block is
-discarded, and remembered to explain the next miss.
+discarded, and remembered to explain the next miss. A ``persist=False`` block
+stays hot only (``private``); a metered tier's writes pass the governor
+(governor.py); pins and sessions act on the stack through controls.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 
 from ..blocks import Block
 from ..config import CacheConfig
 from ..errors import MissReason
+from ..pins import Pins
 from ..stats import Stats
 from .base import ChainEntry, Tier
+from .governor import WriteGovernor
 from .hot import HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
@@ -35,14 +40,18 @@ class Tiers:
         shed: ShedHook | None = None,
     ):
         self.config, self.stats = config, stats
-        self.hot = HotTier(config.hot_max_bytes, on_evict=self._on_hot_evict, shed=shed)
+        self.pins = Pins()
+        self.hot = HotTier(config.hot_max_bytes, self._on_hot_evict, shed, self.pins)
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
         through = config.write_policy == "write_through"
-        self._on_store = [t for t in self.lower if t.eager or through]
-        self._on_spill = [t for t in self.lower if not (t.eager or through)]
+        self.on_store = [t for t in self.lower if t.eager or through]
+        self.on_spill = [t for t in self.lower if not (t.eager or through)]
+        self.spill_to = [*self.on_spill, *(t for t in self.on_store if t.metered)]  # + deferred
         self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[bytes] = set()
+        self.private: set[bytes] = set()  # hot blocks stored with persist=False
+        self.governor = WriteGovernor(config, stats, self.pins, self.hot)
 
     def named(self, name: str) -> Tier | None:
         return next((t for t in self.all if t.name == name), None)
@@ -108,16 +117,22 @@ class Tiers:
 
     # -- write path ----------------------------------------------------------
 
-    def keep(self, blocks: Sequence[Block], *, upgrade: bool = False) -> None:
-        """Place new blocks (root-first) according to the write policy."""
+    def keep(self, blocks: Sequence[Block], *, upgrade: bool = False, persist: bool = True) -> None:
+        """Place new blocks (root-first) according to the write policy; ``persist=False``
+        keeps them hot only (never written to a lower tier)."""
         warm = []
         for block in blocks:
             self.stats.kept(block.nbytes, upgrade=upgrade)
             self._evicted_set.discard(block.key)
-            for tier in self._on_store:
-                if self._finds(tier, block):
-                    tier.put(block)
-            dirty = bool(self._on_spill)
+            if not upgrade:
+                self.governor.seen(block.key)
+            waits = False
+            for tier in self.on_store if persist else ():
+                if self.finds(tier, block):
+                    waits = self.governor.put(tier, block, last_chance=False) is None or waits
+            if not persist:
+                self.private.add(block.key)
+            dirty = persist and (bool(self.on_spill) or waits)
             cold = block.parent != block.root and block.parent not in self.hot
             if cold and not self.lower:  # its parent is gone: no fetch can reach it
                 self._on_hot_evict(block, False)
@@ -128,7 +143,7 @@ class Tiers:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
-    def keep_tail(self, block: Block) -> None:
+    def keep_tail(self, block: Block, *, persist: bool = True) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
         Tails are found through their parent (``Tier.children``), so they go to
@@ -137,45 +152,51 @@ class Tiers:
         """
         cold = block.parent != block.root and block.parent not in self.hot
         if not (cold and not self.lower):
-            self.keep([block])
+            self.keep([block], persist=persist)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
         keys = [b.key for b in blocks]
-        for tier in self.lower:
-            if any(tier.contains(k) for k in keys):  # a queued copy must land first
-                tier.flush()
-                tier.remove(keys)
+        private = [k in self.private for k in keys]
+        self.remove_lower(keys)
         self.hot.remove(keys)
-        self.keep(blocks, upgrade=True)
+        for block, hidden in zip(blocks, private, strict=True):
+            self.keep([block], upgrade=True, persist=not hidden)
 
-    def spill(self, block: Block) -> None:
+    def spill(self, block: Block, *, last_chance: bool = True) -> None:
+        """Write a dirty hot block to the tiers it is due on (``last_chance``: it is
+        leaving hot, so a write the governor defers is dropped instead)."""
+        if block.key in self.private:
+            return
         spilled = False
-        for tier in self._on_spill:
-            if self._finds(tier, block):
-                spilled = tier.put(block) or spilled
+        for tier in self.spill_to:
+            due = tier in self.on_spill or not tier.contains(block.key)
+            if due and self.finds(tier, block):
+                spilled = bool(self.governor.put(tier, block, last_chance=last_chance)) or spilled
         self.stats.num_spills += spilled
 
     def flush(self) -> None:
-        """Persist every dirty hot block and wait for the lower tiers' writes."""
-        for block in self.hot.take_dirty():
-            self.spill(block)
+        """Persist dirty hot blocks (pinned first; deferred ones stay dirty) and wait."""
+        dirty = self.hot.take_dirty()
+        for block in sorted(dirty, key=lambda b: (not self.pins.holds(b.key), b.index)):
+            self.spill(block, last_chance=False)
         for tier in self.lower:
             tier.flush()
 
     def close(self) -> None:
-        """Flush, then close every lower tier (each one, even if one fails)."""
-        try:
+        """Flush, then close every lower tier (each one, even if one fails: the first
+        tier's failure is raised)."""
+        with contextlib.ExitStack() as closing:
+            for tier in reversed(self.lower):
+                closing.callback(tier.close)
             self.flush()
-        finally:
-            errors = []
-            for tier in self.lower:
-                try:
-                    tier.close()
-                except Exception as e:
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+
+    def remove_lower(self, keys: Sequence[bytes]) -> None:
+        """Drop ``keys`` from every lower tier (queued copies land first, then go)."""
+        for tier in self.lower:
+            if any(tier.contains(k) for k in keys):  # a queued copy must land first
+                tier.flush()
+                tier.remove(keys)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         for tier in self.lower:
@@ -192,12 +213,15 @@ class Tiers:
     def snapshot(self) -> dict[str, object]:
         return {tier.name: tier.stats() for tier in self.all}
 
-    def _finds(self, tier: Tier, block: Block) -> bool:
+    def finds(self, tier: Tier, block: Block) -> bool:
         """Whether a lookup can find ``block`` on ``tier``: a tail only by its parent."""
         return tier.lists_children or block.num_tokens >= self.config.block_size
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
-        if dirty:
+        if block.key in self.private:
+            self.private.discard(block.key)
+            self.stats.num_discarded += 1
+        elif dirty:
             self.spill(block)
         elif not self.lower:
             self.stats.num_discarded += 1

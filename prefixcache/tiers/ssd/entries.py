@@ -3,7 +3,9 @@
 The named databases (see index.py) are kept consistent here: every indexed
 block has an entry in ``blocks`` and a link under its parent in ``children``;
 a block with no indexed child (a leaf) is also in ``lru``, keyed by its
-last use; ``meta`` holds the total payload bytes. Dropping an entry marks its
+last use, unless it is pinned (``pins``: key -> pin end, file bytes; a pin
+record outlives its block, so a block stored again under a pinned key is
+pinned); ``meta`` holds the total payload bytes. Dropping an entry marks its
 payload file for removal; the index unlinks it once the transaction has
 committed (``unlink_dropped``), so a crash or an abort never leaves an entry
 whose file is gone, only an orphan file that ``gc`` removes.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 
 import lmdb
 
@@ -20,6 +23,7 @@ from ...blocks import BlockMeta, decode_meta, encode_meta
 from .files import payload_path, unlink
 
 _U64 = struct.Struct("<Q")
+PIN = struct.Struct("<dQ")  # pin end (Unix time, inf: never), file bytes of the block
 
 
 def lru_key(meta: BlockMeta) -> bytes:
@@ -72,7 +76,7 @@ class Entries:
     def insert(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
         txn.put(meta.key, encode_meta(meta), db=self.db["blocks"])
         txn.put(meta.parent, meta.key, db=self.db["children"])
-        if not self.has_children(txn, meta.key):
+        if not self.has_children(txn, meta.key) and not self.pinned(txn, meta.key):
             txn.put(lru_key(meta), b"", db=self.db["lru"])
         parent = self.meta(txn, meta.parent)
         if parent is not None:
@@ -85,7 +89,7 @@ class Entries:
         txn.delete(lru_key(meta), db=self.db["lru"])
         txn.delete(meta.parent, meta.key, db=self.db["children"])
         parent = self.meta(txn, meta.parent)
-        if parent is not None and not self.has_children(txn, meta.parent):
+        if parent is not None and not self.leaf_pinned(txn, parent):
             txn.put(lru_key(parent), b"", db=self.db["lru"])
         self.add_counter(txn, b"total_bytes", -meta.file_bytes)
         self._drop_file(meta.key)
@@ -108,6 +112,20 @@ class Entries:
     def has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
         return txn.cursor(db=self.db["children"]).set_key(key)
 
+    def pinned(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        """Whether ``key`` is pinned now (write transactions: an expired record goes)."""
+        raw = txn.get(key, db=self.db["pins"])
+        if raw is None:
+            return False
+        if PIN.unpack(raw)[0] > time.time():
+            return True
+        txn.delete(key, db=self.db["pins"])
+        return False
+
+    def leaf_pinned(self, txn: lmdb.Transaction, meta: BlockMeta) -> bool:
+        """True unless ``meta`` is an unpinned leaf (one that belongs in the LRU)."""
+        return self.has_children(txn, meta.key) or self.pinned(txn, meta.key)
+
     def rebuild(self, txn: lmdb.Transaction) -> int:
         """Recompute LRU, child links, byte total; drops unreadable entries: how many."""
         txn.drop(self.db["lru"], delete=False)
@@ -124,7 +142,7 @@ class Entries:
         for meta in metas:
             txn.put(meta.parent, meta.key, db=self.db["children"])
         for meta in metas:
-            if not self.has_children(txn, meta.key):
+            if not self.leaf_pinned(txn, meta):
                 txn.put(lru_key(meta), b"", db=self.db["lru"])
         total = sum(m.file_bytes for m in metas)
         txn.put(b"total_bytes", _U64.pack(total), db=self.db["meta"])

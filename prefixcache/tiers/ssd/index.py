@@ -7,6 +7,7 @@ Named databases of one environment (one per path per process; + records.py)::
     lru       big-endian last_used (us) + key -> b"" for every leaf (no indexed child)
     children  parent key -> child keys (dupsort) of every indexed block
     writing   key -> pid, thread id, file bytes of each payload being written
+    pins      key -> pin end, file bytes (pinning.py)
 
 Entries are kept consistent by entries.py; reservations, eviction and the
 ``gc`` scan are space.py. A write reserves its bytes (:meth:`SsdIndex.reserve`),
@@ -21,6 +22,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -28,7 +30,7 @@ import lmdb
 
 from ...blocks import BlockMeta, encode_meta
 from ...errors import SsdFormatError
-from . import space
+from . import budget, pinning, space
 from .entries import Entries, decode_or_none, lru_key
 from .files import DIR_MODE, FILE_MODE, list_files
 from .lmdb_env import SharedEnv
@@ -42,7 +44,7 @@ T = TypeVar("T")
 
 FORMAT_NAME = b"prefixcache-ssd"
 FORMAT_VERSION = 1
-_DBS = ("meta", "blocks", "lru", "children", "writing", *RECORD_DBS)
+_DBS = ("meta", "blocks", "lru", "children", "writing", "pins", *RECORD_DBS)
 _DUPSORT = ("children",)
 
 
@@ -167,8 +169,11 @@ class SsdIndex:
             write=True,
         )
 
-    def finish_writes(self, reserved: Sequence[bytes], written: Sequence[BlockMeta]) -> None:
-        """Release reservations and index the payloads that were written."""
+    def finish_writes(
+        self, reserved: Sequence[bytes], written: Sequence[BlockMeta], *, write_budget: int = 0
+    ) -> None:
+        """Release reservations, index the payloads that were written, charge their
+        bytes to today's total and the write budget's bucket (budget.py)."""
 
         def run(txn: lmdb.Transaction) -> None:
             for key in reserved:
@@ -176,8 +181,29 @@ class SsdIndex:
             for meta in written:
                 if txn.get(meta.key, db=self._db["blocks"]) is None:
                     self.entries.insert(txn, meta)
+            nbytes = sum(m.file_bytes for m in written)
+            budget.charge(txn, self._db["records"], nbytes, write_budget, time.time())
 
         self._txn(run, write=True)
+
+    def written(self, write_budget: int) -> tuple[float, int]:
+        """(bytes in the write budget's bucket now, bytes written today, UTC)."""
+        now = time.time()
+        db = self._db["records"]
+        return self._txn(
+            lambda t: (budget.level(t, db, write_budget, now), budget.written_today(t, db, now))
+        )
+
+    def pin(self, items: Sequence[tuple[bytes, int]], until: float) -> None:
+        """Pin (key, file bytes) items until ``until`` (pinning.py)."""
+        self._txn(lambda t: pinning.pin(t, self.entries, items, until), write=True)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        return self._txn(lambda t: pinning.unpin(t, self.entries, keys), write=True)
+
+    def pins(self) -> dict[bytes, tuple[float, int]]:
+        """Pins in force: key -> (end, file bytes)."""
+        return self._txn(lambda t: pinning.records(t, self.entries))
 
     def touch(self, keys: Sequence[bytes], now: float) -> None:
         """Set last_used of indexed blocks to ``now`` (and move leaves in the LRU)."""
@@ -213,14 +239,22 @@ class SsdIndex:
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop entries and their payload files; returns how many were indexed."""
-        return self._txn(lambda t: sum(self.entries.drop_key(t, key) for key in keys), write=True)
+        return len(self.remove_keys(keys))
 
-    def evict_to(self, nbytes: int) -> int:
-        """Evict LRU leaves until at most ``nbytes`` are indexed; returns blocks evicted."""
-        return self._txn(
-            lambda t: space.evict(t, self.entries, lambda total, _: total <= nbytes)[0],
-            write=True,
-        )
+    def remove_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Drop entries and their payload files; returns the keys that were indexed."""
+        return self._txn(lambda t: [k for k in keys if self.entries.drop_key(t, k)], write=True)
+
+    def evict_to(self, nbytes: int) -> list[bytes]:
+        """Evict LRU leaves until at most ``nbytes`` are indexed; returns their keys."""
+
+        def run(txn: lmdb.Transaction) -> list[bytes]:
+            evicted: list[bytes] = []
+            pinning.expire(txn, self.entries)
+            space.evict(txn, self.entries, lambda total, _: total <= nbytes, evicted)
+            return evicted
+
+        return self._txn(run, write=True)
 
     def reconcile(self) -> tuple[int, int]:
         """Full scan: remove orphan payload/temp files and dangling or bad entries.

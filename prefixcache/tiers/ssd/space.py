@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from . import pinning
 from .entries import Entries, decode_or_none, lru_key
 from .files import payload_path, temp_owner, temp_path, unlink
 from .records import pid_alive
@@ -33,6 +34,7 @@ class Reservation:
     num_existing: int = 0  # already indexed or being written (maybe by another process)
     num_no_room: int = 0  # would not fit under the cap or the free-disk headroom
     num_evicted: int = 0
+    evicted: list[bytes] = field(default_factory=list)  # keys of the blocks evicted
 
 
 def writing_records(txn: lmdb.Transaction, entries: Entries) -> list[tuple[bytes, bytes]]:
@@ -64,6 +66,7 @@ def reserve(
 ) -> Reservation:  # fmt: skip
     """Reserve room for ``wanted`` payloads, evicting LRU leaves (see the module docstring)."""
     res = Reservation()
+    pinning.expire(txn, entries)
     clear_writes(txn, entries, dead(writing_records(txn, entries)))
     reserved = sum(WRITING.unpack(v)[2] for _, v in writing_records(txn, entries))
     for key, nbytes, footprint in wanted:
@@ -77,7 +80,9 @@ def reserve(
             res.num_no_room += 1  # would not fit even with everything evicted
             continue
         need = min_free + footprint - free  # disk bytes to free
-        num, freed = evict(txn, entries, lambda tot, fr, b=budget, n=need: tot <= b and fr >= n)
+        num, freed = evict(
+            txn, entries, lambda tot, fr, b=budget, n=need: tot <= b and fr >= n, res.evicted
+        )
         res.num_evicted += num
         free += freed
         if entries.counter(txn, b"total_bytes") > budget or free < min_free + footprint:
@@ -91,9 +96,16 @@ def reserve(
 
 
 def evict(
-    txn: lmdb.Transaction, entries: Entries, enough: Callable[[int, int], bool]
+    txn: lmdb.Transaction,
+    entries: Entries,
+    enough: Callable[[int, int], bool],
+    evicted: list[bytes] | None = None,
 ) -> tuple[int, int]:
-    """Evict the least recently used leaf until ``enough(total, freed)``; (num, freed)."""
+    """Evict the least recently used leaf until ``enough(total, freed)``; (num, freed).
+
+    Pinned leaves are not in the LRU, so they are never picked; keys evicted
+    are appended to ``evicted``.
+    """
     total, freed, num = entries.counter(txn, b"total_bytes"), 0, 0
     cur = txn.cursor(db=entries.db["lru"])
     while not enough(total, freed) and cur.first():
@@ -105,6 +117,8 @@ def evict(
             continue
         size = entries.drop(txn, meta)
         total, freed, num = total - size, freed + size, num + 1
+        if evicted is not None:
+            evicted.append(key)
     return num, freed
 
 

@@ -28,6 +28,7 @@ from ...errors import PayloadError
 from ...host import tensors_of
 from ..base import Tier, TierReader
 from ..writer import WriteItem, Writer
+from .controls import SsdControls
 from .directory import open_dir
 from .files import payload_path
 from .health import Counts, Health
@@ -46,7 +47,7 @@ _COUNTERS = (
 )  # fmt: skip
 
 
-class SsdTier(Tier):
+class SsdTier(SsdControls, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -63,6 +64,7 @@ class SsdTier(Tier):
 
     name = "ssd"
     lists_children = True
+    metered = True
 
     def __init__(
         self,
@@ -235,21 +237,12 @@ class SsdTier(Tier):
             "queue_bytes": self.writer.queue_bytes,
             "num_write_failures": self.writer.num_failures,
             **{name: counts.get(name, 0) for name in _COUNTERS},
+            **self.control_stats(),
         }
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         """Every indexed block's meta, read in chunks (short transactions)."""
         return (m for k, raw in self.index.rows() if (m := decode_or_none(k, raw)) is not None)
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        """Drop blocks from the index and disk; returns how many were indexed."""
-        return self.index.remove(keys)
-
-    def evict_to(self, nbytes: int) -> int:
-        """Evict LRU leaves until at most ``nbytes`` are stored; returns blocks evicted."""
-        num = self.index.evict_to(nbytes)
-        self._counts.add("num_evictions", num)
-        return num
 
     def _decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
         """The decoded entry; None if absent or unreadable (then quarantined)."""
@@ -280,6 +273,7 @@ class SsdTier(Tier):
             dropped = 1
         if not dropped:
             return  # evicted or replaced meanwhile: a plain miss
+        self.report_removed([key])
         first = self._counts.add("num_corrupt", dropped) == dropped
         log = logger.warning if first else logger.debug
         log("SSD tier %s: corrupt block %s quarantined (%s)", self.path, key.hex(), reason)

@@ -19,6 +19,7 @@ import lmdb
 
 from ...blocks import BlockMeta
 from ...config import CacheConfig
+from ..base import BlockListener
 from ..writer import WriteItem
 from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
@@ -46,6 +47,8 @@ class SsdWrites:
     ) -> None:
         self.index, self.payloads = index, payloads
         self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
+        self.write_budget = config.ssd_write_budget
+        self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
         self._lock = threading.Lock()  # writer thread vs inline writes
 
@@ -104,6 +107,8 @@ class SsdWrites:
             raise
         self.counts.add("num_existing", res.num_existing)
         self.counts.add("num_evictions", res.num_evicted)
+        if self.listener is not None and res.evicted:
+            self.listener.removed("ssd", res.evicted)
         self.counts.add("num_no_room", res.num_no_room)
         accepted = set(res.accepted)
         todo = [it for it in items if it.block.key in accepted]
@@ -129,7 +134,9 @@ class SsdWrites:
 
     def _finish(self, reserved: list[bytes], written: list[BlockMeta]) -> None:
         try:
-            self.index.finish_writes(reserved, written)
+            self.index.finish_writes(reserved, written, write_budget=self.write_budget)
+            if self.listener is not None and written:
+                self.listener.stored("ssd", written)
         except TierError:
             for meta in written:
                 unlink(payload_path(self.payloads, meta.key))

@@ -1,0 +1,141 @@
+"""SSD write governance: admission by sightings and a daily write budget, decided in one place.
+
+Before a block is put on a ``metered`` tier (the SSD tier), the stack asks
+:meth:`WriteGovernor.decide`:
+
+- **Admission** (``ssd_admit_after=N``): a block is written only once it has
+  been used N times. A use is a store that keeps it new or a fetch that
+  restores it, counted in :class:`Sightings` (a count-min sketch keyed by the
+  block's chain key, so a block evicted before its second sighting is still
+  admitted when it comes back: TinyLFU's idea). Pinned blocks are admitted at once.
+- **Budget** (``ssd_write_budget``, bytes per day, the tier's leaky bucket):
+  over budget a write waits in hot (the block stays dirty and is tried again
+  at its eviction or the next ``flush``) or, at its last chance (eviction), is
+  dropped. Pinned blocks and shared prefixes (used twice or more, or a branch
+  point in hot) go first: the last tenth of the budget is kept for them.
+
+Counts ``ssd_writes_deferred`` and ``ssd_writes_skipped`` in the cache's stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..blocks import Block
+from ..config import CacheConfig
+from ..pins import Pins
+from ..stats import Stats
+from .base import BlockListener, Tier
+from .hot import HotTier
+
+_RESERVE = 0.1  # share of the budget only pinned blocks and shared prefixes may use
+
+
+class Sightings:
+    """Approximate use counts of block keys: a count-min sketch with aging.
+
+    ``depth`` rows of ``2**width_bits`` uint8 counters; a key's columns are
+    taken from its own bytes (keys are xxh3 digests: already uniform). Every
+    ``10 * width`` additions all counters are halved, so old popularity fades.
+    """
+
+    def __init__(self, width_bits: int = 20, depth: int = 4) -> None:
+        self._table = np.zeros((depth, 1 << width_bits), dtype=np.uint8)
+        self._rows = np.arange(depth)
+        self._mask = (1 << width_bits) - 1
+        self._added = 0
+        self._period = 10 << width_bits
+
+    def _cols(self, key: bytes) -> np.ndarray:
+        words = np.frombuffer(key[: 4 * len(self._rows)].ljust(16, b"\0"), dtype="<u4")
+        return (words[: len(self._rows)] & self._mask).astype(np.intp)
+
+    def add(self, key: bytes) -> int:
+        """Count one use of ``key`` (conservative update); returns its new count."""
+        cols = self._cols(key)
+        cells = self._table[self._rows, cols]
+        low = int(cells.min())
+        if low < 255:
+            self._table[self._rows, cols] = np.maximum(cells, low + 1)
+        self._added += 1
+        if self._added >= self._period:
+            self._table >>= 1
+            self._added = 0
+        return min(low + 1, 255)
+
+    def count(self, key: bytes) -> int:
+        return int(self._table[self._rows, self._cols(key)].min())
+
+
+class WriteGovernor:
+    """Decides whether a block goes to a metered tier now, later, or never."""
+
+    def __init__(self, config: CacheConfig, stats: Stats, pins: Pins, hot: HotTier) -> None:
+        self.admit_after = config.ssd_admit_after
+        self.reserve = int(config.ssd_write_budget * _RESERVE)
+        self.stats, self.pins, self.hot = stats, pins, hot
+        counting = config.ssd_admit_after > 1 or config.ssd_write_budget > 0
+        self.sightings = Sightings() if counting else None
+        self.listener: BlockListener | None = None
+        self.reported: set[str] = set()  # tiers whose accepted puts are reported here
+
+    def put(self, tier: Tier, block: Block, *, last_chance: bool) -> bool | None:
+        """Put ``block`` on a lower tier if allowed: True if accepted, False if not
+        (dropped), None if it waits in hot (then marked dirty there)."""
+        if tier.metered:
+            verdict = self.decide(tier, block, last_chance=last_chance)
+            if verdict is None:
+                self.hot.mark_dirty(block.key)
+            if not verdict:
+                return verdict
+        accepted = tier.put(block)
+        if accepted and self.listener is not None and tier.name in self.reported:
+            self.listener.stored(tier.name, [block])
+        return accepted
+
+    def seen(self, key: bytes) -> None:
+        """``key`` was used (stored new, or restored)."""
+        if self.sightings is not None:
+            self.sightings.add(key)
+
+    def admitted(self, key: bytes) -> bool:
+        if self.admit_after <= 1 or self.pins.holds(key):
+            return True
+        return self.sightings is not None and self.sightings.count(key) >= self.admit_after
+
+    def decide(self, tier: Tier, block: Block, *, last_chance: bool) -> bool | None:
+        """True: write it now; None: let it wait in hot; False: never (counted skipped).
+
+        ``last_chance``: the block is leaving hot (evicted), so it cannot wait.
+        """
+        if not self.admitted(block.key):
+            return self._refuse(last_chance, deferred=False)
+        left = tier.write_budget_left()
+        if left is None:
+            return True
+        need = block.nbytes if self._first(block) else block.nbytes + self.reserve
+        return True if left >= need else self._refuse(last_chance, deferred=True)
+
+    def _first(self, block: Block) -> bool:
+        """Pinned blocks and shared prefixes: written before the others."""
+        if self.pins.holds(block.key) or len(self.hot.children(block.key)) >= 2:
+            return True
+        return self.sightings is not None and self.sightings.count(block.key) >= 2
+
+    def _refuse(self, last_chance: bool, *, deferred: bool) -> bool | None:
+        if last_chance:
+            self.stats.ssd_writes_skipped += 1
+            return False
+        self.stats.ssd_writes_deferred += deferred
+        return None
+
+
+def watch(tiers: Sequence[Tier], governor: WriteGovernor, listener: BlockListener) -> None:
+    """Report every block stored in and removed from ``tiers`` to ``listener``: each
+    tier that does not report its own (``Tier.watch`` False) is reported by the stack."""
+    governor.listener = listener
+    for tier in tiers:
+        if not tier.watch(listener):
+            governor.reported.add(tier.name)

@@ -1,0 +1,114 @@
+"""The operator verbs of a PrefixCache: pin, unpin, end_session, trim_hot.
+
+The public face of controls.py (which acts on the tiers); mixed into
+:class:`~prefixcache.cache.PrefixCache`, whose lock each verb holds. What
+each control does, and its serve flags and ``PREFIXCACHE_*`` variables, is in
+docs/operating.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from .config import CacheConfig
+from .controls import Controls, tail_keys
+from .hashing import chain_keys, token_bytes
+from .pins import pin_until
+from .tiers.hot import HotTier
+from .tiers.stack import Tiers
+
+
+class ControlVerbs:
+    """The operator verbs of :class:`~prefixcache.cache.PrefixCache` (mixed into it).
+
+    ``pin``, ``unpin``, ``end_session``, ``trim_hot``, and its tiers (``hot``,
+    ``ssd``). It uses the cache's ``controls``, ``tiers``, ``config``,
+    ``_lock``, ``_root`` and ``_check_open``.
+    """
+
+    config: CacheConfig
+    controls: Controls
+    tiers: Tiers
+    _lock: AbstractContextManager[object]
+
+    def _root(self, extra: Mapping[str, str] | None) -> bytes: ...
+
+    def _check_open(self) -> None: ...
+
+    def pin(
+        self,
+        tokens: Sequence[int],
+        ttl: float | None = None,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> int:
+        """Keep the stored blocks of ``tokens`` in every tier until the pin ends.
+
+        Pinned blocks are never evicted from hot nor from the SSD tier (a block
+        held only below hot is loaded into hot; one not yet on the SSD tier is
+        written now); their bytes count against each tier's cap. ``ttl``
+        (seconds) ends the pin, not the blocks; pins are kept in the SSD
+        index, so they survive a restart. Pinning again sets a new end.
+
+        Returns:
+            tokens pinned: those of the stored chain of ``tokens`` (and of its
+            stored tail); 0 if nothing of it is stored.
+
+        Raises:
+            ValueError: ``tokens`` is empty, or ``ttl`` is not > 0.
+            PinCapacityError: a tier's pinned bytes would pass its cap (nothing changes).
+        """
+        data = token_bytes(tokens)
+        if not data:
+            raise ValueError("cannot pin an empty prompt: tokens is empty")
+        until = pin_until(ttl, time.time())
+        with self._lock:
+            self._check_open()
+            pinned = self.controls.pin(self._keys(data, extra), until)
+            return sum(b.num_tokens for b in pinned)
+
+    def unpin(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
+        """End the pins of the blocks of ``tokens`` (they stay, evictable again);
+        returns how many blocks were pinned."""
+        data = token_bytes(tokens)
+        if not data:
+            raise ValueError("cannot unpin an empty prompt: tokens is empty")
+        with self._lock:
+            self._check_open()
+            return self.controls.unpin(self._keys(data, extra))
+
+    def end_session(self, session: str) -> int:
+        """Drop at once, from every tier, the blocks only ``session`` holds (prefixes
+        another store shares stay, and so do pinned blocks); returns how many.
+
+        Raises:
+            ValueError: unknown ``session`` (no store used it, or it ended).
+        """
+        with self._lock:
+            self._check_open()
+            return self.controls.end(session)
+
+    @property
+    def hot(self) -> HotTier:
+        return self.tiers.hot
+
+    @property
+    def ssd(self) -> Any:
+        """The SSD tier, or None (``hot_cache_only``)."""
+        return self.tiers.named("ssd")
+
+    def trim_hot(self, max_bytes: int) -> int:
+        """Evict LRU hot blocks (leaves first, pinned ones kept) until at most
+        ``max_bytes`` are held; dirty blocks spill as on any eviction. Returns how
+        many blocks left the hot tier."""
+        with self._lock:
+            return self.tiers.hot.evict_to(max(0, max_bytes))
+
+    def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
+        """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""
+        root = self._root(extra)
+        keys = chain_keys(root, data, self.config.block_size)
+        return [*keys, *tail_keys(root, keys, data, self.config.block_size)]

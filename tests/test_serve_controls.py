@@ -1,0 +1,46 @@
+"""``prefixcache serve`` with per-request cache fields, as a real subprocess over HTTP:
+two tenants with different ``cache_salt`` never share a block; a bad field is a 400
+naming it; serve's operator flags reach the cache."""
+
+from __future__ import annotations
+
+import requests
+from test_serve_e2e import MAX_TOKENS, SYSTEM, TIMEOUT, _ours, model_dir, running  # noqa: F401
+
+QUESTION = "When does the first train leave the valley?"
+
+
+def chat(server, salt: str | None = None, **extra) -> tuple[int, int]:
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        **({"cache_salt": salt} if salt is not None else {}),
+        **extra,
+    }
+    reply = requests.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT)
+    if not reply.ok:
+        return reply.status_code, 0
+    return 200, reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_two_tenants_with_different_salts_share_nothing(model_dir, tmp_path):  # noqa: F811
+    argv = [*_ours(model_dir, tmp_path / "ssd"), "--ssd-admit-after", "1"]
+    with running(argv, tmp_path / "serve.log") as server:
+        assert chat(server, "tenant-a") == (200, 0)
+        status, cached = chat(server, "tenant-a")  # same salt: cached
+        assert status == 200 and cached > 0
+        assert chat(server, "tenant-b") == (200, 0)  # other salt, same prompt: nothing
+        status, cached_b = chat(server, "tenant-b")
+        assert status == 200 and cached_b == cached  # its own blocks now
+        assert chat(server) == (200, 0)  # no salt: a namespace of its own too
+        status, _ = chat(server, 123)
+        assert status == 400
+        reply = requests.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "cache": {"persist": "no"}},
+            timeout=TIMEOUT,
+        )
+        assert reply.status_code == 400 and "cache.persist" in reply.json()["error"]
+        assert "'no'" in reply.json()["error"]
+        assert chat(server, "tenant-a")[1] == cached  # nothing stored was lost
