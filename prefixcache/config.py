@@ -7,6 +7,7 @@ a new field needs no code there); the rules of each field are here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -158,7 +159,8 @@ class CacheConfig:
         return os.path.abspath(os.path.expanduser(self.ssd_dir))
 
     def replace(self, **changes: object) -> CacheConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; ConfigError (with its ``field``) if one is unusable."""
+        return settings.build(functools.partial(dataclasses.replace, self), changes)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CacheConfig:

@@ -27,7 +27,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, Union
 
 from .errors import ConfigError
@@ -202,27 +202,47 @@ def from_env(cls: type[C], environ: Mapping[str, str], overrides: Mapping[str, o
         if value is not None:
             values[name] = value
             sources.pop(name, None)
+    return build(cls, values, sources, environ)
+
+
+def build(
+    make: Callable[..., C],
+    values: dict[str, object],
+    sources: Mapping[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> C:
+    """``make(**values)`` (a config class, or ``replace`` on one), its ``ValueError``
+    turned into a :class:`ConfigError` that names the value at fault.
+
+    The value at fault is the field a ConfigError names, else the first value
+    that fails alone (each tried with the others left out); ``sources`` maps a
+    field to the variable its value came from (``environ[variable]`` is the text).
+    """
     try:
-        return cls(**values)
+        return make(**values)
     except ValueError as err:
-        raise _blame(cls, err, values, sources, environ) from None
+        raise _blame(make, err, values, sources or {}, environ or {}) from None
 
 
 def _blame(
-    cls: type,
+    make: Callable[..., object],
     err: ValueError,
     values: dict[str, object],
-    sources: dict[str, str],
+    sources: Mapping[str, str],
     environ: Mapping[str, str],
 ) -> ConfigError:
-    """``err`` attributed to the value that fails alone (each tried with defaults elsewhere)."""
-    for name in values:
+    culprit = err.field if isinstance(err, ConfigError) and err.field in values else None
+    alone: ValueError = err
+    for name in [culprit] if culprit else values:
         try:
-            cls(**{name: values[name]})
-        except ValueError as alone:
-            var = sources.get(name)
-            if var is None:
-                return ConfigError(str(alone), field=name)
-            return ConfigError(f"{var}={environ[var]!r}: {alone}", field=name, source=var)
-    given = ", ".join(sources.values())
-    return ConfigError(f"{err} (with {given})" if given else str(err))
+            make(**{name: values[name]})
+        except ValueError as failed:
+            culprit, alone = name, failed
+            break
+    if culprit is None:
+        given = ", ".join(sources.values())
+        return ConfigError(f"{err} (with {given})" if given else str(err))
+    var = sources.get(culprit)
+    if var is None:
+        return ConfigError(str(alone), field=culprit)
+    return ConfigError(f"{var}={environ[var]!r}: {alone}", field=culprit, source=var)
