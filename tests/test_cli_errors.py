@@ -31,12 +31,16 @@ NUM_OPTIONS = 21  # options that convert their value, today
 BAD_VALUES = ("zzz", "-1", "inf")  # "zzz" fits no option that converts its value
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+def clean_env(home: str, **extra: str) -> dict[str, str]:
+    """No PREFIXCACHE_* variable of the caller, offline, and ``home`` as HOME (so a
+    default SSD directory lands in the test's tmp dir)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXCACHE_")}
-    return env | {"HF_HUB_OFFLINE": "1"} | extra
+    return env | {"HF_HUB_OFFLINE": "1", "HOME": home} | extra
 
 
-def run_all(cases: list[tuple[tuple[str, ...], dict[str, str]]]) -> list[tuple[int, str, str]]:
+def run_all(
+    cases: list[tuple[tuple[str, ...], dict[str, str]]], home: str
+) -> list[tuple[int, str, str]]:
     """Run each ``(args, env)`` as ``prefixcache ARGS`` (4 at a time): (status, stdout, stderr)."""
 
     def one(case: tuple[tuple[str, ...], dict[str, str]]) -> tuple[int, str, str]:
@@ -47,7 +51,7 @@ def run_all(cases: list[tuple[tuple[str, ...], dict[str, str]]]) -> list[tuple[i
             text=True,
             timeout=180,
             stdin=subprocess.DEVNULL,
-            env=clean_env(**env),
+            env=clean_env(home, **env),
         )
         return done.returncode, done.stdout, done.stderr
 
@@ -70,6 +74,7 @@ def place(tmp_path_factory):
     save_model(root / "tiny", "llama")
     (root / "afile").write_text("not a directory")
     (root / "plain").mkdir()
+    (root / "home").mkdir()
     return {
         "ssd": str(root / "ssd"),
         "key": built["a"]["p1"][0],
@@ -77,6 +82,7 @@ def place(tmp_path_factory):
         "file": str(root / "afile"),
         "plain": str(root / "plain"),
         "missing": str(root / "missing"),
+        "home": str(root / "home"),
     }
 
 
@@ -121,7 +127,7 @@ def test_every_converting_option_refuses_bad_values_in_one_line(place):
         for bad in BAD_VALUES
     ]
     failures = []
-    for (args, _), result in zip(cases, run_all(cases), strict=True):
+    for (args, _), result in zip(cases, run_all(cases, place["home"]), strict=True):
         line = one_line(*result)
         expected = args[-1].partition("=")[0] if args[-1].endswith("=zzz") else "prefixcache"
         if line is None or not line.startswith(f"prefixcache {args[0]}: ") or expected not in line:
@@ -176,7 +182,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
 def test_errors_found_when_running_are_one_line_naming_the_value(place):
     cases = semantic_cases(place)
     assert {args[0] for args, _, _ in cases if args} >= set(COMMANDS)
-    results = run_all([(args, env) for args, env, _ in cases])
+    results = run_all([(args, env) for args, env, _ in cases], place["home"])
     failures = [
         (args, env, says, result)
         for (args, env, says), result in zip(cases, results, strict=True)
@@ -190,7 +196,7 @@ def test_errors_found_when_running_are_one_line_naming_the_value(place):
         (("show", place["key"], *d), {}),
         (("gc", *d, "--model", "tiny/model-a", "--dry-run"), {}),
     ]
-    assert [rc for rc, _, _ in run_all(good)] == [0, 0, 0]
+    assert [rc for rc, _, _ in run_all(good, place["home"])] == [0, 0, 0]
 
 
 def test_a_closed_pipe_is_a_quiet_exit(place):
@@ -199,7 +205,10 @@ def test_a_closed_pipe_is_a_quiet_exit(place):
     d = ("--ssd-dir", place["ssd"])
     for args in (("ls", *d), ("stats", *d), ("tree", *d), ("ls", *d, "--json")):
         proc = subprocess.Popen(
-            [*EXE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env()
+            [*EXE, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=clean_env(place["home"]),
         )
         proc.stdout.close()  # the reader is gone before anything is written
         err = proc.stderr.read().decode()
@@ -212,13 +221,10 @@ def test_a_closed_pipe_is_a_quiet_exit(place):
 
 
 def test_a_misspelt_variable_is_warned_and_the_command_still_runs(place):
-    env = {"PREFIXCACHE_BLOCKSIZE": "16", "PREFIXCACHE_SSD_DIR": place["ssd"]}
-    (rc, out, err), (rc2, _, err2) = run_all(
-        [
-            (("stats",), env),
-            (("stats",), {"PREFIXCACHE_BLOCK_SIZE": "16", "PREFIXCACHE_SSD_DIR": place["ssd"]}),
-        ]
-    )
+    misspelt = {"PREFIXCACHE_BLOCKSIZE": "16", "PREFIXCACHE_SSD_DIR": place["ssd"]}
+    right = {"PREFIXCACHE_BLOCK_SIZE": "16", "PREFIXCACHE_SSD_DIR": place["ssd"]}
+    cases = [(("stats",), misspelt), (("stats",), right)]
+    (rc, out, err), (rc2, _, err2) = run_all(cases, place["home"])
     assert rc == 0 and "9 blocks" in out
     assert err.strip() == (
         "PREFIXCACHE_BLOCKSIZE is not a prefixcache setting and is ignored; "
