@@ -66,8 +66,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="prefixcache",
         description="A tiered prefix cache for MLX: serve, inspect, maintain.",
-        epilog="Exit status: 0 done, 1 verify found damage (or the demo differed, or clear was "
-        "not confirmed), 2 a usage or input error. See docs/cli.md.",
+        epilog="Exit status: 0 done (an empty listing too), 1 the answer is no (verify found "
+        "damage, the demo differed, clear was not confirmed), 2 a usage or input error, "
+        "130 interrupted, 141 output closed early (| head).",
     )
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
