@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,6 +18,7 @@ from .lookup import Lookup
 from .model_id import model_fingerprint
 from .periodic import Periodic
 from .stats import Stats, counter_delta
+from .stats_types import CacheStats
 from .tiers import lower_tiers
 from .tiers.base import Tier
 from .tiers.hot import HotTier
@@ -187,9 +188,9 @@ class PrefixCache:
         with self._lock:
             self.tiers.note_prefill(num_tokens, seconds)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> CacheStats:
         with self._lock:
-            return self._stats.as_dict() | self.tiers.snapshot()
+            return cast(CacheStats, self._stats.as_dict() | self.tiers.snapshot())
 
     def flush(self) -> None:
         """Persist every dirty hot block to the lower tiers and wait for their writes."""

@@ -30,9 +30,11 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ssd-dir", default=None, help="SSD tier directory, kept afterwards (default: a temp dir)"
     )
-    p.add_argument("--conversations", type=positive, default=3)
-    p.add_argument("--turns", type=positive, default=3)
-    p.add_argument("--system-words", type=positive, default=500)
+    p.add_argument("--conversations", type=positive, default=3, help="chats (default: 3)")
+    p.add_argument("--turns", type=positive, default=3, help="turns per chat (default: 3)")
+    p.add_argument(
+        "--system-words", type=positive, default=500, help="shared system prompt (default: 500)"
+    )
     p.add_argument(
         "--model", default=None, help="a local mlx-lm model dir (default: a tiny one built here)"
     )

@@ -29,7 +29,7 @@ def add_gc_args(p: argparse.ArgumentParser) -> None:
         "Remove orphan payload files, dangling index entries and detached blocks; then the "
         "blocks the criteria select. --model is a filter: it scopes the other criteria to one "
         "model (alone it removes only that model's detached blocks); --all selects every block "
-        "of the scope (`gc --all --model M` removes all of M)."
+        "of the scope (gc --all --model M removes all of M)."
     )
     p.add_argument("--model", help="only this model (or 4+ hex digits of a root key)")
     what = p.add_mutually_exclusive_group()
