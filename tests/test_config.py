@@ -188,3 +188,11 @@ def test_parse_bytes():
     for bad in ("10Q", "inf", "nan", "-1", "", "G", "1e999"):
         with pytest.raises(ValueError, match="not a byte size"):
             parse_bytes(bad)
+
+
+def test_replace_names_the_field_at_fault():
+    base = CacheConfig(block_size=16)
+    with pytest.raises(ConfigError) as caught:
+        base.replace(kv_bits=7, restore_headroom=8)
+    assert caught.value.field == "kv_bits" and "got 7" in str(caught.value)
+    assert base.replace(kv_bits=4, restore_headroom=8).kv_bits == 4  # the control
