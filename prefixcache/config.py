@@ -35,9 +35,8 @@ class CacheConfig:
     (sizes as ``8G``, ``512M``; booleans as 1/0, true/false, yes/no, on/off).
 
     Attributes:
-        block_size: tokens per block, the unit of the hashed chain. The tokens
-            after a sequence's last full block are kept too, as a tail block
-            (a child of that block), so every stored token can be reused.
+        block_size: tokens per block: full blocks form the hashed chain; the
+            tokens after the last full block are kept too, as a tail.
         hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
         hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
