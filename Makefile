@@ -4,13 +4,18 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# MLX's backend, a prefixcache extra: cpu on Linux (BACKEND=cuda for an NVIDIA GPU);
+# on macOS plain mlx brings Metal
+BACKEND ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
+comma := ,
+EXTRAS := dev$(if $(BACKEND),$(comma)$(BACKEND),)
 
 .PHONY: demo test setup lint redis-server
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 setup: $(BIN)/prefixcache

@@ -12,11 +12,13 @@ if TYPE_CHECKING:
     from .codecs import Codec, register_codec
     from .config import CacheConfig
     from .stats import prometheus_text
+    from .stats_types import CacheStats
 
 # Exported names are imported on first use: the inspection CLI (``prefixcache
 # stats``...) then starts without importing mlx-lm (~1 s of transformers).
 _EXPORTS = {
     "CacheConfig": ".config",
+    "CacheStats": ".stats_types",
     "Codec": ".codecs",
     "PrefixCache": ".cache",
     "prometheus_text": ".stats",
@@ -24,6 +26,7 @@ _EXPORTS = {
 }
 __all__ = [
     "CacheConfig",
+    "CacheStats",
     "Codec",
     "LayoutMismatchError",
     "MissReason",

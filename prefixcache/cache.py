@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ from .model_id import model_fingerprint
 from .restore import restore
 from .services import Services
 from .stats import Stats
+from .stats_types import CacheStats
 from .tiers import lower_tiers
 from .tiers.base import Tier
 from .tiers.stack import Tiers
@@ -219,12 +220,12 @@ class PrefixCache(ControlVerbs):
         with self._lock:
             self.tiers.note_prefill(num_tokens, seconds)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> CacheStats:
         with self._lock:
             tiers = self.tiers.snapshot()
             written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
             out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
-            return out | tiers | self.services.stats()
+            return cast(CacheStats, out | tiers | self.services.stats())
 
     def flush(self) -> None:
         """Persist every dirty hot block to the lower tiers and wait for their writes."""

@@ -1,40 +1,38 @@
-"""CacheConfig: every setting of a PrefixCache, loadable from PREFIXCACHE_* env vars."""
+"""CacheConfig: every setting of a PrefixCache, loadable from PREFIXCACHE_* env vars.
+
+How a field is read from text and checked by its type is settings.py's (generic:
+a new field needs no code there); the rules of each field are here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from . import settings
+from .settings import ENV_PREFIX, parse_bytes
+
+__all__ = ["ENV_PREFIX", "QUEUE_FULL_POLICIES", "WRITE_POLICIES", "CacheConfig", "parse_bytes"]
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")
-ENV_PREFIX = "PREFIXCACHE_"
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse a size such as ``8G``, ``512MiB``, ``1048576`` into bytes."""
-    if isinstance(text, int):
-        return text
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    num = raw.rstrip("kmgt")
-    unit = raw[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        raise ValueError(f"not a byte size (e.g. 512M, 8G): {text!r}") from None
-    if unit not in _SIZE_UNITS or not 0 <= value < float(1 << 62):  # also nan, inf
-        raise ValueError(f"not a byte size (e.g. 512M, 8G): {text!r}")
-    return int(value * _SIZE_UNITS[unit])
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Settings of a PrefixCache. The same names are CLI flags and env vars.
+
+    Every value must fit its field's type (numbers finite; a bool is not an
+    int) and its field's rule below; misuse raises
+    :class:`~prefixcache.errors.ConfigError` (a ``ValueError``) naming the
+    field and the value. ``from_env`` reads ``PREFIXCACHE_<FIELD>`` variables
+    (sizes as ``8G``, ``512M``; booleans as 1/0, true/false, yes/no, on/off).
 
     Attributes:
         block_size: tokens per block: full blocks form the hashed chain; the
@@ -133,6 +131,7 @@ class CacheConfig:
     pin_system_prompts: bool = False
 
     def __post_init__(self) -> None:
+        settings.check_types(self)
         ratio = self.snapshot_ratio
         if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not ratio > 0:
             raise ValueError(f"snapshot_ratio must be a number > 0, got {ratio!r}")
@@ -187,60 +186,22 @@ class CacheConfig:
         return os.path.abspath(os.path.expanduser(self.ssd_dir))
 
     def replace(self, **changes: object) -> CacheConfig:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; ConfigError (with its ``field``) if one is unusable."""
+        return settings.build(functools.partial(dataclasses.replace, self), changes)
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> CacheConfig:
-        """Build a config from ``PREFIXCACHE_*`` variables; keyword overrides win."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
-        for field in dataclasses.fields(cls):
-            raw = environ.get(ENV_PREFIX + field.name.upper())
-            if raw is not None:
-                values[field.name] = _parse_field(field.name, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> CacheConfig:
+        """Build a config from ``PREFIXCACHE_*`` variables; keyword overrides (not None) win.
 
+        A variable that names no setting is logged at warning with the closest
+        known name.
 
-def _parse_field(name: str, raw: str) -> object:
-    try:
-        return _parse_raw(name, raw)
-    except ValueError as err:  # name the variable the bad value came from
-        var = ENV_PREFIX + name.upper()
-        text = str(err)
-        raise ValueError(text if text.startswith(var) else f"{var}: {text}") from None
-
-
-def _parse_raw(name: str, raw: str) -> object:
-    if name in ("hot_cache_only", "promote", "pin_system_prompts"):
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
-    if name.endswith("_bytes") or name == "ssd_write_budget":
-        return parse_bytes(raw)
-    if name in ("ssd_dir", "write_policy", "queue_full", "remote_prefix"):
-        return raw
-    if name.endswith("_seconds"):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be seconds, got {raw!r}") from None
-    if name in ("remote_url", "events_url"):
-        return raw.strip() or None
-    if name == "kv_bits" and raw.strip().lower() in ("", "none"):
-        return None
-    if name == "snapshot_ratio":
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be an int, got {raw!r}") from None
+        Raises:
+            ConfigError: a value is unusable; for a variable the message
+                starts with ``PREFIXCACHE_X='value':``, for a keyword
+                ``field`` names it.
+        """
+        return settings.from_env(cls, os.environ if environ is None else environ, overrides)
 
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -78,3 +78,30 @@ class SsdDirError(OSError):
 
 class PinCapacityError(ValueError):
     """Pinning these blocks would hold more pinned bytes than a tier's cap allows."""
+
+
+class ConfigError(ValueError):
+    """A setting's value is unusable; the message names the value.
+
+    Attributes:
+        field: the CacheConfig field at fault, or None when several are.
+        source: the ``PREFIXCACHE_*`` variable the value came from, or None (a
+            keyword argument or a command-line flag).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, source: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.source = source
+
+
+class MissingExtraError(ImportError):
+    """A feature needs an optional dependency that is not installed.
+
+    Attributes:
+        extra: the ``prefixcache[...]`` extra that installs it.
+    """
+
+    def __init__(self, message: str, extra: str):
+        super().__init__(message)
+        self.extra = extra

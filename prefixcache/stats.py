@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import MissReason
@@ -192,7 +193,7 @@ _METRICS: dict[str, tuple[str, str, str]] = {
 _MISSES = "prefixcache_misses_by_reason_total"
 
 
-def prometheus_text(stats: dict[str, object]) -> str:
+def prometheus_text(stats: Mapping[str, object]) -> str:
     """Render a ``PrefixCache.stats()`` dict in the Prometheus text format (0.0.4).
 
     Every metric gets one HELP and one TYPE line; a name seen twice is emitted once.

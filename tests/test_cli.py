@@ -170,7 +170,7 @@ def test_show_prints_the_chain_token_ids_and_text(made):
 
     words = Tokenizer.from_file(str(tok / "tokenizer.json")).decode(ids[48:64])
     assert f"text: {words!r}" in text and len(words.strip()) > 5
-    cli("show", "ffff" * 8, "--ssd-dir", str(ssd), code=1)
+    cli("show", "ffff" * 8, "--ssd-dir", str(ssd), code=2)
 
 
 def test_tree_shows_where_prompts_fork(made):
@@ -339,9 +339,30 @@ def test_gc_older_than_takes_descendants_and_dry_run_removes_nothing(made, copy)
     assert not any((Path(copy) / "blocks" / k[:2] / f"{k}.safetensors").exists() for k in want)
 
 
+def test_gc_model_is_a_filter_and_all_removes_every_block_of_it(made, copy):
+    """``--model`` alone selects nothing (it only scopes the criteria); ``--all`` with it
+    removes that model's blocks and no other's; without ``--model``, everything."""
+    _, _, built = made
+    rc, out, err = finish(start("gc", "--ssd-dir", copy, "--model", B, "--json"))
+    assert rc == 0 and json.loads(out)["keys"] == [] and "add --all" in err
+    assert cli("stats", "--ssd-dir", copy, "--json")["num_blocks"] == 9
+    old = cli("gc", "--ssd-dir", copy, "--model", B, "--older-than", "1h", "--json")
+    assert old["keys"] == []  # the filter combines: nothing of B is an hour old
+    set_last_used(copy, [*built["b"]["p3"], *built["a"]["p1"]], 7200)
+    old = cli("gc", "--ssd-dir", copy, "--model", B, "--older-than", "1h", "--dry-run", "--json")
+    assert set(old["keys"]) == set(built["b"]["p3"])  # A's old blocks are outside the scope
+    doc = cli("gc", "--ssd-dir", copy, "--model", B, "--all", "--json")
+    assert set(doc["keys"]) == set(built["b"]["p3"]) and doc["num_selected"] == 3
+    assert cli("stats", "--ssd-dir", copy, "--json")["num_blocks"] == 6
+    everything = cli("gc", "--ssd-dir", copy, "--all", "--dry-run", "--json")
+    assert set(everything["keys"]) == a_keys(built)
+    out = cli("gc", "--ssd-dir", copy, "--all", "--older-than", "1d", code=2)
+    assert "not allowed with argument --all" in out
+
+
 def test_gc_by_model_and_down_to_a_size(made, copy):
     _, _, built = made
-    doc = cli("gc", "--ssd-dir", copy, "--model", B, "--json")
+    doc = cli("gc", "--ssd-dir", copy, "--model", B, "--all", "--json")
     assert set(doc["keys"]) == set(built["b"]["p3"])
     set_last_used(copy, built["a"]["p1"], 86400)  # p1's own blocks are the LRU ones
     keep = [*built["a"]["p1"][:2], *built["a"]["p2"][2:]]
@@ -350,7 +371,8 @@ def test_gc_by_model_and_down_to_a_size(made, copy):
     assert set(doc["keys"]) == set(built["a"]["p1"][2:]) and doc["num_evicted"] == 2
     left = cli("ls", "--ssd-dir", copy, "--json")
     assert {r["key"] for r in left["rows"]} == set(keep)
-    cli("gc", "--ssd-dir", copy, "--model", "no/such-model", code=1)
+    out = cli("gc", "--ssd-dir", copy, "--model", "no/such-model", code=2)
+    assert "no model matches --model 'no/such-model'" in out and A in out
 
 
 def test_clear_asks_and_removes_only_that_model(made, copy):

@@ -11,8 +11,13 @@ as an :class:`SsdView` and never create one: read-only unless the command
 removes blocks, and without any thread either way. ``--json`` prints one JSON
 object with stable keys: sizes are bytes (``nbytes``: payload file bytes on
 disk), times are Unix seconds, keys are 32 hex digits; the human text never
-holds a control character (escaped as ``\\x1b``). Exit status: 0 done,
-1 nothing found or problems found, 2 unusable directory or arguments.
+holds a control character (escaped as ``\\x1b``).
+
+Exit status, the same for every command (``EXIT_*``; docs/cli.md): 0 done (an
+empty listing too), 1 the command ran and the answer is no (verify found
+damage, the demo's cached run differed, clear was not confirmed), 2 a usage or
+input error (one line on stderr naming the bad value and where it came from),
+130 interrupted, 141 the output was closed early (``| head``, quietly).
 """
 
 from __future__ import annotations
@@ -21,19 +26,41 @@ import argparse
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from ..config import CacheConfig
 from ..errors import CacheDirError, SsdFormatError
+from ..settings import env_name
+from ..tiers.ssd.inventory import Inventory
 from ..tiers.ssd.view import SsdView
 
 Doc = dict[str, Any]  # a --json document
 Args = argparse.Namespace
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+EXIT_OK = 0
+EXIT_NO = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell tool cut off by ``| head`` reports
+
+
+class UsageError(Exception):
+    """The command's input names nothing usable (a key, a model, a path): one line, exit 2.
+
+    The message names the bad value and where it came from (the flag or argument).
+    """
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (``prefixcache CMD: ...``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +87,7 @@ def ssd_command(
     """A command on an SSD tier directory: ``--ssd-dir`` and ``--json``, then ``add_args``.
 
     ``run`` gets the directory opened by :func:`open_view` (for writing if
-    ``writable(args)``); a missing or foreign directory exits 2.
+    ``writable(args)``); a missing or foreign directory is a user error (exit 2).
     """
 
     def add(parser: argparse.ArgumentParser) -> None:
@@ -69,11 +96,11 @@ def ssd_command(
             add_args(parser)
 
     def run_on_dir(args: Args) -> int:
+        path, source = ssd_dir_source(args)
         try:
-            view = open_view(ssd_dir(args), writable=writable(args))
+            view = open_view(path, writable=writable(args))
         except (CacheDirError, SsdFormatError) as err:
-            print(f"prefixcache {args.command}: {err}", file=sys.stderr)
-            return 2
+            raise UsageError(f"{source}: {err}" if source else f"{err} ({DEFAULT_DIR})") from None
         with view:
             return run(view, args)
 
@@ -95,10 +122,37 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 def ssd_dir(args: Args) -> str:
     """--ssd-dir, else PREFIXCACHE_SSD_DIR, else CacheConfig's default."""
+    return ssd_dir_source(args)[0]
+
+
+DEFAULT_DIR = "the default: give --ssd-dir or set PREFIXCACHE_SSD_DIR"
+
+
+def ssd_dir_source(args: Args) -> tuple[str, str | None]:
+    """:func:`ssd_dir` and where it came from (``--ssd-dir X``, the variable; None: the default)."""
     if args.ssd_dir:
-        return os.path.abspath(os.path.expanduser(args.ssd_dir))
-    env = os.environ.get("PREFIXCACHE_SSD_DIR")
-    return CacheConfig(ssd_dir=env).ssd_path if env else CacheConfig().ssd_path
+        return os.path.abspath(os.path.expanduser(args.ssd_dir)), f"--ssd-dir {args.ssd_dir}"
+    var = env_name("ssd_dir")
+    if os.environ.get(var):
+        return CacheConfig(ssd_dir=os.environ[var]).ssd_path, f"{var}={os.environ[var]}"
+    return CacheConfig().ssd_path, None
+
+
+def model_roots(inv: Inventory, model: str | None) -> list[bytes]:
+    """The namespaces ``--model`` selects (all without it).
+
+    Raises:
+        UsageError: ``--model`` matches no namespace (the models stored are listed).
+    """
+    roots = inv.roots(model)
+    if model is not None and not roots:
+        known = sorted({inv.namespaces[r].label for r in inv.roots()})
+        stored = ", ".join(map(repr, known[:8])) + (", ..." if len(known) > 8 else "")
+        raise UsageError(
+            f"no model matches --model {model!r} (stored: {stored or 'none'}; "
+            "or give 4+ hex digits of a namespace root key)"
+        )
+    return roots
 
 
 def emit(args: Args, doc: Doc, human: Callable[[], str]) -> None:

@@ -18,7 +18,7 @@ from ..stats import Stats, add_counters
 from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
 from ..tiers.ssd.inventory import Entry, Inventory, NamespaceInfo, end_token
 from ..tiers.ssd.view import SsdView
-from .common import Doc, count, duration, emit, ssd_command
+from .common import Doc, count, duration, emit, model_roots, ssd_command
 from .remote import with_remote
 from .report import format_age, format_bytes, table
 
@@ -140,7 +140,7 @@ def _stats_text(doc: Doc) -> str:
 
 def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
     inv = Inventory.load(view)
-    roots = inv.roots(args.model)
+    roots = model_roots(inv, args.model)
     labels = {r: inv.namespaces[r].label for r in roots}
     rows = [_chain_row(inv, e) for e in inv.leaves(roots)] if args.chains else [
         _block_row(inv, e) for e in inv.blocks(roots)
@@ -157,7 +157,7 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
     doc = {"ssd_dir": view.path, "kind": "chains" if args.chains else "blocks",
            "num_matched": len(rows), "rows": rows[: args.limit]}  # fmt: skip
     emit(args, doc, lambda: _ls_text(doc, labels, now))
-    return 0 if rows else 1
+    return 0
 
 
 def _block_row(inv: Inventory, e: Entry) -> Doc:

@@ -15,7 +15,7 @@ from ..config import parse_bytes
 from ..tiers.ssd.inventory import Inventory
 from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
 from ..tiers.ssd.view import SsdView
-from .common import Doc, duration, emit, ssd_command
+from .common import Doc, UsageError, duration, emit, model_roots, ssd_command
 from .report import format_bytes
 
 
@@ -25,8 +25,16 @@ def add_verify_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_gc_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="only this model's blocks (alone: all of them)")
-    p.add_argument("--older-than", type=duration, help="blocks last used before, e.g. 7d")
+    p.description = (
+        "Remove orphan payload files, dangling index entries and detached blocks; then the "
+        "blocks the criteria select. --model is a filter: it scopes the other criteria to one "
+        "model (alone it removes only that model's detached blocks); --all selects every block "
+        "of the scope (gc --all --model M removes all of M)."
+    )
+    p.add_argument("--model", help="only this model (or 4+ hex digits of a root key)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--all", action="store_true", help="every block (of --model, if given)")
+    what.add_argument("--older-than", type=duration, help="blocks last used before, e.g. 7d")
     p.add_argument("--max-bytes", type=parse_bytes, help="evict LRU leaves down to this size")
     p.add_argument("--dry-run", action="store_true", help="report, remove nothing")
 
@@ -100,24 +108,32 @@ def _verify_text(doc: Doc) -> str:
 
 def cmd_gc(view: SsdView, args: argparse.Namespace) -> int:
     others = view.records.other_pids()
+    inv = Inventory.load(view)
+    model_roots(inv, args.model)  # a --model that matches nothing changes nothing
     if args.dry_run:
-        inv = Inventory.load(view)
         orphans, dangling = stray_files(view, inv)
     else:
         orphans, dangling = view.index.reconcile()
         inv = Inventory.load(view)
-    if args.model is not None and not inv.roots(args.model):
-        print(f"prefixcache gc: no namespace matches --model {args.model!r}", file=sys.stderr)
-        return 1
     before = sum(e.file_bytes for e in inv.entries.values())
     plan = plan_gc(
-        inv, model=args.model, older_than=args.older_than, max_bytes=args.max_bytes,
+        inv,
+        model=args.model,
+        older_than=args.older_than,
+        max_bytes=args.max_bytes,
+        select_all=args.all,
         drop_detached=not others,
-    )  # fmt: skip
+    )
     if not args.dry_run:
         remove(view, plan.remove)
     doc = _gc_doc(view, plan, args.dry_run, orphans, dangling, before, others)
     emit(args, doc, lambda: _gc_text(doc))
+    if args.model and not (args.all or args.older_than is not None or args.max_bytes is not None):
+        print(
+            "prefixcache gc: --model is a filter; add --all to remove every block of "
+            f"{args.model!r}, or --older-than / --max-bytes",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -158,19 +174,14 @@ def _gc_text(doc: Doc) -> str:
 
 def cmd_clear(view: SsdView, args: argparse.Namespace) -> int:
     inv = Inventory.load(view)
-    roots = inv.roots(args.model)
-    if args.model is not None and not roots:
-        print(f"prefixcache clear: no namespace matches --model {args.model!r}", file=sys.stderr)
-        return 1
+    roots = model_roots(inv, args.model)
     blocks = sorted(inv.blocks(roots), key=lambda e: (-e.index, e.key))
     keys = [e.key for e in blocks] + ([] if args.model else inv.bad)
     nbytes = sum(e.file_bytes for e in blocks)
     what = f"model {args.model}" if args.model else "every model"
     if not args.yes:
         if not sys.stdin.isatty():
-            print("prefixcache clear: refusing without --yes (stdin is not a terminal)",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            raise UsageError("refusing without --yes (stdin is not a terminal)")
         answer = input(f"Remove {len(keys)} blocks ({format_bytes(nbytes)}) of {what} "
                        f"from {view.path}? [y/N] ")  # fmt: skip
         if answer.strip().lower() not in ("y", "yes"):

@@ -12,7 +12,9 @@ import argparse
 import os
 import sys
 
-from ..config import ENV_PREFIX, CacheConfig
+from ..config import CacheConfig
+from ..extras import require
+from ..settings import env_name
 from .common import Command, Doc, emit
 from .report import format_bytes, table
 
@@ -34,16 +36,15 @@ def with_remote(command: Command) -> Command:
 
 
 def cmd_remote_stats(args: argparse.Namespace) -> int:
-    import redis
-
+    var = env_name("remote_prefix")  # of the environment, only the key namespace is read
+    config = CacheConfig.from_env(
+        {var: os.environ[var]} if var in os.environ else {},
+        remote_url=args.remote_url,
+        remote_prefix=args.remote_prefix,
+    )
+    redis = require("redis", extra="remote", feature="the remote tier (--remote-url)")
     from ..tiers.remote.inventory import remote_usage
 
-    prefix = args.remote_prefix or os.environ.get(ENV_PREFIX + "REMOTE_PREFIX") or "prefixcache"
-    try:
-        config = CacheConfig(remote_url=args.remote_url, remote_prefix=prefix)
-    except ValueError as err:
-        print(f"prefixcache stats: {err}", file=sys.stderr)
-        return 2
     client = redis.Redis.from_url(args.remote_url, socket_timeout=10, socket_connect_timeout=5)
     try:
         usage = remote_usage(client, config.remote_prefix)

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
 from ..errors import SsdDirError, SsdFormatError
-from .common import Command
+from .common import Command, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
     group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
     _add_operator_args(group)
-    group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
+    group.add_argument(
+        "--metrics-port", type=port, help="Prometheus text at 127.0.0.1:PORT/metrics"
+    )
     group.add_argument(
         "--mx-cache-limit",
         type=parse_bytes,
@@ -80,6 +82,13 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         help="pin every request's system prompt (its first segment)",
     )
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port: 0 (any free one) to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a port (0-65535): {text!r}")
+    return int(text)
 
 
 _CONFIG_FLAGS = (
@@ -131,11 +140,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except MlxLmVersionError as err:
         print(f"prefixcache serve: {err}", file=sys.stderr)
         return 2
-    from .serve_main import run_mlx_server
-
-    config = serve_config(args)
+    looks_local = args.model.startswith(("/", ".", "~"))  # else maybe a Hugging Face repo id
+    if looks_local and not os.path.isdir(os.path.expanduser(args.model)):
+        raise UsageError(f"--model {args.model!r} is not a model directory")
+    config = serve_config(args)  # checked before mlx-lm's import: a bad setting fails at once
     if not check_ssd_dir(config):
         return 2
+    from .serve_main import run_mlx_server
+
     set_mx_cache_limit(args)
     return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ from ..blocks import BlockMeta
 from ..tiers.ssd.index import decode_or_none
 from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment, end_token
 from ..tiers.ssd.view import SsdView
-from .common import Doc, emit, ssd_command
+from .common import Doc, UsageError, emit, model_roots, ssd_command
 from .report import format_age, format_bytes, short, table, tree_lines
 
 Decoder = Callable[[list[int]], str]
@@ -57,36 +56,39 @@ def load_decoder(path: str) -> Decoder:
 
 
 def cmd_show(view: SsdView, args: argparse.Namespace) -> int:
-    keys = _resolve(view, args.key)
-    if len(keys) != 1:
-        what = "no block matches" if not keys else "several blocks match"
-        print(f"prefixcache show: {what} {args.key!r} {[k.hex() for k in keys]}", file=sys.stderr)
-        return 1
+    key = _resolve(view, args.key)
     decode = None
     if args.tokenizer:
         try:
             decode = load_decoder(args.tokenizer)
         except Exception as err:  # tokenizers raises bare Exception; transformers OSError, ...
-            print(f"prefixcache show: cannot load tokenizer: {err}", file=sys.stderr)
-            return 2
-    chain = _chain(view, keys[0])
+            raise UsageError(f"--tokenizer {args.tokenizer!r}: cannot load it: {err}") from None
+    chain = _chain(view, key)
     if not chain:
-        print(f"prefixcache show: block {keys[0].hex()} is gone", file=sys.stderr)
-        return 1
+        raise UsageError(f"block {key.hex()} was removed meanwhile")
     ns = NamespaceInfo.parse(chain[-1].root, view.records.namespaces().get(chain[-1].root))
     doc = _show_doc(view, chain, ns, decode, full=args.full)
     emit(args, doc, lambda: _show_text(doc, ns))
     return 0
 
 
-def _resolve(view: SsdView, text: str) -> list[bytes]:
-    """Keys whose hex starts with ``text`` (at most 3: enough to call it ambiguous)."""
+def _resolve(view: SsdView, text: str) -> bytes:
+    """The one key whose hex starts with ``text``.
+
+    Raises:
+        UsageError: ``text`` is not hex, or no key or several keys start with it.
+    """
     prefix = text.strip().lower()
-    try:
-        start = bytes.fromhex(prefix + "0" * (len(prefix) % 2))
-    except ValueError:
-        return []
-    return [k for k, _ in view.index.scan(start, 3) if k.hex().startswith(prefix)]
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise UsageError(f"{text!r} is not a block key: keys are hex digits (see `ls`)")
+    start = bytes.fromhex(prefix + "0" * (len(prefix) % 2))
+    keys = [k for k, _ in view.index.scan(start, 3) if k.hex().startswith(prefix)]
+    if not keys:
+        raise UsageError(f"no block matches {text!r}: no stored key starts with it (see `ls`)")
+    if len(keys) > 1:
+        shown = ", ".join(k.hex() for k in keys[:2]) + ", ..." * (len(keys) > 2)
+        raise UsageError(f"several blocks match {text!r} ({shown}): give more digits")
+    return keys[0]
 
 
 def _chain(view: SsdView, key: bytes) -> list[BlockMeta]:
@@ -171,7 +173,7 @@ def _show_text(doc: Doc, ns: NamespaceInfo) -> str:
 def cmd_tree(view: SsdView, args: argparse.Namespace) -> int:
     inv = Inventory.load(view)
     namespaces = []
-    for root in inv.roots(args.model):
+    for root in model_roots(inv, args.model):
         top, detached = inv.tree(root)
         blocks = inv.blocks([root])
         if not blocks:
@@ -188,7 +190,7 @@ def cmd_tree(view: SsdView, args: argparse.Namespace) -> int:
         })  # fmt: skip
     doc = {"ssd_dir": view.path, "namespaces": namespaces}
     emit(args, doc, lambda: _tree_text(doc, inv))
-    return 0 if namespaces else 1
+    return 0
 
 
 def _node(seg: Segment) -> Doc:

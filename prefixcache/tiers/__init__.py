@@ -7,6 +7,7 @@ plus one line in :func:`lower_tiers`.
 from __future__ import annotations
 
 from ..config import CacheConfig
+from ..extras import require
 from .base import Tier
 
 
@@ -19,6 +20,7 @@ def lower_tiers(config: CacheConfig) -> list[Tier]:
 
         tiers.append(SsdTier(config))
     if config.remote_url is not None:
+        require("redis", extra="remote", feature=f"remote_url={config.remote_url!r}")
         from .remote import RemoteTier  # the redis client only when a server is configured
 
         tiers.append(RemoteTier(config))

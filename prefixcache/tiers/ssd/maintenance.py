@@ -99,7 +99,7 @@ class GcPlan:
     """What :func:`plan_gc` selected: blocks to remove (leaves first) and why."""
 
     remove: list[bytes] = field(default_factory=list)
-    num_selected: int = 0  # matched --model / --older-than
+    num_selected: int = 0  # matched --older-than, or every block of the scope (--all)
     num_below: int = 0  # descendants of selected blocks (unreachable once they go)
     num_evicted: int = 0  # LRU leaves evicted for --max-bytes
     num_detached: int = 0  # detached subtrees (only when no other process is open)
@@ -113,23 +113,26 @@ def plan_gc(
     model: str | None = None,
     older_than: float | None = None,
     max_bytes: int | None = None,
+    select_all: bool = False,
     drop_detached: bool = True,
     now: float | None = None,
 ) -> GcPlan:
     """Choose blocks to remove.
 
-    ``model`` scopes everything else (alone, it selects all of the model's
-    blocks); ``older_than`` (seconds) selects blocks not used for that long;
-    descendants of a selected block go too. Then LRU leaves of the scope are
-    evicted until the scope holds at most ``max_bytes`` payload file bytes.
+    ``model`` is a filter: it scopes every other criterion to the model's
+    namespaces (and alone selects nothing but the scope's detached blocks).
+    ``select_all`` selects every block of the scope; ``older_than`` (seconds)
+    selects blocks not used for that long; descendants of a selected block go
+    too. Then LRU leaves of the scope are evicted until the scope holds at
+    most ``max_bytes`` payload file bytes.
     """
     now = time.time() if now is None else now
     roots = inv.roots(model)
     scope = inv.blocks(roots)
-    if older_than is not None:
-        chosen = {e.key for e in scope if now - e.last_used > older_than}
-    elif model is not None and max_bytes is None:
+    if select_all:
         chosen = {e.key for e in scope}
+    elif older_than is not None:
+        chosen = {e.key for e in scope if now - e.last_used > older_than}
     else:
         chosen = set()
     plan = GcPlan(num_selected=len(chosen))

@@ -1,0 +1,136 @@
+"""The shape of ``PrefixCache.stats()``: one ``TypedDict`` per tier and the whole dict.
+
+``pc.stats()["hot"]["nbytes"]`` type-checks; what each key means is in
+docs/stats.md. Counters (``num_*``, ``*_bytes`` totals, ``*_hits``) only grow
+over a cache's life; gauges (``nbytes``, ``queue_*``, ``enabled``,
+``breaker_open``, speeds) are the value now. Sizes are in bytes.
+tests/test_stats_types.py checks these declarations against what a real cache
+returns with every tier on, so a key added to a tier must be declared here.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class HotStats(TypedDict):
+    """``stats()["hot"]``: the hot tier (live arrays in RAM)."""
+
+    num_blocks: int
+    nbytes: int
+    max_bytes: int
+    num_evictions: int
+    num_shed_snapshots: int
+    pinned_bytes: int
+
+
+class SsdStats(TypedDict):
+    """``stats()["ssd"]``: the SSD tier (absent with ``hot_cache_only``)."""
+
+    enabled: int
+    num_blocks: int
+    nbytes: int
+    num_corrupt_total: int
+    max_bytes: int
+    queue_depth: int
+    queue_bytes: int
+    num_write_failures: int
+    num_writes: int
+    written_bytes: int
+    num_dropped_writes: int
+    num_inline_writes: int
+    num_existing: int
+    num_no_room: int
+    num_evictions: int
+    num_failures: int
+    num_disk_full: int
+    num_recoveries: int
+    num_corrupt: int
+    num_read_errors: int
+    num_loads: int
+    load_bytes: int
+    num_pending_loads: int
+    written_bytes_today: int
+    write_budget: int
+    write_budget_left: int
+    pinned_bytes: int
+    num_pinned: int
+
+
+class RemoteStats(TypedDict):
+    """``stats()["remote"]``: the remote tier (present when ``remote_url`` is set)."""
+
+    breaker_open: int
+    num_breaker_trips: int
+    num_errors: int
+    num_timeouts: int
+    num_skipped: int
+    queue_depth: int
+    queue_bytes: int
+    num_write_failures: int
+    num_writes: int
+    written_bytes: int
+    num_dropped_writes: int
+    num_no_room: int
+    num_loads: int
+    load_bytes: int
+    num_missing_parts: int
+    num_corrupt: int
+    num_gate_refusals: int
+    num_gate_probes: int
+    fetch_bytes_per_s: int
+    prefill_tokens_per_s: int
+
+
+class WarmStats(TypedDict):
+    """``stats()["warm"]``: the warm start on open (present when ``warm_bytes`` > 0)."""
+
+    num_blocks: int
+    nbytes: int
+    done: int
+    seconds: float
+
+
+class EventStats(TypedDict):
+    """``stats()["events"]``: the KV events publisher (present with ``events_url``)."""
+
+    num_events: int
+    num_batches: int
+    num_dropped: int
+    num_subscribers: int
+
+
+class _Optional(TypedDict, total=False):
+    """The tiers below hot and the services, each present only when configured."""
+
+    ssd: SsdStats
+    remote: RemoteStats
+    warm: WarmStats
+    events: EventStats
+
+
+class CacheStats(_Optional):
+    """``PrefixCache.stats()``: the cache's counters, then one dict per tier."""
+
+    num_fetches: int
+    num_hits: int
+    num_misses: int
+    prompt_tokens: int
+    cached_tokens: int
+    num_stores: int
+    stored_blocks: int
+    stored_bytes: int
+    num_spills: int
+    num_promotions: int
+    upgraded_blocks: int
+    num_discarded: int
+    miss_reasons: dict[str, int]  # every MissReason value -> fetches that stopped for it
+    hot_block_hits: int
+    ssd_block_hits: int
+    remote_block_hits: int
+    num_pinned: int
+    num_sessions: int
+    ssd_bytes_written: int
+    ssd_writes_deferred: int
+    ssd_writes_skipped: int
+    hot: HotStats
