@@ -59,7 +59,8 @@ class PrefixCache(ControlVerbs):
         self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
-        self.tiers = Tiers(self.config, self._stats, lower, shed)
+        cost = self.layout.block_cost if self.config.eviction == "cost" else None
+        self.tiers = Tiers(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self._closed = False

@@ -16,10 +16,19 @@ from typing import Literal
 from . import settings
 from .settings import ENV_PREFIX, parse_bytes
 
-__all__ = ["ENV_PREFIX", "QUEUE_FULL_POLICIES", "WRITE_POLICIES", "CacheConfig", "parse_bytes"]
+__all__ = [
+    "ENV_PREFIX",
+    "EVICTIONS",
+    "QUEUE_FULL_POLICIES",
+    "WRITE_POLICIES",
+    "CacheConfig",
+    "parse_bytes",
+]
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
+Eviction = Literal["cost", "lru"]
+EVICTIONS = ("cost", "lru")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")
 
@@ -39,6 +48,11 @@ class CacheConfig:
             tokens after the last full block are kept too, as a tail.
         hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
         hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
+        eviction: which hot block goes first when RAM is full (always a leaf,
+            never a pinned block): ``cost`` weighs recency against what the
+            block saves per byte (its recompute FLOPs: deep blocks cost more,
+            costs.py), among the least recently used leaves; ``lru``: the
+            least recently used leaf.
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
         ssd_max_bytes: byte budget of the SSD tier's payloads.
         ssd_min_free_bytes: free disk space the SSD tier always leaves.
@@ -52,7 +66,9 @@ class CacheConfig:
         kv_group_size: KV quantization group size.
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
-            the prompt, so decoding does not re-allocate at once.
+            the prompt, so decoding does not re-allocate at once; 0: the buffer
+            holds the restored tokens only (``prefixcache serve``: mlx-lm's batch
+            copies a restored cache into its batch at once).
         snapshot_interval: during prefill, a restore point every N blocks: a
             recurrent-state snapshot, and sliding-window K/V in the blocks its
             window covers; 0 (the default) picks N from ``snapshot_ratio``. The
@@ -100,6 +116,7 @@ class CacheConfig:
     block_size: int = 256
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
+    eviction: Eviction = "cost"
     ssd_dir: str = "~/.cache/prefixcache"
     ssd_max_bytes: int = 64 << 30
     ssd_min_free_bytes: int = 1 << 30
@@ -168,14 +185,7 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(
-                f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}"
-            )
-        if self.queue_full not in QUEUE_FULL_POLICIES:
-            raise ValueError(
-                f"queue_full must be one of {QUEUE_FULL_POLICIES}, got {self.queue_full!r}"
-            )
+        # write_policy, eviction, queue_full: their Literal types, checked above
         _check_remote(self.remote_url, self.remote_prefix)
         _check_events(self.events_url)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 from .blocks import Block
 from .codecs import Codec, codec_for
 from .config import CacheConfig
+from .costs import RecomputeCost
 from .errors import LayoutMismatchError, MissReason
 from .window import WindowPolicy, window_tokens, windows
 
@@ -47,6 +48,7 @@ class ModelLayout:
         self.codecs: list[Codec] = [codec_for(c) for c in probe]
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
+        self.recompute = RecomputeCost.of(model, probe)
         self.state_bytes, self.kv_token_bytes, self.window_token_bytes = _sizes(probe)
         self.state_prefixes = _state_prefixes(probe, "")
         self.window_prefixes = tuple(p for p, _, _ in windows(probe))
@@ -128,6 +130,10 @@ class ModelLayout:
         if len(lean) == len(block.arrays):
             return None
         return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
+
+    def block_cost(self, block: Block) -> float:
+        """FLOPs to prefill ``block``'s tokens again after those before it."""
+        return self.recompute.flops(block.index * self.config.block_size, block.num_tokens)
 
     def fresh(self, num_tokens: int) -> list[Any]:
         """Empty caches for the model, quantized where mlx-lm would have quantized."""

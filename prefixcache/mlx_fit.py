@@ -71,6 +71,8 @@ class ModelPair(nn.Module):
 
 def text_prefix(tokens: Sequence[int]) -> Sequence[int]:
     """The tokens before the first image: mlx-lm keys image patches by negative ids."""
+    if not tokens or min(tokens) >= 0:  # no image: one C-level pass
+        return tokens
     first = next((i for i, t in enumerate(tokens) if t < 0), None)
     return tokens if first is None else tokens[:first]
 

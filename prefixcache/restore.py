@@ -62,8 +62,11 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
             return Restored(make_prompt_cache(layout.model), 0, reason, shared, [])
         loader = ChainLoad(tiers, plan)
-        # a block cut back is copied whole: the buffers hold every block
-        capacity = round_up(max(len(data) // 4 + headroom, len(plan.entries) * bs))
+        # a block cut back is copied whole: the buffers hold every block. With headroom,
+        # room for the prompt's rest and the reply in mlx-lm's steps; without, the
+        # restored blocks only (e.g. a batch copies the cache at once)
+        whole = len(plan.entries) * bs
+        capacity = round_up(max(len(data) // 4 + headroom, whole)) if headroom else whole
         try:
             cache = rebuild(layout.fresh(plan.num_tokens), loader, capacity=capacity, block_size=bs)
         except Shortfall as short:

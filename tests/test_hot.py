@@ -111,3 +111,50 @@ def test_a_chain_larger_than_the_budget_evicts_each_block_once():
         parent = b.key
     assert sorted(evicted) == [2, 3, 4] and len(evicted) == 3
     assert {b.index for b in hot} == {0, 1}  # the root-most blocks stay
+
+
+def deep_chain(hot: HotTier, name: str, depth: int) -> Block:
+    """A chain of ``depth`` blocks; returns its leaf."""
+    parent = ROOT
+    for i in range(depth):
+        b = block(f"{name}{i}", parent=parent, index=i)
+        hot.put(b)
+        parent = b.key
+    return b
+
+
+def evicted_first(cost) -> bytes:
+    """Which leaf goes first: an old deep history's or a newer shallow prompt's."""
+    gone = []
+    hot = HotTier(max_bytes=7 * 64, on_evict=lambda b, d: gone.append(b.key[:2]), cost=cost)
+    deep = deep_chain(hot, "d", 6)  # the older, and its leaf sits at depth 5
+    hot.put(block("s0"))  # a newer one-block prompt
+    assert deep.key in hot and len(hot) == 7
+    hot.put(block("n0"))  # room for one block: one of the two leaves goes
+    return gone[0]
+
+
+def test_cost_aware_eviction_keeps_the_deep_block_lru_does_not():
+    """Recompute cost grows with depth: among old leaves, the cheap one goes first."""
+    by_depth = lambda b: float(1 + b.index) ** 2  # noqa: E731
+    assert evicted_first(by_depth) == b"s0"
+    # control: without a cost (LRU), the least recently used leaf goes: the deep one
+    assert evicted_first(None) == b"d5"
+    # and with equal costs, recency decides alone
+    assert evicted_first(lambda b: 1.0) == b"d5"
+
+
+def test_cost_aware_eviction_never_takes_a_pinned_or_inner_block():
+    gone = []
+    hot = HotTier(max_bytes=4 * 64, on_evict=lambda b, d: gone.append(b.key[:2]), cost=float_index)
+    leaf = deep_chain(hot, "a", 3)
+    hot.pins.add([leaf.key], float("inf"))  # the deep leaf is pinned
+    hot.put(block("b0"))
+    hot.put(block("c0"))
+    hot.put(block("e0"))  # two must go: the shallow leaves, not the pinned or inner ones
+    assert sorted(gone) == [b"b0", b"c0"]
+    assert all(block(f"a{i}").key in hot for i in range(3))
+
+
+def float_index(b: Block) -> float:
+    return float(1 + b.index)

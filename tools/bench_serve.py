@@ -13,12 +13,14 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
   mlx-lm LRU     LRUPromptCache (RAM only, whole sequences) as the server makes it:
                  the budget is applied by trim_to only, so inserts overshoot it
   LRU strict     LRUPromptCache(max_bytes=budget): enforced at every insert too
-  ours hot-only  TieredPromptCache(hot_cache_only=True)
+  ours hot-only  TieredPromptCache(hot_cache_only=True): cost-aware eviction (the default)
+  hot-only LRU   the same with eviction="lru" (leaves first, least recently used)
   ours + SSD     TieredPromptCache with an SSD tier (write_back; closed and
                  reopened at the restart, as ``prefixcache serve`` does on SIGTERM)
 
 Per system: cached / prompt tokens, prefill tokens computed, time to first
-token (median, p90), peak bytes the cache held in RAM, the cached share of the
+token (median, p90, and summed: the time spent recomputing what was not
+cached), peak bytes the cache held in RAM, the cached share of the
 first request of each conversation resumed after the restart, and whether the
 generated tokens equal mlx-lm LRU's. Timings are of a 2-core CPU shared with
 whatever else runs: compare systems within one run.
@@ -58,7 +60,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
     p.add_argument(
-        "--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB], help="RAM budgets"
+        "--budget",
+        type=parse_bytes,
+        nargs="+",
+        default=[3 * MiB, 5 * MiB, 8 * MiB],
+        help="RAM budgets",
     )
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
@@ -184,6 +190,7 @@ def summary(r: Result, reference: Result) -> dict[str, str]:
         "prefill tokens": f"{r.prompt_tokens - r.cached_tokens:,}",
         "TTFT p50": f"{p50 * 1e3:7.1f} ms",
         "TTFT p90": f"{p90 * 1e3:7.1f} ms",
+        "TTFT sum": f"{sum(r.ttfts):6.2f} s",
         "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
         "after restart": f"{resumed:6.1%}",
         "same tokens": "ref" if r is reference else str(r.outputs == reference.outputs),
@@ -227,6 +234,12 @@ def main() -> None:
                 ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
                 ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
                 ("ours hot-only", lambda hot=hot: TieredPromptCache(lambda key: model, hot)),
+                (
+                    "hot-only LRU",
+                    lambda hot=hot: TieredPromptCache(
+                        lambda key: model, hot.replace(eviction="lru")
+                    ),
+                ),
                 ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
             ]
             reference = None

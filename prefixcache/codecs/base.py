@@ -37,16 +37,28 @@ def round_up(n: int, step: int = STEP) -> int:
     return -(-n // step) * step
 
 
-def owned(x: mx.array, parent: mx.array | None = None) -> mx.array:
-    """A row-contiguous copy of ``x`` (a slice of ``parent``) sharing no memory with it.
+def owned(x: mx.array) -> mx.array:
+    """A row-contiguous copy of ``x`` sharing no memory with it.
 
     ``mx.array`` copies but keeps a transposed layout (a ring filled straight
     from the attention's K/V is one), which payload files cannot hold;
-    ``mx.contiguous`` returns the buffer itself when it is row-contiguous.
+    ``mx.contiguous`` returns the array itself when it is row-contiguous.
     """
-    if memoryview(x if parent is None else parent).c_contiguous:
-        return mx.array(x)
     return mx.array(mx.contiguous(x))
+
+
+def owned_tokens(x: mx.array, start: int, end: int) -> mx.array:
+    """A row-contiguous copy of tokens ``[start, end)`` of ``x`` (B, heads, T, dim),
+    sharing no memory with it: one copy, decided from the shapes (no evaluation).
+
+    Several heads and a slice of 2 to T - 1 tokens are never row-contiguous, whatever
+    the buffer's layout: ``mx.contiguous`` copies them. A single head, a single
+    token or the whole buffer may be contiguous already (a view): copied once more.
+    """
+    part = x[..., start:end, :]
+    if x.shape[1] > 1 and 1 < end - start < x.shape[2]:
+        return mx.contiguous(part)
+    return owned(part)
 
 
 def num_blocks(num_tokens: int, block_size: int) -> int:

@@ -15,6 +15,8 @@ written once.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 
@@ -74,9 +76,7 @@ class TokenBuffer:
             return []
         if len(x.shape) != 4:
             return []  # _write reports it
-        shape = (*x.shape[:2], self.capacity, x.shape[3])
-        # on the CPU stream: nothing is computed, and on Apple silicon the memory is shared
-        self._open(empty(shape, x.dtype, stream=mx.cpu))
+        self._open(_new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype))
         return [self.array]
 
     def destination(
@@ -110,7 +110,7 @@ class TokenBuffer:
             x = self._pending[0][1]
             if len(x.shape) != 4:
                 raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-            self._open(empty((*x.shape[:2], self.capacity, x.shape[3]), x.dtype, stream=mx.cpu))
+            self._open(_new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype))
         self._copy_pending()
         return self.array
 
@@ -181,3 +181,15 @@ class TokenBuffer:
         self.array = array
         self._host = host_view(array)
         advise_huge(self._host)
+
+
+_SMALL = 1 << 20  # bytes: below, zeros from MLX's buffer cache beat an unwritten buffer
+
+
+def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A restore buffer on the CPU stream (nothing is computed; on Apple silicon the
+    memory is shared): unwritten when large (its pages are faulted in once, by the
+    copy), zeros when small (the unwritten one's set-up costs more than the writes)."""
+    if math.prod(shape) * dtype.size < _SMALL:
+        return mx.zeros(shape, dtype, stream=mx.cpu)
+    return empty(shape, dtype, stream=mx.cpu)

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Payload, num_blocks, owned, round_up
+from .base import Builder, Codec, Payload, num_blocks, owned_tokens, round_up
 from .kv import KVBuilder, kv_signature
 
 CHUNK = MissReason.WINDOW_NOT_COVERED
@@ -46,8 +46,8 @@ class ChunkedKVCodec(Codec):
         a, b = max(start, first) - first, end - first
         # after maybe_trim_front the buffer itself is a slice of an older one
         out = {
-            "keys": owned(cache.keys[..., a:b, :], cache.keys),
-            "values": owned(cache.values[..., a:b, :], cache.values),
+            "keys": owned_tokens(cache.keys, a, b),
+            "values": owned_tokens(cache.values, a, b),
         }
         if start >= first:
             return out

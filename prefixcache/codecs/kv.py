@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Resident, owned
+from .base import Builder, Codec, Resident, owned_tokens
 from .buffer import TokenBuffer
 
 
@@ -18,10 +18,10 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def owned_slice(x: mx.array, start: int, end: int) -> mx.array:
-    """A row-contiguous copy of ``x[..., start:end, :]`` that owns its memory (see
-    ``owned``: a buffer a whole first chunk filled may be the attention's
-    transposed K/V itself, whose copy keeps that layout)."""
-    return owned(x[..., start:end, :], x)
+    """A row-contiguous copy of ``x[..., start:end, :]`` that owns its memory (a
+    buffer a whole first chunk filled may be the attention's transposed K/V itself,
+    whose plain copy would keep that layout: ``owned_tokens``)."""
+    return owned_tokens(x, start, end)
 
 
 def check_single(cache: Any, keys: mx.array) -> None:

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Payload, num_blocks, owned
+from .base import Builder, Codec, Payload, num_blocks, owned_tokens
 from .buffer import TokenBuffer
 from .kv import kv_signature
 
@@ -69,7 +69,10 @@ def tail_start(fresh: RotatingKVCache, num_tokens: int, block_size: int) -> int:
 def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
     parts = [x[..., a:b, :] for a, b in ranges]
     # new arrays either way: the payload must not pin the live ring
-    return mx.concatenate(parts, axis=2) if len(parts) > 1 else owned(parts[0], x)
+    if len(parts) > 1:
+        return mx.concatenate(parts, axis=2)
+    ((a, b),) = ranges
+    return owned_tokens(x, a, b)
 
 
 class RotatingKVCodec(Codec):

@@ -24,6 +24,8 @@ from ..pins import Pins
 from .base import BlockListener, Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
+CostHook = Callable[[Block], float]  # FLOPs to recompute the block (costs.py)
+_CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
@@ -41,8 +43,10 @@ class HotTier(Tier):
         on_evict: EvictHook | None = None,
         shed: ShedHook | None = None,
         pins: Pins | None = None,
+        cost: CostHook | None = None,
     ):
         self.max_bytes = max_bytes
+        self.cost = cost
         self.pins = pins if pins is not None else Pins()
         self.listener: BlockListener | None = None
         self.on_evict = on_evict
@@ -166,23 +170,34 @@ class HotTier(Tier):
         return num
 
     def _victim(self) -> bytes | None:
-        """The least recently used leaf that is not pinned, or None.
+        """The leaf to evict (never a pinned one), or None.
 
-        Pinned leaves met on the way move to the recent end, so the next scan
-        does not walk them again.
+        Without a cost, the least recently used leaf. With one, among the
+        least recently used leaves the one of least utility: its recency rank
+        plus what it saves per byte (recompute FLOPs), each scaled to [0, 1]
+        (the Marconi paper's recency + FLOP efficiency): a deep block of a long
+        history outlives a shallow one of the same age. Pinned leaves met on
+        the way move to the recent end, so the next scan does not walk them again.
         """
-        met, found = [], None
+        met, found = [], []
+        want = 1 if self.cost is None else _CANDIDATES
         for key in self._lru:
             if self._children.get(key):
                 continue
             if self.pins.holds(key):
                 met.append(key)
                 continue
-            found = key
-            break
+            found.append(key)
+            if len(found) == want:
+                break
         for key in met:
             self._lru.move_to_end(key)
-        return found
+        if len(found) < 2 or self.cost is None:
+            return found[0] if found else None
+        worth = [self.cost(self._lru[k]) / max(1, self._lru[k].nbytes) for k in found]
+        top = max(worth) or 1.0
+        utility = [i / len(found) + w / top for i, w in enumerate(worth)]
+        return found[utility.index(min(utility))]
 
     def _shed_one(self) -> bool:
         """Drop the snapshot of the oldest block inside a chain that has one."""

@@ -24,7 +24,7 @@ from ..pins import Pins
 from ..stats import Stats
 from .base import ChainEntry, Tier
 from .governor import WriteGovernor
-from .hot import HotTier, ShedHook
+from .hot import CostHook, HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -38,10 +38,11 @@ class Tiers:
         stats: Stats,
         lower: Sequence[Tier],
         shed: ShedHook | None = None,
+        cost: CostHook | None = None,
     ):
         self.config, self.stats = config, stats
         self.pins = Pins()
-        self.hot = HotTier(config.hot_max_bytes, self._on_hot_evict, shed, self.pins)
+        self.hot = HotTier(config.hot_max_bytes, self._on_hot_evict, shed, self.pins, cost)
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
         through = config.write_policy == "write_through"
