@@ -25,9 +25,11 @@ lint: setup
 	$(BIN)/ruff check prefixcache tests tools
 	$(BIN)/ruff format --check prefixcache tests tools
 
-# the remote tier's tests start their own redis-server (never a system service)
+# the remote tier's tests start their own redis-server, cluster and TLS server (never a
+# system service): redis-server, redis-cli (`--cluster create`) and openssl (test CAs)
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+	@(command -v redis-server && command -v redis-cli && command -v openssl) >/dev/null || \
+		(apt-get update && apt-get install -y redis-server redis-tools openssl)
 
 test: lint redis-server
 	$(BIN)/pytest

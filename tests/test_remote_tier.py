@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from itertools import pairwise
 
 import numpy as np
@@ -14,7 +15,17 @@ from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
 from prefixcache.host import HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
-from prefixcache.tiers.remote.format import PART_BYTES, check_part, decode_meta, meta_key, part_key
+from prefixcache.tiers.remote.format import PART_BYTES, Names, check_part, decode_meta
+
+NAMES = Names("prefixcache")
+
+
+def part_key(prefix: str, key: bytes, n: int) -> str:
+    return Names(prefix).part(key, n)
+
+
+def meta_key(prefix: str, key: bytes) -> str:
+    return Names(prefix).meta(key)
 
 
 def tier_for(url: str, **changes) -> RemoteTier:
@@ -102,14 +113,40 @@ def test_a_chain_is_looked_up_in_one_round_trip(redis_server):
     client = redis_server.client()
     client.config_resetstat()
     chain = [*keys, block_key(2, 8)]
-    metas = tier.held(chain, 0)
-    assert [m.key for m in metas] == keys
-    calls = client.info("commandstats")
-    assert calls["cmdstat_mget"]["calls"] == 1
-    assert set(calls) == {"cmdstat_mget", "cmdstat_config|resetstat"}
-    assert tier.held(chain, 3) == metas[3:]  # the rest of the same prompt: no new round trip
-    assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    with count_round_trips(tier) as trips:
+        metas = tier.held(chain, 0)
+    assert [m.key for m in metas] == keys and trips == [1]
+    calls = client.info("commandstats")  # every meta and every children set
+    assert calls["cmdstat_get"]["calls"] == 9 and calls["cmdstat_smembers"]["calls"] == 9
+    with count_round_trips(tier) as trips:
+        assert tier.held(chain, 3) == metas[3:]  # the rest of the same prompt: no round trip
+        assert [m.key for m in tier.children(keys[7])] == []  # listed with the chain
+        assert [m.key for m in tier.children(keys[3])] == [keys[4]]
+    assert trips == [0]
     tier.close()
+
+
+@contextmanager
+def count_round_trips(tier: RemoteTier):
+    """Count the pipelines (one write, then the replies) ``tier`` sends to its shards."""
+    trips = [0]
+    shards = tier.client.shards.all()
+    originals = {id(s): s.redis.pipeline for s in shards}
+
+    def counting(original):
+        def pipeline(*args, **kwargs):
+            trips[0] += 1
+            return original(*args, **kwargs)
+
+        return pipeline
+
+    for shard in shards:
+        shard.redis.pipeline = counting(shard.redis.pipeline)
+    try:
+        yield trips
+    finally:
+        for shard in shards:
+            shard.redis.pipeline = originals[id(shard)]
 
 
 def test_evicted_part_is_a_counted_miss(redis_server):
@@ -150,9 +187,9 @@ def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
     assert load_all(tier, keys, placer(buffers) if placed else None) == [None]
     assert tier.load_miss is MissReason.CORRUPT and tier.stats()["num_corrupt"] == 1
     if damage != "not_a_string":
-        meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])))
+        meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])), NAMES)
         with pytest.raises(PayloadError):
-            check_part(meta, 1, client.get(name))
+            check_part(meta, NAMES, 1, client.get(name))
     client.delete(name)  # the block's other part and the next block still read cleanly
     assert load_all(tier, keys[1:])[0] is not None
     tier.close()
@@ -163,7 +200,7 @@ def test_a_bad_meta_ends_the_chain_and_is_counted(redis_server):
     keys = stored(tier, [make_block(5, i) for i in range(4)])
     client = redis_server.client()
     name = meta_key("prefixcache", keys[2])
-    client.set(name, client.get(name)[:-1] + b"\0")
+    client.set(name, client.get(name)[:-1] + bytes([client.get(name)[-1] ^ 1]))
     assert [m.key for m in tier.held(keys, 0)] == keys[:2]
     assert tier.stats()["num_corrupt"] == 1
     tier.close()

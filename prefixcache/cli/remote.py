@@ -9,10 +9,9 @@ cannot be reached.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ..config import ENV_PREFIX, CacheConfig
+from ..config import CacheConfig
 from .common import Command, Doc, emit
 from .report import format_bytes, table
 
@@ -33,22 +32,36 @@ def with_remote(command: Command) -> Command:
     return Command(command.name, command.help, add, run)
 
 
-def cmd_remote_stats(args: argparse.Namespace) -> int:
-    import redis
+def remote_config(args: argparse.Namespace) -> CacheConfig:
+    """The remote settings of a command: ``--remote-url`` / ``--remote-prefix`` over
+    the ``PREFIXCACHE_REMOTE_*`` variables (TLS files, secret), generous timeouts.
 
+    Raises:
+        ValueError: a bad setting (named).
+    """
+    return CacheConfig.from_env(
+        remote_url=args.remote_url,
+        remote_prefix=args.remote_prefix,
+        remote_timeout_ms=10_000,
+        remote_connect_timeout_ms=5_000,
+        remote_breaker_failures=1,
+    )
+
+
+def cmd_remote_stats(args: argparse.Namespace) -> int:
+    from ..tiers.remote.client import RemoteClient, RemoteUnavailable
     from ..tiers.remote.inventory import remote_usage
 
-    prefix = args.remote_prefix or os.environ.get(ENV_PREFIX + "REMOTE_PREFIX") or "prefixcache"
     try:
-        config = CacheConfig(remote_url=args.remote_url, remote_prefix=prefix)
+        config = remote_config(args)
     except ValueError as err:
         print(f"prefixcache stats: {err}", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(args.remote_url, socket_timeout=10, socket_connect_timeout=5)
+    client = RemoteClient(config)
     try:
         usage = remote_usage(client, config.remote_prefix)
-    except redis.RedisError as err:
-        print(f"prefixcache stats: remote server {args.remote_url}: {err}", file=sys.stderr)
+    except RemoteUnavailable as err:
+        print(f"prefixcache stats: remote server {client.url}: {err}", file=sys.stderr)
         return 2
     finally:
         client.close()
@@ -57,18 +70,26 @@ def cmd_remote_stats(args: argparse.Namespace) -> int:
          "num_tokens": ns.num_tokens, "nbytes": ns.nbytes}
         for ns in usage.namespaces
     ]  # fmt: skip
+    shards = [
+        {"node": s.name, "used_memory": s.used_memory, "maxmemory": s.maxmemory,
+         "maxmemory_policy": s.policy, "num_keys": s.num_keys}
+        for s in usage.shards
+    ]  # fmt: skip
     doc = {
-        "remote_url": args.remote_url,
+        "remote_url": client.url,  # the password redacted
         "remote_prefix": usage.prefix,
+        "cluster": client.cluster,
         "num_blocks": sum(ns["num_blocks"] for ns in namespaces),
         "num_tokens": sum(ns["num_tokens"] for ns in namespaces),
         "nbytes": sum(ns["nbytes"] for ns in namespaces),
         "num_bad_entries": usage.num_bad,
+        **usage.counters,
         "server": {
-            "used_memory": usage.used_memory,
-            "maxmemory": usage.maxmemory,
-            "maxmemory_policy": usage.policy,
+            "used_memory": sum(s["used_memory"] for s in shards),
+            "maxmemory": sum(s["maxmemory"] for s in shards),
+            "maxmemory_policy": ",".join(sorted({s["maxmemory_policy"] for s in shards})),
         },
+        "shards": shards,
         "namespaces": namespaces,
     }
     emit(args, doc, lambda: _text(doc))
@@ -86,6 +107,28 @@ def _text(doc: Doc) -> str:
     ]
     if doc["num_bad_entries"]:
         lines.append(f"  unreadable block entries: {doc['num_bad_entries']}")
+    lines.append(
+        f"  blocks the hosts refused: {doc['num_forged']} forged (fail their MAC), "
+        f"{doc['num_corrupt']} corrupt, {doc['num_missing_parts']} with missing parts"
+    )
+    if doc["cluster"]:
+        lines += [
+            "",
+            table(
+                ("shard", "used", "maxmemory", "policy", "keys"),
+                [
+                    [
+                        s["node"],
+                        format_bytes(s["used_memory"]),
+                        format_bytes(s["maxmemory"]),
+                        s["maxmemory_policy"],
+                        s["num_keys"],
+                    ]
+                    for s in doc["shards"]
+                ],
+                "lrrlr",
+            ),
+        ]
     rows = [
         [ns["model"] or "(unrecorded)", ns["root"][:8], ns["num_blocks"], ns["num_tokens"],
          format_bytes(ns["nbytes"])]

@@ -12,19 +12,33 @@ CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
 no intermediate buffer. The part's checksum is checked at the end: a part that fails has
 written some of its bytes already, so the block is a miss and the restore
 stops before it (the SSD stream's rule too).
+
+With ``remote_secret`` a part's bytes must pass their MAC before a byte reaches
+a restore buffer: they are read into a staging buffer of one part (reused
+across parts and blocks), MAC'd slice by slice as they arrive, verified, and
+only then copied into their runs: one copy more than without a secret.
 """
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from ...errors import PayloadError
 from ...host import MX_DTYPES, HostArray, Place, Placed
-from .format import PART_BYTES, PART_HEAD_BYTES, RemoteMeta, part_checksum, spec_bytes
+from .format import (
+    PART_BYTES,
+    PART_HEAD_BYTES,
+    Names,
+    RemoteMeta,
+    bad_bytes,
+    part_digest,
+    spec_bytes,
+)
+from .seal import digest_of, part_hasher, same_digest
 from .wire import Replies
 
 # Read and hash in slices that stay in the CPU cache between the two passes.
@@ -67,12 +81,14 @@ def targets(meta: RemoteMeta, place: Place | None) -> Targets:
     return Targets(arrays, runs, starts)
 
 
-def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
+def receive(into: Targets, meta: RemoteMeta, names: Names, n: int, replies: Replies) -> bool:
     """Read part ``n`` of block ``meta`` from ``replies`` into its runs and verify
-    it: its header names this block, part and count, and the xxh3-64 of its
-    bytes matches both its header and the meta. False: the part is missing.
+    it: its header names this block, part and count, and the digest of its
+    bytes (xxh3-128, or its MAC with a secret) matches both its header and the
+    meta. False: the part is missing.
 
     Raises:
+        Forged: with a secret, a plain part or bytes that fail their MAC.
         PayloadError: another block's or version's part, torn, or a bad checksum.
     """
     length = replies.length()
@@ -81,25 +97,51 @@ def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
     if length < PART_HEAD_BYTES:
         raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
     size = length - PART_HEAD_BYTES
-    checksum = part_checksum(meta, n, replies.read(PART_HEAD_BYTES), size)
-    hasher = xxhash.xxh3_64()
-    offset = n * PART_BYTES
+    digest = part_digest(meta, names, n, replies.read(PART_HEAD_BYTES), size)
+    hasher = part_hasher(names.seal, meta.key, n, meta.num_parts)
+    staged = _staging(size) if names.seal is not None else None
+    offset, done = n * PART_BYTES, 0
     r = bisect_right(into.starts, offset) - 1
-    done = 0
-    while done < size:
+    while done < size:  # into the staging buffer (with a secret) or straight into place
         run = into.runs[r]
         at = offset + done - into.starts[r]
         take = min(size - done, run.nbytes - at, _SLICE)
-        dest = run[at : at + take]
+        dest = run[at : at + take] if staged is None else staged[done : done + take]
         replies.read_into(dest)
         hasher.update(dest)
         done += take
         if at + take == run.nbytes:
             r += 1
     replies.end()
-    if hasher.intdigest() != checksum:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} fails its checksum")
+    if not same_digest(digest_of(hasher), digest):
+        raise bad_bytes(meta, names, n)
+    if staged is not None:  # verified: now into place
+        _scatter(into, offset, staged[:size])
     return True
+
+
+def _scatter(into: Targets, offset: int, data: memoryview) -> None:
+    """Copy ``data`` (payload bytes from ``offset``) into its runs."""
+    r = bisect_right(into.starts, offset) - 1
+    done = 0
+    while done < data.nbytes:
+        run = into.runs[r]
+        at = offset + done - into.starts[r]
+        take = min(data.nbytes - done, run.nbytes - at)
+        run[at : at + take] = data[done : done + take]
+        done += take
+        r += 1
+
+
+_STAGING = threading.local()
+
+
+def _staging(size: int) -> memoryview:
+    """This thread's staging buffer of at least ``size`` bytes (one part, reused)."""
+    buf = getattr(_STAGING, "buf", None)
+    if buf is None or buf.nbytes < size:
+        buf = _STAGING.buf = memoryview(np.empty(max(size, PART_BYTES), np.uint8)).cast("B")
+    return buf
 
 
 def _nbytes(views: list[memoryview]) -> int:
