@@ -21,7 +21,8 @@ import redis
 
 from ...errors import MissReason, PayloadError
 from .client import RemoteClient, RemoteUnavailable
-from .format import Names, RemoteMeta, decode_meta
+from .format import RemoteMeta, decode_meta
+from .names import Names
 from .shards import Shard, refusal
 
 OnBad = Callable[[bytes, PayloadError], None]  # a block whose meta is unusable

@@ -17,7 +17,8 @@ import redis
 
 from ...errors import PayloadError
 from .client import RemoteClient, RemoteUnavailable
-from .format import REPORTED, MetaHead, counters_key, decode_head, name_of, namespace_key
+from .format import MetaHead, decode_head
+from .names import REPORTED, counters_key, name_of, namespace_key
 from .shards import Shard
 
 _CHUNK = 1000

@@ -28,7 +28,8 @@ from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
 from .client import RemoteClient, RemoteUnavailable
 from .fill import Targets, receive, targets
-from .format import Names, RemoteMeta, decode_meta
+from .format import RemoteMeta, decode_meta
+from .names import Names
 from .wire import Replies, pipelined_gets
 
 

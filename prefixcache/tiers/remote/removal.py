@@ -18,7 +18,8 @@ import redis
 
 from ...errors import PayloadError
 from .client import RemoteClient, RemoteUnavailable
-from .format import Names, decode_head, decode_meta
+from .format import decode_head, decode_meta
+from .names import Names
 from .shards import Shard
 
 

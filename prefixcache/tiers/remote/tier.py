@@ -1,13 +1,12 @@
 """Remote tier: blocks shared by every host through a Redis / Valkey server or cluster.
 
 The tier comes after hot and ssd. It takes every stored block at once
-(``eager``): on store, not on spill, so other hosts can restore a prefix
-seconds after one host computed it; the write costs the caller nothing (the
-byte views are queued, a background writer encodes and sends them, writes.py).
-Under ``write_back`` a block would otherwise reach the remote tier only when
-hot evicts it, which with a large hot tier is late or never. Tails go remote
-too (``lists_children``): a parent's children are listed in a set beside it,
-so a conversation resumes on another host to the exact token.
+(``eager``): on store, not on spill (under ``write_back`` a block would reach
+it late or never), so other hosts can restore a prefix seconds after one host
+computed it; the caller only queues byte views, a background writer encodes
+and sends them (writes.py). Tails go remote too (``lists_children``: a
+parent's children are listed in a set beside it), so a conversation resumes
+on another host to the exact token.
 
 ``held`` looks a prompt's chain up in one round trip per shard (chain.py: the
 metas and the children sets); ``reader`` fetches payloads on a background
@@ -36,9 +35,9 @@ from ..base import Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import Chain, children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
-from .format import REPORTED, Names, RemoteMeta, counters_key, decode_meta, namespace_key
+from .format import RemoteMeta, decode_meta
 from .gate import CostGate
-from .removal import delete, stored
+from .names import REPORTED, Names
 from .seal import Forged, Seal, load_secret
 from .writes import RemoteWrites
 
@@ -87,7 +86,6 @@ class RemoteTier(Tier):
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
-        self._reported: dict[str, int] = {}  # counters already added to the server's record
         self._miss: tuple[bytes, MissReason] | None = None
         self._load_miss = MissReason.CORRUPT
         self._last: Chain | None = None
@@ -280,28 +278,17 @@ class RemoteTier(Tier):
             self._counts["num_dropped_writes"] += len(items) - len(sent)
 
     def _housekeeping(self) -> None:
-        """Namespace documents and removals (writer thread, after each batch)."""
+        """Namespace documents, removals, the counters record (writer thread)."""
         with self._lock:
             notes, self._namespaces = self._namespaces, {}
             removals, self._removals = list(self._removals), {}
-        if notes:
-            values = {namespace_key(self.prefix, r): doc.encode() for r, doc in notes.items()}
-            if not self.writes.put_values(values):
-                with self._lock:  # try again with a later batch
-                    self._namespaces = notes | self._namespaces
+            counts = {n: self._counts.get(n, 0) for n in REPORTED}
+        if notes and not self.writes.put_namespaces(notes):
+            with self._lock:  # try again with a later batch
+                self._namespaces = notes | self._namespaces
         if removals:
-            found = stored(self.client, self.names, [self.names.name(k) for k in removals])
-            self._count("num_removed", delete(self.client, self.names, found))
-        self._report()
-
-    def _report(self) -> None:
-        """HINCRBY the server's counters record by what this tier counted since."""
-        with self._lock:
-            now = {n: self._counts.get(n, 0) for n in REPORTED}
-        delta = {n: v - self._reported.get(n, 0) for n, v in now.items()}
-        delta = {n: v for n, v in delta.items() if v}
-        if delta and self.writes.add_counters(counters_key(self.prefix), delta):
-            self._reported = now
+            self._count("num_removed", self.writes.remove(removals))
+        self.writes.report(counts)
 
     def _count(self, name: str, num: int = 1) -> None:
         with self._lock:

@@ -17,7 +17,9 @@ import redis
 
 from ..writer import WriteItem
 from .client import RemoteClient, RemoteUnavailable
-from .format import Names, block_meta, encode_parts
+from .format import block_meta, encode_parts
+from .names import Names, counters_key, namespace_key
+from .removal import delete, stored
 from .shards import Shard
 
 MEMORY_CHECK_S = 1.0  # how often the writer reads the servers' memory use (budget)
@@ -36,6 +38,7 @@ class RemoteWrites:
     def __init__(self, client: RemoteClient, names: Names, max_bytes: int):
         self.client, self.names, self.max_bytes = client, names, max_bytes
         self._memory_checked, self._memory_used = -MEMORY_CHECK_S, 0
+        self._reported: dict[str, int] = {}  # counts already added to the server's record
 
     def send(self, items: Sequence[WriteItem]) -> list[WriteItem]:
         """Write ``items``; the ones whose shard took them."""
@@ -65,8 +68,10 @@ class RemoteWrites:
                 sent += blocks.get(shard, [])
         return sent
 
-    def put_values(self, values: dict[str, bytes]) -> bool:
-        """SET small values (e.g. namespace documents); False if a shard failed."""
+    def put_namespaces(self, notes: dict[bytes, str]) -> bool:
+        """SET the namespace documents of these roots; False if a shard failed."""
+        prefix = self.names.prefix
+        values = {namespace_key(prefix, root): doc.encode() for root, doc in notes.items()}
         commands: dict[Shard | None, list[Command]] = {}
         for name, value in values.items():
             commands.setdefault(self.client.shard_of(name), []).append(("SET", name, value))
@@ -74,7 +79,20 @@ class RemoteWrites:
         replies = self.client.each([(shard, _pipeline(commands[shard])) for shard in shards])
         return not any(isinstance(r, RemoteUnavailable) for r in replies)
 
-    def add_counters(self, name: str, delta: dict[str, int]) -> bool:
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete these blocks' keys; how many blocks the server held."""
+        found = stored(self.client, self.names, [self.names.name(k) for k in keys])
+        return delete(self.client, self.names, found)
+
+    def report(self, counts: dict[str, int]) -> None:
+        """Add what grew in ``counts`` (this tier's totals) since the last report to
+        the server's counters record (HINCRBY: every host adds its own)."""
+        delta = {n: v - self._reported.get(n, 0) for n, v in counts.items()}
+        delta = {n: v for n, v in delta.items() if v}
+        if delta and self._add_counters(counters_key(self.names.prefix), delta):
+            self._reported = counts
+
+    def _add_counters(self, name: str, delta: dict[str, int]) -> bool:
         """HINCRBY the hash ``name`` by ``delta``; False if its shard failed."""
 
         def run(client: redis.Redis) -> list:
