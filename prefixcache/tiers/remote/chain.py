@@ -38,6 +38,7 @@ class Chain:
     children: dict[bytes, set[bytes]] = field(default_factory=dict)  # key -> child names
     stop: MissReason | None = None  # why the chain stopped, when not a plain absence
     seen: dict[bytes, RemoteMeta] = field(default_factory=dict)  # key -> meta (children too)
+    bad: set[bytes] = field(default_factory=set)  # names whose metas were unusable (counted)
 
 
 def look_up(
@@ -78,6 +79,7 @@ def look_up(
             meta = decode_meta(names.name(keys[i]), raw, names, keys[i])
         except PayloadError as e:
             on_bad(keys[i], e)
+            found.bad.add(names.name(keys[i]))
             break
         found.metas.append(meta)
         found.seen[meta.key] = meta
@@ -97,10 +99,11 @@ def children_of(
         except RemoteUnavailable:
             return []
     known = {names.name(k): m for k, m in found.seen.items()} if found is not None else {}
+    bad = found.bad if found is not None else set()
     out = [known[n] for n in members if n in known]
     jobs: dict[Shard | None, list[tuple[str, bytes, str]]] = {}
     for name in members:
-        if name not in known and len(name) == len(parent):
+        if name not in known and name not in bad and len(name) == len(parent):
             meta_key = names.of_name(name, "m")
             jobs.setdefault(client.shard_of(meta_key), []).append(("GET", name, meta_key))
     shards = list(jobs)
@@ -117,6 +120,8 @@ def children_of(
                 meta = decode_meta(name, raw, names)
             except PayloadError as e:
                 on_bad(name, e)
+                if found is not None:
+                    found.bad.add(name)
                 continue
             if meta.parent == parent:
                 out.append(meta)
