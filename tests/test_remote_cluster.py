@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prompt
 from redis_cluster import RedisCluster
-from ssd_child import block_key, check_block, make_block
+from ssd_child import ROOT, block_key, check_block, make_block
 from test_remote_tier import count_round_trips, load_all, stored
 
 from prefixcache.config import CacheConfig
@@ -174,3 +174,56 @@ def test_two_hosts_share_a_cluster_and_follow_a_failover(tmp_path, llama):
             if host is not None:
                 host.close()
         cluster.stop()
+
+
+def test_stats_and_gc_of_a_cluster_from_the_cli(cluster, capsys):
+    from prefixcache.cli import main
+
+    cluster.flush()
+    secret = "a secret of at least 16 characters"
+    tier = tier_on(cluster.url, remote_secret=secret)
+    tier.note_namespace(ROOT, json.dumps({"model": "m1"}))
+    keys = stored(tier, [make_block(44, i) for i in range(6)])
+    client = cluster.node(cluster.master_of(tier.names.meta(keys[4])))
+    sealed = bytearray(client.get(tier.names.meta(keys[4])))
+    sealed[-1] ^= 1  # a byte of the sealed body changed: its MAC fails
+    client.set(tier.names.meta(keys[4]), bytes(sealed))
+    assert len(tier.held(keys, 0)) == 4 and tier.stats()["num_forged"] == 1
+    tier.flush()  # the writer adds the count to the server's record
+    assert main(["stats", "--remote-url", cluster.url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cluster"] and doc["num_blocks"] == 6 and doc["num_forged"] == 1
+    assert [ns["model"] for ns in doc["namespaces"]] == ["m1"]
+    assert len(doc["shards"]) == 3
+    assert {s["maxmemory_policy"] for s in doc["shards"]} == {"allkeys-lru"}
+    assert main(["stats", "--remote-url", cluster.url]) == 0
+    text = capsys.readouterr().out
+    assert "1 forged" in text and text.count("allkeys-lru") >= 3
+    stray = tier.names.meta(keys[5])  # its parts are left over once its meta is gone
+    cluster.node(cluster.master_of(stray)).delete(stray)
+    assert main(["gc", "--remote-url", cluster.url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_blocks"] == 0 and doc["num_stray_keys"] == 1
+    assert main(["gc", "--remote-url", cluster.url, "--model", "m1", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_blocks"] == 5 and doc["num_selected"] == 5  # dry run: nothing removed
+    assert main(["gc", "--remote-url", cluster.url, "--model", "m1"]) == 0
+    assert "removed 5 blocks" in capsys.readouterr().out
+    keys_left = [k for p in cluster.masters() for k in cluster.node(p).keys("prefixcache:{*")]
+    assert keys_left == []
+    tier.close()
+
+
+def test_remove_deletes_the_servers_keys(cluster):
+    cluster.flush()
+    tier = tier_on(cluster.url)
+    keys = stored(tier, [make_block(45, i, scale=3000) for i in range(3)])
+    assert tier.remove(keys[1:]) == 2
+    tier.flush()
+    assert [m.key for m in tier.held(keys, 0)] == keys[:1]
+    for key in keys[1:]:
+        port = cluster.master_of(tier.names.meta(key))
+        assert not cluster.node(port).exists(tier.names.meta(key), tier.names.part(key, 0))
+    assert tier.children(keys[0]) == []  # its name left its parent's set
+    assert tier.stats()["num_removed"] == 2
+    tier.close()

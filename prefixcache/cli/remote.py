@@ -10,24 +10,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from ..config import CacheConfig
 from .common import Command, Doc, emit
 from .report import format_bytes, table
 
 
-def with_remote(command: Command) -> Command:
+def with_remote(
+    command: Command, remote_run: Callable[[argparse.Namespace], int] | None = None
+) -> Command:
     """``command`` plus ``--remote-url`` / ``--remote-prefix``: given a URL (the
-    flag only: the SSD directory's report stays the default), it reports the
-    remote server instead."""
+    flag only: the SSD directory's stays the default), ``remote_run`` (the
+    server's report by default) runs on the remote server instead."""
 
     def add(parser: argparse.ArgumentParser) -> None:
         command.add_args(parser)
-        parser.add_argument("--remote-url", help="report this remote tier's server instead")
+        parser.add_argument("--remote-url", help="work on this remote tier's server instead")
         parser.add_argument("--remote-prefix", help="its key namespace (default: prefixcache)")
 
     def run(args: argparse.Namespace) -> int:
-        return cmd_remote_stats(args) if args.remote_url else command.run(args)
+        if not args.remote_url:
+            return command.run(args)
+        return (remote_run or cmd_remote_stats)(args)
 
     return Command(command.name, command.help, add, run)
 
@@ -93,6 +98,47 @@ def cmd_remote_stats(args: argparse.Namespace) -> int:
         "namespaces": namespaces,
     }
     emit(args, doc, lambda: _text(doc))
+    return 0
+
+
+def cmd_remote_gc(args: argparse.Namespace) -> int:
+    """``gc --remote-url``: a model's blocks, idle ones, and leftovers on the server."""
+    from ..tiers.remote.client import RemoteClient, RemoteUnavailable
+    from ..tiers.remote.gc import plan_gc, run_gc
+    from ..tiers.remote.names import Names
+
+    if args.max_bytes is not None:
+        print("prefixcache gc: --max-bytes is the server's maxmemory on a remote tier",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        config = remote_config(args)
+    except ValueError as err:
+        print(f"prefixcache gc: {err}", file=sys.stderr)
+        return 2
+    client = RemoteClient(config)
+    names = Names(config.remote_prefix)  # names as stored: no secret is needed to remove
+    try:
+        plan = plan_gc(client, names, model=args.model, older_than=args.older_than)
+        num = 0 if args.dry_run else run_gc(client, names, plan)
+    except RemoteUnavailable as err:
+        print(f"prefixcache gc: remote server {client.url}: {err}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    doc = {
+        "remote_url": client.url, "remote_prefix": config.remote_prefix, "dry_run": args.dry_run,
+        "num_blocks": len(plan.remove) if args.dry_run else num, "nbytes": plan.nbytes,
+        "num_tokens": plan.num_tokens, "num_selected": plan.num_selected,
+        "num_descendants": plan.num_below, "num_stray_keys": len(plan.stray_keys),
+        "num_dangling_names": len(plan.dangling),
+    }  # fmt: skip
+    verb = "would remove" if args.dry_run else "removed"
+    emit(args, doc, lambda: (
+        f"{verb} {doc['num_blocks']} blocks ({format_bytes(doc['nbytes'])}, "
+        f"{doc['num_tokens']} tokens) from {doc['remote_url']}: {doc['num_selected']} selected, "
+        f"{doc['num_descendants']} below them; {doc['num_stray_keys']} stray keys, "
+        f"{doc['num_dangling_names']} dangling names in children sets"))  # fmt: skip
     return 0
 
 

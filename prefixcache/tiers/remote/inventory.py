@@ -68,7 +68,7 @@ def scan_metas(client: RemoteClient, prefix: str) -> Iterator[tuple[Shard, bytes
         keys = client.call(shard, lambda r: list(r.scan_iter(match=pattern, count=_CHUNK)))
         for i in range(0, len(keys), _CHUNK):
             batch = keys[i : i + _CHUNK]
-            raws = client.call(shard, _gets(batch))
+            raws = client.call(shard, gets(batch))
             for key, raw in zip(batch, raws, strict=True):
                 name = name_of(key)
                 if isinstance(raw, bytes) and name is not None:  # None: evicted since the scan
@@ -123,7 +123,9 @@ def _get(client: RemoteClient, name: str) -> bytes | None:
         return None
 
 
-def _gets(names: list[bytes]) -> Callable[[redis.Redis], list]:
+def gets(names: list[bytes]) -> Callable[[redis.Redis], list]:
+    """GET of every name in one pipeline (error replies in their places)."""
+
     def run(r: redis.Redis) -> list:
         with r.pipeline(transaction=False) as pipe:
             for name in names:
