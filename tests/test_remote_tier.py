@@ -13,9 +13,10 @@ from ssd_child import ROOT, block_key, check_block, expected_bits, make_block
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
-from prefixcache.host import HostArray, Placed
+from prefixcache.host import MX_DTYPES, HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
 from prefixcache.tiers.remote.format import PART_BYTES, Names, check_part, decode_meta
+from prefixcache.tiers.remote.seal import Forged
 
 NAMES = Names("prefixcache")
 
@@ -81,17 +82,21 @@ def _block(loaded):
     return None if loaded is None else loaded.to_block()
 
 
+SECRET = "a secret shared by the hosts"
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 @pytest.mark.parametrize("placed", [False, True])
-def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed):
+def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed, secret):
     server = RedisServer(str(tmp_path), unix=True)  # the unix:// scheme too
     try:
-        tier = tier_for(server.url)
+        tier = tier_for(server.url, remote_secret=secret)
         blocks = [make_block(1, i, scale=4000) for i in range(2)]  # ~12 MiB each: 3 parts
         keys = stored(tier, blocks)
-        client = server.client()
-        assert client.exists(part_key("prefixcache", keys[0], 2))
-        assert not client.exists(part_key("prefixcache", keys[0], 3))
-        assert max(len(client.get(part_key("prefixcache", keys[0], n))) for n in range(3)) > (
+        client, names = server.client(), tier.names
+        assert client.exists(names.part(keys[0], 2))
+        assert not client.exists(names.part(keys[0], 3))
+        assert max(len(client.get(names.part(keys[0], n))) for n in range(3)) > (
             PART_BYTES
         )  # the data of a full part plus its header
         buffers: dict = {}
@@ -162,20 +167,21 @@ def test_evicted_part_is_a_counted_miss(redis_server):
     tier.close()
 
 
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 @pytest.mark.parametrize("placed", [False, True])
 @pytest.mark.parametrize("damage", ["flip", "other_block", "other_number", "short", "not_a_string"])
-def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
-    tier = tier_for(redis_server.url)
+def test_a_wrong_part_is_never_restored(redis_server, damage, placed, secret):
+    tier = tier_for(redis_server.url, remote_secret=secret)
     keys = stored(tier, [make_block(4, i, scale=3000) for i in range(2)])
-    client = redis_server.client()
-    name = part_key("prefixcache", keys[0], 1)
+    client, names = redis_server.client(), tier.names
+    name = names.part(keys[0], 1)
     if damage == "flip":
         value = bytearray(client.get(name))
         value[-1] ^= 1
     elif damage == "other_block":  # same size, checksum in its own header is right
-        value = client.get(part_key("prefixcache", keys[1], 1))
+        value = client.get(names.part(keys[1], 1))
     elif damage == "other_number":
-        value = client.get(part_key("prefixcache", keys[0], 0))[: len(client.get(name))]
+        value = client.get(names.part(keys[0], 0))[: len(client.get(name))]
     elif damage == "short":  # a torn write: the header is right, the bytes stop early
         value = client.get(name)[:-1000]
     if damage == "not_a_string":
@@ -185,14 +191,34 @@ def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
         client.set(name, bytes(value))
     buffers: dict = {}
     assert load_all(tier, keys, placer(buffers) if placed else None) == [None]
-    assert tier.load_miss is MissReason.CORRUPT and tier.stats()["num_corrupt"] == 1
+    forged = secret is not None and damage == "flip"  # the bytes fail their MAC
+    st = tier.stats()
+    assert tier.load_miss is MissReason.CORRUPT
+    assert (st["num_forged"], st["num_corrupt"]) == ((1, 0) if forged else (0, 1))
+    if placed and damage == "flip":  # where the failing part's bytes belong
+        reached = _part_bytes_in(buffers, tier.meta_of(keys, 0), 1)
+        # with a secret not one byte reached the restore buffers; without, they did
+        assert reached == 0 if secret else reached > 0
     if damage != "not_a_string":
-        meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])), NAMES)
-        with pytest.raises(PayloadError):
-            check_part(meta, NAMES, 1, client.get(name))
+        name0 = names.name(keys[0])
+        meta = decode_meta(name0, client.get(names.meta(keys[0])), names, keys[0])
+        with pytest.raises(Forged if forged else PayloadError):
+            check_part(meta, names, 1, client.get(name))
     client.delete(name)  # the block's other part and the next block still read cleanly
     assert load_all(tier, keys[1:])[0] is not None
     tier.close()
+
+
+def _part_bytes_in(buffers: dict, meta, n: int) -> int:
+    """Nonzero bytes of part ``n`` of block 0 found in the restore buffers."""
+    lo, hi, at, found = n * PART_BYTES, (n + 1) * PART_BYTES, 0, 0
+    for name, dtype, shape in meta.specs:
+        size = int(np.prod(shape)) * MX_DTYPES[dtype].size
+        if (0, name) in buffers:
+            buf = buffers[0, name]
+            found += int(np.count_nonzero(buf[max(lo - at, 0) : max(min(hi - at, size), 0)]))
+        at += size
+    return found
 
 
 def test_a_bad_meta_ends_the_chain_and_is_counted(redis_server):
