@@ -168,9 +168,18 @@ class RedisCluster:
     def _create(self, replicas: int) -> None:
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         done = subprocess.run(
-            [self.cli, "--cluster", "create", *nodes, "--cluster-replicas", str(replicas),
-             "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *nodes,
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")

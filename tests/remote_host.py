@@ -29,10 +29,16 @@ class Host:
 
     def __init__(self, url: str, ssd_dir: str, secret: str | None = None):
         config = CacheConfig(
-            block_size=BLOCK, ssd_dir=ssd_dir, ssd_min_free_bytes=0, remote_url=url,
-            remote_secret=secret, remote_breaker_failures=1, remote_breaker_ms=300,
-            remote_timeout_ms=500, prefill_tokens_per_s=1,
-        )  # fmt: skip
+            block_size=BLOCK,
+            ssd_dir=ssd_dir,
+            ssd_min_free_bytes=0,
+            remote_url=url,
+            remote_secret=secret,
+            remote_breaker_failures=1,
+            remote_breaker_ms=300,
+            remote_timeout_ms=500,
+            prefill_tokens_per_s=1,
+        )
         self.model = tiny_model("llama")
         self.pc = PrefixCache(self.model, config, model_id="tiny")
 

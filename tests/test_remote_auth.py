@@ -23,16 +23,37 @@ from prefixcache import CacheConfig, PrefixCache
 PASSWORD = "hunter2-but-longer"
 SECRET = "a shared secret of the hosts"
 # the ACL docs/remote.md recommends: the prefix's keys, the commands the cache sends
-CACHE_ACL = ("resetkeys", "~prefixcache:*", "resetchannels", "-@all", "+get", "+set", "+smembers",
-             "+sadd", "+srem", "+unlink", "+hincrby", "+hgetall", "+scan", "+dbsize", "+info",
-             "+ping", "+cluster|slots")  # fmt: skip
+CACHE_ACL = (
+    "resetkeys",
+    "~prefixcache:*",
+    "resetchannels",
+    "-@all",
+    "+get",
+    "+set",
+    "+smembers",
+    "+sadd",
+    "+srem",
+    "+unlink",
+    "+hincrby",
+    "+hgetall",
+    "+scan",
+    "+dbsize",
+    "+info",
+    "+ping",
+    "+cluster|slots",
+)
 
 
 def cache(tmp_path, name: str, url: str, model, **changes) -> PrefixCache:
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / name), ssd_min_free_bytes=0, remote_url=url,
-        remote_secret=SECRET, prefill_tokens_per_s=1, **changes,
-    )  # fmt: skip
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / name),
+        ssd_min_free_bytes=0,
+        remote_url=url,
+        remote_secret=SECRET,
+        prefill_tokens_per_s=1,
+        **changes,
+    )
     return PrefixCache(model, config, model_id="tiny")
 
 
@@ -83,10 +104,14 @@ def test_the_right_password_and_a_restricted_acl_user_share_blocks(
 
 @pytest.mark.parametrize(
     ("user", "password", "message"),
-    [("", "wrong-password", "refused the login"), ("nobody", PASSWORD, "refused the login"),
-     ("", "", "refused the login"), ("other", PASSWORD, "may not use the cache's keys")],
+    [
+        ("", "wrong-password", "refused the login"),
+        ("nobody", PASSWORD, "refused the login"),
+        ("", "", "needs a password and remote_url gives none"),
+        ("other", PASSWORD, "may not use the cache's keys"),
+    ],
     ids=["wrong-password", "unknown-user", "no-password", "user-without-rights"],
-)  # fmt: skip
+)
 def test_a_refused_client_logs_one_clear_line_and_stays_local(
     tmp_path, llama, password_server, caplog, user, password, message
 ):
@@ -137,11 +162,14 @@ def _builder(subject, issuer, public_key):
 
     now = datetime.datetime.now(datetime.timezone.utc)
     return (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
-        .public_key(public_key).serial_number(x509.random_serial_number())
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-    )  # fmt: skip
+    )
 
 
 def _sha256():
@@ -186,9 +214,13 @@ def test_tls_with_the_right_ca_and_a_client_certificate(tmp_path, llama, tls_ser
     assert cached == 3 * BLOCK and stats["remote"]["off"] == 0
     tls_server.client().flushall()
     cached, _ = shared(
-        tmp_path / "cert", llama, tls_server.url, remote_tls_ca=files["ca"],
-        remote_tls_cert=files["client_cert"], remote_tls_key=files["client_key"],
-    )  # fmt: skip
+        tmp_path / "cert",
+        llama,
+        tls_server.url,
+        remote_tls_ca=files["ca"],
+        remote_tls_cert=files["client_cert"],
+        remote_tls_key=files["client_key"],
+    )
     assert cached == 3 * BLOCK
 
 

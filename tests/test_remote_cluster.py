@@ -75,15 +75,18 @@ def test_a_dead_master_is_a_miss_for_its_blocks_only(tmp_path):
         keyss = [stored(tier, chain) for chain in chains]
         dead = cluster.master_of(tier.names.meta(keyss[0][1]))
         cluster.kill(dead)
+        depths = []
         for keys in keyss:
             on_dead = [owner == dead for owner in _owners(tier, keys)]
             depth = on_dead.index(True) if True in on_dead else len(keys)
+            depths.append(depth)
             got = load_all(tier, keys)
             assert len([b for b in got if b is not None]) == depth  # up to its first dead block
             for block in got[:depth]:
                 check_block(block)
             if depth < len(keys):
                 assert tier.miss_reason(keys[depth]) is MissReason.REMOTE_UNAVAILABLE
+        assert 4 in depths and min(depths) < 4  # whole chains beside cut ones
         st = tier.stats()
         assert st["num_errors"] >= 1 and st["num_shards_down"] == 1 and st["num_loads"] > 0
         assert st["num_corrupt"] == 0
@@ -104,9 +107,12 @@ class HostProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, *sys.path]))
         args = [sys.executable, os.path.join(HERE, "remote_host.py"), url, str(ssd_dir)]
         self.proc = subprocess.Popen(
-            [*args, *([secret] if secret else [])], env=env, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )  # fmt: skip
+            [*args, *([secret] if secret else [])],
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         assert json.loads(self.proc.stdout.readline())["ready"]
 
     def run(self, tokens: list[int], *, store: bool = True) -> dict:

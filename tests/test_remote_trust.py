@@ -28,9 +28,13 @@ SECRET = "correct horse battery staple 42"
 
 def cache_for(tmp_path, name: str, url: str, model, secret: str | None) -> PrefixCache:
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / name), ssd_min_free_bytes=0, remote_url=url,
-        remote_secret=secret, prefill_tokens_per_s=1,
-    )  # fmt: skip
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / name),
+        ssd_min_free_bytes=0,
+        remote_url=url,
+        remote_secret=secret,
+        prefill_tokens_per_s=1,
+    )
     return PrefixCache(model, config, model_id="tiny")
 
 
@@ -76,8 +80,16 @@ def forge(client, names: Names, victim: bytes, donor: bytes, *, keep_meta: bool)
             part[digest] = old[digest]
         client.set(names.part(victim, n), bytes(part))
     if not keep_meta:
-        forged = type(meta)(meta.key, meta.parent, meta.root, meta.index, meta.tokens,
-                            meta.nbytes, tuple(digests), meta.specs)  # fmt: skip
+        forged = type(meta)(
+            meta.key,
+            meta.parent,
+            meta.root,
+            meta.index,
+            meta.tokens,
+            meta.nbytes,
+            tuple(digests),
+            meta.specs,
+        )
         client.set(names.meta(victim), encode_meta(forged, attacker))
 
 
@@ -91,9 +103,10 @@ def _tensors(meta, data: bytes) -> list[Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("secret", "keep_meta"), [(SECRET, False), (SECRET, True), (None, False)],
+    ("secret", "keep_meta"),
+    [(SECRET, False), (SECRET, True), (None, False)],
     ids=["signed-forged-meta", "signed-forged-parts", "unsigned-control"],
-)  # fmt: skip
+)
 def test_a_forged_block_is_never_served_with_the_secret(
     tmp_path, llama, redis_server, caplog, secret, keep_meta
 ):

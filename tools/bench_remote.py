@@ -61,16 +61,18 @@ from redis_cluster import RedisCluster  # the tests' server launchers
 from redis_server import RedisServer
 
 SECRET = "benchmark secret, 32 characters!"
-ROWS = (("get", "plain pipelined GET of the same part keys (redis-py, hiredis)", " GB/s"),
-        ("get ||", "the same, the shards' pipelines in parallel", " GB/s"),
-        ("read", "the same GETs' replies read off the socket into one buffer", " GB/s"),
-        ("fetch", "`fetch` from the remote tier (lookup, fetch, verify, restore)", " GB/s"),
-        ("fetch, signed", "`fetch` with `remote_secret` (HMAC checked before the copy)", " GB/s"),
-        ("fetch / get", "fetch / GET (per round)", ""),
-        ("signed / get", "signed fetch / GET (per round)", ""),
-        ("fetch / get ||", "fetch / parallel GET (per round)", ""),
-        ("hmac", "HMAC-SHA256 of the same bytes in memory (one core)", " GB/s"),
-        ("xxh3", "xxh3-128 of the same bytes in memory (one core)", " GB/s"))  # fmt: skip
+ROWS = (
+    ("get", "plain pipelined GET of the same part keys (redis-py, hiredis)", " GB/s"),
+    ("get ||", "the same, the shards' pipelines in parallel", " GB/s"),
+    ("read", "the same GETs' replies read off the socket into one buffer", " GB/s"),
+    ("fetch", "`fetch` from the remote tier (lookup, fetch, verify, restore)", " GB/s"),
+    ("fetch, signed", "`fetch` with `remote_secret` (HMAC checked before the copy)", " GB/s"),
+    ("fetch / get", "fetch / GET (per round)", ""),
+    ("signed / get", "signed fetch / GET (per round)", ""),
+    ("fetch / get ||", "fetch / parallel GET (per round)", ""),
+    ("hmac", "HMAC-SHA256 of the same bytes in memory (one core)", " GB/s"),
+    ("xxh3", "xxh3-128 of the same bytes in memory (one core)", " GB/s"),
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -89,11 +91,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def config(args, url: str | None, **changes) -> CacheConfig:
     base = CacheConfig(
-        block_size=args.block_size, hot_cache_only=True, hot_max_bytes=1, promote=False,
-        remote_url=url, remote_timeout_ms=max(args.timeout_ms, 2000),
-        remote_connect_timeout_ms=args.timeout_ms, remote_breaker_failures=1,
-        remote_breaker_ms=60_000, prefill_tokens_per_s=1,
-    )  # fmt: skip
+        block_size=args.block_size,
+        hot_cache_only=True,
+        hot_max_bytes=1,
+        promote=False,
+        remote_url=url,
+        remote_timeout_ms=max(args.timeout_ms, 2000),
+        remote_connect_timeout_ms=args.timeout_ms,
+        remote_breaker_failures=1,
+        remote_breaker_ms=60_000,
+        prefill_tokens_per_s=1,
+    )
     return base.replace(**changes)
 
 
@@ -173,14 +181,19 @@ def transfer(args, model, url: str) -> dict[str, list[float]]:
     nbytes = len(tokens) * args.layers * 2 * args.kv_heads * args.head_dim * 2
     data = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes()
     b = PrefixCache(model, config(args, url, remote_prefix="plain"), model_id="bench")
-    s = PrefixCache(model, config(args, url, remote_prefix="signed", remote_secret=SECRET),
-                    model_id="bench")  # fmt: skip
+    s = PrefixCache(
+        model, config(args, url, remote_prefix="signed", remote_secret=SECRET), model_id="bench"
+    )
     out: dict[str, list[float]] = {name: [] for name, _, _ in ROWS}
     out |= {"ttft": [], "prefill": []}
     for _ in range(args.repeat):
-        t = {"get": timed(plain_get, rc, groups), "get ||": timed(plain_get, rc, groups, True),
-             "read": timed(socket_read, rc, groups, sizes), "fetch": timed(b.fetch, tokens),
-             "fetch, signed": timed(s.fetch, tokens)}  # fmt: skip
+        t = {
+            "get": timed(plain_get, rc, groups),
+            "get ||": timed(plain_get, rc, groups, True),
+            "read": timed(socket_read, rc, groups, sizes),
+            "fetch": timed(b.fetch, tokens),
+            "fetch, signed": timed(s.fetch, tokens),
+        }
         for name, seconds in t.items():
             out[name].append(nbytes / seconds / 1e9)
         out["fetch / get"].append(t["get"] / t["fetch"])

@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
 from .common import Command, Doc, emit
+
+if TYPE_CHECKING:
+    from ..tiers.remote.inventory import RemoteUsage
 from .report import format_bytes, table
 
 
@@ -70,35 +74,51 @@ def cmd_remote_stats(args: argparse.Namespace) -> int:
         return 2
     finally:
         client.close()
+    doc = _stats_doc(client.url, client.cluster, usage)
+    emit(args, doc, lambda: _text(doc))
+    return 0
+
+
+def _stats_doc(url: str, cluster: bool, usage: RemoteUsage) -> Doc:
+    """``stats --remote-url``'s document (``url`` with its password redacted)."""
     namespaces = [
-        {"root": ns.root.hex(), "model": ns.model, "num_blocks": ns.num_blocks,
-         "num_tokens": ns.num_tokens, "nbytes": ns.nbytes}
+        {
+            "root": ns.root.hex(),
+            "model": ns.model,
+            "num_blocks": ns.num_blocks,
+            "num_tokens": ns.num_tokens,
+            "nbytes": ns.nbytes,
+        }
         for ns in usage.namespaces
-    ]  # fmt: skip
+    ]
     shards = [
-        {"node": s.name, "used_memory": s.used_memory, "maxmemory": s.maxmemory,
-         "maxmemory_policy": s.policy, "num_keys": s.num_keys}
+        {
+            "node": s.name,
+            "used_memory": s.used_memory,
+            "maxmemory": s.maxmemory,
+            "maxmemory_policy": s.policy,
+            "num_keys": s.num_keys,
+        }
         for s in usage.shards
-    ]  # fmt: skip
-    doc = {
-        "remote_url": client.url,  # the password redacted
+    ]
+    server = {
+        "used_memory": sum(s["used_memory"] for s in shards),
+        "maxmemory": sum(s["maxmemory"] for s in shards),
+        "maxmemory_policy": ",".join(sorted({s["maxmemory_policy"] for s in shards})),
+    }
+    return {
+        "remote_url": url,
         "remote_prefix": usage.prefix,
-        "cluster": client.cluster,
+        "cluster": cluster,
         "num_blocks": sum(ns["num_blocks"] for ns in namespaces),
         "num_tokens": sum(ns["num_tokens"] for ns in namespaces),
         "nbytes": sum(ns["nbytes"] for ns in namespaces),
         "num_bad_entries": usage.num_bad,
         **usage.counters,
-        "server": {
-            "used_memory": sum(s["used_memory"] for s in shards),
-            "maxmemory": sum(s["maxmemory"] for s in shards),
-            "maxmemory_policy": ",".join(sorted({s["maxmemory_policy"] for s in shards})),
-        },
+        "server": server,
         "shards": shards,
         "namespaces": namespaces,
     }
-    emit(args, doc, lambda: _text(doc))
-    return 0
 
 
 def cmd_remote_gc(args: argparse.Namespace) -> int:
@@ -108,8 +128,7 @@ def cmd_remote_gc(args: argparse.Namespace) -> int:
     from ..tiers.remote.names import Names
 
     if args.max_bytes is not None:
-        print("prefixcache gc: --max-bytes is the server's maxmemory on a remote tier",
-              file=sys.stderr)  # fmt: skip
+        print("prefixcache gc: --max-bytes is the server's maxmemory here", file=sys.stderr)
         return 2
     try:
         config = remote_config(args)
@@ -127,19 +146,30 @@ def cmd_remote_gc(args: argparse.Namespace) -> int:
     finally:
         client.close()
     doc = {
-        "remote_url": client.url, "remote_prefix": config.remote_prefix, "dry_run": args.dry_run,
-        "num_blocks": len(plan.remove) if args.dry_run else num, "nbytes": plan.nbytes,
-        "num_tokens": plan.num_tokens, "num_selected": plan.num_selected,
-        "num_descendants": plan.num_below, "num_stray_keys": len(plan.stray_keys),
+        "remote_url": client.url,
+        "remote_prefix": config.remote_prefix,
+        "dry_run": args.dry_run,
+        "num_blocks": len(plan.remove) if args.dry_run else num,
+        "nbytes": plan.nbytes,
+        "num_tokens": plan.num_tokens,
+        "num_selected": plan.num_selected,
+        "num_descendants": plan.num_below,
+        "num_stray_keys": len(plan.stray_keys),
         "num_dangling_names": len(plan.dangling),
-    }  # fmt: skip
-    verb = "would remove" if args.dry_run else "removed"
-    emit(args, doc, lambda: (
-        f"{verb} {doc['num_blocks']} blocks ({format_bytes(doc['nbytes'])}, "
-        f"{doc['num_tokens']} tokens) from {doc['remote_url']}: {doc['num_selected']} selected, "
-        f"{doc['num_descendants']} below them; {doc['num_stray_keys']} stray keys, "
-        f"{doc['num_dangling_names']} dangling names in children sets"))  # fmt: skip
+    }
+    emit(args, doc, lambda: _gc_text(doc))
     return 0
+
+
+def _gc_text(doc: Doc) -> str:
+    verb = "would remove" if doc["dry_run"] else "removed"
+    return (
+        f"{verb} {doc['num_blocks']} blocks ({format_bytes(doc['nbytes'])}, "
+        f"{doc['num_tokens']} tokens) from {doc['remote_url']}: "
+        f"{doc['num_selected']} selected, {doc['num_descendants']} below them; "
+        f"{doc['num_stray_keys']} stray keys, {doc['num_dangling_names']} dangling names "
+        "in children sets"
+    )
 
 
 def _text(doc: Doc) -> str:
@@ -176,10 +206,15 @@ def _text(doc: Doc) -> str:
             ),
         ]
     rows = [
-        [ns["model"] or "(unrecorded)", ns["root"][:8], ns["num_blocks"], ns["num_tokens"],
-         format_bytes(ns["nbytes"])]
+        [
+            ns["model"] or "(unrecorded)",
+            ns["root"][:8],
+            ns["num_blocks"],
+            ns["num_tokens"],
+            format_bytes(ns["nbytes"]),
+        ]
         for ns in doc["namespaces"]
-    ]  # fmt: skip
+    ]
     heads = ("model", "root", "blocks", "tokens", "size")
     lines += ["", table(heads, rows, "llrrr")] if rows else ["", "(no blocks)"]
     return "\n".join(lines)

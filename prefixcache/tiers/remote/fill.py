@@ -123,9 +123,14 @@ def receive(into: Targets, meta: RemoteMeta, names: Names, n: int, replies: Repl
 
 
 def _receive_signed(
-    into: Targets, meta: RemoteMeta, names: Names, n: int, replies: Replies, size: int,
+    into: Targets,
+    meta: RemoteMeta,
+    names: Names,
+    n: int,
+    replies: Replies,
+    size: int,
     digest: bytes,
-) -> bool:  # fmt: skip
+) -> bool:
     """Part ``n`` read into the staging buffer, MAC'd there slice by slice on a MAC
     thread while the next slice arrives, verified, and only then copied into place."""
     staged = _staging(size)

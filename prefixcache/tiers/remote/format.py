@@ -87,9 +87,15 @@ class RemoteMeta:
 def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
     seal = names.seal
     head = _META_HEAD.pack(
-        _META_MAGIC, FORMAT, SIGNED if seal else 0, meta.root, meta.index,
-        len(meta.tokens) // 4, meta.num_parts, meta.nbytes,
-    )  # fmt: skip
+        _META_MAGIC,
+        FORMAT,
+        SIGNED if seal else 0,
+        meta.root,
+        meta.index,
+        len(meta.tokens) // 4,
+        meta.num_parts,
+        meta.nbytes,
+    )
     specs = json.dumps([[n, d, list(s)] for n, d, s in meta.specs], separators=(",", ":"))
     body = b"".join([_KEYS.pack(meta.key, meta.parent), meta.tokens, *meta.digests, specs.encode()])
     if seal is not None:
@@ -102,9 +108,15 @@ def block_meta(block: Block, tensors: list[Tensor], digests: list[bytes], names:
     specs = tuple((t.name, t.dtype, t.shape) for t in tensors)
     nbytes = sum(t.data.nbytes for t in tensors)
     meta = RemoteMeta(
-        block.key, block.parent, block.root, block.index, block.tokens, nbytes,
-        tuple(digests), specs,
-    )  # fmt: skip
+        block.key,
+        block.parent,
+        block.root,
+        block.index,
+        block.tokens,
+        nbytes,
+        tuple(digests),
+        specs,
+    )
     return encode_meta(meta, names)
 
 
@@ -217,8 +229,13 @@ def part_digest(meta: RemoteMeta, names: Names, n: int, head: bytes, size: int) 
         raise PayloadError(f"{what} is truncated")
     magic, fmt, flags, name, got, num, digest = _PART_HEAD.unpack_from(head)
     want = min(PART_BYTES, meta.nbytes - n * PART_BYTES)
-    if (magic, fmt, name, got, num) != (_PART_MAGIC, FORMAT, names.name(meta.key), n,
-                                         meta.num_parts) or size != want:  # fmt: skip
+    if (magic, fmt, name, got, num) != (
+        _PART_MAGIC,
+        FORMAT,
+        names.name(meta.key),
+        n,
+        meta.num_parts,
+    ) or size != want:
         raise PayloadError(f"{what} does not belong to it")
     if names.seal is not None and not flags & SIGNED:
         raise Forged(f"{what} is not signed but remote_secret is set")

@@ -89,9 +89,11 @@ class RemoteReader(TierReader):
             self._stop = threading.Event()
             self._results = queue.Queue(AHEAD)
             self._thread = threading.Thread(
-                target=self._run, args=(self._stop, self._results), daemon=True,
+                target=self._run,
+                args=(self._stop, self._results),
+                daemon=True,
                 name="prefixcache-remote-read",
-            )  # fmt: skip
+            )
             self._thread.start()
 
     def load(self, index: int) -> StreamedBlock | None:

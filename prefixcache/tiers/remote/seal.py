@@ -41,8 +41,11 @@ from ...errors import PayloadError
 DIGEST_BYTES = 16
 NONCE_BYTES = 12
 TAG_BYTES = 16
-_LABELS = (b"prefixcache remote part mac", b"prefixcache remote meta seal",
-           b"prefixcache remote names")  # fmt: skip
+_LABELS = (
+    b"prefixcache remote part mac",
+    b"prefixcache remote meta seal",
+    b"prefixcache remote names",
+)
 
 
 class Forged(PayloadError):

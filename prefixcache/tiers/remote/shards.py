@@ -41,6 +41,9 @@ class Refused(Exception):
 def refusal(error: BaseException) -> str | None:
     """Why ``error`` means a wrong setting (not an outage), or None."""
     if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+        text = str(error)
+        if "HELLO must be called" in text or "Authentication required" in text:
+            return "the server needs a password and remote_url gives none"
         return "the server refused the login (wrong password or user)"
     if isinstance(error, redis.exceptions.NoPermissionError):
         return "the user may not use the cache's keys or commands (ACL)"
