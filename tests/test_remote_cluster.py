@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prompt
-from redis_cluster import RedisCluster
+from redis_cluster import RedisCluster, free_cluster_port
 from ssd_child import ROOT, block_key, check_block, make_block
 from test_remote_tier import count_round_trips, load_all, stored
 
@@ -232,4 +232,22 @@ def test_remove_deletes_the_servers_keys(cluster):
         assert not cluster.node(port).exists(tier.names.meta(key), tier.names.part(key, 0))
     assert tier.children(keys[0]) == []  # its name left its parent's set
     assert tier.stats()["num_removed"] == 2
+    tier.close()
+
+
+def test_an_unreachable_cluster_is_a_quick_miss(tmp_path):
+    """No node answers: each lookup skips at once, the slot map is asked for again
+    only once a breaker time has passed (never on every call)."""
+    dead = [f"127.0.0.1:{free_cluster_port()}" for _ in range(2)]
+    tier = tier_on("redis+cluster://" + ",".join(dead), remote_breaker_ms=60_000)
+    keys = [block_key(46, i) for i in range(3)]
+    for _ in range(20):
+        assert tier.held(keys, 0) == []
+        assert tier.miss_reason(keys[0]) is MissReason.REMOTE_UNAVAILABLE
+    st = tier.stats()
+    assert st["num_slot_map_reads"] == 1 and st["num_skipped"] >= 20
+    tier.put(make_block(46, 0))  # queued (no map yet to tell), then dropped by the writer
+    tier.flush()
+    st = tier.stats()
+    assert st["num_writes"] == 0 and st["num_dropped_writes"] == 1
     tier.close()

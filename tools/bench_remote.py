@@ -30,7 +30,7 @@ for the first request (breaker closed) and the next ones (breaker open).
 The compute side is a random-weight model with the cache's shape, far cheaper
 per token than a real 8B model: ``prefill`` here understates recomputing.
 
-    python tools/bench_remote.py --tokens 1024 --repeat 7
+    python tools/bench_remote.py --tokens 1024 --repeat 7 [--mx-cache-limit 4G]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from bench_remote_faults import store_cost, unreachable
 from benchlib import shaped_model, synthetic_cache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.config import parse_bytes
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.tiers.remote.client import RemoteClient
 from prefixcache.tiers.remote.format import PART_BYTES, PART_HEAD_BYTES, decode_head
@@ -86,6 +87,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-ms", type=int, default=200, help="remote_timeout_ms")
     p.add_argument("--topology", choices=("single", "cluster", "both"), default="both")
     p.add_argument("--unix", action="store_true", help="the single server on a unix socket")
+    p.add_argument(
+        "--mx-cache-limit", type=parse_bytes, help="MLX's buffer cache (serve's flag), e.g. 4G"
+    )
     return p
 
 
@@ -247,6 +251,10 @@ def print_transfer(args, name: str, res: dict[str, list[float]]) -> None:
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
+    if args.mx_cache_limit is not None:  # restores reuse freed buffers, as `serve` may
+        import mlx.core as mx
+
+        mx.set_cache_limit(args.mx_cache_limit)
     model = shaped_model(args)
     with tempfile.TemporaryDirectory() as work:
         if args.topology in ("cluster", "both"):

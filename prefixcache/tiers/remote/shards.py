@@ -2,7 +2,8 @@
 master of a cluster, found from the cluster's slot map (topology.py).
 
 The slot map is read on first use and again, at most every ``REREAD_S``, after
-a call found it stale (a shard unreachable or skipped, a ``MOVED`` reply):
+a call found it stale (a shard unreachable or skipped, a ``MOVED`` reply; when
+no node answers at all, not before ``remote_breaker_ms``):
 until a failover promotes a replica the map names the dead master and its
 keys stay misses; once the cluster has promoted it, the next read names the
 replica and its keys are served again, with no restart.
@@ -108,6 +109,7 @@ class ShardMap:
             config.remote_breaker_failures, config.remote_breaker_ms / 1000, clock
         )
         self._clock = clock
+        self._retry_s = max(config.remote_breaker_ms / 1000, REREAD_S)  # no node answered
         self._lock = threading.Lock()
         self._shards: dict[str, Shard] = {}
         self._slots: list[Shard | None] = []
@@ -166,8 +168,9 @@ class ShardMap:
             self._read_at = now
             self.num_reads += 1
             ranges = self._read()
-            if ranges is None:
-                return  # no node answered: keep the map, try again later
+            if ranges is None:  # no node answered: keep the map, try again a breaker later
+                self._read_at = now + self._retry_s - REREAD_S
+                return
             slots: list[Shard | None] = [None] * NUM_SLOTS
             for start, end, host, port in ranges:
                 shard = self._shard(host, port)
