@@ -26,10 +26,11 @@ lint: setup
 	$(BIN)/ruff format --check prefixcache tests tools
 
 # the remote tier's tests start their own redis-server, cluster and TLS server (never a
-# system service): redis-server, redis-cli (`--cluster create`) and openssl (test CAs)
+# system service): redis-server, and redis-cli for `--cluster create` (redis-tools); the
+# TLS tests make their CA with the cryptography package (the remote extra)
 redis-server:
-	@(command -v redis-server && command -v redis-cli && command -v openssl) >/dev/null || \
-		(apt-get update && apt-get install -y redis-server redis-tools openssl)
+	@(command -v redis-server && command -v redis-cli) >/dev/null || \
+		(apt-get update && apt-get install -y redis-server redis-tools)
 
 test: lint redis-server
 	$(BIN)/pytest
