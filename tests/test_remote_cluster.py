@@ -141,6 +141,11 @@ def test_two_hosts_share_a_cluster_and_follow_a_failover(tmp_path, llama):
         assert max_diff(got["logits"], live_logits(llama, tokens, 4 * BLOCK + 4)) == 0.0
         other = [*tokens[:3], (tokens[3] + 1) % 512, *tokens[4:]]
         assert max_diff(got["logits"], live_logits(llama, other, 4 * BLOCK + 4)) > 0
+        mine = prompt(64, 2 * BLOCK + 3)  # and a restores b's
+        assert b.run(mine)["cached"] == 0
+        got = a.run(mine)
+        assert got["cached"] == 2 * BLOCK + 2  # its tail too (one token is left to prefill)
+        assert max_diff(got["logits"], live_logits(llama, mine, 2 * BLOCK + 2)) == 0.0
         # a next turn resumes on the other host to the exact token (a's tail went remote)
         turn = prompt(62, 3 * BLOCK + 5)
         a.run(turn)
