@@ -30,9 +30,12 @@ lint: setup
 	$(BIN)/ruff check prefixcache tests tools
 	$(BIN)/ruff format --check prefixcache tests tools
 
-# the remote tier's tests start their own redis-server (never a system service)
+# the remote tier's tests start their own redis-server, cluster and TLS server (never a
+# system service): redis-server, and redis-cli for `--cluster create` (redis-tools); the
+# TLS tests make their CA with the cryptography package (the remote extra)
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
+	@(command -v redis-server && command -v redis-cli) >/dev/null || \
+		(apt-get update && apt-get install -y redis-server redis-tools)
 
 test: lint redis-server
 	$(BIN)/pytest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -88,7 +89,9 @@ class CacheConfig:
             lower tiers' records (besides ``flush``/``close``), so a killed
             process loses at most that much of them; 0: only on flush/close.
         remote_url: the shared remote tier's server (``redis://``, ``rediss://``
-            or ``unix://``, Redis or Valkey), or None for no remote tier.
+            or ``unix://``, Redis or Valkey), or a cluster
+            (``redis+cluster://host:port,host:port``, ``rediss+cluster://`` with
+            TLS: any of its nodes), or None for no remote tier.
         remote_prefix: namespace of every key the remote tier writes.
         remote_connect_timeout_ms: give up connecting after this long.
         remote_timeout_ms: give up on one remote call after this long.
@@ -111,6 +114,13 @@ class CacheConfig:
             binds); None: no events. Needs the ``events`` extra.
         pin_system_prompts: ``prefixcache serve`` pins every request's system
             prompt (its first segment).
+        remote_secret: shared by the hosts of one cache: every remote value is
+            authenticated (HMAC-SHA256) and token ids are encrypted (AES-GCM);
+            at least 16 characters; never logged. None: values are checksummed only.
+        remote_secret_file: a file holding ``remote_secret`` (instead of it).
+        remote_tls_ca: CA certificate file that verifies the server (``rediss``).
+        remote_tls_cert: client certificate file (``rediss``, TLS client auth).
+        remote_tls_key: the client certificate's key file, if not in ``remote_tls_cert``.
     """
 
     block_size: int = 256
@@ -146,6 +156,23 @@ class CacheConfig:
     warm_bytes: int = 0
     events_url: str | None = None
     pin_system_prompts: bool = False
+    remote_secret: str | None = None
+    remote_secret_file: str | None = None
+    remote_tls_ca: str | None = None
+    remote_tls_cert: str | None = None
+    remote_tls_key: str | None = None
+
+    def __repr__(self) -> str:
+        """Every field but the secret; a password in ``remote_url`` redacted."""
+        shown = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "remote_secret" and value is not None:
+                value = "***"
+            elif f.name == "remote_url" and value is not None:
+                value = redact_url(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"CacheConfig({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         settings.check_types(self)
@@ -188,6 +215,7 @@ class CacheConfig:
         # write_policy, eviction, queue_full: their Literal types, checked above
         _check_remote(self.remote_url, self.remote_prefix)
         _check_events(self.events_url)
+        _check_remote_trust(self)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
 
@@ -214,12 +242,26 @@ class CacheConfig:
         return settings.from_env(cls, os.environ if environ is None else environ, overrides)
 
 
-REMOTE_SCHEMES = ("redis://", "rediss://", "unix://")
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+MIN_SECRET_CHARS = 16
+_REMOTE_FILES = ("remote_secret_file", "remote_tls_ca", "remote_tls_cert", "remote_tls_key")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``scheme://user:password@...``, ``?password=``) as ``***``."""
+    scheme, sep, rest = url.partition("://")
+    query = rest.find("?")
+    at = rest.rfind("@", 0, query if query >= 0 else len(rest))
+    if sep and at >= 0:
+        user = rest[:at].partition(":")[0]
+        rest = f"{user}:***{rest[at:]}" if ":" in rest[:at] else rest
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", f"{scheme}{sep}{rest}")
 
 
 def _check_remote(url: str | None, prefix: str) -> None:
     if url is not None and (not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES)):
-        raise ValueError(f"remote_url must start with one of {REMOTE_SCHEMES}, got {url!r}")
+        shown = redact_url(url) if isinstance(url, str) else url
+        raise ValueError(f"remote_url must start with one of {REMOTE_SCHEMES}, got {shown!r}")
     if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :*?[]"):
         raise ValueError(f"remote_prefix must be a non-empty name without ' :*?[]', got {prefix!r}")
 
@@ -230,3 +272,30 @@ EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 def _check_events(url: str | None) -> None:
     if url is not None and (not isinstance(url, str) or not url.startswith(EVENT_SCHEMES)):
         raise ValueError(f"events_url must start with one of {EVENT_SCHEMES}, got {url!r}")
+
+
+def _check_remote_trust(config: CacheConfig) -> None:
+    """The secret and TLS settings: well-formed, files that exist, TLS only with ``rediss``."""
+    secret = config.remote_secret
+    if secret is not None:
+        if not isinstance(secret, str) or len(secret) < MIN_SECRET_CHARS:
+            got = f"{len(secret)} characters" if isinstance(secret, str) else type(secret).__name__
+            raise ValueError(
+                f"remote_secret must be a string of at least {MIN_SECRET_CHARS} characters, "
+                f"got {got}"
+            )  # the secret itself is never shown
+        if config.remote_secret_file is not None:
+            raise ValueError("remote_secret and remote_secret_file are both set: give one")
+    for name in _REMOTE_FILES:
+        path = getattr(config, name)
+        if path is not None and (not isinstance(path, str) or not os.path.isfile(path)):
+            raise ValueError(f"{name} must name an existing file, got {path!r}")
+    tls = [n for n in _REMOTE_FILES[1:] if getattr(config, n) is not None]
+    url = config.remote_url or ""
+    if tls and not url.startswith(("rediss://", "rediss+cluster://")):
+        raise ValueError(
+            f"{', '.join(tls)} given but remote_url {redact_url(url)!r} does not use TLS "
+            "(rediss:// or rediss+cluster://)"
+        )
+    if config.remote_tls_key is not None and config.remote_tls_cert is None:
+        raise ValueError("remote_tls_key is set without remote_tls_cert")

@@ -80,6 +80,13 @@ class RemoteStats(TypedDict):
     num_gate_probes: int
     fetch_bytes_per_s: int
     prefill_tokens_per_s: int
+    num_shards: int
+    num_shards_down: int
+    num_slot_map_reads: int
+    num_moved: int
+    off: int
+    num_forged: int
+    num_removed: int
 
 
 class WarmStats(TypedDict):

@@ -31,11 +31,24 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process on ``127.0.0.1:port`` or a unix socket in ``workdir``."""
 
-    def __init__(self, workdir: str, *, unix: bool = False, maxmemory: str = "256mb"):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        unix: bool = False,
+        maxmemory: str = "256mb",
+        args: tuple[str, ...] = (),
+        tls: dict[str, str] | None = None,
+        admin: dict[str, str] | None = None,
+    ):
+        """``args``: more server options (e.g. ``--requirepass``); ``tls``: the
+        server's ``cert``, ``key`` and ``ca`` files (it then listens on a TLS
+        port only); ``admin``: what the readiness check logs in with."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.binary, self.workdir, self.maxmemory = binary, workdir, maxmemory
+        self.args, self.tls, self.admin = list(args), tls, admin or {}
         self.port = 0 if unix else free_port()
         self.socket = os.path.join(workdir, "redis.sock") if unix else None
         self.proc: subprocess.Popen | None = None
@@ -43,17 +56,24 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket}" if self.socket else f"redis://127.0.0.1:{self.port}"
+        if self.socket:
+            return f"unix://{self.socket}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         """Start (or restart, on the same port or socket) and wait until it answers."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        port = "0" if self.tls else str(self.port)
+        args = [self.binary, "--port", port, "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", self.workdir, "--maxmemory", self.maxmemory]
-        args += ["--maxmemory-policy", "allkeys-lru"]
+        args += ["--maxmemory-policy", "allkeys-lru", *self.args]
         if self.socket:
             args += ["--unixsocket", self.socket, "--unixsocketperm", "700"]
+        if self.tls:
+            args += ["--tls-port", str(self.port), "--tls-cert-file", self.tls["cert"]]
+            args += ["--tls-key-file", self.tls["key"], "--tls-ca-cert-file", self.tls["ca"]]
+            args += ["--tls-auth-clients", "optional"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        client = self.client(socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -65,8 +85,11 @@ class RedisServer:
                 time.sleep(0.02)
         client.close()
 
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
+    def client(self, **options) -> redis.Redis:
+        """An administrator's client (logged in with ``admin``, trusting the test CA)."""
+        if self.tls:
+            options |= {"ssl_ca_certs": self.tls["ca"]}
+        return redis.Redis.from_url(self.url, **self.admin, **options)
 
     def kill(self) -> None:
         """SIGKILL: the server vanishes mid-run, as a crash would make it."""

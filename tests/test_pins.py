@@ -66,7 +66,10 @@ def pinned_prompt(llama):
 def test_pinned_prompt_outlives_10x_hot_budget(tmp_path, llama, pinned_prompt, pin):
     tokens, live, other = pinned_prompt
     hot = 2 * PINNED // BLOCK * BLOCK_BYTES  # room for the pin and as much again
-    with PrefixCache(llama, config(tmp_path, hot_cache_only=True, hot_max_bytes=hot)) as pc:
+    # LRU: newer traffic takes the control's place (cost-aware eviction would keep a
+    # deep 2k-token chain over shallower traffic on its own)
+    settings = {"hot_cache_only": True, "hot_max_bytes": hot, "eviction": "lru"}
+    with PrefixCache(llama, config(tmp_path, **settings)) as pc:
         pc.store(tokens, live)
         if pin:
             assert pc.pin(tokens) == PINNED

@@ -132,11 +132,12 @@ def test_stats_cli_reports_the_server_per_namespace(tmp_path, llama, redis_serve
         a.store(tokens, filled(llama, tokens))
         a.flush()
         metrics = prometheus_text(a.stats())
-    assert "prefixcache_remote_writes_total 3" in metrics
+    assert "prefixcache_remote_writes_total 4" in metrics  # 3 blocks and the 1-token tail
     assert main(["stats", "--remote-url", redis_server.url, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["num_blocks"] == 3 and doc["nbytes"] == 3 * 8192
-    assert [(ns["model"], ns["num_blocks"]) for ns in doc["namespaces"]] == [("tiny", 3)]
+    assert doc["num_blocks"] == 4 and doc["nbytes"] == 3 * 8192 + 8192 // BLOCK
+    assert doc["num_tokens"] == 3 * BLOCK + 1 and doc["num_forged"] == 0
+    assert [(ns["model"], ns["num_blocks"]) for ns in doc["namespaces"]] == [("tiny", 4)]
     assert doc["server"]["maxmemory_policy"] == "allkeys-lru"
     assert main(["stats", "--remote-url", redis_server.url, "--remote-prefix", "other"]) == 0
     assert "0 blocks" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from itertools import pairwise
 
 import numpy as np
@@ -12,9 +13,20 @@ from ssd_child import ROOT, block_key, check_block, expected_bits, make_block
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
-from prefixcache.host import HostArray, Placed
+from prefixcache.host import MX_DTYPES, HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
-from prefixcache.tiers.remote.format import PART_BYTES, check_part, decode_meta, meta_key, part_key
+from prefixcache.tiers.remote.format import PART_BYTES, Names, check_part, decode_meta
+from prefixcache.tiers.remote.seal import Forged
+
+NAMES = Names("prefixcache")
+
+
+def part_key(prefix: str, key: bytes, n: int) -> str:
+    return Names(prefix).part(key, n)
+
+
+def meta_key(prefix: str, key: bytes) -> str:
+    return Names(prefix).meta(key)
 
 
 def tier_for(url: str, **changes) -> RemoteTier:
@@ -70,17 +82,21 @@ def _block(loaded):
     return None if loaded is None else loaded.to_block()
 
 
+SECRET = "a secret shared by the hosts"
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 @pytest.mark.parametrize("placed", [False, True])
-def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed):
+def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed, secret):
     server = RedisServer(str(tmp_path), unix=True)  # the unix:// scheme too
     try:
-        tier = tier_for(server.url)
+        tier = tier_for(server.url, remote_secret=secret)
         blocks = [make_block(1, i, scale=4000) for i in range(2)]  # ~12 MiB each: 3 parts
         keys = stored(tier, blocks)
-        client = server.client()
-        assert client.exists(part_key("prefixcache", keys[0], 2))
-        assert not client.exists(part_key("prefixcache", keys[0], 3))
-        assert max(len(client.get(part_key("prefixcache", keys[0], n))) for n in range(3)) > (
+        client, names = server.client(), tier.names
+        assert client.exists(names.part(keys[0], 2))
+        assert not client.exists(names.part(keys[0], 3))
+        assert max(len(client.get(names.part(keys[0], n))) for n in range(3)) > (
             PART_BYTES
         )  # the data of a full part plus its header
         buffers: dict = {}
@@ -102,14 +118,40 @@ def test_a_chain_is_looked_up_in_one_round_trip(redis_server):
     client = redis_server.client()
     client.config_resetstat()
     chain = [*keys, block_key(2, 8)]
-    metas = tier.held(chain, 0)
-    assert [m.key for m in metas] == keys
-    calls = client.info("commandstats")
-    assert calls["cmdstat_mget"]["calls"] == 1
-    assert set(calls) == {"cmdstat_mget", "cmdstat_config|resetstat"}
-    assert tier.held(chain, 3) == metas[3:]  # the rest of the same prompt: no new round trip
-    assert client.info("commandstats")["cmdstat_mget"]["calls"] == 1
+    with count_round_trips(tier) as trips:
+        metas = tier.held(chain, 0)
+    assert [m.key for m in metas] == keys and trips == [1]
+    calls = client.info("commandstats")  # every meta and every children set
+    assert calls["cmdstat_get"]["calls"] == 9 and calls["cmdstat_smembers"]["calls"] == 9
+    with count_round_trips(tier) as trips:
+        assert tier.held(chain, 3) == metas[3:]  # the rest of the same prompt: no round trip
+        assert [m.key for m in tier.children(keys[7])] == []  # listed with the chain
+        assert [m.key for m in tier.children(keys[3])] == [keys[4]]
+    assert trips == [0]
     tier.close()
+
+
+@contextmanager
+def count_round_trips(tier: RemoteTier):
+    """Count the pipelines (one write, then the replies) ``tier`` sends to its shards."""
+    trips = [0]
+    shards = tier.client.shards.all()
+    originals = {id(s): s.redis.pipeline for s in shards}
+
+    def counting(original):
+        def pipeline(*args, **kwargs):
+            trips[0] += 1
+            return original(*args, **kwargs)
+
+        return pipeline
+
+    for shard in shards:
+        shard.redis.pipeline = counting(shard.redis.pipeline)
+    try:
+        yield trips
+    finally:
+        for shard in shards:
+            shard.redis.pipeline = originals[id(shard)]
 
 
 def test_evicted_part_is_a_counted_miss(redis_server):
@@ -125,20 +167,21 @@ def test_evicted_part_is_a_counted_miss(redis_server):
     tier.close()
 
 
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
 @pytest.mark.parametrize("placed", [False, True])
 @pytest.mark.parametrize("damage", ["flip", "other_block", "other_number", "short", "not_a_string"])
-def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
-    tier = tier_for(redis_server.url)
+def test_a_wrong_part_is_never_restored(redis_server, damage, placed, secret):
+    tier = tier_for(redis_server.url, remote_secret=secret)
     keys = stored(tier, [make_block(4, i, scale=3000) for i in range(2)])
-    client = redis_server.client()
-    name = part_key("prefixcache", keys[0], 1)
+    client, names = redis_server.client(), tier.names
+    name = names.part(keys[0], 1)
     if damage == "flip":
         value = bytearray(client.get(name))
         value[-1] ^= 1
     elif damage == "other_block":  # same size, checksum in its own header is right
-        value = client.get(part_key("prefixcache", keys[1], 1))
+        value = client.get(names.part(keys[1], 1))
     elif damage == "other_number":
-        value = client.get(part_key("prefixcache", keys[0], 0))[: len(client.get(name))]
+        value = client.get(names.part(keys[0], 0))[: len(client.get(name))]
     elif damage == "short":  # a torn write: the header is right, the bytes stop early
         value = client.get(name)[:-1000]
     if damage == "not_a_string":
@@ -148,14 +191,34 @@ def test_a_wrong_part_is_never_restored(redis_server, damage, placed):
         client.set(name, bytes(value))
     buffers: dict = {}
     assert load_all(tier, keys, placer(buffers) if placed else None) == [None]
-    assert tier.load_miss is MissReason.CORRUPT and tier.stats()["num_corrupt"] == 1
+    forged = secret is not None and damage == "flip"  # the bytes fail their MAC
+    st = tier.stats()
+    assert tier.load_miss is MissReason.CORRUPT
+    assert (st["num_forged"], st["num_corrupt"]) == ((1, 0) if forged else (0, 1))
+    if placed and damage == "flip":  # where the failing part's bytes belong
+        reached = _part_bytes_in(buffers, tier.meta_of(keys, 0), 1)
+        # with a secret not one byte reached the restore buffers; without, they did
+        assert reached == 0 if secret else reached > 0
     if damage != "not_a_string":
-        meta = decode_meta(keys[0], client.get(meta_key("prefixcache", keys[0])))
-        with pytest.raises(PayloadError):
-            check_part(meta, 1, client.get(name))
+        name0 = names.name(keys[0])
+        meta = decode_meta(name0, client.get(names.meta(keys[0])), names, keys[0])
+        with pytest.raises(Forged if forged else PayloadError):
+            check_part(meta, names, 1, client.get(name))
     client.delete(name)  # the block's other part and the next block still read cleanly
     assert load_all(tier, keys[1:])[0] is not None
     tier.close()
+
+
+def _part_bytes_in(buffers: dict, meta, n: int) -> int:
+    """Nonzero bytes of part ``n`` of block 0 found in the restore buffers."""
+    lo, hi, at, found = n * PART_BYTES, (n + 1) * PART_BYTES, 0, 0
+    for name, dtype, shape in meta.specs:
+        size = int(np.prod(shape)) * MX_DTYPES[dtype].size
+        if (0, name) in buffers:
+            buf = buffers[0, name]
+            found += int(np.count_nonzero(buf[max(lo - at, 0) : max(min(hi - at, size), 0)]))
+        at += size
+    return found
 
 
 def test_a_bad_meta_ends_the_chain_and_is_counted(redis_server):
@@ -163,7 +226,7 @@ def test_a_bad_meta_ends_the_chain_and_is_counted(redis_server):
     keys = stored(tier, [make_block(5, i) for i in range(4)])
     client = redis_server.client()
     name = meta_key("prefixcache", keys[2])
-    client.set(name, client.get(name)[:-1] + b"\0")
+    client.set(name, client.get(name)[:-1] + bytes([client.get(name)[-1] ^ 1]))
     assert [m.key for m in tier.held(keys, 0)] == keys[:2]
     assert tier.stats()["num_corrupt"] == 1
     tier.close()

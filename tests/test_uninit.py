@@ -84,8 +84,9 @@ def test_empty_keeps_a_reused_buffers_bytes(keep_freed_buffers):
 def test_finish_zeroes_the_headroom_of_a_reused_buffer(keep_freed_buffers):
     """Blocks fill tokens [0, 8); the rest of a buffer that held old bytes is zero
     after finish(), and only after it (the control: materialize() still shows them)."""
-    capacity, rows = 16, (1, 2, 4, 8)
-    old = mx.full((1, 2, capacity, 8), 0x5A5A, mx.uint16).view(mx.bfloat16)
+    # 2 MiB: above the size a restore takes zeros for (small buffers are not reused)
+    capacity, rows = 4096, (1, 2, 4, 128)
+    old = mx.full((1, 2, capacity, 128), 0x5A5A, mx.uint16).view(mx.bfloat16)
     mx.eval(old)
     del old
     rng = np.random.default_rng(0)

@@ -16,6 +16,7 @@ from ..tiers.ssd.inventory import Inventory
 from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
 from ..tiers.ssd.view import SsdView
 from .common import Doc, UsageError, duration, emit, model_roots, ssd_command
+from .remote import cmd_remote_gc, with_remote
 from .report import format_bytes
 
 
@@ -199,8 +200,11 @@ def cmd_clear(view: SsdView, args: argparse.Namespace) -> int:
 COMMANDS = (
     ssd_command("verify", "check every payload checksum and every chain", cmd_verify,
                 add_verify_args, writable=lambda args: args.quarantine),
-    ssd_command("gc", "remove orphans, dangling entries, by model, age or size", cmd_gc,
-                add_gc_args, writable=lambda args: not args.dry_run),
+    with_remote(
+        ssd_command("gc", "remove orphans, dangling entries, by model, age or size", cmd_gc,
+                    add_gc_args, writable=lambda args: not args.dry_run),
+        remote_run=cmd_remote_gc,
+    ),
     ssd_command("clear", "remove every block, or one model's", cmd_clear, add_clear_args,
                 writable=lambda args: True),
 )  # fmt: skip

@@ -39,11 +39,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per block")
     group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
-    group.add_argument("--remote-url", help="shared remote tier: redis://, rediss:// or unix://")
+    group.add_argument(
+        "--remote-url",
+        help="shared remote tier: redis://, rediss://, unix:// or redis+cluster://host:port,...",
+    )
     group.add_argument("--remote-prefix", help="key namespace on the remote server")
     group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
     group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
     group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
+    group.add_argument("--remote-secret-file", help="file of the hosts' shared signing secret")
+    group.add_argument("--remote-tls-ca", help="CA file that verifies the server (rediss)")
+    group.add_argument("--remote-tls-cert", help="client certificate file (rediss)")
+    group.add_argument("--remote-tls-key", help="client certificate's key file (rediss)")
     _add_operator_args(group)
     group.add_argument(
         "--metrics-port", type=port, help="Prometheus text at 127.0.0.1:PORT/metrics"
@@ -94,8 +101,8 @@ def port(text: str) -> int:
 _CONFIG_FLAGS = (
     "ssd_dir", "hot_max_bytes", "ssd_max_bytes", "block_size", "hot_cache_only", "write_policy",
     "remote_url", "remote_prefix", "remote_timeout_ms", "remote_connect_timeout_ms",
-    "remote_max_bytes", "ssd_admit_after", "ssd_write_budget", "warm_bytes", "events_url",
-    "pin_system_prompts",
+    "remote_max_bytes", "remote_secret_file", "remote_tls_ca", "remote_tls_cert", "remote_tls_key",
+    "ssd_admit_after", "ssd_write_budget", "warm_bytes", "events_url", "pin_system_prompts",
 )  # fmt: skip
 
 

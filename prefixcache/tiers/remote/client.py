@@ -1,13 +1,22 @@
-"""The remote tier's connection: a redis-py client with timeouts, counted failures
-and a circuit breaker.
+"""The remote tier's connections: one server or a cluster's shards, each behind its
+own timeouts, counted failures and circuit breaker.
 
-Every call goes through :meth:`RemoteClient.call`: it gives up after the
-configured connect/operation timeout (redis-py's socket timeouts, no retries),
-counts the failure, and after ``remote_breaker_failures`` consecutive failures
-opens the breaker: for ``remote_breaker_ms`` every call fails at once without
-touching the network. After that one call is let through; its success closes
-the breaker, its failure opens it again. Reconnecting is redis-py's: a broken
-connection is dropped and the next call opens a new one.
+Every call goes to one shard through :meth:`RemoteClient.call`: it gives up
+after the configured connect/operation timeout (redis-py's socket timeouts,
+no retries), counts the failure, and after ``remote_breaker_failures``
+consecutive failures opens that shard's breaker: for ``remote_breaker_ms``
+every call to it fails at once without touching the network. After that one
+call is let through; its success closes the breaker, its failure opens it
+again. A shard that is down is a miss for its keys only; the others keep
+serving. Reconnecting is redis-py's: a broken connection is dropped and the
+next call opens a new one. :meth:`RemoteClient.each` sends one job per shard
+in parallel (a chain lookup: one round trip per shard involved).
+
+A refused login (wrong password, unknown user), a user without the rights
+the cache needs (ACL ``NOPERM``) or a server certificate that does not verify
+is not an outage: it is logged once as an error that says so (the URL with its
+password redacted) and turns the remote tier off for this process (a
+local-only cache); fix the setting and restart.
 """
 
 from __future__ import annotations
@@ -16,134 +25,172 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from ...config import CacheConfig
+from .shards import Refused, Shard, ShardMap, refusal
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_FAILS = (redis.ConnectionError, redis.TimeoutError, TimeoutError, OSError)
+_STALE_MAP = (
+    redis.exceptions.AskError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+)  # MOVED is an AskError
 
 
 class RemoteUnavailable(Exception):
-    """A remote call failed, timed out, or was skipped by the open breaker."""
-
-
-class Breaker:
-    """Consecutive-failure circuit breaker (thread-safe)."""
-
-    def __init__(self, failures: int, open_seconds: float, clock: Callable[[], float]):
-        self.failures, self.open_seconds, self.clock = failures, open_seconds, clock
-        self.num_trips = 0
-        self._consecutive = 0
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def is_open(self) -> bool:
-        with self._lock:
-            return self.clock() < self._open_until
-
-    def allow(self) -> bool:
-        return not self.is_open
-
-    def failed(self) -> bool:
-        """Count a failure; True when it opened the breaker."""
-        with self._lock:
-            self._consecutive += 1
-            if self._consecutive < self.failures:
-                return False
-            self._open_until = self.clock() + self.open_seconds
-            self.num_trips += 1
-            return True
-
-    def succeeded(self) -> None:
-        with self._lock:
-            self._consecutive = 0
-            self._open_until = 0.0
+    """A remote call failed, timed out, or was skipped (open breaker, tier off)."""
 
 
 class RemoteClient:
-    """A Redis / Valkey connection pool behind a breaker (thread-safe).
+    """Calls to a Redis / Valkey server or cluster (thread-safe).
 
     Args:
         config: ``remote_url``, ``remote_connect_timeout_ms``,
-            ``remote_timeout_ms``, ``remote_breaker_failures``, ``remote_breaker_ms``.
-        clock: the breaker's clock (monotonic seconds).
+            ``remote_timeout_ms``, ``remote_breaker_failures``,
+            ``remote_breaker_ms`` and the ``remote_tls_*`` files.
+        clock: the breakers' clock (monotonic seconds).
     """
 
     def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic):
         if config.remote_url is None:
             raise ValueError("remote_url is None: no remote server to connect to")
-        self.url = config.remote_url
-        self.redis = redis.Redis.from_url(
-            config.remote_url,
-            socket_timeout=config.remote_timeout_ms / 1000,
-            socket_connect_timeout=config.remote_connect_timeout_ms / 1000,
-            retry=Retry(NoBackoff(), 0),  # one attempt: the breaker decides when to try again
-            health_check_interval=0,
-        )
-        self.breaker = Breaker(
-            config.remote_breaker_failures, config.remote_breaker_ms / 1000, clock
-        )
+        self.shards = ShardMap(config, clock)
+        self.url = self.shards.address.shown  # the password redacted: safe to log
+        self.off: str | None = None  # why the tier was turned off (a setting is wrong)
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
-    def call(self, fn: Callable[[redis.Redis], T]) -> T:
-        """``fn(client)``, or RemoteUnavailable when the server cannot answer now.
+    @property
+    def cluster(self) -> bool:
+        return self.shards.address.cluster
+
+    def shard_of(self, redis_key: str) -> Shard | None:
+        """The shard serving ``redis_key``; None when none can be found now."""
+        if self.off is not None:
+            return None
+        try:
+            return self.shards.shard_of(redis_key)
+        except Refused as e:
+            self._turn_off(e.why, e.error)
+            return None
+
+    def call(self, shard: Shard | None, fn: Callable[[redis.Redis], T]) -> T:
+        """``fn(shard's client)``, or RemoteUnavailable when it cannot answer now.
 
         Raises:
-            RemoteUnavailable: the breaker is open, or the call failed or timed out.
+            RemoteUnavailable: the tier is off, the breaker is open, or the call
+                failed or timed out.
         """
-        if not self.breaker.allow():
+        if shard is None or self.off is not None or not shard.breaker.allow():
             self._count("num_skipped")
-            raise RemoteUnavailable("remote tier breaker is open")
+            if shard is not None:
+                self.shards.suspect()
+            raise RemoteUnavailable(self.off or "remote shard unknown or its breaker is open")
         try:
-            out = fn(self.redis)
-        except (redis.TimeoutError, TimeoutError) as e:
-            self._failed("num_timeouts", e)
-            raise RemoteUnavailable(str(e)) from e
-        except (redis.ConnectionError, OSError) as e:
-            self._failed("num_errors", e)
-            raise RemoteUnavailable(str(e)) from e
-        except redis.ResponseError as e:  # e.g. OOM under maxmemory noeviction: no breaker
-            self._count("num_errors")
-            logger.debug("remote tier %s: %s", self.url, e)
-            raise RemoteUnavailable(str(e)) from e
-        except redis.RedisError as e:  # a protocol error: as broken as a lost connection
-            self._failed("num_errors", e)
-            raise RemoteUnavailable(str(e)) from e
-        self.breaker.succeeded()
+            out = fn(shard.redis)
+        except (redis.RedisError, OSError) as e:
+            why = refusal(e)
+            if why is not None:
+                raise self._turn_off(why, e) from e
+            raise self._unavailable(shard, e) from e
+        shard.breaker.succeeded()
         return out
+
+    def _unavailable(self, shard: Shard, error: BaseException) -> RemoteUnavailable:
+        """Count a failed call to ``shard``; the error its caller raises."""
+        if isinstance(error, _FAILS):
+            self._failed(shard, "num_timeouts" if _timeout(error) else "num_errors", error)
+        elif isinstance(error, _STALE_MAP):
+            self._count("num_moved")  # the slot map is stale: read again before the next call
+            self.shards.suspect()
+        elif isinstance(error, redis.ResponseError):  # e.g. OOM under noeviction: no breaker
+            self._count("num_errors")
+            logger.debug("remote tier %s (%s): %s", self.url, shard.name, error)
+        else:  # a protocol error: as broken as a lost connection
+            self._failed(shard, "num_errors", error)
+        return RemoteUnavailable(str(error))
+
+    def each(
+        self, jobs: Sequence[tuple[Shard | None, Callable[[redis.Redis], T]]]
+    ) -> list[T | RemoteUnavailable]:
+        """Run one call per shard, in parallel when there are several: each job's
+        result, or the RemoteUnavailable it raised."""
+
+        def run(job: tuple[Shard | None, Callable[[redis.Redis], T]]) -> T | RemoteUnavailable:
+            try:
+                return self.call(*job)
+            except RemoteUnavailable as e:
+                return e
+
+        if len(jobs) <= 1:
+            return [run(job) for job in jobs]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(16, thread_name_prefix="prefixcache-remote-shard")
+            pool = self._pool
+        return list(pool.map(run, jobs))
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             counts = dict(self._counts)
+        shards = self.shards.all()
+        names = ("num_errors", "num_timeouts", "num_skipped", "num_moved")
         return {
-            "breaker_open": int(self.breaker.is_open),
-            "num_breaker_trips": self.breaker.num_trips,
-            **{n: counts.get(n, 0) for n in ("num_errors", "num_timeouts", "num_skipped")},
+            "breaker_open": int(any(s.breaker.is_open for s in shards)),
+            "num_breaker_trips": sum(s.breaker.num_trips for s in shards),
+            "num_shards": len(shards),
+            "num_shards_down": sum(s.breaker.is_open for s in shards),
+            "num_slot_map_reads": self.shards.num_reads,
+            "off": int(self.off is not None),
+            **{n: counts.get(n, 0) for n in names},
         }
 
     def close(self) -> None:
-        self.redis.close()
-        self.redis.connection_pool.disconnect()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.shards.close()
 
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
-    def _failed(self, name: str, error: BaseException) -> None:
+    def _failed(self, shard: Shard, name: str, error: BaseException) -> None:
         self._count(name)
-        if self.breaker.failed():
+        self.shards.suspect()
+        if shard.breaker.failed():
             logger.warning(
                 "remote tier %s unreachable (%s): not calling it for %.1f s",
-                self.url,
+                self.url if shard.name == self.url else f"{self.url}: shard {shard.name}",
                 error,
-                self.breaker.open_seconds,
+                shard.breaker.open_seconds,
             )
+
+    def _turn_off(self, why: str, error: BaseException) -> RemoteUnavailable:
+        """Turn the tier off for good (a setting is wrong); log it once."""
+        self._count("num_errors")
+        with self._lock:
+            first, self.off = self.off is None, self.off or why
+        if first:
+            logger.error(
+                "remote tier %s: %s (%s): remote tier off, this cache is local-only until "
+                "the setting is fixed and the process restarted",
+                self.url,
+                why,
+                error,
+            )
+        return RemoteUnavailable(why)
+
+
+def _timeout(error: BaseException) -> bool:
+    return isinstance(error, (redis.TimeoutError, TimeoutError))

@@ -12,19 +12,36 @@ CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
 no intermediate buffer. The part's checksum is checked at the end: a part that fails has
 written some of its bytes already, so the block is a miss and the restore
 stops before it (the SSD stream's rule too).
+
+With ``remote_secret`` a part's bytes must pass their MAC before a byte reaches
+a restore buffer: they are read into a staging buffer of one part (reused
+across parts and blocks), MAC'd slice by slice on a MAC thread while the next
+slice arrives, verified, and only then copied into their runs: one copy more
+than without a secret.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from bisect import bisect_right
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from ...errors import PayloadError
 from ...host import MX_DTYPES, HostArray, Place, Placed
-from .format import PART_BYTES, PART_HEAD_BYTES, RemoteMeta, part_checksum, spec_bytes
+from .format import (
+    PART_BYTES,
+    PART_HEAD_BYTES,
+    Names,
+    RemoteMeta,
+    bad_bytes,
+    part_digest,
+    spec_bytes,
+)
+from .seal import Hasher, digest_of, part_hasher, same_digest
 from .wire import Replies
 
 # Read and hash in slices that stay in the CPU cache between the two passes.
@@ -67,12 +84,14 @@ def targets(meta: RemoteMeta, place: Place | None) -> Targets:
     return Targets(arrays, runs, starts)
 
 
-def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
+def receive(into: Targets, meta: RemoteMeta, names: Names, n: int, replies: Replies) -> bool:
     """Read part ``n`` of block ``meta`` from ``replies`` into its runs and verify
-    it: its header names this block, part and count, and the xxh3-64 of its
-    bytes matches both its header and the meta. False: the part is missing.
+    it: its header names this block, part and count, and the digest of its
+    bytes (xxh3-128, or its MAC with a secret) matches both its header and the
+    meta. False: the part is missing.
 
     Raises:
+        Forged: with a secret, a plain part or bytes that fail their MAC.
         PayloadError: another block's or version's part, torn, or a bad checksum.
     """
     length = replies.length()
@@ -81,12 +100,13 @@ def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
     if length < PART_HEAD_BYTES:
         raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
     size = length - PART_HEAD_BYTES
-    checksum = part_checksum(meta, n, replies.read(PART_HEAD_BYTES), size)
-    hasher = xxhash.xxh3_64()
-    offset = n * PART_BYTES
+    digest = part_digest(meta, names, n, replies.read(PART_HEAD_BYTES), size)
+    if names.seal is not None:
+        return _receive_signed(into, meta, names, n, replies, size, digest)
+    hasher = part_hasher(None, meta.key, n, meta.num_parts)
+    offset, done = n * PART_BYTES, 0
     r = bisect_right(into.starts, offset) - 1
-    done = 0
-    while done < size:
+    while done < size:  # straight into place, hashed while in the CPU cache
         run = into.runs[r]
         at = offset + done - into.starts[r]
         take = min(size - done, run.nbytes - at, _SLICE)
@@ -97,9 +117,72 @@ def receive(into: Targets, meta: RemoteMeta, n: int, replies: Replies) -> bool:
         if at + take == run.nbytes:
             r += 1
     replies.end()
-    if hasher.intdigest() != checksum:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} fails its checksum")
+    if not same_digest(digest_of(hasher), digest):
+        raise bad_bytes(meta, names, n)
     return True
+
+
+def _receive_signed(
+    into: Targets,
+    meta: RemoteMeta,
+    names: Names,
+    n: int,
+    replies: Replies,
+    size: int,
+    digest: bytes,
+) -> bool:
+    """Part ``n`` read into the staging buffer, MAC'd there slice by slice on a MAC
+    thread while the next slice arrives, verified, and only then copied into place."""
+    staged = _staging(size)
+    slices: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+    mac = _MACS.submit(_mac, part_hasher(names.seal, meta.key, n, meta.num_parts), slices)
+    try:
+        for done in range(0, size, _SLICE):
+            view = staged[done : min(size, done + _SLICE)]
+            replies.read_into(view)
+            slices.put(view)
+    finally:
+        slices.put(None)  # the MAC thread always ends, whatever happened here
+    replies.end()
+    if not same_digest(mac.result(), digest):
+        raise bad_bytes(meta, names, n)
+    _scatter(into, n * PART_BYTES, staged[:size])  # verified: now into place
+    return True
+
+
+# HMAC-SHA256 releases the GIL on large updates: a MAC thread hashes one slice
+# while the reader's thread receives the next (one per part being received)
+_MACS = ThreadPoolExecutor(4, thread_name_prefix="prefixcache-remote-mac")
+
+
+def _mac(hasher: Hasher, slices: queue.SimpleQueue[memoryview | None]) -> bytes:
+    while (view := slices.get()) is not None:
+        hasher.update(view)
+    return digest_of(hasher)
+
+
+def _scatter(into: Targets, offset: int, data: memoryview) -> None:
+    """Copy ``data`` (payload bytes from ``offset``) into its runs."""
+    r = bisect_right(into.starts, offset) - 1
+    done = 0
+    while done < data.nbytes:
+        run = into.runs[r]
+        at = offset + done - into.starts[r]
+        take = min(data.nbytes - done, run.nbytes - at)
+        run[at : at + take] = data[done : done + take]
+        done += take
+        r += 1
+
+
+_STAGING = threading.local()
+
+
+def _staging(size: int) -> memoryview:
+    """This thread's staging buffer of at least ``size`` bytes (one part, reused)."""
+    buf = getattr(_STAGING, "buf", None)
+    if buf is None or buf.nbytes < size:
+        buf = _STAGING.buf = memoryview(np.empty(max(size, PART_BYTES), np.uint8)).cast("B")
+    return buf
 
 
 def _nbytes(views: list[memoryview]) -> int:

@@ -1,19 +1,27 @@
 """Remote tier format: key names, a block's meta value and its self-describing parts.
 
-A block is stored under the namespace ``prefix`` as::
+A block is stored under the namespace ``prefix`` and its name (its chain key;
+with ``remote_secret`` a keyed hash of it, seal.py), in braces: a Redis Cluster
+hash tag, so that a block's meta, parts and children set live on one shard and
+its fetch is one pipeline to one server::
 
-    {prefix}:m:{key hex}         meta: chain fields, token ids, tensor specs, part checksums
-    {prefix}:p:{key hex}:{n}     part n: header (magic, block key, n, count, xxh3-64) + bytes
+    {prefix}:{name hex}:m        meta: plain head, then the body (block key, parent key,
+                                 token ids, part digests, tensor specs), checksummed or sealed
+    {prefix}:{name hex}:p:{n}    part n: header (magic, name, n, count, digest) + bytes
+    {prefix}:{name hex}:c        set of the names of the block's children (blocks and tails)
     {prefix}:ns:{root hex}       the namespace JSON a root key stands for (inspection)
+    {prefix}:counters            forged, corrupt and missing-part blocks every host met
 
 Block keys are the chain keys of hashing.py (the SSD tier's spec). The payload
 is the tensors' bytes back to back, cut into parts of at most ``PART_BYTES``
 (a 256-token block of an 8B bf16 model is ~32 MiB; Redis values stay small
 enough to move without stalling the server). A part names its block and
-number and carries its checksum, and the meta lists every part's checksum: a
-part that was evicted, left over from another version of the block, or torn
-is detected and becomes a counted miss, never a wrong restore. Everything
-here is bytes and numpy: it runs on background threads.
+number and carries its digest (xxh3-128, or its MAC with a secret), and the
+meta lists every part's digest: a part that was evicted, left over from another
+version of the block, or torn is detected and becomes a counted miss, never a
+wrong restore. The meta's head (root, index, sizes) stays plain so that
+inspection and ``gc`` work without the secret. Bytes and numpy only: it runs
+on background threads.
 """
 
 from __future__ import annotations
@@ -28,29 +36,34 @@ import xxhash
 
 from ...errors import PayloadError
 from ...host import MX_DTYPES, Tensor
+from .names import Names
+from .seal import DIGEST_BYTES, Forged, digest_of, part_hasher, same_digest
 
 if TYPE_CHECKING:
     from ...blocks import Block
 
-FORMAT = 1
+FORMAT = 2
 PART_BYTES = 4 << 20
-_META_HEAD = struct.Struct("<4sB3x16s16s16sIIIQ")  # magic, format, key, parent, root, ...
+SIGNED = 1  # flag: the value is signed (part) or sealed (meta) with remote_secret
+_META_HEAD = struct.Struct("<4sBB2x16sIIIQ")  # magic, format, flags, root, index, ...
 _META_MAGIC = b"PCRM"
-_PART_HEAD = struct.Struct("<4s16sIIQ")  # magic, block key, part, parts, xxh3-64 of the bytes
+_KEYS = struct.Struct("<16s16s")  # block key, parent key: the body's start
+_PART_HEAD = struct.Struct("<4sBB2x16sII16s")  # magic, format, flags, name, n, count, digest
 _PART_MAGIC = b"PCRP"
+PART_HEAD_BYTES = _PART_HEAD.size
 Spec = tuple[str, str, tuple[int, ...]]  # name, safetensors dtype, shape
 
 
-def meta_key(prefix: str, key: bytes) -> str:
-    return f"{prefix}:m:{key.hex()}"
+@dataclass(frozen=True, slots=True)
+class MetaHead:
+    """A meta's plain head: readable without the secret (inspection, gc)."""
 
-
-def part_key(prefix: str, key: bytes, n: int) -> str:
-    return f"{prefix}:p:{key.hex()}:{n}"
-
-
-def namespace_key(prefix: str, root: bytes) -> str:
-    return f"{prefix}:ns:{root.hex()}"
+    root: bytes
+    index: int
+    num_tokens: int
+    num_parts: int
+    nbytes: int
+    signed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,72 +76,123 @@ class RemoteMeta:
     index: int
     tokens: bytes
     nbytes: int  # payload bytes (all parts' data)
-    sums: tuple[int, ...]  # xxh3-64 of each part's bytes
+    digests: tuple[bytes, ...]  # each part's digest (xxh3-128, or MAC)
     specs: tuple[Spec, ...]  # the tensors, in payload order
 
     @property
     def num_parts(self) -> int:
-        return len(self.sums)
+        return len(self.digests)
 
 
-def encode_meta(meta: RemoteMeta) -> bytes:
+def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
+    seal = names.seal
     head = _META_HEAD.pack(
-        _META_MAGIC, FORMAT, meta.key, meta.parent, meta.root,
-        meta.index, len(meta.tokens) // 4, len(meta.sums), meta.nbytes,
-    )  # fmt: skip
+        _META_MAGIC,
+        FORMAT,
+        SIGNED if seal else 0,
+        meta.root,
+        meta.index,
+        len(meta.tokens) // 4,
+        meta.num_parts,
+        meta.nbytes,
+    )
     specs = json.dumps([[n, d, list(s)] for n, d, s in meta.specs], separators=(",", ":"))
-    sums = struct.pack(f"<{len(meta.sums)}Q", *meta.sums)
-    body = head + meta.tokens + sums + specs.encode()
-    return body + xxhash.xxh3_64_digest(body)
+    body = b"".join([_KEYS.pack(meta.key, meta.parent), meta.tokens, *meta.digests, specs.encode()])
+    if seal is not None:
+        return head + seal.seal(body, head + names.name(meta.key))
+    return head + body + xxhash.xxh3_64_digest(head + body)
 
 
-def block_meta(block: Block, tensors: list[Tensor], sums: list[int]) -> bytes:
-    """The meta value of ``block`` whose payload is ``tensors`` in parts of ``sums``."""
+def block_meta(block: Block, tensors: list[Tensor], digests: list[bytes], names: Names) -> bytes:
+    """The meta value of ``block`` whose payload is ``tensors`` in parts of ``digests``."""
     specs = tuple((t.name, t.dtype, t.shape) for t in tensors)
     nbytes = sum(t.data.nbytes for t in tensors)
-    return encode_meta(
-        RemoteMeta(block.key, block.parent, block.root, block.index, block.tokens, nbytes,
-                   tuple(sums), specs)
-    )  # fmt: skip
+    meta = RemoteMeta(
+        block.key,
+        block.parent,
+        block.root,
+        block.index,
+        block.tokens,
+        nbytes,
+        tuple(digests),
+        specs,
+    )
+    return encode_meta(meta, names)
 
 
-def decode_meta(key: bytes, value: bytes) -> RemoteMeta:
-    """Decode a meta value of block ``key``.
+def decode_head(value: bytes) -> MetaHead:
+    """A meta value's plain head.
 
     Raises:
-        PayloadError: truncated, another format, another key or a bad checksum.
+        PayloadError: truncated, or not a meta of this format.
     """
-    if len(value) < _META_HEAD.size + 8 or xxhash.xxh3_64_digest(value[:-8]) != value[-8:]:
-        raise PayloadError(f"remote meta of {key.hex()} is truncated or fails its checksum")
-    magic, fmt, got, parent, root, index, num_tokens, num_parts, nbytes = _META_HEAD.unpack_from(
-        value
-    )
-    if magic != _META_MAGIC or fmt != FORMAT or got != key:
-        raise PayloadError(f"remote meta of {key.hex()}: format {fmt}, key {got.hex()}")
-    at = _META_HEAD.size
-    tokens = value[at : at + 4 * num_tokens]
-    at += 4 * num_tokens
+    if len(value) < _META_HEAD.size:
+        raise PayloadError("remote meta is truncated")
+    magic, fmt, flags, root, index, num_tokens, num_parts, nbytes = _META_HEAD.unpack_from(value)
+    if magic != _META_MAGIC or fmt != FORMAT:
+        raise PayloadError(f"remote meta of format {fmt} (magic {magic!r}); this is {FORMAT}")
+    if num_parts != parts_of(nbytes):
+        raise PayloadError(f"remote meta: {num_parts} parts cannot hold {nbytes} bytes")
+    return MetaHead(root, index, num_tokens, num_parts, nbytes, bool(flags & SIGNED))
+
+
+def decode_meta(name: bytes, value: bytes, names: Names, key: bytes | None = None) -> RemoteMeta:
+    """Decode the meta value stored under ``name`` (of block ``key``, if known).
+
+    Raises:
+        Forged: fails its MAC, or plain where a secret is set.
+        PayloadError: truncated, another format or block, or a bad checksum.
+    """
+    what = f"remote meta of {(key or name).hex()}"
+    head = decode_head(value)
+    raw_head = value[: _META_HEAD.size]
+    if names.seal is not None:
+        if not head.signed:
+            raise Forged(f"{what} is not signed but remote_secret is set")
+        body = names.seal.open(value[_META_HEAD.size :], raw_head + name, what)
+    elif head.signed:
+        raise PayloadError(f"{what} is sealed with a remote_secret this host does not have")
+    elif xxhash.xxh3_64_digest(value[:-8]) != value[-8:]:
+        raise PayloadError(f"{what} fails its checksum")
+    else:
+        body = value[_META_HEAD.size : -8]
+    meta = _decode_body(head, body, what)
+    if names.name(meta.key) != name or key not in (None, meta.key):
+        raise PayloadError(f"{what} holds block {meta.key.hex()}")
+    return meta
+
+
+def _decode_body(head: MetaHead, body: bytes, what: str) -> RemoteMeta:
+    at = _KEYS.size + 4 * head.num_tokens
+    ends = at + DIGEST_BYTES * head.num_parts
+    if len(body) < ends:
+        raise PayloadError(f"{what} is truncated")
+    key, parent = _KEYS.unpack_from(body)
+    digests = tuple(body[i : i + DIGEST_BYTES] for i in range(at, ends, DIGEST_BYTES))
     try:
-        sums = struct.unpack_from(f"<{num_parts}Q", value, at)
-        at += 8 * num_parts
-        specs = tuple((n, d, tuple(s)) for n, d, s in json.loads(value[at:-8]))
-    except (ValueError, TypeError, struct.error) as e:
-        raise PayloadError(f"remote meta of {key.hex()}: bad tensor specs: {e}") from None
-    if sum(spec_bytes(s) for s in specs) != nbytes or num_parts != parts_of(nbytes):
-        raise PayloadError(f"remote meta of {key.hex()}: specs do not cover {nbytes} bytes")
-    return RemoteMeta(key, parent, root, index, tokens, nbytes, sums, specs)
+        specs = tuple((n, d, tuple(s)) for n, d, s in json.loads(body[ends:]))
+        covered = sum(spec_bytes(s) for s in specs)
+    except (ValueError, TypeError, PayloadError) as e:
+        raise PayloadError(f"{what}: bad tensor specs: {e}") from None
+    if covered != head.nbytes:
+        raise PayloadError(f"{what}: specs do not cover {head.nbytes} bytes")
+    tokens = body[_KEYS.size : at]
+    return RemoteMeta(key, parent, head.root, head.index, tokens, head.nbytes, digests, specs)
 
 
 def parts_of(nbytes: int) -> int:
     return -(-nbytes // PART_BYTES)
 
 
-def encode_parts(key: bytes, tensors: list[Tensor]) -> tuple[list[bytearray], list[int]]:
-    """The parts of a payload (one copy of the tensors' bytes) and their checksums."""
+def encode_parts(
+    key: bytes, tensors: list[Tensor], names: Names
+) -> tuple[list[bytearray], list[bytes]]:
+    """The parts of a payload (one copy of the tensors' bytes) and their digests."""
     views = [t.data for t in tensors if t.data.nbytes]
     total = sum(v.nbytes for v in views)
     num = parts_of(total)
-    parts, sums = [], []
+    name, flags = names.name(key), SIGNED if names.seal else 0
+    parts, digests = [], []
     v, at = 0, 0  # current view, offset in it
     for n in range(num):
         size = min(PART_BYTES, total - n * PART_BYTES)
@@ -141,47 +205,67 @@ def encode_parts(key: bytes, tensors: list[Tensor]) -> tuple[list[bytearray], li
             filled, at = filled + take, at + take
             if at == views[v].nbytes:
                 v, at = v + 1, 0
-        checksum = xxhash.xxh3_64_intdigest(out)
-        _PART_HEAD.pack_into(buf, 0, _PART_MAGIC, key, n, num, checksum)
+        hasher = part_hasher(names.seal, key, n, num)
+        hasher.update(out)
+        digest = digest_of(hasher)
+        _PART_HEAD.pack_into(buf, 0, _PART_MAGIC, FORMAT, flags, name, n, num, digest)
         parts.append(buf)
-        sums.append(checksum)
-    return parts, sums
+        digests.append(digest)
+    return parts, digests
 
 
-PART_HEAD_BYTES = _PART_HEAD.size
-
-
-def part_checksum(meta: RemoteMeta, n: int, head: bytes, size: int) -> int:
-    """The checksum part ``n``'s header ``head`` gives for its ``size`` bytes,
-    once the header names block ``meta``, part ``n`` and the meta's part count,
-    the size is right and the checksum is the meta's (the bytes are not hashed
-    here: fill.py hashes them as they arrive).
+def part_digest(meta: RemoteMeta, names: Names, n: int, head: bytes, size: int) -> bytes:
+    """The digest part ``n``'s header ``head`` gives for its ``size`` bytes, once
+    the header names block ``meta``, part ``n`` and the meta's part count, the
+    size is right and the digest is the meta's (the bytes are not hashed here:
+    fill.py hashes them as they arrive).
 
     Raises:
+        Forged: a plain part where a secret is set.
         PayloadError: another block's or version's part, or torn.
     """
+    what = f"remote part {n} of {meta.key.hex()}"
     if len(head) < _PART_HEAD.size:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} is truncated")
-    magic, key, got, num, checksum = _PART_HEAD.unpack_from(head)
+        raise PayloadError(f"{what} is truncated")
+    magic, fmt, flags, name, got, num, digest = _PART_HEAD.unpack_from(head)
     want = min(PART_BYTES, meta.nbytes - n * PART_BYTES)
-    if (magic, key, got, num) != (_PART_MAGIC, meta.key, n, meta.num_parts) or size != want:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} does not belong to it")
-    if checksum != meta.sums[n]:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} is of another version")
-    return checksum
+    if (magic, fmt, name, got, num) != (
+        _PART_MAGIC,
+        FORMAT,
+        names.name(meta.key),
+        n,
+        meta.num_parts,
+    ) or size != want:
+        raise PayloadError(f"{what} does not belong to it")
+    if names.seal is not None and not flags & SIGNED:
+        raise Forged(f"{what} is not signed but remote_secret is set")
+    if not same_digest(digest, meta.digests[n]):
+        raise PayloadError(f"{what} is of another version")
+    return digest
 
 
-def check_part(meta: RemoteMeta, n: int, value: bytes) -> memoryview:
+def check_part(meta: RemoteMeta, names: Names, n: int, value: bytes) -> memoryview:
     """Part ``n``'s bytes, verified against its own header and the meta.
 
     Raises:
+        Forged: its bytes fail their MAC (with a secret).
         PayloadError: another block's or version's part, torn, or a bad checksum.
     """
     data = memoryview(value)[_PART_HEAD.size :]
-    checksum = part_checksum(meta, n, value, len(data))
-    if xxhash.xxh3_64_intdigest(data) != checksum:
-        raise PayloadError(f"remote part {n} of {meta.key.hex()} fails its checksum")
+    digest = part_digest(meta, names, n, value, len(data))
+    hasher = part_hasher(names.seal, meta.key, n, meta.num_parts)
+    hasher.update(data)
+    if not same_digest(digest_of(hasher), digest):
+        raise bad_bytes(meta, names, n)
     return data
+
+
+def bad_bytes(meta: RemoteMeta, names: Names, n: int) -> PayloadError:
+    """The error of part ``n`` whose bytes do not match its digest."""
+    what = f"remote part {n} of {meta.key.hex()}"
+    if names.seal is not None:
+        return Forged(f"{what} fails its MAC (changed after it was signed)")
+    return PayloadError(f"{what} fails its checksum")
 
 
 def spec_bytes(spec: Spec) -> int:

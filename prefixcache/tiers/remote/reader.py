@@ -1,9 +1,10 @@
 """Remote reads for a restore: a background thread fetches blocks in chain order.
 
-Each block is one round trip (pipelined GETs of its parts; its meta came with
-the chain's lookup). Their replies are read off the socket straight into the
-tensors' places in the restore buffers (wire.py) and verified as they arrive
-(fill.py: one copy, hashed while in the CPU cache), all on the fetch thread
+Each block is one round trip to its shard (pipelined GETs of its parts, which
+share its hash tag; its meta came with the chain's lookup). Their replies are
+read off the socket straight into the tensors' places in the restore buffers
+(wire.py) and verified as they arrive (fill.py: one copy, hashed while in the
+CPU cache; with a secret, MAC'd in a staging buffer first), all on the fetch thread
 with bytes and numpy only; the caller gets ``Placed`` tensors, and HostArrays
 for tensors with no place (a builder copies those in, or turns them into MLX
 arrays on its own thread).
@@ -27,14 +28,15 @@ from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
 from .client import RemoteClient, RemoteUnavailable
 from .fill import Targets, receive, targets
-from .format import RemoteMeta, decode_meta, meta_key, part_key
+from .format import RemoteMeta, decode_meta
+from .names import Names
 from .wire import Replies, pipelined_gets
 
 
 class Source(Protocol):
     """What the reader uses of the remote tier (tier.py's RemoteTier)."""
 
-    prefix: str
+    names: Names
     client: RemoteClient
 
     def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
@@ -87,9 +89,11 @@ class RemoteReader(TierReader):
             self._stop = threading.Event()
             self._results = queue.Queue(AHEAD)
             self._thread = threading.Thread(
-                target=self._run, args=(self._stop, self._results), daemon=True,
+                target=self._run,
+                args=(self._stop, self._results),
+                daemon=True,
                 name="prefixcache-remote-read",
-            )  # fmt: skip
+            )
             self._thread.start()
 
     def load(self, index: int) -> StreamedBlock | None:
@@ -138,22 +142,25 @@ class RemoteReader(TierReader):
 
     def _fetch(self, index: int) -> Fetched | Failed:
         """Fetch and verify block ``index`` (bytes and numpy only: any thread)."""
-        key, tier = self.keys[index], self.tier
+        key, tier, names = self.keys[index], self.tier, self.tier.names
+        client = tier.client
         start = time.perf_counter()
         try:
+            shard = client.shard_of(names.meta(key))  # the block's meta and parts: one shard
             meta = tier.meta_of(self.keys, index)
             if meta is None:
-                raw = tier.client.call(lambda r: r.get(meta_key(tier.prefix, key)))
+                raw = client.call(shard, lambda r: r.get(names.meta(key)))
                 if raw is None:
                     return Failed(key, MissReason.EVICTED, None)
-                meta = decode_meta(key, raw)
-            names = [part_key(tier.prefix, key, n) for n in range(meta.num_parts)]
+                meta = decode_meta(names.name(key), raw, names, key)
+            parts = [names.part(key, n) for n in range(meta.num_parts)]
             into = targets(meta, self._place)
-            if not tier.client.call(lambda r: pipelined_gets(r, names, _receive_all(into, meta))):
+            body = _receive_all(into, meta, names)
+            if not client.call(shard, lambda r: pipelined_gets(r, parts, body)):
                 return Failed(key, MissReason.EVICTED, None)  # evicted, or a torn write
         except RemoteUnavailable as e:
             return Failed(key, MissReason.REMOTE_UNAVAILABLE, e)
-        except PayloadError as e:
+        except PayloadError as e:  # Forged too: counted apart by the tier
             return Failed(key, MissReason.CORRUPT, e)
         seconds = time.perf_counter() - start
         block = StreamedBlock(
@@ -172,10 +179,10 @@ class RemoteReader(TierReader):
         return result.block
 
 
-def _receive_all(into: Targets, meta: RemoteMeta) -> Callable[[Replies], bool]:
+def _receive_all(into: Targets, meta: RemoteMeta, names: Names) -> Callable[[Replies], bool]:
     """Read every part of ``meta`` into ``into``; False at the first missing one."""
 
     def body(replies: Replies) -> bool:
-        return all(receive(into, meta, n, replies) for n in range(meta.num_parts))
+        return all(receive(into, meta, names, n, replies) for n in range(meta.num_parts))
 
     return body

@@ -1,30 +1,31 @@
-"""Remote tier: blocks shared by every host through one Redis / Valkey server.
+"""Remote tier: blocks shared by every host through a Redis / Valkey server or cluster.
 
 The tier comes after hot and ssd. It takes every stored block at once
-(``eager``): on store, not on spill, so other hosts can restore a prefix
-seconds after one host computed it; the write costs the caller nothing (the
-byte views are queued, a background writer encodes and sends them). Under
-``write_back`` a block would otherwise reach the remote tier only when hot
-evicts it, which with a large hot tier is late or never.
+(``eager``): on store, not on spill (under ``write_back`` a block would reach
+it late or never), so other hosts can restore a prefix seconds after one host
+computed it; the caller only queues byte views, a background writer encodes
+and sends them (writes.py). Tails go remote too (``lists_children``: a
+parent's children are listed in a set beside it), so a conversation resumes
+on another host to the exact token.
 
-``held`` looks a prompt's chain up in one round trip (MGET of the metas);
-``reader`` fetches payloads on a background thread (format.py: verified
-parts, read straight into the restore buffers); a remote hit is promoted into
-hot and ssd by the stack. The server bounds its memory itself (``maxmemory``
-with ``allkeys-lru``); an evicted or torn part is a counted miss. When the
-server is down or slow every call gives up within the configured timeout and
-the breaker (client.py) stops calling for a while: the local tiers keep
-serving. The cost gate (gate.py) refuses a remote restore that is expected to
-be slower than recomputing.
+``held`` looks a prompt's chain up in one round trip per shard (chain.py: the
+metas and the children sets); ``reader`` fetches payloads on a background
+thread (verified parts, read straight into the restore buffers); a remote
+hit is promoted into hot and ssd by the stack. The server bounds its memory
+itself (``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a
+counted miss, a value that fails its MAC (``remote_secret``, seal.py) a
+counted forgery. When a server is down or slow every call to it gives up
+within the configured timeout and its breaker (client.py) stops calling it
+for a while: the local tiers and the other shards keep serving. The cost gate
+(gate.py) refuses a remote restore expected to be slower than recomputing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ...blocks import Block
 from ...config import CacheConfig
@@ -32,19 +33,29 @@ from ...errors import MissReason, PayloadError
 from ...host import tensors_of
 from ..base import Tier, TierReader
 from ..writer import WriteItem, Writer
+from .chain import Chain, children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
-from .format import RemoteMeta, block_meta, decode_meta, encode_parts, meta_key, part_key
-from .format import namespace_key as ns_key
+from .format import RemoteMeta, decode_meta
 from .gate import CostGate
+from .names import REPORTED, Names
+from .seal import Forged, Seal, load_secret
+from .writes import RemoteWrites
 
 logger = logging.getLogger(__name__)
 
 _KNOWN = 65536  # keys remembered as stored remotely (contains() never asks the server)
-_MEMORY_CHECK_S = 1.0  # how often the writer reads the server's memory use (budget)
 _COUNTERS = (
-    "num_writes", "written_bytes", "num_dropped_writes", "num_no_room", "num_loads",
-    "load_bytes", "num_missing_parts", "num_corrupt",
-)  # fmt: skip
+    "num_writes",
+    "written_bytes",
+    "num_dropped_writes",
+    "num_no_room",
+    "num_loads",
+    "load_bytes",
+    "num_missing_parts",
+    "num_corrupt",
+    "num_forged",
+    "num_removed",
+)
 
 
 class RemoteTier(Tier):
@@ -52,32 +63,37 @@ class RemoteTier(Tier):
 
     Args:
         config: ``remote_url``, ``remote_prefix``, the timeouts and breaker
-            settings (client.py), ``remote_max_bytes``, ``write_queue_bytes``
-            and ``prefill_tokens_per_s`` (gate.py).
+            settings (client.py), ``remote_secret`` (seal.py),
+            ``remote_max_bytes``, ``write_queue_bytes`` and
+            ``prefill_tokens_per_s`` (gate.py).
         client: an existing connection (e.g. shared with inspection), else one
             is opened from the config.
     """
 
     name = "remote"
     eager = True
+    lists_children = True
 
     def __init__(self, config: CacheConfig, *, client: RemoteClient | None = None):
-        self.prefix, self.max_bytes = config.remote_prefix, config.remote_max_bytes
+        secret = load_secret(config)
+        self.names = Names(config.remote_prefix, Seal(secret) if secret else None)
+        self.prefix = config.remote_prefix
         self.client = client if client is not None else RemoteClient(config)
+        self.writes = RemoteWrites(self.client, self.names, config.remote_max_bytes)
         self.gate = CostGate(config.prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
+        self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
         self._load_miss = MissReason.CORRUPT
-        self._last: tuple[Sequence[bytes], int, list[RemoteMeta]] | None = None
-        self._memory_checked, self._memory_used = -_MEMORY_CHECK_S, 0
+        self._last: Chain | None = None
         self._closed = False
         self.writer = Writer(
             self._write_batch,
             max_bytes=config.write_queue_bytes,
-            housekeeping=self._write_namespaces,
+            housekeeping=self._housekeeping,
             batch_bytes=16 << 20,
             name="prefixcache-remote-writer",
         )
@@ -99,27 +115,34 @@ class RemoteTier(Tier):
         return metas
 
     def entry(self, key: bytes) -> RemoteMeta | None:
-        """Block ``key``'s meta (one round trip; ``held`` batches a chain in one)."""
+        """Block ``key``'s meta (one round trip; ``held`` batches a chain)."""
+        name = self.names.meta(key)
         try:
-            raw = self.client.call(lambda r: r.get(meta_key(self.prefix, key)))
+            raw = self.client.call(self.client.shard_of(name), lambda r: r.get(name))
         except RemoteUnavailable:
             return None
         try:
-            return None if raw is None else decode_meta(key, raw)
+            return None if raw is None else decode_meta(self.names.name(key), raw, self.names, key)
         except PayloadError as e:
-            self._corrupt(key, e)
+            self.unusable(key, e)
             return None
+
+    def children(self, parent: bytes) -> list[RemoteMeta]:
+        """Blocks and tails stored under ``parent`` (named in the last lookup's
+        sets: no round trip for the names; one per shard for their metas)."""
+        miss = self._miss
+        if miss is not None and miss[1] is MissReason.REMOTE_GATE:  # refused for this prompt
+            return []
+        return children_of(self.client, self.names, parent, self._last, self.unusable)
 
     def miss_reason(self, key: bytes) -> MissReason | None:
         miss = self._miss
         return miss[1] if miss is not None and miss[0] == key else None
 
     def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None:
-        """Block ``index``'s meta from the last lookup of ``keys`` (no round trip)."""
+        """Block ``index``'s meta from the last lookup or children listing (no round trip)."""
         last = self._last
-        if last is None or last[0] is not keys or not 0 <= index - last[1] < len(last[2]):
-            return None
-        return last[2][index - last[1]]
+        return None if last is None or index >= len(keys) else last.seen.get(keys[index])
 
     def contains(self, key: bytes) -> bool:
         """Queued or known to be stored (asks no server: the caller must not wait)."""
@@ -138,7 +161,7 @@ class RemoteTier(Tier):
         if reason is MissReason.EVICTED:
             self._count("num_missing_parts")
         elif reason is MissReason.CORRUPT:
-            self._corrupt(key, error)
+            self.unusable(key, error)
 
     def loaded(self, nbytes: int, seconds: float) -> None:
         """Count a block fetched in ``seconds`` (the gate's remote rate)."""
@@ -155,10 +178,13 @@ class RemoteTier(Tier):
         """Queue a block (arrays evaluated) for the writer; False if it was dropped."""
         if self._closed:
             raise RuntimeError(f"remote tier {self.client.url} is closed")
+        with self._lock:
+            self._removals.pop(block.key, None)  # a new version replaces the removed one
         if self.contains(block.key):
             return True
-        if not self.client.breaker.allow():  # down: queueing would only delay the drop
-            self._count("num_dropped_writes")
+        shard = self.client.shards.peek(self.names.meta(block.key))  # no I/O: the caller's thread
+        if self.client.off is not None or (shard is not None and not shard.breaker.allow()):
+            self._count("num_dropped_writes")  # down: queueing would only delay the drop
             return False
         nbytes = block.nbytes or sum(a.nbytes for a in block.arrays.values())
         if self.writer.submit(WriteItem(block, tensors_of(block.arrays), nbytes)):
@@ -167,14 +193,22 @@ class RemoteTier(Tier):
         return False
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Forget blocks locally. The server keeps them until a new version is put
-        (a write replaces every key of a block) or its LRU evicts them."""
+        """Drop blocks: forgotten here at once, deleted from the server by the
+        writer (in order with the writes: a block put again afterwards stays)."""
         with self._lock:
-            return sum(self._known.pop(k, False) is None for k in keys)
+            num = sum(self._known.pop(k, False) is None for k in keys)
+            self._removals.update(dict.fromkeys(keys))
+        self.writer.wake()
+        return num
 
     def note_namespace(self, root: bytes, namespace_json: str) -> None:
         with self._lock:
             self._namespaces[root] = namespace_json
+        self.writer.wake()
+
+    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
+        """Add this tier's unusable-block counts since the last save to the server's
+        record (``prefixcache stats --remote-url`` shows them), with the next batch."""
         self.writer.wake()
 
     def flush(self) -> None:
@@ -201,56 +235,39 @@ class RemoteTier(Tier):
             **self.gate.stats(),
         }
 
+    def unusable(self, key: bytes, error: BaseException | None) -> None:
+        """Count a block whose value is unusable: forged (a MAC failed) or corrupt."""
+        name = "num_forged" if isinstance(error, Forged) else "num_corrupt"
+        with self._lock:
+            self._counts[name] += 1
+            first = self._counts[name] == 1
+        log = logger.warning if first else logger.debug
+        what = "forged (fails its MAC)" if name == "num_forged" else "unusable"
+        log("remote tier: %s block %s (%s): a miss", what, key.hex(), error)
+
     # -- internals -------------------------------------------------------------
 
     def _lookup(self, keys: Sequence[bytes], start: int) -> list[RemoteMeta]:
-        """Metas of ``keys[start:]`` while consecutive: one MGET per prompt."""
+        """Metas of ``keys[start:]`` while consecutive: one round trip per shard per prompt."""
         last = self._last
-        if last is not None and last[0] is keys and last[1] <= start:
-            return last[2][start - last[1] :]
-        todo = [meta_key(self.prefix, k) for k in keys[start:]]
-        if not todo:
+        if last is not None and last.keys is keys and last.start <= start:
+            return last.metas[start - last.start :]
+        if start >= len(keys):
             return []
-        try:
-            raws = self.client.call(lambda r: r.mget(todo))
-        except RemoteUnavailable:
-            self._miss = (keys[start], MissReason.REMOTE_UNAVAILABLE)
-            return []
-        metas: list[RemoteMeta] = []
-        for key, raw in zip(keys[start:], raws, strict=True):
-            if raw is None:
-                break
-            try:
-                metas.append(decode_meta(key, raw))
-            except PayloadError as e:
-                self._corrupt(key, e)
-                break
-        self._last = (keys, start, metas)
-        return metas
+        found = look_up(self.client, self.names, keys, start, self.unusable)
+        if found.stop is not None:  # asked again next time: the shard may be back
+            self._miss = (keys[start + len(found.metas)], found.stop)
+        self._last = found if found.stop is None else None
+        return found.metas
 
     def _write_batch(self, items: list[WriteItem]) -> None:
-        """Encode and send a batch: each block's parts, then its meta (writer thread)."""
-        if not self.client.breaker.allow():  # down: drop without encoding
+        """Encode and send a batch (writer thread)."""
+        if self.client.off is not None or not self.writes.room(sum(i.nbytes for i in items)):
+            if self.client.off is None:
+                self._count("num_no_room", len(items))
             self._count("num_dropped_writes", len(items))
             return
-        if not self._room(sum(it.nbytes for it in items)):
-            self._count("num_no_room", len(items))
-            self._count("num_dropped_writes", len(items))
-            return
-        sent = []
-        try:
-            with self.client.redis.pipeline(transaction=False) as pipe:
-                for item in items:
-                    parts, sums = encode_parts(item.block.key, item.tensors)
-                    for n, part in enumerate(parts):
-                        pipe.set(part_key(self.prefix, item.block.key, n), part)
-                    meta = block_meta(item.block, item.tensors, sums)
-                    pipe.set(meta_key(self.prefix, item.block.key), meta)  # after its parts
-                    sent.append(item)
-                self.client.call(lambda _: pipe.execute())
-        except RemoteUnavailable:
-            self._count("num_dropped_writes", len(items))
-            return
+        sent = self.writes.send(items)
         with self._lock:
             for item in sent:
                 self._known[item.block.key] = None
@@ -258,43 +275,21 @@ class RemoteTier(Tier):
                 self._known.popitem(last=False)
             self._counts["num_writes"] += len(sent)
             self._counts["written_bytes"] += sum(it.nbytes for it in sent)
+            self._counts["num_dropped_writes"] += len(items) - len(sent)
 
-    def _room(self, nbytes: int) -> bool:
-        """Under ``remote_max_bytes``: the server's memory use (read at most once a
-        second) leaves room for ``nbytes`` more."""
-        if not self.max_bytes:
-            return True
-        now = time.monotonic()
-        if now - self._memory_checked >= _MEMORY_CHECK_S:
-            try:
-                info = self.client.call(lambda r: r.info("memory"))
-            except RemoteUnavailable:
-                return False
-            self._memory_checked, self._memory_used = now, int(info["used_memory"])
-        if self._memory_used + nbytes > self.max_bytes:
-            return False
-        self._memory_used += nbytes
-        return True
-
-    def _write_namespaces(self) -> None:
+    def _housekeeping(self) -> None:
+        """Namespace documents, removals, the counters record (writer thread)."""
         with self._lock:
             notes, self._namespaces = self._namespaces, {}
-        if not notes:
-            return
-        try:
-            values = {ns_key(self.prefix, root): doc for root, doc in notes.items()}
-            self.client.call(lambda r: r.mset(values))
-        except RemoteUnavailable:
+            removals, self._removals = list(self._removals), {}
+            counts = {n: self._counts.get(n, 0) for n in REPORTED}
+        if notes and not self.writes.put_namespaces(notes):
             with self._lock:  # try again with a later batch
                 self._namespaces = notes | self._namespaces
+        if removals:
+            self._count("num_removed", self.writes.remove(removals))
+        self.writes.report(counts)
 
     def _count(self, name: str, num: int = 1) -> None:
         with self._lock:
             self._counts[name] += num
-
-    def _corrupt(self, key: bytes, error: BaseException | None) -> None:
-        with self._lock:
-            self._counts["num_corrupt"] += 1
-            first = self._counts["num_corrupt"] == 1
-        log = logger.warning if first else logger.debug
-        log("remote tier: unusable block %s (%s): a miss", key.hex(), error)
