@@ -3,6 +3,10 @@ zeroing of what no block wrote."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -125,17 +129,30 @@ def _huge_bytes_in(start: int, nbytes: int) -> int:
     return total
 
 
+_HUGE_CHILD = """
+import mlx.core as mx, numpy as np, sys
+sys.path.insert(0, {tests!r})
+from test_uninit import _huge_bytes_in
+from prefixcache.codecs.buffer import TokenBuffer
+from prefixcache.host import HostArray
+rows = np.zeros((1, 16, 256, 128), np.uint16)
+buf = TokenBuffer(8448)
+buf.add(0, HostArray(rows.reshape(-1).view(np.uint8), mx.bfloat16, rows.shape))
+host = np.asarray(memoryview(buf.finish()).cast("B"))
+host[...] = 1  # as the readers' copies would
+print(_huge_bytes_in(host.ctypes.data, host.nbytes))
+"""
+
+
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="needs Linux THP in madvise mode")
 @pytest.mark.parametrize("advise", [True, False])
-def test_restore_buffers_get_huge_pages_when_advised(monkeypatch, advise):
+def test_restore_buffers_get_huge_pages_when_advised(advise):
     """A 34 MiB restore buffer opened by TokenBuffer lies on 2 MiB pages once
-    written; with PREFIXCACHE_HUGE_PAGES=0 (the control) it does not."""
-    monkeypatch.setenv("PREFIXCACHE_HUGE_PAGES", "1" if advise else "0")
-    mx.clear_cache()
-    rows = np.zeros((1, 16, 256, 128), np.uint16)
-    buf = TokenBuffer(8448)
-    buf.add(0, HostArray(rows.reshape(-1).view(np.uint8), mx.bfloat16, rows.shape))
-    host = np.asarray(memoryview(buf.finish()).cast("B"))
-    host[...] = 1  # as the readers' copies would
-    huge = _huge_bytes_in(host.ctypes.data, host.nbytes)
+    written; with PREFIXCACHE_HUGE_PAGES=0 (the control) it does not. In a fresh
+    process: memory another allocation advised before keeps its advice."""
+    env = {**os.environ, "PREFIXCACHE_HUGE_PAGES": "1" if advise else "0"}
+    code = _HUGE_CHILD.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    huge = int(out.stdout.strip())
     assert (huge >= 16 * MiB) if advise else huge == 0, huge
