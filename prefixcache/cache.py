@@ -17,6 +17,7 @@ from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
 from .periodic import Periodic
+from .shared import fetch_shared, shared_stats
 from .stats import Stats, counter_delta
 from .tiers import lower_tiers
 from .tiers.base import Tier
@@ -79,17 +80,24 @@ class PrefixCache:
     # -- public API -------------------------------------------------------
 
     def fetch(
-        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        extra: Mapping[str, str] | None = None,
+        shared: bool = False,
     ) -> tuple[list[Any], int]:
         """A fresh cache holding the longest cached prefix of ``tokens``.
 
         Full blocks of the chain, then the part of a stored block or tail the
         prompt shares (see :class:`Match`). Always leaves at least one token to
-        prefill.
+        prefill. ``shared=True``: the prefix's K/V are one read-only copy for
+        every sequence fetching it (see prefixcache/shared).
 
         Returns:
             (cache list for the model, number of tokens it holds)
         """
+        if shared:
+            return fetch_shared(self, tokens, extra=extra)
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
@@ -189,7 +197,7 @@ class PrefixCache:
 
     def stats(self) -> dict[str, object]:
         with self._lock:
-            return self._stats.as_dict() | self.tiers.snapshot()
+            return self._stats.as_dict() | self.tiers.snapshot() | shared_stats(self)
 
     def flush(self) -> None:
         """Persist every dirty hot block to the lower tiers and wait for their writes."""
