@@ -49,7 +49,9 @@ def shared_sdpa(
 ) -> Any:
     """mlx-lm's attention, split over a shared prefix when ``cache`` holds one."""
     if isinstance(cache, SharedAttention):
-        return cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        out = cache.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        if out is not None:
+            return out
     return ORIGINAL(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -1,0 +1,206 @@
+"""Shared-prefix benchmark: N concurrent sequences on one long prefix, shared vs copies.
+
+A llama-shaped model with real attention dimensions (8 KV heads x head_dim
+128 by default, random weights, as many layers as ``--layers``); a prefix of
+``--prefix-tokens`` is stored in the hot tier (its K/V are random arrays: a
+real prefill of 8k tokens takes minutes here, and neither memory nor speed
+depends on the values). Then, in one run, for each arm:
+
+  - copies: ``pc.fetch(prompt)`` per sequence (today: a private copy each),
+  - shared: ``pc.fetch(prompt, shared=True)`` (one copy of the prefix),
+
+each sequence prefills its ``--suffix-tokens`` private suffix; MLX active
+memory above the hot tier is read after 1, 2, 4, 8 sequences. Then N = 4 and
+8 of them decode together through mlx-lm's BatchGenerator (which merges
+copies into one batch buffer, and keeps a shared prefix shared), arms
+alternating ``--repeats`` times; tokens/s is N / median step time. Also:
+the fetch and suffix-prefill time of each sequence after the first (the
+prefix is live: shared fetch copies nothing), and the exactness of shared vs
+copies (last-token logits of every suffix prefill, greedy decode tokens).
+
+    python tools/bench_shared.py                 # about 3-4 minutes on 2 cores
+    python tools/bench_shared.py --layers 4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.tiny import build_model
+
+MiB = 1 << 20
+COUNTS = (1, 2, 4, 8)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prefix-tokens", type=int, default=8192)
+    p.add_argument("--suffix-tokens", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--q-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="decode runs per arm and N")
+    return p
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 512, n).tolist()
+
+
+def setup(args):
+    """The model, a hot-only PrefixCache holding the prefix, and 8 prompts on it."""
+    model = build_model(
+        "llama",
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden,
+        num_attention_heads=args.q_heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=4 * (args.prefix_tokens + args.suffix_tokens),
+    )
+    cfg = CacheConfig(block_size=256, hot_cache_only=True, hot_max_bytes=64 << 30)
+    pc = PrefixCache(model, cfg, model_id="bench-shared")
+    prefix = tokens(0, args.prefix_tokens)
+    cache = []
+    for _ in range(args.layers):
+        c, shape = KVCache(), (1, args.kv_heads, args.prefix_tokens, args.head_dim)
+        c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        cache.append(c)
+    mx.eval([c.state for c in cache])
+    pc.store(prefix, cache)
+    prompts = [prefix + tokens(100 + i, args.suffix_tokens) for i in range(max(COUNTS))]
+    return model, pc, prompts
+
+
+def active() -> int:
+    gc.collect()
+    return mx.get_active_memory()
+
+
+def grow(model, pc, prompts, *, shared: bool) -> dict:
+    """Each sequence: fetch, prefill its suffix; memory above the hot tier at each count."""
+    base = active()
+    out = {"caches": [], "logits": [], "fetch_s": [], "prefill_s": [], "mem": {}}
+    for i, prompt in enumerate(prompts, 1):
+        t0 = time.perf_counter()
+        cache, num_cached = pc.fetch(prompt, shared=shared)
+        mx.eval([c.state for c in cache])
+        t1 = time.perf_counter()
+        logits = model(mx.array([prompt[num_cached:]]), cache=cache)[0, -1]
+        mx.eval(logits, [c.state for c in cache])
+        out["prefill_s"].append(time.perf_counter() - t1)
+        out["fetch_s"].append(t1 - t0)
+        out["caches"].append(cache)
+        out["logits"].append(logits)
+        out["num_cached"] = num_cached
+        if i in COUNTS:
+            out["mem"][i] = active() - base
+    return out
+
+
+def decode(model, caches, firsts, steps: int) -> tuple[list[list[int]], float, int]:
+    """Greedy-decode the sequences together; (tokens, median step seconds, batch bytes)."""
+    base = active()
+    gen = BatchGenerator(model, max_tokens=steps + 2, completion_batch_size=len(caches))
+    uids = gen.insert([[t] for t in firsts], caches=list(caches))
+    got: dict[int, list[int]] = {u: [] for u in uids}
+    times, held = [], 0
+    for step in range(steps + 2):
+        t0 = time.perf_counter()
+        responses = gen.next_generated()
+        if step >= 2:  # the first calls set the batch up and run the first step
+            times.append(time.perf_counter() - t0)
+        if step == 1:
+            held = active() - base
+        for r in responses:
+            got[r.uid].append(r.token)
+    gen.close()
+    return [got[u] for u in uids], statistics.median(times), held
+
+
+def run(args) -> dict:
+    model, pc, prompts = setup(args)
+    kv_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
+    arms = {"copies": grow(model, pc, prompts, shared=False)}
+    arms["shared"] = grow(model, pc, prompts, shared=True)
+    assert arms["copies"]["num_cached"] == arms["shared"]["num_cached"] == args.prefix_tokens
+    speed = {}
+    for n in (4, 8):
+        for _ in range(args.repeats):  # arms alternate: the machine's load drifts
+            for name, arm in arms.items():
+                firsts = [int(mx.argmax(x).item()) for x in arm["logits"][:n]]
+                toks, step_s, held = decode(model, arm["caches"][:n], firsts, args.decode_steps)
+                speed.setdefault((name, n), []).append((n / step_s, held, toks))
+    return {
+        "arms": arms,
+        "speed": speed,
+        "kv_token": kv_token,
+        "stats": pc.stats()["shared"],
+    }
+
+
+def report(args, res) -> None:
+    arms, speed, kv_token = res["arms"], res["speed"], res["kv_token"]
+    prefix_b = kv_token * args.prefix_tokens
+    print(
+        f"\nprefix {args.prefix_tokens} tokens x {args.layers} layers x {args.kv_heads} KV heads "
+        f"x head_dim {args.head_dim} (float32): {prefix_b / MiB:.0f} MiB; suffixes "
+        f"{args.suffix_tokens} tokens ({kv_token * args.suffix_tokens / MiB:.1f} MiB each)"
+    )
+    print("\n| sequences | copies MiB | shared MiB | shared / copies | target MiB | shared / target |")
+    print("|---|---|---|---|---|---|")
+    for n in COUNTS:
+        c, s = arms["copies"]["mem"][n], arms["shared"]["mem"][n]
+        target = prefix_b + n * kv_token * args.suffix_tokens
+        print(f"| {n} | {c / MiB:.0f} | {s / MiB:.0f} | {s / c:.2f} | {target / MiB:.0f} | {s / target:.3f} |")
+    print("\n| decode N | copies tok/s | shared tok/s | shared / copies | batch MiB copies | batch MiB shared |")
+    print("|---|---|---|---|---|---|")
+    for n in (4, 8):
+        c, s = speed[("copies", n)], speed[("shared", n)]
+        ct, st = statistics.median(x[0] for x in c), statistics.median(x[0] for x in s)
+        print(
+            f"| {n} | {ct:.2f} (runs {', '.join(f'{x[0]:.2f}' for x in c)}) | {st:.2f} "
+            f"(runs {', '.join(f'{x[0]:.2f}' for x in s)}) | {st / ct:.2f} | "
+            f"{c[0][1] / MiB:.0f} | {s[0][1] / MiB:.0f} |"
+        )
+    later = slice(1, None)  # the first shared fetch loads the prefix
+    fc, fs = (statistics.median(arms[a]["fetch_s"][later]) for a in ("copies", "shared"))
+    pc_, ps = (statistics.median(arms[a]["prefill_s"][later]) for a in ("copies", "shared"))
+    print(
+        f"\nnew sequence on the live prefix (median of sequences 2-8): fetch copies {fc * 1e3:.1f} ms, "
+        f"shared {fs * 1e3:.2f} ms; suffix prefill ({args.suffix_tokens} of "
+        f"{args.prefix_tokens + args.suffix_tokens} tokens) copies {pc_:.2f} s, shared {ps:.2f} s "
+        f"(shared / copies {ps / pc_:.2f}); first shared fetch (loads the prefix) "
+        f"{arms['shared']['fetch_s'][0] * 1e3:.0f} ms"
+    )
+    diff = max(
+        mx.abs(a - b).max().item()
+        for a, b in zip(arms["copies"]["logits"], arms["shared"]["logits"], strict=True)
+    )
+    same = all(
+        c[2] == s[2] for n in (4, 8) for c, s in zip(speed[("copies", n)], speed[("shared", n)])
+    )
+    print(f"exactness: max |logit diff| of the suffix prefills {diff:.2e}; greedy decode tokens identical: {same}")
+    print(f"shared stats: {res['stats']}")
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    report(args, run(args))
+
+
+if __name__ == "__main__":
+    main()
