@@ -77,21 +77,14 @@ class PrefixCache:
         """The SSD tier, or None (``hot_cache_only``)."""
         return self.tiers.named("ssd")
 
-    # -- public API -------------------------------------------------------
-
     def fetch(
-        self,
-        tokens: Sequence[int],
-        *,
-        extra: Mapping[str, str] | None = None,
-        shared: bool = False,
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None, shared: bool = False
     ) -> tuple[list[Any], int]:
         """A fresh cache holding the longest cached prefix of ``tokens``.
 
         Full blocks of the chain, then the part of a stored block or tail the
         prompt shares (see :class:`Match`). Always leaves at least one token to
-        prefill. ``shared=True``: the prefix's K/V are one read-only copy for
-        every sequence fetching it (see prefixcache/shared).
+        prefill. ``shared=True``: one K/V copy for all sequences (prefixcache.shared).
 
         Returns:
             (cache list for the model, number of tokens it holds)

