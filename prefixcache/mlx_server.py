@@ -28,6 +28,7 @@ from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import SsdFormatError, UnsupportedCacheError
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
+from .shared import blank_caches
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,23 @@ class TieredPromptCache:
         model_for: model key -> the loaded model (a ``ModelPair`` when the key
             has a draft model).
         config: PrefixCache settings; defaults to ``CacheConfig.from_env()``.
+        shared: fetch with ``shared=True``: concurrent requests on one prefix
+            hold its K/V once and decode against it together (a miss gets
+            empty caches of the same types, so mlx-lm's batches merge them).
 
     Raises:
         MlxLmVersionError: the installed mlx-lm is not supported.
     """
 
     def __init__(
-        self, model_for: Callable[[ModelKey], nn.Module], config: CacheConfig | None = None
+        self,
+        model_for: Callable[[ModelKey], nn.Module],
+        config: CacheConfig | None = None,
+        *,
+        shared: bool = False,
     ):
         check_mlx_lm_version()
+        self.shared = shared
         self.config = config if config is not None else CacheConfig.from_env()
         self._model_for = model_for
         self._lock = threading.RLock()
@@ -84,11 +93,11 @@ class TieredPromptCache:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
-                restored, num_cached = cache.fetch(text)
+                restored, num_cached = cache.fetch(text, shared=self.shared)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
-                return None, tokens
-        if num_cached == 0:
+                return (blank_caches(cache) if self.shared else None), tokens
+        if num_cached == 0 and not self.shared:
             return None, tokens
         return restored, tokens[num_cached:]
 

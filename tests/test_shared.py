@@ -228,3 +228,22 @@ def test_store_of_a_shared_cache_keeps_its_suffix(arch):
         got = prefill(model, longer[m:], restored, step=BLOCK)
         want = prefill(model, longer[m:], cache, step=BLOCK)
         assert max_diff(got, want) <= TOL
+
+
+def test_window_layers_forget_what_no_query_sees():
+    """A sliding-window layer's suffix stays bounded by the window (plus one step), as
+    mlx-lm's ring is, while full-attention layers keep the shared prefix."""
+    model = tiny_model("gemma3_text")  # window 16, global layers 1 and 3
+    system = prompt(8, 4 * BLOCK)
+    user = system + prompt(90, 300)
+    with make_pc(model) as pc:
+        stored(pc, model, system)
+        cache, n = pc.fetch(user, shared=True)
+        got = run(model, cache, user[n:], steps=4)
+        plain, _ = pc.fetch(user)
+        want = run(model, plain, user[n:], steps=4)
+    assert got[0] == want[0] and worst(got[1], want[1]) <= TOL
+    window, full = cache[0], cache[1]
+    assert window.prefix is None and window.suffix.offset < 16 + window.suffix.step
+    assert window.offset == full.offset == len(user) + 4
+    assert full.prefix is not None and full.suffix.offset == len(user) - n + 4

@@ -46,6 +46,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
     group.add_argument("--metrics-port", type=int, help="Prometheus text at 127.0.0.1:PORT/metrics")
     group.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="concurrent requests on one prefix hold its K/V once and decode against it "
+        "together (fetch(tokens, shared=True); see docs/shared-prefix.md)",
+    )
+    group.add_argument(
         "--mx-cache-limit",
         type=parse_bytes,
         help="MLX's buffer cache limit, e.g. 4G: restores then reuse freed cache buffers "
@@ -107,7 +113,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not check_ssd_dir(config):
         return 2
     set_mx_cache_limit(args)
-    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port)
+    shared = getattr(args, "shared_prefix", False)
+    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port, shared=shared)
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

@@ -11,9 +11,9 @@ mlx-lm's BatchGenerator merges caches; decode.py). See docs/shared-prefix.md.
 """
 
 from . import codec as _codec  # registers the shared caches' codecs  # noqa: F401
-from .caches import SharedAttention, SharedBatchKVCache, SharedKVCache, SharedQuantizedKVCache
-from .fetch import fetch_shared, release, shared_stats
-from .hook import hooked, install, installed, uninstall
+from .caches import SharedBatchKVCache, SharedKVCache, SharedQuantizedKVCache
+from .fetch import blank_caches, fetch_shared, release, shared_stats
+from .hook import SharedAttention, hooked, install, installed, uninstall
 from .prefix import LayerPrefix, SharedPrefix
 from .registry import registry_of
 
@@ -24,6 +24,7 @@ __all__ = [
     "SharedKVCache",
     "SharedPrefix",
     "SharedQuantizedKVCache",
+    "blank_caches",
     "fetch_shared",
     "hooked",
     "install",

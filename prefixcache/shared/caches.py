@@ -23,50 +23,13 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     KVCache,
     QuantizedKVCache,
-    _BaseCache,
     create_attention_mask,
 )
 
 from .dense import batch_positions, joined, padded, position_mask, window_mask
+from .hook import SharedAttention
 from .prefix import LayerKind, LayerPrefix, Lease
 from .split import Group, split_attention
-
-
-class SharedAttention(_BaseCache):
-    """A layer cache whose attention the hook (hook.py) hands to ``attend``.
-
-    Attributes:
-        num_attends: attentions computed by ``attend`` (the probe reads it).
-        num_dense: attentions left to mlx-lm (the model changed the keys it fetched).
-    """
-
-    kind: LayerKind
-
-    def __init__(self) -> None:
-        self.num_attends = 0
-        self.num_dense = 0
-        self._fetched: Any = None  # the keys update_and_fetch returned last
-
-    def attend(
-        self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any, sinks: Any
-    ) -> mx.array | None:
-        """The attention output, or None when ``keys`` are not what this cache
-        returned last (then mlx-lm computes it from ``keys``, unshared)."""
-        fetched, self._fetched = self._fetched, None
-        if fetched is None or keys is not fetched:
-            self.num_dense += 1
-            return None
-        self.num_attends += 1
-        return self._attend(queries, scale, mask, sinks)
-
-    def _attend(self, queries: mx.array, scale: float, mask: Any, sinks: Any) -> mx.array:
-        raise NotImplementedError
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def empty(self) -> bool:
-        return False
 
 
 class SharedKVCache(SharedAttention):
@@ -126,7 +89,7 @@ class SharedKVCache(SharedAttention):
         visible = self.num_visible
         groups = [Group(None, *self.prefix.attended(self.end), 0)] if visible else []
         suffix = self.suffix.keys_and_values() if self.suffix.offset else None
-        return split_attention(
+        out = split_attention(
             queries,
             groups,
             suffix,
@@ -136,6 +99,21 @@ class SharedKVCache(SharedAttention):
             sinks=sinks,
             quant=self.kind.quant,
         )
+        if self.kind.window is not None:
+            self._forget(self.kind.window)
+        return out
+
+    def _forget(self, window: int) -> None:
+        """Drop the suffix tokens no later query can see, a step at a time, as a
+        ring would (after the attention, so every layer's layout moves together)."""
+        dead = self.offset - (window - 1) - self.end  # the next query sees none of these
+        if dead < self.suffix.step:
+            return
+        keys, values = self.suffix.keys_and_values()
+        kept = KVCache()
+        kept.update_and_fetch(keys[..., dead:, :], values[..., dead:, :])
+        # the prefix (all before ``end``) is out of the window too
+        self.prefix, self.end, self.suffix = None, self.end + dead, kept
 
     def is_trimmable(self) -> bool:
         # a window layer holds the prefix's last window only: positions from 0 while short

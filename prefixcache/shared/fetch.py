@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mlx_lm.models.cache import make_prompt_cache
+
 from ..hashing import token_bytes
-from .attention import Quant
 from .build import blank, sequence, share
 from .caches import SharedBatchKVCache, SharedKVCache
-from .probe import probe
+from .probe import SharedLayout, probe
 from .registry import SharedRegistry, registry_of
 
 if TYPE_CHECKING:
@@ -48,10 +49,9 @@ def fetch_shared(
     registry = registry_of(pc)
     with registry.lock:
         registry.counters.num_fetches += 1
-        if registry.layout is None:
-            registry.layout = probe(pc.model, pc.layout.signature)
-        if registry.layout.reason is not None:
-            registry.fell_back(registry.layout.reason)
+        reason = _layout(pc, registry).reason
+        if reason is not None:
+            registry.fell_back(reason)
             return pc.fetch(tokens, extra=extra)
         return _fetch(pc, registry, data, tokens, extra)
 
@@ -78,7 +78,7 @@ def _fetch(
         registry.fell_back(KV_QUANT)
         return restored, num_cached
     if num_cached == 0:
-        return blank(registry.layout.at(_quant(pc, 0)), restored), 0
+        return blank(registry.layout.at(None), restored), 0
     if live is not None and live.trimmable:
         registry.counters.num_gap_restores += 1
         registry.reused(usable)
@@ -88,18 +88,30 @@ def _fetch(
     return sequence(prefix, num_cached), num_cached
 
 
-def _quant(pc: PrefixCache, num_tokens: int) -> Quant | None:
-    cfg = pc.config
-    if cfg.kv_bits is None or num_tokens < cfg.quantized_kv_start:
-        return None
-    return Quant(cfg.kv_group_size, cfg.kv_bits)
-
-
 def _quant_ok(pc: PrefixCache, num_tokens: int) -> bool:
     """Whether a shared cache holding ``num_tokens`` matches mlx-lm's K/V packing
     from now on (mlx-lm quantizes a KVCache in place once it reaches the start)."""
     cfg = pc.config
     return cfg.kv_bits is None or 0 < num_tokens >= cfg.quantized_kv_start
+
+
+def blank_caches(pc: PrefixCache) -> list[Any]:
+    """Empty caches for a sequence with no cached prefix, of the types
+    ``fetch(tokens, shared=True)`` gives (they batch together with shared ones)."""
+    registry = registry_of(pc)
+    with registry.lock:
+        layout = _layout(pc, registry)
+        fresh = make_prompt_cache(pc.model)
+        if layout.reason is not None or not _quant_ok(pc, 0):
+            return fresh
+        return blank(layout.at(None), fresh)
+
+
+def _layout(pc: PrefixCache, registry: SharedRegistry) -> SharedLayout:
+    """The model's shared layout, probed once (under the registry's lock)."""
+    if registry.layout is None:
+        registry.layout = probe(pc.model, pc.layout.signature)
+    return registry.layout
 
 
 def shared_stats(pc: PrefixCache) -> dict[str, object]:

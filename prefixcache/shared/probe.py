@@ -22,8 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..hashing import token_bytes
 from .attention import Quant
 from .build import kind_of, sequence, share
-from .caches import SharedAttention
-from .hook import hooked
+from .hook import SharedAttention, hooked
 from .prefix import LayerKind
 
 NOT_HOOKED = "attention_not_hooked"
