@@ -13,7 +13,9 @@ each sequence prefills its ``--suffix-tokens`` private suffix; MLX active
 memory above the hot tier is read after 1, 2, 4, 8 sequences. Then N = 4 and
 8 of them decode together through mlx-lm's BatchGenerator (which merges
 copies into one batch buffer, and keeps a shared prefix shared), arms
-alternating ``--repeats`` times; tokens/s is N / median step time. Also:
+alternating ``--repeats`` times; tokens/s is N / median step time, and the
+ratio is the median of the run-by-run ratios (each shared run against the
+copies run just before it: the machine's load drifts). Also:
 the fetch and suffix-prefill time of each sequence after the first (the
 prefix is live: shared fetch copies nothing), and the exactness of shared vs
 copies (last-token logits of every suffix prefill, greedy decode tokens).
@@ -51,7 +53,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3, help="decode runs per arm and N")
     return p
 
@@ -211,13 +213,14 @@ def report(args, res) -> None:
     for n in (4, 8):
         c, s = speed[("copies", n)], speed[("shared", n)]
         ct, st = statistics.median(x[0] for x in c), statistics.median(x[0] for x in s)
+        paired = sorted(b[0] / a[0] for a, b in zip(c, s, strict=True))  # run by run
         runs = [", ".join(f"{x[0]:.2f}" for x in arm) for arm in (c, s)]
         rows.append(
             [
                 str(n),
                 f"{ct:.2f} ({runs[0]})",
                 f"{st:.2f} ({runs[1]})",
-                f"{st / ct:.2f}",
+                f"{statistics.median(paired):.2f} ({paired[0]:.2f}-{paired[-1]:.2f})",
                 f"{c[0][1] / MiB:.0f}",
                 f"{s[0][1] / MiB:.0f} + {prefix_b / MiB:.0f}",
             ]
@@ -227,7 +230,7 @@ def report(args, res) -> None:
             "decode N",
             "copies tok/s (runs)",
             "shared tok/s (runs)",
-            "shared / copies",
+            "shared / copies, median of paired runs (range)",
             "batch K/V MiB copies",
             "batch K/V MiB shared (+ prefix once)",
         ],
