@@ -5,6 +5,7 @@ prefix freed by the last sequence to let go."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import mlx.core as mx
@@ -247,3 +248,52 @@ def test_window_layers_forget_what_no_query_sees():
     assert window.prefix is None and window.suffix.offset < 16 + window.suffix.step
     assert window.offset == full.offset == len(user) + 4
     assert full.prefix is not None and full.suffix.offset == len(user) - n + 4
+
+
+def test_threads_share_one_prefix_while_stats_are_read():
+    """Real threads fetch shared caches on one prefix and decode while another reads
+    the stats (the facade's lock and the registry's are never taken in both orders)."""
+    model = tiny_model("llama")
+    system = prompt(9, 4 * BLOCK)
+    users = [system + prompt(100 + i, 7 + 3 * i) for i in range(4)]
+    with make_pc(model) as pc:
+        stored(pc, model, system)
+        want = [run(model, *_rest(pc.fetch(u), u)) for u in users]
+        got: dict[int, tuple] = {}
+        errors: list[BaseException] = []
+        done = threading.Event()
+        start = threading.Barrier(len(users) + 1)
+
+        def user(i: int) -> None:
+            try:
+                start.wait()
+                cache, n = pc.fetch(users[i], shared=True)
+                got[i] = (*run(model, cache, users[i][n:]), cache)
+            except BaseException as err:  # re-raised below
+                errors.append(err)
+
+        def reader() -> None:
+            start.wait()
+            while not done.is_set():
+                pc.stats()
+
+        threads = [threading.Thread(target=user, args=(i,)) for i in range(len(users))]
+        watcher = threading.Thread(target=reader)
+        for t in [*threads, watcher]:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        done.set()
+        watcher.join(timeout=120)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in [*threads, watcher])
+        for i in range(len(users)):
+            assert got[i][0] == want[i][0] and worst(got[i][1], want[i][1]) <= TOL
+        stats = pc.stats()["shared"]
+        assert stats["num_fetches"] == len(users) and stats["num_prefixes"] == 1
+        assert stats["num_loads"] + stats["num_reuses"] == len(users)
+
+
+def _rest(fetched, user):
+    cache, n = fetched
+    return cache, user[n:]

@@ -48,7 +48,6 @@ def fetch_shared(
         raise ValueError("tokens is empty: a prompt needs at least one token")
     registry = registry_of(pc)
     with registry.lock:
-        registry.counters.num_fetches += 1
         reason = _layout(pc, registry).reason
         if reason is not None:
             registry.fell_back(reason)
@@ -68,23 +67,24 @@ def _fetch(
     if not _quant_ok(pc, usable):
         live, usable = None, 0
     if live is not None and usable >= pc.match(tokens, extra=extra):
-        registry.reused(usable)
+        registry.count(reused=usable)
         return sequence(live, usable), usable
     restored, num_cached = pc.fetch(tokens, extra=extra)
     if live is not None and usable >= num_cached:  # the restore fell short of the index
-        registry.reused(usable)
+        registry.count(reused=usable)
         return sequence(live, usable), usable
     if not _quant_ok(pc, num_cached):
         registry.fell_back(KV_QUANT)
         return restored, num_cached
     if num_cached == 0:
+        registry.count()
         return blank(registry.layout.at(None), restored), 0
     if live is not None and live.trimmable:
-        registry.counters.num_gap_restores += 1
-        registry.reused(usable)
+        registry.count(gap=True, reused=usable)
         return sequence(live, usable, gap=(restored, num_cached)), num_cached
     prefix = share(root, data, restored, num_cached, pc.layout.signature)
     registry.add(prefix)
+    registry.count()
     return sequence(prefix, num_cached), num_cached
 
 
@@ -117,10 +117,7 @@ def _layout(pc: PrefixCache, registry: SharedRegistry) -> SharedLayout:
 def shared_stats(pc: PrefixCache) -> dict[str, object]:
     """``{"shared": counters and live prefixes}`` once ``pc`` fetched shared, else {}."""
     registry = registry_of(pc, create=False)
-    if registry is None:
-        return {}
-    with registry.lock:
-        return {"shared": registry.stats()}
+    return {} if registry is None else {"shared": registry.stats()}
 
 
 def release(cache: Sequence[Any]) -> None:

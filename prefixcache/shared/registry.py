@@ -40,22 +40,26 @@ class SharedRegistry:
     """Live shared prefixes by namespace root, the model's shared layout, counters.
 
     Attributes:
-        lock: held around a whole shared fetch.
+        lock: held around a whole shared fetch (which calls into the PrefixCache).
         layout: the model's SharedLayout, once probed.
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.layout: SharedLayout | None = None
-        self.counters = SharedCounters()
+        # the live prefixes and counters; never held while calling out, so stats()
+        # (called under the PrefixCache's lock) cannot wait on a fetch in progress
+        self._state = threading.Lock()
+        self._counters = SharedCounters()
         self._live: dict[bytes, weakref.WeakSet[SharedPrefix]] = {}
 
     def add(self, prefix: SharedPrefix) -> None:
         """Register a new prefix; the hook stays installed while it lives."""
-        self._live.setdefault(prefix.root, weakref.WeakSet()).add(prefix)
         hook.install()
         weakref.finalize(prefix, hook.uninstall)
-        self.counters.num_loads += 1
+        with self._state:
+            self._live.setdefault(prefix.root, weakref.WeakSet()).add(prefix)
+            self._counters.num_loads += 1
 
     def best(self, root: bytes, data: bytes) -> tuple[SharedPrefix | None, int]:
         """The live prefix a prompt (``data``, uint32 bytes) can use most of, and how
@@ -63,7 +67,9 @@ class SharedRegistry:
         token to give logits); the whole prefix unless it can be cut back."""
         limit = len(data) // 4 - 1
         best, most = None, 0
-        for prefix in list(self._live.get(root, ())):
+        with self._state:
+            prefixes = list(self._live.get(root, ()))
+        for prefix in prefixes:
             common = common_tokens(prefix.tokens, data)
             if prefix.trimmable:
                 usable = min(common, limit)
@@ -74,23 +80,29 @@ class SharedRegistry:
                 best, most = prefix, usable
         return best, most
 
-    def live(self) -> list[SharedPrefix]:
-        return [p for prefixes in self._live.values() for p in list(prefixes)]
-
-    def reused(self, num_tokens: int) -> None:
-        self.counters.num_reuses += 1
-        self.counters.reused_tokens += num_tokens
+    def count(self, *, gap: bool = False, reused: int | None = None) -> None:
+        """One shared fetch (``gap``: past a live prefix; ``reused``: tokens of one)."""
+        with self._state:
+            self._counters.num_fetches += 1
+            self._counters.num_gap_restores += gap
+            if reused is not None:
+                self._counters.num_reuses += 1
+                self._counters.reused_tokens += reused
 
     def fell_back(self, reason: str) -> None:
-        self.counters.num_fallbacks += 1
-        self.counters.fallbacks[reason] = self.counters.fallbacks.get(reason, 0) + 1
+        with self._state:
+            self._counters.num_fetches += 1
+            self._counters.num_fallbacks += 1
+            fallbacks = self._counters.fallbacks
+            fallbacks[reason] = fallbacks.get(reason, 0) + 1
 
     def stats(self) -> dict[str, object]:
         """Counters (``fallbacks`` flattened to ``num_fallbacks_<reason>``) and what lives now."""
-        out: dict[str, object] = asdict(self.counters)
+        with self._state:
+            out: dict[str, object] = asdict(self._counters)
+            live = [p for prefixes in self._live.values() for p in list(prefixes)]
         for reason, n in out.pop("fallbacks").items():
             out[f"num_fallbacks_{reason}"] = n
-        live = self.live()
         out["num_prefixes"] = len(live)
         out["prefix_bytes"] = sum(p.nbytes for p in live)
         out["num_sequences"] = sum(p.num_users for p in live)
