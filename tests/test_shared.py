@@ -19,8 +19,9 @@ from prefixcache.tiny import build_model
 
 BLOCK = 16
 TOL = 1e-4
-# qwen3_next's MoE runs in float32 only on CPU
-FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_next"]
+# qwen3_next's and llama4's MoE run in float32 only on CPU; lfm2's convolutions and
+# llama4's chunked layers stay private
+FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_next", "lfm2", "llama4"]
 
 
 def make_pc(model, **cfg) -> PrefixCache:

@@ -128,3 +128,54 @@ def test_batch_of_two_prefixes_a_miss_and_a_late_arrival():
         ).item()
         rest = layer.suffix.keys[..., : m - layer.end, :]
         assert mx.array_equal(keys[..., layer.end : m, :], rest).item()
+
+
+def test_window_rows_past_their_prefix_batch_with_others():
+    """A gemma3 sequence whose window layers already dropped the prefix (a long
+    suffix) decodes in one batch with a fresh one on the same prefix."""
+    model = tiny_model("gemma3_text")  # window 16
+    system = prompt(4, 4 * BLOCK)
+    long, short = system + prompt(30, 290), system + prompt(31, 6)
+    with make_pc(model) as pc:
+        stored(pc, model, system)
+
+        def items(shared: bool) -> list:
+            first, n = pc.fetch(long, shared=shared)
+            prefill(model, long[n:-1], first, step=BLOCK)  # all but the last token
+            second, m = pc.fetch(short, shared=shared)
+            return [(first, long[-1:]), (second, short[m:])]
+
+        shared = items(True)
+        assert shared[0][0][0].prefix is None and shared[0][0][0].end > len(system)
+        got = generate(model, shared)
+        want = generate(model, items(False))
+    assert got[0] == want[0]
+    assert worst(got[1], want[1]) <= TOL
+
+
+# (272, 261): the first dead step falls in the last, right-padded prompt chunk, where
+# dropping columns would lose the shorter row's window (finalize moves the padding)
+@pytest.mark.parametrize("lengths", [(290, 301), (272, 261)])
+def test_a_batch_of_window_layers_stays_bounded(lengths):
+    """Long suffixes of different lengths (right-padded prompt chunks) prefilled and
+    decoded in one batch: the window layers' suffix columns stay within the window
+    plus a step, and the tokens are the unshared batch's."""
+    model = tiny_model("gemma3_text")  # window 16
+    system = prompt(5, 4 * BLOCK)
+    users = [system + prompt(40 + i, n) for i, n in enumerate(lengths)]
+    widths = []
+
+    def watch(caches):
+        widths.extend(c.suffix._idx for c in caches[::2])  # the window layers
+
+    with make_pc(model) as pc:
+        stored(pc, model, system)
+        items = []
+        for shared in (True, False):
+            fetched = [pc.fetch(u, shared=shared) for u in users]
+            items.append([(c, u[n:]) for u, (c, n) in zip(users, fetched, strict=True)])
+        got = generate(model, items[0], watch=watch)
+        want = generate(model, items[1])
+    assert got[0] == want[0]
+    assert worst(got[1], want[1]) <= TOL
+    assert widths and max(widths) < 16 + 256

@@ -35,6 +35,8 @@ CASES = [  # name, arch, dtype, overrides, kv_bits
     ("qwen3", "qwen3", mx.float32, {}, None),
     ("gemma3 (sliding windows)", "gemma3_text", mx.float32, {}, None),
     ("qwen3_next (attention layers)", "qwen3_next", mx.float32, {}, None),
+    ("lfm2 (attention layer)", "lfm2", mx.float32, {}, None),
+    ("llama4 (global layer)", "llama4", mx.float32, {}, None),
     ("llama, 8-bit K/V", "llama", mx.float32, QUANT, 8),
     ("llama bf16", "llama", mx.bfloat16, {}, None),
     ("qwen3 bf16", "qwen3", mx.bfloat16, {}, None),

@@ -11,7 +11,8 @@ mlx-lm's BatchGenerator merges caches; decode.py). See docs/shared-prefix.md.
 """
 
 from . import codec as _codec  # registers the shared caches' codecs  # noqa: F401
-from .caches import SharedBatchKVCache, SharedKVCache, SharedQuantizedKVCache
+from .batch import SharedBatchKVCache
+from .caches import SharedKVCache, SharedQuantizedKVCache
 from .fetch import blank_caches, fetch_shared, release, shared_stats
 from .hook import SharedAttention, hooked, install, installed, uninstall
 from .prefix import LayerPrefix, SharedPrefix

@@ -1,17 +1,15 @@
-"""Layer caches over a shared prefix: the prefix read-only, the suffix private.
+"""One sequence's layer caches over a shared prefix: the prefix read-only, the suffix private.
 
-:class:`SharedKVCache` is one sequence's attention layer (what
-``fetch(tokens, shared=True)`` returns in place of a KVCache or a
-sliding-window RotatingKVCache); :class:`SharedQuantizedKVCache` replaces a
-QuantizedKVCache; :class:`SharedBatchKVCache` is several sequences decoding
-together (``merge``, as mlx-lm's BatchGenerator calls it), each group of
-sequences on one prefix attending to it with one matmul.
+:class:`SharedKVCache` is what ``fetch(tokens, shared=True)`` returns in place
+of a KVCache or a sliding-window RotatingKVCache; :class:`SharedQuantizedKVCache`
+replaces a QuantizedKVCache. ``merge`` (as mlx-lm's BatchGenerator calls it)
+makes several of them one SharedBatchKVCache (batch.py).
 
-The suffix is an mlx-lm cache of its own (KVCache, QuantizedKVCache,
-BatchKVCache), so it grows, pads, filters and extracts as mlx-lm's do.
-``update_and_fetch`` returns, lazily, the keys an unshared cache would hold
-(prefix then suffix): the attention hook never evaluates them, and a model
-that bypasses the hook still computes the right attention from them.
+The suffix is an mlx-lm cache of its own (KVCache, QuantizedKVCache), so it
+grows and trims as mlx-lm's do. ``update_and_fetch`` returns, lazily, the keys
+an unshared cache would hold (prefix then suffix, dense.py): the attention
+hook never evaluates them, and a model that bypasses the hook still computes
+the right attention from them.
 """
 
 from __future__ import annotations
@@ -20,13 +18,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import (
-    BatchKVCache,
     KVCache,
     QuantizedKVCache,
     create_attention_mask,
 )
 
-from .dense import batch_positions, joined, padded, position_mask, window_mask
+from .batch import SharedBatchKVCache
+from .dense import joined, window_mask
 from .hook import SharedAttention
 from .prefix import LayerKind, LayerPrefix, Lease
 from .split import Group, split_attention
@@ -38,7 +36,8 @@ class SharedKVCache(SharedAttention):
 
     Args:
         kind: the layer's kind (window, packing, signature of the cache it replaces).
-        prefix: the shared prefix K/V, or None (a sequence with no shared prefix).
+        prefix: the shared prefix K/V, or None (a sequence with no shared prefix,
+            or a window layer past it).
         end: the position the suffix starts at (<= ``prefix.end``).
         lease: the sequence's hold on the prefix (None without prefix).
         suffix: the private suffix cache (default: a new, empty one).
@@ -53,8 +52,6 @@ class SharedKVCache(SharedAttention):
         suffix: Any = None,
     ):
         super().__init__()
-        if prefix is None and end:
-            raise ValueError(f"end={end} without a prefix")
         self.kind, self.prefix, self.end, self.lease = kind, prefix, end, lease
         if suffix is None:
             q = kind.quant
@@ -142,7 +139,7 @@ class SharedKVCache(SharedAttention):
 
     @classmethod
     def merge(cls, caches: list[Any]) -> SharedBatchKVCache:
-        return SharedBatchKVCache.merge(caches)
+        return SharedBatchKVCache.merge(caches, single=cls)
 
 
 class SharedQuantizedKVCache(SharedKVCache):
@@ -159,115 +156,3 @@ class SharedQuantizedKVCache(SharedKVCache):
     @classmethod
     def merge(cls, caches: list[Any]) -> SharedBatchKVCache:
         raise ValueError("quantized K/V cannot be batched (mlx-lm has no batch QuantizedKVCache)")
-
-
-class SharedBatchKVCache(SharedAttention):
-    """Several sequences' attention layer: per row a shared prefix (or none) and a
-    row of one BatchKVCache suffix (left-padded, as mlx-lm's batches are)."""
-
-    def __init__(self, kind: LayerKind, rows: list[tuple[Any, int, Any]], suffix: BatchKVCache):
-        super().__init__()
-        self.kind, self.rows, self.suffix = kind, rows, suffix  # rows: (prefix, end, lease)
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> SharedBatchKVCache:
-        """One batch of single caches (plain KVCaches join as rows without a prefix)."""
-        kinds = {c.kind for c in caches if isinstance(c, SharedKVCache)}
-        if len(kinds) != 1 or any(not isinstance(c, SharedKVCache | KVCache) for c in caches):
-            raise ValueError(
-                f"cannot batch layers of kinds {kinds} with {[type(c) for c in caches]}"
-            )
-        rows = [
-            (c.prefix, c.end, c.lease) if isinstance(c, SharedKVCache) else (None, 0, None)
-            for c in caches
-        ]
-        suffixes = [c.suffix if isinstance(c, SharedKVCache) else c for c in caches]
-        return cls(kinds.pop(), rows, BatchKVCache.merge(suffixes))
-
-    @property
-    def offset(self) -> mx.array:
-        return mx.array([end for _, end, _ in self.rows]) + self.suffix.offset
-
-    def _visible(self) -> list[int]:
-        return [0 if p is None else end - p.start for p, end, _ in self.rows]
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        # lazy: computed only if the hook is bypassed (dense.py)
-        sk, sv = padded(self.rows, *self.suffix.update_and_fetch(keys, values))
-        self._fetched = sk
-        return sk, sv
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        starts = [0 if p is None else p.start for p, _, _ in self.rows]
-        ends = [end for _, end, _ in self.rows]
-        qpos, kpos = batch_positions(starts, ends, self.suffix, N)
-        return position_mask(qpos, kpos, window_size or self.kind.window)[:, None]
-
-    def _attend(self, queries: mx.array, scale: float, mask: Any, sinks: Any) -> mx.array:
-        visible = self._visible()
-        width = max(visible)
-        by_prefix: dict[tuple[int, int], list[int]] = {}
-        for i, (p, end, _) in enumerate(self.rows):
-            if p is not None and end > p.start:
-                by_prefix.setdefault((id(p), end), []).append(i)
-        groups = []
-        for rows in by_prefix.values():
-            p, end, _ = self.rows[rows[0]]
-            every = len(rows) == len(self.rows)
-            groups.append(
-                Group(None if every else rows, *p.attended(end), width - visible[rows[0]])
-            )
-        suffix = self.suffix.keys_and_values() if self.suffix.keys is not None else None
-        return split_attention(
-            queries,
-            groups,
-            suffix,
-            prefix_columns=width,
-            scale=scale,
-            mask=mask,
-            sinks=sinks,
-            quant=None,
-        )
-
-    def prepare(self, **kwargs: Any) -> None:
-        self.suffix.prepare(**kwargs)
-
-    def finalize(self) -> None:
-        self.suffix.finalize()
-
-    def filter(self, batch_indices: Any) -> None:
-        indices = [
-            int(i)
-            for i in (
-                batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
-            )
-        ]
-        self.suffix.filter(batch_indices)
-        self.rows = [self.rows[i] for i in indices]
-
-    def extend(self, other: SharedBatchKVCache) -> None:
-        self.suffix.extend(other.suffix)
-        self.rows = self.rows + other.rows
-
-    def extract(self, idx: int) -> SharedKVCache:
-        prefix, end, lease = self.rows[idx]
-        suffix = self.suffix.extract(idx) if self.suffix.keys is not None else KVCache()
-        return SharedKVCache(self.kind, prefix, end, lease, suffix)
-
-    def trim(self, n: int) -> int:
-        return self.suffix.trim(n)
-
-    def size(self) -> int:
-        return self.suffix.size()
-
-    @property
-    def state(self) -> Any:
-        return self.suffix.state if self.suffix.keys is not None else []
-
-    @property
-    def nbytes(self) -> int:
-        return self.suffix.nbytes
-
-    def release(self) -> None:
-        """Let go of every row's prefix now (the cache is unusable after)."""
-        self.rows = [(None, 0, None)] * len(self.rows)

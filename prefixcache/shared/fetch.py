@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..hashing import token_bytes
+from .batch import SharedBatchKVCache
 from .build import blank, sequence, share
-from .caches import SharedBatchKVCache, SharedKVCache
+from .caches import SharedKVCache
 from .probe import SharedLayout, probe
 from .registry import SharedRegistry, registry_of
 
