@@ -12,16 +12,16 @@ depends on the values). Then, in one run, for each arm:
 each sequence prefills its ``--suffix-tokens`` private suffix; MLX active
 memory above the hot tier is read after 1, 2, 4, 8 sequences. Then N = 4 and
 8 of them decode together through mlx-lm's BatchGenerator (which merges
-copies into one batch buffer, and keeps a shared prefix shared), arms
-alternating ``--repeats`` times; tokens/s is N / median step time, and the
-ratio is the median of the run-by-run ratios (each shared run against the
-copies run just before it: the machine's load drifts). Also:
+copies into one batch buffer, and keeps a shared prefix shared), the two
+arms' batches one step each in turn; tokens/s is N / median step time, and
+the ratio is the median of the step-by-step ratios (each shared step against
+the copies step just before it: the machine's load drifts). Also:
 the fetch and suffix-prefill time of each sequence after the first (the
 prefix is live: shared fetch copies nothing), and the exactness of shared vs
 copies (last-token logits of every suffix prefill, greedy decode tokens).
 
     python tools/bench_shared.py                 # about 3-4 minutes on 2 cores
-    python tools/bench_shared.py --layers 4 --repeats 3
+    python tools/bench_shared.py --layers 4 --decode-steps 48
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="decode runs per arm and N")
+    p.add_argument("--decode-steps", type=int, default=24)
     return p
 
 
@@ -133,24 +132,39 @@ def grow(model, pc, prompts) -> dict:
     return arms
 
 
-def decode(model, caches, firsts, steps: int) -> tuple[list[list[int]], float, int]:
-    """Greedy-decode the sequences together: (tokens, median step seconds, bytes of the
-    batch's caches as mlx-lm counts them)."""
+def start(model, caches, firsts, steps: int) -> tuple[BatchGenerator, dict[int, list[int]]]:
+    """A BatchGenerator decoding the sequences together, set up and past its first step."""
     gen = BatchGenerator(model, max_tokens=steps + 2, completion_batch_size=len(caches))
-    uids = gen.insert([[t] for t in firsts], caches=list(caches))
-    got: dict[int, list[int]] = {u: [] for u in uids}
-    times, held = [], 0
-    for step in range(steps + 2):
-        t0 = time.perf_counter()
-        responses = gen.next_generated()
-        if step >= 2:  # the first calls set the batch up and run the first step
-            times.append(time.perf_counter() - t0)
-        if step == 1:
-            held = gen.prompt_cache_nbytes
-        for r in responses:
+    got = {u: [] for u in gen.insert([[t] for t in firsts], caches=list(caches))}
+    for _ in range(2):  # the first calls set the batch up and run the first step
+        for r in gen.next_generated():
             got[r.uid].append(r.token)
-    gen.close()
-    return [got[u] for u in uids], statistics.median(times), held
+    return gen, got
+
+
+def decode(model, arms, n: int, steps: int) -> dict:
+    """Both arms' batches decoding ``steps`` tokens, one step of each in turn (the
+    machine's load drifts: a step's ratio compares neighbours). Per arm: tokens,
+    step seconds, batch cache bytes as mlx-lm counts them."""
+    runs = {}
+    for name, arm in arms.items():
+        firsts = [int(mx.argmax(x).item()) for x in arm["logits"][:n]]
+        runs[name] = (*start(model, arm["caches"][:n], firsts, steps), [])
+    held = {name: gen.prompt_cache_nbytes for name, (gen, _, _) in runs.items()}
+    for _ in range(steps):
+        for gen, got, times in runs.values():
+            t0 = time.perf_counter()
+            responses = gen.next_generated()
+            # the step it started in the background too, so steps do not overlap
+            mx.synchronize(gen.stream)
+            times.append(time.perf_counter() - t0)
+            for r in responses:
+                got[r.uid].append(r.token)
+    out = {}
+    for name, (gen, got, times) in runs.items():
+        gen.close()
+        out[name] = {"tokens": [got[u] for u in sorted(got)], "times": times, "held": held[name]}
+    return out
 
 
 def run(args) -> dict:
@@ -159,11 +173,7 @@ def run(args) -> dict:
     arms = grow(model, pc, prompts)
     speed = {}
     for n in (4, 8):
-        for _ in range(args.repeats):  # arms alternate: the machine's load drifts
-            for name, arm in arms.items():
-                firsts = [int(mx.argmax(x).item()) for x in arm["logits"][:n]]
-                toks, step_s, held = decode(model, arm["caches"][:n], firsts, args.decode_steps)
-                speed.setdefault((name, n), []).append((n / step_s, held, toks))
+        speed[n] = decode(model, arms, n, args.decode_steps)
         print(f"decoded N = {n}", flush=True)
     kv_token = 2 * args.layers * args.kv_heads * args.head_dim * 4
     return {"arms": arms, "speed": speed, "kv_token": kv_token, "stats": pc.stats()["shared"]}
@@ -211,26 +221,25 @@ def report(args, res) -> None:
     )
     rows = []
     for n in (4, 8):
-        c, s = speed[("copies", n)], speed[("shared", n)]
-        ct, st = statistics.median(x[0] for x in c), statistics.median(x[0] for x in s)
-        paired = sorted(b[0] / a[0] for a, b in zip(c, s, strict=True))  # run by run
-        runs = [", ".join(f"{x[0]:.2f}" for x in arm) for arm in (c, s)]
+        c, s = speed[n]["copies"], speed[n]["shared"]
+        ratios = sorted(a / b for a, b in zip(c["times"], s["times"], strict=True))
+        q = len(ratios) // 4
         rows.append(
             [
                 str(n),
-                f"{ct:.2f} ({runs[0]})",
-                f"{st:.2f} ({runs[1]})",
-                f"{statistics.median(paired):.2f} ({paired[0]:.2f}-{paired[-1]:.2f})",
-                f"{c[0][1] / MiB:.0f}",
-                f"{s[0][1] / MiB:.0f} + {prefix_b / MiB:.0f}",
+                f"{n / statistics.median(c['times']):.2f}",
+                f"{n / statistics.median(s['times']):.2f}",
+                f"{statistics.median(ratios):.2f} ({ratios[q]:.2f}-{ratios[-1 - q]:.2f})",
+                f"{c['held'] / MiB:.0f}",
+                f"{s['held'] / MiB:.0f} + {prefix_b / MiB:.0f}",
             ]
         )
     table(
         [
             "decode N",
-            "copies tok/s (runs)",
-            "shared tok/s (runs)",
-            "shared / copies, median of paired runs (range)",
+            "copies tok/s",
+            "shared tok/s",
+            "shared / copies: median of step-by-step ratios (quartiles)",
             "batch K/V MiB copies",
             "batch K/V MiB shared (+ prefix once)",
         ],
@@ -249,11 +258,7 @@ def report(args, res) -> None:
     )
     pairs = zip(arms["copies"]["logits"], arms["shared"]["logits"], strict=True)
     diff = max(mx.abs(a - b).max().item() for a, b in pairs)
-    same = all(
-        c[2] == s[2]
-        for n in (4, 8)
-        for c, s in zip(speed[("copies", n)], speed[("shared", n)], strict=True)
-    )
+    same = all(speed[n]["copies"]["tokens"] == speed[n]["shared"]["tokens"] for n in (4, 8))
     print(
         f"exactness: max |logit diff| of the suffix prefills {diff:.2e}; greedy decode tokens "
         f"identical: {same}\nshared stats: {res['stats']}"

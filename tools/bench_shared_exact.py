@@ -12,8 +12,8 @@ identical (alone: argmax at every step; batched: the tokens generated), the
 negative control (the same suffix on a wrong prefix), and for bf16 how far
 each run is from a float32 run of the same weights. gemma2 computes its own
 attention (not hookable): its shared fetches must fall back, counted. mlx-lm
-0.32.2 batches neither quantized K/V nor gemma2 (its GQA mask fails to
-broadcast in a batch): those rows have no batched figure.
+0.32.2 batches neither quantized K/V, chunked attention (llama4) nor gemma2
+(its GQA mask fails to broadcast in a batch): those rows have no batched figure.
 
     python tools/bench_shared_exact.py          # about 30 s on 2 cores
 """
@@ -116,7 +116,8 @@ def case(arch, dtype, overrides, kv_bits) -> dict:
         other = make_prompt_cache(model)
         prefill(model, tokens(99, len(system)), other)
         row["control"] = diff(alone(model, other, users[0][len(system) :])[1], results[False][0][1])
-        if not kv_bits and arch != "gemma2":  # mlx-lm batches neither (0.32.2)
+        # as mlx-lm's server decides (every cache has merge); its gemma2 batch mask fails
+        if all(hasattr(c, "merge") for c in cache) and not kv_bits and arch != "gemma2":
             fresh = {s: [pc.fetch(u, shared=s) for u in users] for s in (True, False)}
             batched = {
                 s: together(model, [(c, u[n:]) for u, (c, n) in zip(users, f, strict=True)])
