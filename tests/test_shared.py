@@ -186,6 +186,18 @@ def test_uncovered_model_falls_back_to_a_private_copy_counted():
     assert not hook.installed()  # the probe took its hook off
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "falcon_h1"])
+def test_a_model_without_a_shared_layer_falls_back_counted(arch):
+    model = tiny_model(arch)  # recurrent only; CacheList(mamba, attention) layers
+    system = prompt(11, 2 * BLOCK)
+    with make_pc(model) as pc:
+        stored(pc, model, system)
+        cache, n = pc.fetch(system + prompt(110, 5), shared=True)
+        assert n == len(system) and not any(isinstance(c, SharedKVCache) for c in cache)
+        stats = pc.stats()["shared"]
+        assert stats["num_fallbacks"] == stats["num_fallbacks_no_shared_layer"] == 1
+
+
 def test_the_last_sequence_to_let_go_frees_the_prefix():
     model = tiny_model("llama")
     system = prompt(6, 8 * BLOCK)
