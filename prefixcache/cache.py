@@ -18,6 +18,7 @@ from .lookup import Lookup
 from .model_id import model_fingerprint
 from .restore import restore
 from .services import Services
+from .shared import fetch_shared, shared_stats
 from .stats import Stats
 from .stats_types import CacheStats
 from .tiers import lower_tiers
@@ -71,17 +72,21 @@ class PrefixCache(ControlVerbs):
     # -- public API -------------------------------------------------------
 
     def fetch(
-        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None, shared: bool = False
     ) -> tuple[list[Any], int]:
         """A fresh cache holding the deepest restorable prefix of ``tokens``.
 
         Every stored block, tail and checkpoint that shares a prefix with the
         prompt is a candidate; the deepest one every layer can be rebuilt at
         wins (lookup.py). Always leaves at least one token to prefill.
+        ``shared=True``: one K/V copy for every sequence on the prefix
+        (prefixcache/shared).
 
         Returns:
             (cache list for the model, number of tokens it holds)
         """
+        if shared:
+            return fetch_shared(self, tokens, extra=extra)
         data = _nonempty(tokens)
         with self._lock:
             self._check_open()
@@ -226,7 +231,7 @@ class PrefixCache(ControlVerbs):
             tiers = self.tiers.snapshot()
             written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
             out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
-            return cast(CacheStats, out | tiers | self.services.stats())
+            return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
 
     def flush(self) -> None:
         """Persist every dirty hot block to the lower tiers and wait for their writes."""

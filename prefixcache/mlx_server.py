@@ -29,6 +29,7 @@ from .config import CacheConfig
 from .errors import SsdFormatError, UnsupportedCacheError
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
 from .request_options import Requests
+from .shared import blank_caches
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,23 @@ class TieredPromptCache:
         model_for: model key -> the loaded model (a ``ModelPair`` when the key
             has a draft model).
         config: PrefixCache settings; defaults to ``CacheConfig.from_env()``.
+        shared: fetch with ``shared=True``: concurrent requests on one prefix
+            hold its K/V once and decode against it together (a miss gets
+            empty caches of the same types, so mlx-lm's batches merge them).
 
     Raises:
         MlxLmVersionError: the installed mlx-lm is not supported.
     """
 
     def __init__(
-        self, model_for: Callable[[ModelKey], nn.Module], config: CacheConfig | None = None
+        self,
+        model_for: Callable[[ModelKey], nn.Module],
+        config: CacheConfig | None = None,
+        *,
+        shared: bool = False,
     ):
         check_mlx_lm_version()
+        self.shared = shared
         self.config = config if config is not None else CacheConfig.from_env()
         self._model_for = model_for
         self._lock = threading.RLock()
@@ -90,12 +99,12 @@ class TieredPromptCache:
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
-                restored, num_cached = cache.fetch(text, extra=extra)
+                restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
-                return None, tokens
+                return (blank_caches(cache) if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
-        if num_cached == 0:
+        if num_cached == 0 and not self.shared:
             return None, tokens
         return restored, tokens[num_cached:]
 

@@ -114,6 +114,7 @@ class _Optional(TypedDict, total=False):
     remote: RemoteStats
     warm: WarmStats
     events: EventStats
+    shared: dict[str, int]  # once a fetch(shared=True) ran: docs/shared-prefix.md
 
 
 class CacheStats(_Optional):

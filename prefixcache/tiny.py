@@ -50,6 +50,9 @@ ARCHS: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama", **_DENSE, "tie_word_embeddings": True},
     # KVCache x 2 (q/k norms)
     "qwen3": {"model_type": "qwen3", **_DENSE, "tie_word_embeddings": True},
+    # KVCache x 2; computes its own attention (soft-capped scores), not mlx-lm's
+    # scaled_dot_product_attention: the model shared-prefix attention cannot hook
+    "gemma2": {"model_type": "gemma2", **_DENSE, "query_pre_attn_scalar": 16},
     # every 2nd layer is global: Rotating, KV, Rotating, KV
     "gemma3_text": {
         "model_type": "gemma3_text", **_DENSE, "num_hidden_layers": 4,

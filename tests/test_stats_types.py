@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.errors import MissReason
+from prefixcache.shared import release
 from prefixcache.stats_types import (
     CacheStats,
     EventStats,
@@ -74,9 +75,11 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
     with PrefixCache(llama, config, model_id="m") as pc:
         pc.store(tokens, cache)
         pc.fetch(tokens)
+        shared, _ = pc.fetch(tokens, shared=True)
         stats = pc.stats()
+        release(shared)
     declared = typing.get_type_hints(CacheStats)
-    optional = {"ssd", "remote", "warm", "events"}
+    optional = {"ssd", "remote", "warm", "events", "shared"}
     assert set(stats) == set(declared) == CacheStats.__required_keys__ | optional
     for name in [n for n, kind in declared.items() if kind is int]:
         assert type(stats[name]) is int, name
@@ -88,14 +91,15 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
         assert set(stats[service]) == set(hints), service
         assert all(type(stats[service][k]) is hints[k] for k in hints), stats[service]
     assert set(stats["miss_reasons"]) == {r.value for r in MissReason}
-    assert stats["num_fetches"] == 1 and stats["hot"]["num_blocks"] > 0  # real traffic
+    assert stats["num_fetches"] >= 1 and stats["hot"]["num_blocks"] > 0  # real traffic
+    assert stats["shared"]["num_fetches"] == 1
 
 
 def test_a_hot_only_cache_has_no_lower_tier_keys(llama):
     with PrefixCache(llama, CacheConfig(hot_cache_only=True), model_id="m") as pc:
         stats = pc.stats()
     assert set(stats) == CacheStats.__required_keys__
-    assert set(CacheStats.__optional_keys__) == {"ssd", "remote", "warm", "events"}
+    assert set(CacheStats.__optional_keys__) == {"ssd", "remote", "warm", "events", "shared"}
 
 
 def test_stats_type_checks_with_mypy(tmp_path):

@@ -19,6 +19,7 @@ from prefixcache.tiny import ARCHS, CORPUS_PATH, EOS_TOKEN, VOCAB_SIZE, build_mo
 EXPECTED_CACHES = {
     "llama": ["KVCache"] * 2,
     "qwen3": ["KVCache"] * 2,
+    "gemma2": ["KVCache"] * 2,
     "gemma3_text": ["RotatingKVCache", "KVCache"] * 2,
     "qwen3_next": ["ArraysCache", "KVCache"] * 2,
     "lfm2": ["ArraysCache", "KVCache", "ArraysCache"],

@@ -14,7 +14,7 @@ import sys
 
 import mlx.core as mx
 
-from ..config import ENV_PREFIX, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..config import ENV_PREFIX, EVICTIONS, WRITE_POLICIES, CacheConfig, parse_bytes
 from ..errors import SsdDirError, SsdFormatError
 from .common import Command, UsageError
 
@@ -39,21 +39,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, help="tokens per block")
     group.add_argument("--hot-cache-only", action="store_true", default=None, help="no SSD tier")
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
-    group.add_argument(
-        "--remote-url",
-        help="shared remote tier: redis://, rediss://, unix:// or redis+cluster://host:port,...",
-    )
-    group.add_argument("--remote-prefix", help="key namespace on the remote server")
-    group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
-    group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
-    group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
-    group.add_argument("--remote-secret-file", help="file of the hosts' shared signing secret")
-    group.add_argument("--remote-tls-ca", help="CA file that verifies the server (rediss)")
-    group.add_argument("--remote-tls-cert", help="client certificate file (rediss)")
-    group.add_argument("--remote-tls-key", help="client certificate's key file (rediss)")
+    _add_remote_args(group)
     _add_operator_args(group)
     group.add_argument(
         "--metrics-port", type=port, help="Prometheus text at 127.0.0.1:PORT/metrics"
+    )
+    group.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="concurrent requests on one prefix hold its K/V once and decode against it "
+        "together (fetch(tokens, shared=True); see docs/shared-prefix.md)",
     )
     group.add_argument(
         "--mx-cache-limit",
@@ -73,8 +68,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.parse_known_args = keep_unknown  # type: ignore[method-assign]
 
 
+def _add_remote_args(group: argparse._ArgumentGroup) -> None:
+    """The shared remote tier (docs/remote.md)."""
+    group.add_argument(
+        "--remote-url",
+        help="shared remote tier: redis://, rediss://, unix:// or redis+cluster://host:port,...",
+    )
+    group.add_argument("--remote-prefix", help="key namespace on the remote server")
+    group.add_argument("--remote-timeout-ms", type=int, help="give up on a remote call after")
+    group.add_argument("--remote-connect-timeout-ms", type=int, help="give up connecting after")
+    group.add_argument("--remote-max-bytes", type=parse_bytes, help="stop writing above, e.g. 8G")
+    group.add_argument("--remote-secret-file", help="file of the hosts' shared signing secret")
+    group.add_argument("--remote-tls-ca", help="CA file that verifies the server (rediss)")
+    group.add_argument("--remote-tls-cert", help="client certificate file (rediss)")
+    group.add_argument("--remote-tls-key", help="client certificate's key file (rediss)")
+
+
 def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     """Operator controls (docs/operating.md): SSD wear, warm start, KV events, pins."""
+    group.add_argument(
+        "--eviction",
+        choices=EVICTIONS,
+        help="hot eviction: cost (default: recency and recompute cost per byte) or lru",
+    )
     group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
     group.add_argument(
         "--ssd-write-budget", type=_bytes_arg, help="SSD bytes written per day at most, e.g. 20G"
@@ -103,6 +119,7 @@ _CONFIG_FLAGS = (
     "remote_url", "remote_prefix", "remote_timeout_ms", "remote_connect_timeout_ms",
     "remote_max_bytes", "remote_secret_file", "remote_tls_ca", "remote_tls_cert", "remote_tls_key",
     "ssd_admit_after", "ssd_write_budget", "warm_bytes", "events_url", "pin_system_prompts",
+    "eviction",
 )  # fmt: skip
 
 
@@ -156,7 +173,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .serve_main import run_mlx_server
 
     set_mx_cache_limit(args)
-    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port)
+    shared = getattr(args, "shared_prefix", False)
+    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port, shared=shared)
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

@@ -56,12 +56,18 @@ def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
 
 
 def run_mlx_server(
-    model: str, mlx_lm_args: list[str], config: CacheConfig, metrics_port: int | None
+    model: str,
+    mlx_lm_args: list[str],
+    config: CacheConfig,
+    metrics_port: int | None,
+    *,
+    shared: bool = False,
 ) -> int:
-    """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache."""
+    """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
+    (``shared``: concurrent requests on one prefix hold it once)."""
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
-    generator_class = _generator_class(server.ResponseGenerator, config, generators)
+    generator_class = _generator_class(server.ResponseGenerator, config, generators, shared)
     run_http = server._run_http_server
     handler = _handler_class(server.APIHandler)
     with (
@@ -80,7 +86,7 @@ def run_mlx_server(
     return 0
 
 
-def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
+def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: bool) -> type:
     """mlx-lm's ResponseGenerator with our cache swapped in through its constructor."""
 
     class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
@@ -89,7 +95,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any]) -> type:
             cli = model_provider.cli_args
             kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
             cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
-            self.tiered = TieredPromptCache(provider_models(model_provider), cfg)
+            self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
             self._options: dict[int, RequestOptions] = {}
             self._options_lock = threading.Lock()
             made.append(self)
