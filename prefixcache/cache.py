@@ -16,6 +16,7 @@ from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
+from .prefetch import Prefetcher, job_of
 from .restore import restore
 from .services import Services
 from .shared import fetch_shared, shared_stats
@@ -65,6 +66,8 @@ class PrefixCache(ControlVerbs):
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self._closed = False
+        bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
+        self.prefetcher = Prefetcher(self.hot, self._lock, self._stats, bound)
         self.services = Services(
             self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
         )
@@ -91,11 +94,27 @@ class PrefixCache(ControlVerbs):
         with self._lock:
             self._check_open()
             root = self._root(extra)
+            self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
             self._last_shared = (data, root, got.shared)
             self.controls.used(got.keys)
+            self.prefetcher.used(got.keys)
             self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
             return got.cache, got.num_tokens
+
+    def prefetch(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
+        """Start promoting the blocks of ``tokens``' restore that only a lower tier
+        holds into hot, on a background thread; returns at once (how many blocks
+        it queued). For a request that waits: its ``fetch`` takes what arrived
+        and waits for nothing else (prefetch.py)."""
+        data = _nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            root = self._root(extra)
+            plan = self.lookup.plan(data, root)
+            hot = self.hot
+            job = job_of(data, root, plan.entries, plan.tiers, lambda key: key not in hot)
+            return self.prefetcher.submit(job)
 
     def match(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
         """Tokens ``fetch`` would restore (from the tiers' metadata; restores nothing)."""
@@ -240,7 +259,8 @@ class PrefixCache(ControlVerbs):
             self.services.save_counters()
 
     def close(self) -> None:
-        self.services.stop()  # not under the lock: its threads may be waiting for it
+        self.prefetcher.close()  # not under the lock: its thread may be waiting for it
+        self.services.stop()
         with self._lock:
             if self._closed:
                 return

@@ -54,6 +54,9 @@ class CacheConfig:
             block saves per byte (its recompute FLOPs: deep blocks cost more,
             costs.py), among the least recently used leaves; ``lru``: the
             least recently used leaf.
+        prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
+            promoted into hot and no fetch has used yet (at most half of
+            ``hot_max_bytes``); 0: ``prefetch`` does nothing.
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
         ssd_max_bytes: byte budget of the SSD tier's payloads.
         ssd_min_free_bytes: free disk space the SSD tier always leaves.
@@ -127,6 +130,7 @@ class CacheConfig:
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
     eviction: Eviction = "cost"
+    prefetch_bytes: int = 256 << 20
     ssd_dir: str = "~/.cache/prefixcache"
     ssd_max_bytes: int = 64 << 30
     ssd_min_free_bytes: int = 1 << 30

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lmdb
@@ -122,6 +122,23 @@ class TieredPromptCache:
             except _STORAGE_ERRORS as err:
                 self._storage_error("checkpoints", err)
                 return []
+
+    def prefetch(
+        self, model: ModelKey, tokens: Sequence[int], extra: Mapping[str, str] | None = None
+    ) -> int:
+        """Start promoting the lower-tier blocks of ``tokens``' restore into hot
+        (``PrefixCache.prefetch``), for the model whose cache is open only: a
+        request for another model never switches it from the HTTP thread."""
+        text = text_prefix(list(tokens))
+        with self._lock:
+            cache = self._cache
+            if cache is None or model != self._key or self.shared or not text:
+                return 0
+            try:
+                return cache.prefetch(text, extra=extra)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("prefetch", err)
+                return 0
 
     def last_fetch(self) -> tuple[ModelKey, list[int], int] | None:
         """(model key, tokens, tokens restored) of the last ``fetch_nearest_cache``."""

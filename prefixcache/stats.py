@@ -31,6 +31,9 @@ class Stats:
     num_promotions: int = 0
     upgraded_blocks: int = 0
     num_discarded: int = 0
+    prefetched_blocks: int = 0
+    prefetch_hits: int = 0
+    prefetch_wasted_bytes: int = 0
     ssd_writes_deferred: int = 0
     ssd_writes_skipped: int = 0
     block_hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
@@ -119,6 +122,11 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "num_promotions": ("promotions_total", _C, "ssd blocks copied into the hot tier"),
     "upgraded_blocks": ("upgraded_blocks_total", _C, "blocks given payloads a later capture cut"),
     "num_discarded": ("discarded_blocks_total", _C, "blocks evicted from hot, kept nowhere"),
+    "prefetched_blocks": ("prefetched_blocks_total", _C, "blocks prefetch promoted into hot"),
+    "prefetch_hits": ("prefetch_hits_total", _C, "prefetched blocks a fetch then used"),
+    "prefetch_wasted_bytes": (
+        "prefetch_wasted_bytes_total", _C, "prefetched bytes evicted before any fetch used them"
+    ),
     "num_rejected": ("rejected_inserts_total", _C, "server inserts refused (type or layout)"),
     "ssd_writes_deferred": (
         "ssd_writes_deferred_total", _C, "ssd writes postponed (over the write budget)",

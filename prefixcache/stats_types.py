@@ -132,6 +132,9 @@ class CacheStats(_Optional):
     num_promotions: int
     upgraded_blocks: int
     num_discarded: int
+    prefetched_blocks: int
+    prefetch_hits: int
+    prefetch_wasted_bytes: int
     miss_reasons: dict[str, int]  # every MissReason value -> fetches that stopped for it
     hot_block_hits: int
     ssd_block_hits: int

@@ -34,6 +34,7 @@ from mlx_lm import server
 
 from ..config import CacheConfig
 from ..mlx_fit import ModelKey, ModelPair
+from ..mlx_prefetch import QueuedPrefetch
 from ..mlx_segments import CheckpointedPrefill, cut_segments
 from ..mlx_server import TieredPromptCache
 from ..request_options import DEFAULT, RequestOptions, parse
@@ -98,6 +99,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
             self._options: dict[int, RequestOptions] = {}
             self._options_lock = threading.Lock()
+            self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
             made.append(self)
             super().__init__(model_provider, self.tiered)
 
@@ -105,6 +107,8 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             options = _asked.options  # set by the handler on this thread
             with self._options_lock:
                 self._options[id(request)] = options  # the request lives until answered
+            # while it waits in mlx-lm's queue, its cached prefix moves into hot
+            self._prefetch(self.model_provider, request, generation_args, options.extra)
             return super().generate(request, generation_args, progress_callback)
 
         def _tokenize(self, tokenizer: Any, request: Any, args: Any):
