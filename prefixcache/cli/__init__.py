@@ -1,10 +1,10 @@
 """The ``prefixcache`` command: one registry of subcommands, one parser, one dispatch.
 
 Every command module (local.py: demo, make-model; serve.py: serve; inspect.py:
-stats, ls; show.py: show, tree; maintain.py: verify, gc, clear) lists its
-subcommands as :class:`~prefixcache.cli.common.Command` entries in
-``COMMANDS``; none imports mlx-lm at the top, so ``prefixcache stats`` starts
-fast.
+stats, ls; show.py: show, tree; maintain.py: verify, gc, clear; pin.py: pin,
+unpin) lists its subcommands as :class:`~prefixcache.cli.common.Command`
+entries in ``COMMANDS``; none imports mlx-lm at the top, so ``prefixcache
+stats`` starts fast.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import inspect, local, maintain, serve, show
+from . import inspect, local, maintain, pin, serve, show
 from .common import Command
 
 COMMANDS: dict[str, Command] = {
     command.name: command
-    for module in (local, serve, inspect, show, maintain)
+    for module in (local, serve, inspect, show, maintain, pin)
     for command in module.COMMANDS
 }
 
