@@ -8,6 +8,7 @@ from conftest import prefill, prompt
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.hashing import chain_keys, token_bytes
 
 BLOCK = 16
 BLOCK_BYTES = 8192
@@ -153,3 +154,39 @@ def test_budget_string_errors_name_the_value():
     assert (
         CacheConfig.from_env({"PREFIXCACHE_SSD_WRITE_BUDGET": "20G"}).ssd_write_budget == 20 << 30
     )
+
+
+def server_blocks(client, keys) -> set[bytes]:
+    """Which of ``keys`` (block keys) still have a key on the remote server."""
+    names = [k.decode() for k in client.scan_iter("prefixcache*", count=1000)]
+    return {k for k in keys if any(k.hex() in name for name in names)}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="here the remote tier's remove() forgets blocks locally only; the remote tier's "
+    "new remove() deletes the server's keys (passes with it: drop this mark on merging)",
+)
+def test_end_session_removes_its_blocks_from_the_remote_server(
+    tmp_path, llama, convo, redis_server
+):
+    shared, (a, cache_a), (b, cache_b) = convo
+    cfg = config(tmp_path, remote_url=redis_server.url)
+    client = redis_server.client()
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        pc.store(a, cache_a, session="alice")
+        pc.store(b, cache_b, session="bob")
+        pc.flush()
+        root = pc._root(None)
+        keys_a, keys_b = (chain_keys(root, token_bytes(t), BLOCK) for t in (a, b))
+        own_a = set(keys_a[4:])
+        assert server_blocks(client, own_a | set(keys_b)) == own_a | set(keys_b)
+        assert pc.end_session("alice") == 4
+        pc.flush()
+        assert server_blocks(client, own_a) == set()  # alice's own: gone from the server
+        assert server_blocks(client, set(keys_b)) == set(keys_b)  # shared and bob's stay
+    other_host = cfg.replace(hot_cache_only=True)  # only the remote tier below hot
+    with PrefixCache(llama, other_host, model_id="m") as pc:
+        assert pc.match(a) == len(shared)  # the control below: bob's chain is still served
+        assert pc.match(b) >= len(keys_b) * BLOCK

@@ -192,11 +192,14 @@ class Tiers:
             self.flush()
 
     def remove_lower(self, keys: Sequence[bytes]) -> None:
-        """Drop ``keys`` from every lower tier (queued copies land first, then go)."""
+        """Drop ``keys`` from every lower tier (queued copies land first, then go).
+
+        Every tier is asked, also one that does not know it holds them (the remote
+        tier remembers only so many of its writes: the server may hold more)."""
         for tier in self.lower:
             if any(tier.contains(k) for k in keys):  # a queued copy must land first
                 tier.flush()
-                tier.remove(keys)
+            tier.remove(keys)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         for tier in self.lower:
