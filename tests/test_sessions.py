@@ -125,6 +125,31 @@ def test_admit_after_2_writes_only_blocks_used_twice(tmp_path, llama, convo):
         assert pc.stats()["ssd"]["num_writes"] == 4 + 3 + 1 - 4  # shared ones were there
 
 
+def test_admit_after_2_takes_a_conversations_next_turn_at_once(tmp_path, llama):
+    system = prompt(1, 2 * BLOCK)
+    one_off = system + prompt(2, 2 * BLOCK)
+    turn1 = system + prompt(3, 2 * BLOCK)  # branches off the system prompt, as one_off did
+    turn2 = turn1 + prompt(4, 2 * BLOCK)  # continues turn1 from its end
+    branch = turn1[: 3 * BLOCK] + prompt(5, 2 * BLOCK)  # the control: leaves turn1 inside
+    cfg = config(tmp_path, ssd_admit_after=2, hot_max_bytes=64 * BLOCK_BYTES)
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        for tokens in (one_off, turn1, turn2, branch):  # as a server: fetch, then store
+            pc.fetch(tokens)
+            pc.store(tokens, filled(llama, tokens))
+        pc.trim_hot(0)  # every block leaves hot: written if admitted, else dropped
+        pc.flush()
+        root = pc._root(None)
+        keys = {
+            name: chain_keys(root, token_bytes(t), BLOCK)
+            for name, t in (("one_off", one_off), ("turn2", turn2), ("branch", branch))
+        }
+        on_ssd = {bytes.fromhex(k) for k in indexed(pc)}
+    assert set(keys["turn2"]) <= on_ssd  # its own two at once: the conversation went on
+    assert not set(keys["one_off"][2:]) & on_ssd  # seen once: never written
+    assert not set(keys["branch"][3:]) & on_ssd  # a branch inside turn1: seen once too
+    assert set(keys["one_off"][:2]) <= on_ssd  # the shared system prompt: restored, so used
+
+
 def test_write_budget_defers_then_drops_and_is_counted(tmp_path, llama, convo):
     _, (a, cache_a), (_b, _cache_b) = convo
     budget = 3 * BLOCK_BYTES  # a few blocks per day

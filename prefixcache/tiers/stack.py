@@ -117,15 +117,23 @@ class Tiers:
 
     # -- write path ----------------------------------------------------------
 
-    def keep(self, blocks: Sequence[Block], *, upgrade: bool = False, persist: bool = True) -> None:
+    def keep(
+        self,
+        blocks: Sequence[Block],
+        *,
+        upgrade: bool = False,
+        persist: bool = True,
+        continues: bool = False,
+    ) -> None:
         """Place new blocks (root-first) according to the write policy; ``persist=False``
-        keeps them hot only (never written to a lower tier)."""
+        keeps them hot only (never written to a lower tier); ``continues``: they extend
+        a chain's end (:meth:`continues`), which counts as a second use."""
         warm = []
         for block in blocks:
             self.stats.kept(block.nbytes, upgrade=upgrade)
             self._evicted_set.discard(block.key)
             if not upgrade:
-                self.governor.seen(block.key)
+                self.governor.seen(block.key, 2 if continues else 1)
             waits = False
             for tier in self.on_store if persist else ():
                 if self.finds(tier, block):
@@ -143,7 +151,21 @@ class Tiers:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
-    def keep_tail(self, block: Block, *, persist: bool = True) -> None:
+    def continues(self, blocks: Sequence[Block]) -> bool:
+        """Whether new ``blocks`` (root-first) continue a chain from its end: the first
+        one's parent is held and has no other full block under it (a conversation's
+        next turn; a prompt branching off a shared prefix does not). Asked only when
+        sightings are counted (``ssd_admit_after`` > 1 or a write budget)."""
+        if self.governor.sightings is None or not blocks:
+            return False
+        parent = blocks[0].parent
+        if parent == blocks[0].root or not self.contains(parent):
+            return False
+        new = {b.key for b in blocks}
+        size = 4 * self.config.block_size
+        return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
+
+    def keep_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
         Tails are found through their parent (``Tier.children``), so they go to
@@ -152,7 +174,7 @@ class Tiers:
         """
         cold = block.parent != block.root and block.parent not in self.hot
         if not (cold and not self.lower):
-            self.keep([block], persist=persist)
+            self.keep([block], persist=persist, continues=continues)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
