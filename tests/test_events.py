@@ -1,5 +1,5 @@
 """KV events: a real ZeroMQ SUB socket decodes every store and eviction of every tier,
-in order, in vLLM's layout, with nothing lost at 1,000+ stores per second."""
+in order, in vLLM's layout, with nothing lost at the store rate reached (recorded)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def subscriber():
     sub.close(linger=0)
 
 
-def test_every_store_and_eviction_of_every_tier_in_order(tmp_path, llama, subscriber):
+def test_every_store_and_eviction_of_every_tier_in_order(
+    tmp_path, llama, subscriber, record_property
+):
     port, sub = subscriber
     tokens = prompt(1, BLOCK)
     cache = make_prompt_cache(llama)
@@ -94,8 +96,9 @@ def test_every_store_and_eviction_of_every_tier_in_order(tmp_path, llama, subscr
             if name == "BlockRemoved":
                 assert seen.get((medium, h)) == "stored", (medium, h)
             seen[(medium, h)] = "stored" if name == "BlockStored" else "removed"
-    assert rate > 1000 or st["events"]["num_dropped"] == 0
-    assert st["events"]["num_dropped"] == 0
+    # nothing lost at the rate reached (tools/bench_events.py paces it and compares)
+    record_property("stores_per_second", round(rate))
+    assert len(events) == st["events"]["num_events"] and st["events"]["num_dropped"] == 0
 
 
 def test_first_block_hash_and_parent_link(tmp_path, llama, subscriber):
