@@ -130,3 +130,31 @@ def test_an_events_url_that_cannot_bind_is_named(llama, subscriber):
             PrefixCache(llama, CacheConfig(hot_cache_only=True, events_url=url))
     finally:
         taken.close(linger=0)
+
+
+def test_remote_tier_stores_and_removals_are_published(llama, subscriber, redis_server):
+    port, sub = subscriber
+    tokens = prompt(3, 3 * BLOCK)
+    cache = make_prompt_cache(llama)
+    prefill(llama, tokens, cache, step=BLOCK)
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        hot_cache_only=True,
+        remote_url=redis_server.url,
+        events_url=f"tcp://*:{port}",
+    )
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        assert pc.services.events.wait_for_subscriber(10)
+        pc.store(tokens, cache, session="s")
+        pc.flush()
+        assert pc.end_session("s") == 3
+        pc.services.events.flush()
+        from prefixcache.hashing import chain_keys, token_bytes
+
+        hashes = [block_hash(k) for k in chain_keys(pc._root(None), token_bytes(tokens), BLOCK)]
+    events = [e for _, b in receive(sub) for e in b.events if e.medium == "remote"]
+    stored = [e.block_hashes[0] for e in events if type(e).__name__ == "BlockStored"]
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert stored == hashes and sorted(removed) == sorted(hashes)
+    names = [type(e).__name__ for e in events]
+    assert names.index("BlockRemoved") > max(i for i, n in enumerate(names) if n == "BlockStored")

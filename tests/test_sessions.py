@@ -36,6 +36,12 @@ def indexed(pc) -> set[str]:
     return {m.key.hex() for m in pc.ssd.iter_meta()}
 
 
+def server_blocks(client, keys) -> set[bytes]:
+    """Which of ``keys`` (block keys) still have a key on the remote server."""
+    names = [k.decode() for k in client.scan_iter("prefixcache*", count=1000)]
+    return {k for k in keys if any(k.hex() in name for name in names)}
+
+
 @pytest.fixture(scope="module")
 def convo(llama):
     shared = prompt(1, 4 * BLOCK)  # a system prompt both sessions use
@@ -103,6 +109,23 @@ def test_persist_false_never_reaches_a_file(tmp_path, llama, convo, policy):
         # b's own blocks, its tail, and the shared prefix it walked (now its own too)
         assert pc.stats()["ssd"]["num_writes"] == len(files(tmp_path)) > 0
         assert len(files(tmp_path)) <= 4 + 2 + 1
+
+
+def test_persist_false_never_reaches_the_remote_server(tmp_path, llama, convo, redis_server):
+    _shared, (a, cache_a), (b, cache_b) = convo
+    cfg = config(tmp_path, remote_url=redis_server.url, hot_max_bytes=6 * BLOCK_BYTES)
+    client = redis_server.client()
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        pc.store(a, cache_a, persist=False)  # over the hot budget: evicted, discarded
+        pc.flush()
+        keys_a = chain_keys(pc._root(None), token_bytes(a), BLOCK)
+        assert pc.stats()["remote"]["num_writes"] == 0 and files(tmp_path) == set()
+        assert server_blocks(client, set(keys_a)) == set()
+        pc.store(b, cache_b)  # the control: a persisted store reaches the server
+        pc.flush()
+        keys_b = chain_keys(pc._root(None), token_bytes(b), BLOCK)
+        assert server_blocks(client, set(keys_b)) == set(keys_b)
+        assert pc.stats()["remote"]["num_writes"] >= len(keys_b)  # (and its tail, if kept)
 
 
 def test_admit_after_2_writes_only_blocks_used_twice(tmp_path, llama, convo):
@@ -179,12 +202,6 @@ def test_budget_string_errors_name_the_value():
     assert (
         CacheConfig.from_env({"PREFIXCACHE_SSD_WRITE_BUDGET": "20G"}).ssd_write_budget == 20 << 30
     )
-
-
-def server_blocks(client, keys) -> set[bytes]:
-    """Which of ``keys`` (block keys) still have a key on the remote server."""
-    names = [k.decode() for k in client.scan_iter("prefixcache*", count=1000)]
-    return {k for k in keys if any(k.hex() in name for name in names)}
 
 
 @pytest.mark.xfail(
