@@ -15,7 +15,10 @@ Per run: stores per second, events published, events received, batches lost
 events name match the tiers' own counters (hot: blocks stored and evicted;
 SSD: writes and evictions). Nothing lost: every published batch arrived.
 
-    python tools/bench_events.py [--stores 5000 --rate 1000]
+Each round runs the three in turn (``--repeat`` rounds): rates are medians with
+their range, the overhead of events a ratio to the ``off`` run of the same round.
+
+    python tools/bench_events.py [--stores 5000 --rate 1000 --repeat 3]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import itertools
 import multiprocessing as mp
 import socket
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -32,6 +36,11 @@ import mlx.core as mx
 import numpy as np
 
 BLOCK = 16
+
+
+def runs_of(rate: float) -> tuple[tuple[str, float | None, bool], ...]:
+    """(name, stores per second or None: as fast as possible, events on)."""
+    return (("off", None, False), ("max", None, True), ("paced", rate, True))
 
 
 def subscribe(port: int, ready, out) -> None:
@@ -118,6 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stores", type=int, default=5000)
     p.add_argument("--rate", type=float, default=1000.0, help="stores per second (paced run)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds of the three runs")
     args = p.parse_args()
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -129,14 +139,19 @@ def main() -> None:
     cache = make_prompt_cache(model)
     model(mx.array([prompts[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    rows = []
-    runs = (("off", None, False), ("max", None, True), ("paced", args.rate, True))
-    for name, rate, events in runs:
-        got = run(model, cache, prompts, rate, events)
-        rows.append((name, got))
-        print(_line(name, got))
+    rounds = []
+    for r in range(args.repeat):
+        runs = {}
+        for name, rate, events in runs_of(args.rate):
+            runs[name] = run(model, cache, prompts, rate, events)
+            print(f"round {r + 1} " + _line(name, runs[name]))
+        rounds.append(runs)
     print()
-    print(_table(rows))
+    print(_table(rounds))
+
+
+def _matches(run: dict) -> bool:
+    return all(run["got"]["counts"].get(k, 0) == v for k, v in expected(run["stats"]).items())
 
 
 def _line(name: str, run: dict) -> str:
@@ -144,34 +159,36 @@ def _line(name: str, run: dict) -> str:
     if run["got"] is None:
         return line + " (no events)"
     st, got = run["stats"], run["got"]
-    want = expected(st)
-    received = got["events"]
-    match = all(got["counts"].get(k, 0) == v for k, v in want.items())
     return (
-        f"{line}, {st['events']['num_events']} events published, {received} received in "
+        f"{line}, {st['events']['num_events']} events published, {got['events']} received in "
         f"{got['batches']} batches, {got['missing']} batches lost, dropped "
-        f"{st['events']['num_dropped']}, per tier as counted: {'yes' if match else 'NO'}"
+        f"{st['events']['num_dropped']}, per tier as counted: {'yes' if _matches(run) else 'NO'}"
     )
 
 
-def _table(rows) -> str:
-    ref = rows[0][1]["rate"]
+def _table(rounds: list[dict[str, dict]]) -> str:
+    def spread(values: list[float], digits: int) -> str:
+        low, mid, high = min(values), statistics.median(values), max(values)
+        return f"{mid:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
     out = [
-        "| run | stores/s | vs no events | events published | received | batches lost "
-        "| match the tiers' counters |",
+        "| run | stores/s | vs no events, same round | events published | received "
+        "| batches lost | blocks match the tiers' counters |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name, run in rows:
-        if run["got"] is None:
-            out.append(f"| {name} | {run['rate']:.0f} | 1.00 | | | | |")
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        rates = spread([r["rate"] for r in runs], 0)
+        ratio = spread([r[name]["rate"] / r["off"]["rate"] for r in rounds], 2)
+        ratio = ratio if name == "max" else "(paced)"
+        if runs[0]["got"] is None:
+            out.append(f"| {name} | {rates} | 1.00 | | | | |")
             continue
-        got, st = run["got"], run["stats"]
-        match = all(got["counts"].get(k, 0) == v for k, v in expected(st).items())
-        out.append(
-            f"| {name} | {run['rate']:.0f} | {run['rate'] / ref:.2f} | "
-            f"{st['events']['num_events']} | {got['events']} | "
-            f"{got['missing']} | {'yes' if match else 'no'} |"
-        )
+        published = sum(r["stats"]["events"]["num_events"] for r in runs)
+        received = sum(r["got"]["events"] for r in runs)
+        lost = sum(r["got"]["missing"] for r in runs)
+        match = "yes" if all(_matches(r) for r in runs) else "no"
+        out.append(f"| {name} | {rates} | {ratio} | {published} | {received} | {lost} | {match} |")
     return "\n".join(out)
 
 

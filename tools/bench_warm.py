@@ -179,6 +179,7 @@ def _table(rounds: list[tuple[dict, dict]]) -> str:
         return f"{mid:.2f} ({low:.2f}-{high:.2f})"
 
     colds, warms = [c for c, _ in rounds], [w for _, w in rounds]
+    loaded = "/".join(str(r["warm_bytes"] >> 20) for r in warms)  # per round
 
     def row(name: str, get) -> str:
         return f"| {name} | {med([get(r) for r in colds])} | {med([get(r) for r in warms])} |"
@@ -193,8 +194,7 @@ def _table(rounds: list[tuple[dict, dict]]) -> str:
             + f" {ratio('during')} |",
             row("first requests, slowest", _slowest("during")) + " |",
             row("later requests (after it), median", _median("after")) + f" {ratio('after')} |",
-            f"| warm-up | | {warms[0]['warm_bytes'] / 2**20:.0f} MiB in "
-            f"{med([r['warm_seconds'] for r in warms])} | |",
+            f"| warm-up | | {loaded} MiB in {med([r['warm_seconds'] for r in warms])} | |",
         ]
     )
 

@@ -228,10 +228,10 @@ def _table(rows: list[tuple[str, dict]], ref: dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, got in rows:
-        fewer = 100 * (1 - got["written"] / ref["written"]) if name != "hot only" else None
+        fewer = 100 * (1 - got["written"] / ref["written"])
+        vs = {"hot only": "n/a", "admit 1": "reference"}.get(name, f"-{fewer:.0f}%")
         out.append(
-            f"| {name} | {got['written'] / 2**20:.2f} MiB | "
-            + (f"-{fewer:.0f}%" if fewer is not None else "n/a")
+            f"| {name} | {got['written'] / 2**20:.2f} MiB | {vs}"
             + f" | {100 * got['hit']:.1f}% | {100 * (got['hit'] - ref['hit']):+.1f} pts"
             f" | {got['ssd_hits']} | {got['skipped']} | {got['deferred']} |"
         )
