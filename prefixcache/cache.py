@@ -318,11 +318,12 @@ class PrefixCache(ControlVerbs):
                 window=self.layout.window_policy,
             )
             self._last_shared = None  # what is stored changed
-            self.tiers.keep(cut.new, persist=persist)
-            self.tiers.replace(cut.upgraded)
             tail = cut.tail
+            continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
+            self.tiers.keep(cut.new, persist=persist, continues=continues)
+            self.tiers.replace(cut.upgraded)
             if tail is not None:
-                self.tiers.keep_tail(tail, persist=persist)
+                self.tiers.keep_tail(tail, persist=persist, continues=continues)
             walked = [*keys, *tail_keys(root, keys, data, bs)]
             self.controls.stored(session, persist, [*cut.new, *([tail] if tail else [])], walked)
             if self.layout.trimmable_at(1):  # recurrent state: a tail's end state is its own

@@ -238,6 +238,17 @@ class TieredPromptCache:
                 "hot_only": int(self._hot_only_since is not None),
             }
 
+    def end_session(self, session: str) -> int:
+        """``PrefixCache.end_session`` on the open model's cache: how many blocks went.
+
+        Raises:
+            ValueError: unknown ``session`` (or no model's cache is open).
+        """
+        with self._lock:
+            if self._cache is None:
+                raise ValueError(f"unknown session {session!r}: no request was served yet")
+            return self._cache.end_session(session)
+
     def close(self) -> None:
         """Flush and close the open PrefixCache; logs its counters."""
         with self._lock:

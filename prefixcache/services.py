@@ -12,7 +12,6 @@ final flush's events are queued.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from .config import CacheConfig
@@ -20,7 +19,7 @@ from .periodic import Periodic
 from .stats import Stats, counter_delta
 from .tiers.governor import watch
 from .tiers.stack import Tiers
-from .warm import WarmStart
+from .warm import CacheLock, WarmStart
 
 if TYPE_CHECKING:
     from .events import EventPublisher
@@ -41,7 +40,7 @@ class Services:
         self,
         config: CacheConfig,
         tiers: Tiers,
-        lock: AbstractContextManager[object],
+        lock: CacheLock,
         stats: Stats,
         root: Callable[[], bytes],
     ) -> None:

@@ -7,7 +7,10 @@ root-first). Each block is read and its arrays evaluated on this thread (MLX
 streams are per thread, and a thread must evaluate what it builds); the
 cache's lock is taken only to insert one block, so requests arriving
 meanwhile are served (from the SSD tier until their blocks are hot) and wait
-at most for one insert. Only free room is used: a warm block never evicts a
+at most for one insert. Requests go first: before each block the thread waits
+until no request has held the lock for a moment (a burst of requests is served
+before the warm-up reads on; it competes only with a request that arrives
+during one block's read). Only free room is used: a warm block never evicts a
 block a request stored, and it goes in at the cold end of the LRU.
 """
 
@@ -17,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -25,6 +28,20 @@ from .tiers.base import Tier
 from .tiers.stack import Tiers
 
 logger = logging.getLogger(__name__)
+
+_QUIET_S = 0.05  # no request for this long: the warm-up reads its next block
+
+
+class CacheLock(Protocol):
+    """The cache's lock (a ``threading.RLock``)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, *exc: object) -> None: ...
 
 
 class WarmStart:
@@ -40,7 +57,7 @@ class WarmStart:
     def __init__(
         self,
         tiers: Tiers,
-        lock: AbstractContextManager[object],
+        lock: CacheLock,
         max_bytes: int,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -84,6 +101,7 @@ class WarmStart:
         """Load ``tier``'s recent blocks while there is room; False once full or stopped."""
         hot = self.tiers.hot
         for entry in tier.recent(self.max_bytes - self.nbytes):
+            self._wait_quiet()
             if self._stop.is_set() or self.nbytes + entry.nbytes > self.max_bytes:
                 return False
             with self.lock:
@@ -104,3 +122,13 @@ class WarmStart:
                     self.num_blocks += 1
                     self.nbytes += block.nbytes
         return True
+
+    def _wait_quiet(self) -> None:
+        """Wait until no request has held the cache's lock for ``_QUIET_S`` (or a stop)."""
+        while not self._stop.is_set():
+            if self.lock.acquire(blocking=False):
+                self.lock.release()
+                return
+            with self.lock:  # a request is being served: wait for it
+                pass
+            self._stop.wait(_QUIET_S)  # the next request of a burst goes first

@@ -96,6 +96,8 @@ def failing_base(name: str, p: dict[str, str]) -> tuple[str, ...]:
         "serve": ("serve", "--model", p["missing"]),
         "demo": ("demo", "--model", p["missing"]),
         "make-model": ("make-model", p["file"]),
+        "pin": ("pin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
+        "unpin": ("unpin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
     }
     assert name in bases, f"add a failing base for the new command {name!r}"
     return bases[name]
@@ -172,6 +174,10 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         (("demo", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         (("make-model", p["file"]), {}, f"'{p['file']}' exists and is not a directory"),
+        (("pin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
+        (("pin", "--model", p["tiny"], *d), {}, "give the prompt as FILE or --text"),
+        (("pin", "--text", "hi", "--model", p["tiny"], "--ttl", "-5"), {}, "--ttl"),
+        (("unpin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
         (("make-model", p["plain"], "--arch", "nonsense"), {}, "--arch: invalid choice"),
         (("ls", *d, "--no-such-flag"), {}, "unrecognized arguments: --no-such-flag"),
         (("nosuch",), {}, "invalid choice: 'nosuch'"),

@@ -1,5 +1,5 @@
 """KV events: a real ZeroMQ SUB socket decodes every store and eviction of every tier,
-in order, in vLLM's layout, with nothing lost at 1,000+ stores per second."""
+in order, in vLLM's layout, with nothing lost at the store rate reached (recorded)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def subscriber():
     sub.close(linger=0)
 
 
-def test_every_store_and_eviction_of_every_tier_in_order(tmp_path, llama, subscriber):
+def test_every_store_and_eviction_of_every_tier_in_order(
+    tmp_path, llama, subscriber, record_property
+):
     port, sub = subscriber
     tokens = prompt(1, BLOCK)
     cache = make_prompt_cache(llama)
@@ -94,8 +96,9 @@ def test_every_store_and_eviction_of_every_tier_in_order(tmp_path, llama, subscr
             if name == "BlockRemoved":
                 assert seen.get((medium, h)) == "stored", (medium, h)
             seen[(medium, h)] = "stored" if name == "BlockStored" else "removed"
-    assert rate > 1000 or st["events"]["num_dropped"] == 0
-    assert st["events"]["num_dropped"] == 0
+    # nothing lost at the rate reached (tools/bench_events.py paces it and compares)
+    record_property("stores_per_second", round(rate))
+    assert len(events) == st["events"]["num_events"] and st["events"]["num_dropped"] == 0
 
 
 def test_first_block_hash_and_parent_link(tmp_path, llama, subscriber):
@@ -127,3 +130,31 @@ def test_an_events_url_that_cannot_bind_is_named(llama, subscriber):
             PrefixCache(llama, CacheConfig(hot_cache_only=True, events_url=url))
     finally:
         taken.close(linger=0)
+
+
+def test_remote_tier_stores_and_removals_are_published(llama, subscriber, redis_server):
+    port, sub = subscriber
+    tokens = prompt(3, 3 * BLOCK)
+    cache = make_prompt_cache(llama)
+    prefill(llama, tokens, cache, step=BLOCK)
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        hot_cache_only=True,
+        remote_url=redis_server.url,
+        events_url=f"tcp://*:{port}",
+    )
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        assert pc.services.events.wait_for_subscriber(10)
+        pc.store(tokens, cache, session="s")
+        pc.flush()
+        assert pc.end_session("s") == 3
+        pc.services.events.flush()
+        from prefixcache.hashing import chain_keys, token_bytes
+
+        hashes = [block_hash(k) for k in chain_keys(pc._root(None), token_bytes(tokens), BLOCK)]
+    events = [e for _, b in receive(sub) for e in b.events if e.medium == "remote"]
+    stored = [e.block_hashes[0] for e in events if type(e).__name__ == "BlockStored"]
+    removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
+    assert stored == hashes and sorted(removed) == sorted(hashes)
+    names = [type(e).__name__ for e in events]
+    assert names.index("BlockRemoved") > max(i for i, n in enumerate(names) if n == "BlockStored")

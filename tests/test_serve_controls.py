@@ -44,3 +44,45 @@ def test_two_tenants_with_different_salts_share_nothing(model_dir, tmp_path):  #
         assert reply.status_code == 400 and "cache.persist" in reply.json()["error"]
         assert "'no'" in reply.json()["error"]
         assert chat(server, "tenant-a")[1] == cached  # nothing stored was lost
+
+
+def ask(server, question: str, headers: dict | None = None, **extra) -> int:
+    """Cached tokens of one chat request (system prompt SYSTEM) that must succeed."""
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
+    url = server.url + "/v1/chat/completions"
+    reply = requests.post(url, json=body, headers=headers or {}, timeout=TIMEOUT)
+    assert reply.ok, reply.text
+    return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_sessions_persistence_and_pinned_system_prompts_through_serve(model_dir, tmp_path):  # noqa: F811
+    from test_cli import cli
+
+    ssd = tmp_path / "ssd"
+    argv = [*_ours(model_dir, ssd), "--pin-system-prompts"]
+    end = "/v1/sessions/"
+    with running(argv, tmp_path / "serve.log") as server:
+        assert ask(server, "Alice asks.", session_id="alice") == 0
+        system = ask(server, "Bob asks.", headers={"X-Session-Id": "bob"})
+        assert system > 0  # the system prompt, shared
+        assert ask(server, "Alice asks.", session_id="alice") > system  # her own blocks too
+        assert ask(server, "Carol asks.", cache={"persist": False}) == system
+        reply = requests.delete(server.url + end + "alice", timeout=TIMEOUT)
+        assert reply.status_code == 200 and reply.json()["num_blocks"] > 0
+        reply = requests.delete(server.url + end + "alice", timeout=TIMEOUT)
+        assert reply.status_code == 404 and "unknown session 'alice'" in reply.json()["error"]
+        assert requests.delete(server.url + end, timeout=TIMEOUT).status_code == 400
+        assert ask(server, "Alice asks.") == system  # gone from every tier
+        assert ask(server, "Bob asks.") > system  # the control: bob's session kept his
+        assert ask(server, "Carol asks.", cache={"persist": False}) > system  # hot only
+    with running(argv, tmp_path / "serve2.log") as server:  # restarted: what reached SSD
+        assert ask(server, "Carol asks.") == system  # persist=False: never written
+        assert ask(server, "Bob asks.") > system
+    pinned = cli("ls", "--pinned", "--ssd-dir", str(ssd), "--json")["rows"]
+    assert max(r["prefix_tokens"] for r in pinned) == system  # its system prompt, no more
+    assert len(pinned) == -(-system // 16) and all(r["pinned_until"] is None for r in pinned)

@@ -8,6 +8,7 @@ from conftest import prefill, prompt
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.hashing import chain_keys, token_bytes
 
 BLOCK = 16
 BLOCK_BYTES = 8192
@@ -33,6 +34,12 @@ def files(tmp_path) -> set[str]:
 
 def indexed(pc) -> set[str]:
     return {m.key.hex() for m in pc.ssd.iter_meta()}
+
+
+def server_blocks(client, keys) -> set[bytes]:
+    """Which of ``keys`` (block keys) still have a key on the remote server."""
+    names = [k.decode() for k in client.scan_iter("prefixcache*", count=1000)]
+    return {k for k in keys if any(k.hex() in name for name in names)}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +111,23 @@ def test_persist_false_never_reaches_a_file(tmp_path, llama, convo, policy):
         assert len(files(tmp_path)) <= 4 + 2 + 1
 
 
+def test_persist_false_never_reaches_the_remote_server(tmp_path, llama, convo, redis_server):
+    _shared, (a, cache_a), (b, cache_b) = convo
+    cfg = config(tmp_path, remote_url=redis_server.url, hot_max_bytes=6 * BLOCK_BYTES)
+    client = redis_server.client()
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        pc.store(a, cache_a, persist=False)  # over the hot budget: evicted, discarded
+        pc.flush()
+        keys_a = chain_keys(pc._root(None), token_bytes(a), BLOCK)
+        assert pc.stats()["remote"]["num_writes"] == 0 and files(tmp_path) == set()
+        assert server_blocks(client, set(keys_a)) == set()
+        pc.store(b, cache_b)  # the control: a persisted store reaches the server
+        pc.flush()
+        keys_b = chain_keys(pc._root(None), token_bytes(b), BLOCK)
+        assert server_blocks(client, set(keys_b)) == set(keys_b)
+        assert pc.stats()["remote"]["num_writes"] >= len(keys_b)  # (and its tail, if kept)
+
+
 def test_admit_after_2_writes_only_blocks_used_twice(tmp_path, llama, convo):
     shared, (a, cache_a), (b, cache_b) = convo
     with PrefixCache(llama, config(tmp_path, ssd_admit_after=2), model_id="m") as pc:
@@ -122,6 +146,31 @@ def test_admit_after_2_writes_only_blocks_used_twice(tmp_path, llama, convo):
         pc.store(a, cache_a)
         pc.flush()
         assert pc.stats()["ssd"]["num_writes"] == 4 + 3 + 1 - 4  # shared ones were there
+
+
+def test_admit_after_2_takes_a_conversations_next_turn_at_once(tmp_path, llama):
+    system = prompt(1, 2 * BLOCK)
+    one_off = system + prompt(2, 2 * BLOCK)
+    turn1 = system + prompt(3, 2 * BLOCK)  # branches off the system prompt, as one_off did
+    turn2 = turn1 + prompt(4, 2 * BLOCK)  # continues turn1 from its end
+    branch = turn1[: 3 * BLOCK] + prompt(5, 2 * BLOCK)  # the control: leaves turn1 inside
+    cfg = config(tmp_path, ssd_admit_after=2, hot_max_bytes=64 * BLOCK_BYTES)
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        for tokens in (one_off, turn1, turn2, branch):  # as a server: fetch, then store
+            pc.fetch(tokens)
+            pc.store(tokens, filled(llama, tokens))
+        pc.trim_hot(0)  # every block leaves hot: written if admitted, else dropped
+        pc.flush()
+        root = pc._root(None)
+        keys = {
+            name: chain_keys(root, token_bytes(t), BLOCK)
+            for name, t in (("one_off", one_off), ("turn2", turn2), ("branch", branch))
+        }
+        on_ssd = {bytes.fromhex(k) for k in indexed(pc)}
+    assert set(keys["turn2"]) <= on_ssd  # its own two at once: the conversation went on
+    assert not set(keys["one_off"][2:]) & on_ssd  # seen once: never written
+    assert not set(keys["branch"][3:]) & on_ssd  # a branch inside turn1: seen once too
+    assert set(keys["one_off"][:2]) <= on_ssd  # the shared system prompt: restored, so used
 
 
 def test_write_budget_defers_then_drops_and_is_counted(tmp_path, llama, convo):
@@ -153,3 +202,27 @@ def test_budget_string_errors_name_the_value():
     assert (
         CacheConfig.from_env({"PREFIXCACHE_SSD_WRITE_BUDGET": "20G"}).ssd_write_budget == 20 << 30
     )
+
+
+def test_end_session_removes_its_blocks_from_the_remote_server(
+    tmp_path, llama, convo, redis_server
+):
+    shared, (a, cache_a), (b, cache_b) = convo
+    cfg = config(tmp_path, remote_url=redis_server.url)
+    client = redis_server.client()
+    with PrefixCache(llama, cfg, model_id="m") as pc:
+        pc.store(a, cache_a, session="alice")
+        pc.store(b, cache_b, session="bob")
+        pc.flush()
+        root = pc._root(None)
+        keys_a, keys_b = (chain_keys(root, token_bytes(t), BLOCK) for t in (a, b))
+        own_a = set(keys_a[4:])
+        assert server_blocks(client, own_a | set(keys_b)) == own_a | set(keys_b)
+        assert pc.end_session("alice") == 4
+        pc.flush()
+        assert server_blocks(client, own_a) == set()  # alice's own: gone from the server
+        assert server_blocks(client, set(keys_b)) == set(keys_b)  # shared and bob's stay
+    other_host = cfg.replace(hot_cache_only=True)  # only the remote tier below hot
+    with PrefixCache(llama, other_host, model_id="m") as pc:
+        assert pc.match(a) == len(shared)  # the control below: bob's chain is still served
+        assert pc.match(b) >= len(keys_b) * BLOCK

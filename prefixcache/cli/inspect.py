@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import shutil
 import time
 
@@ -33,6 +34,7 @@ def add_ls_args(p: argparse.ArgumentParser) -> None:
                    help="age: most recently used first; size, tokens: largest first")  # fmt: skip
     p.add_argument("--reverse", action="store_true", help="reverse the order")
     p.add_argument("--limit", type=count, help="print at most this many rows")
+    p.add_argument("--pinned", action="store_true", help="only pinned blocks (chains holding one)")
 
 
 # -- stats ----------------------------------------------------------------------
@@ -65,6 +67,7 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
         "num_corrupt_total": totals["num_corrupt_total"],
         "max_bytes": limits.get("max_bytes"),
         "min_free_bytes": limits.get("min_free_bytes"),
+        **_governance_doc(view, limits.get("write_budget", 0)),
         "disk": {"total_bytes": disk.total, "free_bytes": disk.free},
         "other_pids": view.records.other_pids(),
         "models": sorted(models.values(), key=lambda m: m["model"] or ""),
@@ -75,6 +78,20 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
     }
     emit(args, doc, lambda: _stats_text(doc))
     return 0
+
+
+def _governance_doc(view: SsdView, budget: int) -> Doc:
+    """Bytes written today (UTC), the write budget (the last writer's; 0: none) and
+    what is left of it now, and the pins in force (the keys of ``stats()["ssd"]``)."""
+    level, today = view.index.written(budget)
+    pins = view.index.pins()
+    return {
+        "written_bytes_today": today,
+        "write_budget": budget,
+        "write_budget_left": max(0, int(budget - level)) if budget else None,
+        "num_pinned": len(pins),
+        "pinned_bytes": sum(nbytes for _, nbytes in pins.values()),
+    }
 
 
 def _ns_doc(inv: Inventory, ns: NamespaceInfo, counters: dict | None) -> Doc:
@@ -110,6 +127,9 @@ def _stats_text(doc: Doc) -> str:
         f"  {doc['num_blocks']} blocks, {doc['num_tokens']} tokens, {used}",
         f"  disk: {format_bytes(disk['free_bytes'])} free of {format_bytes(disk['total_bytes'])}",
     ]
+    lines.append(_writes_text(doc))
+    if doc["num_pinned"]:
+        lines.append(f"  pinned: {doc['num_pinned']} blocks, {format_bytes(doc['pinned_bytes'])}")
     if doc["other_pids"]:
         lines.append(f"  open in: pid {', '.join(map(str, doc['other_pids']))}")
     if doc["num_bad_entries"] or doc["num_corrupt_total"]:
@@ -135,6 +155,14 @@ def _stats_text(doc: Doc) -> str:
     return "\n".join(lines)
 
 
+def _writes_text(doc: Doc) -> str:
+    written = f"  written today (UTC): {format_bytes(doc['written_bytes_today'])}"
+    if not doc["write_budget"]:
+        return written + "; no write budget"
+    budget, left = format_bytes(doc["write_budget"]), format_bytes(doc["write_budget_left"])
+    return f"{written}; write budget {budget} per day, {left} left"
+
+
 # -- ls -------------------------------------------------------------------------
 
 
@@ -145,6 +173,12 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
     rows = [_chain_row(inv, e) for e in inv.leaves(roots)] if args.chains else [
         _block_row(inv, e) for e in inv.blocks(roots)
     ]  # fmt: skip
+    pins = view.index.pins()
+    for row in rows:
+        key = bytes.fromhex(row["key"])
+        _pin_fields(row, [e.key for e in inv.chain(key)[0]] if args.chains else [key], pins)
+    if args.pinned:
+        rows = [r for r in rows if r["pinned"]]
     now = time.time()
     if args.older_than is not None:
         rows = [r for r in rows if now - r["last_used"] > args.older_than]
@@ -156,8 +190,17 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: (r[sort_key], r["key"]), reverse=not args.reverse)
     doc = {"ssd_dir": view.path, "kind": "chains" if args.chains else "blocks",
            "num_matched": len(rows), "rows": rows[: args.limit]}  # fmt: skip
+    doc["pinned_only"] = args.pinned
     emit(args, doc, lambda: _ls_text(doc, labels, now))
     return 0
+
+
+def _pin_fields(row: Doc, keys: list[bytes], pins: dict[bytes, tuple[float, int]]) -> None:
+    """A listing row's ``pinned`` (one of its blocks ``keys`` is) and ``pinned_until``
+    (the earliest end among them, Unix time; None: never)."""
+    ends = [pins[k][0] for k in keys if k in pins]
+    row["pinned"] = bool(ends)
+    row["pinned_until"] = min(ends) if ends and math.isfinite(min(ends)) else None
 
 
 def _block_row(inv: Inventory, e: Entry) -> Doc:
@@ -198,9 +241,16 @@ def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
                  format_bytes(r["nbytes"]), format_age(now - r["last_used"]) + " ago",
                  r["num_children"]] for r in rows]  # fmt: skip
         align = "llrrrrr"
+    if doc["pinned_only"]:
+        heads, align = (*heads, "pin ends"), align + "r"
+        body = [[*b, _pin_end(r["pinned_until"], now)] for b, r in zip(body, rows, strict=True)]
     more = doc["num_matched"] - len(rows)
     tail = f"\n... {more} more (--limit)" if more > 0 else ""
     return (table(heads, body, align) if rows else f"(no {doc['kind']} match)") + tail
+
+
+def _pin_end(until: float | None, now: float) -> str:
+    return "never" if until is None else "in " + format_age(until - now)
 
 
 _STATS_HELP = "blocks, tokens, bytes and hit counters per model (--remote-url: per server)"

@@ -15,6 +15,7 @@ Per-request cache fields (``cache_salt``, ``session_id`` / ``X-Session-Id``,
 mlx-lm's ``handle_completion`` (a bad one is a 400 naming it), ``generate``
 (same thread) files them under the request object, and ``_tokenize`` (the
 generation thread, just before the fetch) registers them with the prompt.
+``DELETE /v1/sessions/{session_id}`` ends a session (``PrefixCache.end_session``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import logging
 import signal
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +35,7 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
+from ..controls import check_session
 from ..mlx_fit import ModelKey, ModelPair
 from ..mlx_prefetch import QueuedPrefetch
 from ..mlx_segments import CheckpointedPrefill, cut_segments
@@ -41,6 +44,7 @@ from ..request_options import DEFAULT, RequestOptions, parse
 from .metrics import serve_metrics
 
 log = logging.getLogger(__name__)
+SESSIONS = "/v1/sessions/"  # DELETE /v1/sessions/{session_id} ends a session
 
 
 def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
@@ -155,16 +159,39 @@ _asked = _Asked()
 
 
 def _handler_class(base: type) -> type:
-    """mlx-lm's APIHandler that parses the cache fields of each completion request."""
+    """mlx-lm's APIHandler that parses the cache fields of each completion request,
+    and ends sessions (``DELETE /v1/sessions/{session_id}``)."""
 
     class CacheOptionsHandler(base):  # type: ignore[misc,valid-type]
+        def do_DELETE(self) -> None:
+            """``DELETE /v1/sessions/{session_id}``: drop the blocks only that session holds."""
+            path = urllib.parse.urlsplit(self.path).path
+            if not path.startswith(SESSIONS):
+                self._reply(404, {"error": f"no such resource: {path!r}"})
+                return
+            session = urllib.parse.unquote(path.removeprefix(SESSIONS))
+            try:
+                check_session(session)
+            except ValueError as err:
+                self._reply(400, {"error": str(err)})
+                return
+            try:
+                num = self.response_generator.tiered.end_session(session)
+            except ValueError as err:  # unknown: no store used it, or it ended
+                self._reply(404, {"error": str(err)})
+                return
+            self._reply(200, {"session_id": session, "num_blocks": num})
+
+        def _reply(self, status: int, doc: dict[str, object]) -> None:
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps(doc).encode())
+
         def handle_completion(self, request: Any, stop_words: Any) -> None:
             try:
                 _asked.options = parse(self.body, self.headers)
             except ValueError as err:
-                self._set_completion_headers(400)
-                self.end_headers()
-                self.wfile.write(json.dumps({"error": str(err)}).encode())
+                self._reply(400, {"error": str(err)})
                 return
             try:
                 super().handle_completion(request, stop_words)

@@ -7,7 +7,11 @@ Before a block is put on a ``metered`` tier (the SSD tier), the stack asks
   been used N times. A use is a store that keeps it new or a fetch that
   restores it, counted in :class:`Sightings` (a count-min sketch keyed by the
   block's chain key, so a block evicted before its second sighting is still
-  admitted when it comes back: TinyLFU's idea). Pinned blocks are admitted at once.
+  admitted when it comes back: TinyLFU's idea). A store that continues a chain
+  from its end (a conversation's next turn: ``Tiers.continues``) counts as two
+  uses of its new blocks: the conversation was used again, and under
+  ``write_back`` its newest blocks often leave hot before the next turn could
+  restore them. Pinned blocks are admitted at once.
 - **Budget** (``ssd_write_budget``, bytes per day, the tier's leaky bucket):
   over budget a write waits in hot (the block stays dirty and is tried again
   at its eviction or the next ``flush``) or, at its last chance (eviction), is
@@ -52,18 +56,18 @@ class Sightings:
         words = np.frombuffer(key[: 4 * len(self._rows)].ljust(16, b"\0"), dtype="<u4")
         return (words[: len(self._rows)] & self._mask).astype(np.intp)
 
-    def add(self, key: bytes) -> int:
-        """Count one use of ``key`` (conservative update); returns its new count."""
+    def add(self, key: bytes, uses: int = 1) -> int:
+        """Count ``uses`` uses of ``key`` (conservative update); returns its new count."""
         cols = self._cols(key)
         cells = self._table[self._rows, cols]
         low = int(cells.min())
-        if low < 255:
-            self._table[self._rows, cols] = np.maximum(cells, low + 1)
+        count = min(low + uses, 255)
+        self._table[self._rows, cols] = np.maximum(cells, count)
         self._added += 1
         if self._added >= self._period:
             self._table >>= 1
             self._added = 0
-        return min(low + 1, 255)
+        return count
 
     def count(self, key: bytes) -> int:
         return int(self._table[self._rows, self._cols(key)].min())
@@ -95,10 +99,10 @@ class WriteGovernor:
             self.listener.stored(tier.name, [block])
         return accepted
 
-    def seen(self, key: bytes) -> None:
-        """``key`` was used (stored new, or restored)."""
+    def seen(self, key: bytes, uses: int = 1) -> None:
+        """``key`` was used (stored new, or restored): ``uses`` times."""
         if self.sightings is not None:
-            self.sightings.add(key)
+            self.sightings.add(key, uses)
 
     def admitted(self, key: bytes) -> bool:
         if self.admit_after <= 1 or self.pins.holds(key):

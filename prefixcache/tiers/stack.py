@@ -118,15 +118,23 @@ class Tiers:
 
     # -- write path ----------------------------------------------------------
 
-    def keep(self, blocks: Sequence[Block], *, upgrade: bool = False, persist: bool = True) -> None:
+    def keep(
+        self,
+        blocks: Sequence[Block],
+        *,
+        upgrade: bool = False,
+        persist: bool = True,
+        continues: bool = False,
+    ) -> None:
         """Place new blocks (root-first) according to the write policy; ``persist=False``
-        keeps them hot only (never written to a lower tier)."""
+        keeps them hot only (never written to a lower tier); ``continues``: they extend
+        a chain's end (:meth:`continues`), which counts as a second use."""
         warm = []
         for block in blocks:
             self.stats.kept(block.nbytes, upgrade=upgrade)
             self._evicted_set.discard(block.key)
             if not upgrade:
-                self.governor.seen(block.key)
+                self.governor.seen(block.key, 2 if continues else 1)
             waits = False
             for tier in self.on_store if persist else ():
                 if self.finds(tier, block):
@@ -144,7 +152,21 @@ class Tiers:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
 
-    def keep_tail(self, block: Block, *, persist: bool = True) -> None:
+    def continues(self, blocks: Sequence[Block]) -> bool:
+        """Whether new ``blocks`` (root-first) continue a chain from its end: the first
+        one's parent is held and has no other full block under it (a conversation's
+        next turn; a prompt branching off a shared prefix does not). Asked only when
+        sightings are counted (``ssd_admit_after`` > 1 or a write budget)."""
+        if self.governor.sightings is None or not blocks:
+            return False
+        parent = blocks[0].parent
+        if parent == blocks[0].root or not self.contains(parent):
+            return False
+        new = {b.key for b in blocks}
+        size = 4 * self.config.block_size
+        return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
+
+    def keep_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
         Tails are found through their parent (``Tier.children``), so they go to
@@ -153,7 +175,7 @@ class Tiers:
         """
         cold = block.parent != block.root and block.parent not in self.hot
         if not (cold and not self.lower):
-            self.keep([block], persist=persist)
+            self.keep([block], persist=persist, continues=continues)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
@@ -193,11 +215,14 @@ class Tiers:
             self.flush()
 
     def remove_lower(self, keys: Sequence[bytes]) -> None:
-        """Drop ``keys`` from every lower tier (queued copies land first, then go)."""
+        """Drop ``keys`` from every lower tier (queued copies land first, then go).
+
+        Every tier is asked, also one that does not know it holds them (the remote
+        tier remembers only so many of its writes: the server may hold more)."""
         for tier in self.lower:
             if any(tier.contains(k) for k in keys):  # a queued copy must land first
                 tier.flush()
-                tier.remove(keys)
+            tier.remove(keys)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         for tier in self.lower:

@@ -4,7 +4,7 @@ One named database ``records`` of the index's LMDB environment (see index.py)::
 
     namespace/<root key>   the namespace's canonical JSON (``Namespace.to_json()``)
     counters/<root key>    JSON of summed ``Stats`` counters (with ``miss_reasons``)
-    limits                 JSON {"max_bytes": ..., "min_free_bytes": ...}
+    limits                 JSON {"max_bytes": ..., "min_free_bytes": ..., "write_budget": ...}
     process/<pid>          a process that caches here, from its PrefixCache's start to close
 
 A PrefixCache writes the namespace record when it first uses a root key (once
@@ -69,12 +69,17 @@ class SsdRecords:
         """Record which namespace ``root`` is (written only if absent or different)."""
         self._put_if_changed(_NAMESPACE + root, namespace_json.encode())
 
-    def note_limits(self, *, max_bytes: int, min_free_bytes: int) -> None:
-        """Record the tier's cap and free-disk headroom, and this process until :meth:`close`.
+    def note_limits(self, *, max_bytes: int, min_free_bytes: int, write_budget: int = 0) -> None:
+        """Record the tier's cap, free-disk headroom and daily write budget (0: none),
+        and this process until :meth:`close`.
 
         Called by a PrefixCache (a writer), not by the CLI.
         """
-        doc = {"max_bytes": max_bytes, "min_free_bytes": min_free_bytes}
+        doc = {
+            "max_bytes": max_bytes,
+            "min_free_bytes": min_free_bytes,
+            "write_budget": write_budget,
+        }
         self._put_if_changed(_LIMITS, json.dumps(doc, sort_keys=True).encode())
         if not self._registered:
             self._registered = True

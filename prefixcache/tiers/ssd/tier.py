@@ -81,7 +81,9 @@ class SsdTier(SsdControls, Tier):
         self.records = SsdRecords(self.index.path)  # namespaces, counters (the CLI)
         if record_limits:
             self.records.note_limits(
-                max_bytes=config.ssd_max_bytes, min_free_bytes=config.ssd_min_free_bytes
+                max_bytes=config.ssd_max_bytes,
+                min_free_bytes=config.ssd_min_free_bytes,
+                write_budget=config.ssd_write_budget,
             )
         self._closed = False
         self._lock = threading.Lock()  # touches
