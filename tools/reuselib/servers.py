@@ -76,7 +76,7 @@ class Server:
     (so several servers can start side by side).
     """
 
-    def __init__(self, name: str, argv: list[str], log: Path):
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -86,7 +86,7 @@ class Server:
                 [*argv, "--host", "127.0.0.1", "--port", str(self.port)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             )
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
@@ -126,6 +126,34 @@ class Server:
             usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
             time.perf_counter() - start,
         )
+
+    def first_token(self, messages: list[dict[str, str]], max_tokens: int = 4) -> float:
+        """Seconds from sending a greedy streamed chat completion to its first token
+        (the rest of the reply is read and dropped).
+
+        Raises:
+            RuntimeError: the request failed (with the server's log tail).
+        """
+        body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True}
+        request = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        start = time.perf_counter()
+        first = None
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
+                for line in reply:
+                    if first is None and line.startswith(b"data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk.get("choices") and chunk["choices"][0].get("delta"):
+                            first = time.perf_counter() - start
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
+            raise RuntimeError(f"{self.name}: {err}: {self.tail()}") from None
+        if first is None:
+            raise RuntimeError(f"{self.name}: no token streamed: {self.tail()}")
+        return first
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -1,0 +1,191 @@
+"""Prefetch while a request waits: time to first token of concurrent requests whose
+cached prefixes live only on a lower tier, with and without ``prefetch``.
+
+A small random-weight llama with a wide K/V (``--kv-heads`` x ``--head-dim``, so a
+prefix is many bytes to restore: the restore is a real share of the wait) is
+saved to a directory and served by real ``prefixcache serve`` processes:
+
+1. fill: one server answers each of ``--clients`` conversations once (a system
+   prompt of ``--prefix-words`` words each, its own), then stops (SIGTERM
+   flushes its hot tier to the lower tier);
+2. rounds: a fresh server (hot tier empty) takes one new turn of every
+   conversation at once (``--clients`` threads, streamed: time to first token),
+   then stops; rounds alternate prefetch on (the default) and off
+   (``PREFIXCACHE_PREFETCH_BYTES=0``), ``--rounds`` of each;
+3. idle: the same turns one at a time (nothing queued), prefetch on and off.
+
+``--tier ssd`` keeps the prefixes on the SSD tier; ``--tier remote`` on a Redis
+server the tool starts (``--hot-cache-only``: hot and remote only). Prints the
+TTFT median and p90 of each mode and their ratios.
+
+    python tools/bench_prefetch.py --tier ssd
+    python tools/bench_prefetch.py --tier remote
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from reuselib.servers import Server
+
+from prefixcache.tiny import save_model
+
+WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+]
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tier", choices=("ssd", "remote"), default="ssd")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
+    p.add_argument("--prefix-words", type=int, default=900)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def serve(args, model: Path, work: Path, prefetch: bool, redis_url: str | None) -> Server:
+    argv = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model)]
+    argv += ["--block-size", str(args.block_size), "--warm-bytes", "0"]
+    if redis_url is None:
+        argv += ["--ssd-dir", str(work / "ssd")]
+    else:
+        argv += ["--hot-cache-only", "--remote-url", redis_url]
+    env = {"PREFIXCACHE_PREFETCH_BYTES": "256M" if prefetch else "0"}
+    server = Server("ours", argv, work / "server.log", env=env)
+    server.wait_ready()
+    return server
+
+
+def concurrent(server: Server, requests: list[list[dict[str, str]]]) -> list[float]:
+    """Time to first token of every request, all sent at once (a barrier)."""
+    out: list[float] = [0.0] * len(requests)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            out[i] = server.first_token(requests[i])
+        except BaseException as err:  # re-raised on the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        wide = {
+            "num_hidden_layers": args.layers,
+            "num_attention_heads": args.kv_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+        }
+        model = save_model(work / "model", "llama", **wide)
+        redis = _redis(work) if args.tier == "remote" else None
+        url = None if redis is None else redis[1]
+        try:
+            history = [
+                [{"role": "system", "content": text(rng, args.prefix_words)}]
+                for _ in range(args.clients)
+            ]
+            server = serve(args, model, work, True, url)  # fill: one turn each
+            for h in history:
+                h.append({"role": "user", "content": text(rng, 8)})
+                server.first_token(h)
+            server.stop()
+            results = _rounds(args, rng, model, work, url, history)
+        finally:
+            if redis is not None:
+                redis[0].terminate()
+                redis[0].wait(timeout=10)
+    _report(args, results)
+
+
+def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
+    results: dict[str, list[float]] = {m: [] for m in ("on", "off", "idle on", "idle off")}
+    for _ in range(args.rounds):
+        for prefetch in (True, False):
+            turns = [[*h, {"role": "user", "content": text(rng, 8)}] for h in history]
+            server = serve(args, model, work, prefetch, url)
+            results["on" if prefetch else "off"] += concurrent(server, turns)
+            server.stop()
+            server = serve(args, model, work, prefetch, url)
+            mode = "idle on" if prefetch else "idle off"
+            results[mode] += [server.first_token(t) for t in turns]  # nothing queued
+            server.stop()
+    return results
+
+
+def _redis(work: Path) -> tuple[subprocess.Popen, str]:
+    sock = work / "redis.sock"
+    argv = ["redis-server", "--port", "0", "--unixsocket", str(sock)]
+    proc = subprocess.Popen([*argv, "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while not sock.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+    return proc, f"unix://{sock}"
+
+
+def _report(args, results: dict[str, list[float]]) -> None:
+    rows = []
+    for mode, times in results.items():
+        p50 = statistics.median(times)
+        p90 = statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0]
+        rows.append((mode, len(times), p50, p90))
+        line = f"TTFT p50 {p50 * 1e3:.0f} ms p90 {p90 * 1e3:.0f} ms"
+        print(f"{args.tier} prefetch {mode}: n={len(times)} {line}", flush=True)
+    by = {m: (p50, p90) for m, _, p50, p90 in rows}
+    print(f"\n{args.clients} concurrent clients, prefixes on {args.tier}, load {os.getloadavg()}")
+    print("| mode | requests | TTFT p50 ms | TTFT p90 ms |")
+    print("|---|---|---|---|")
+    for mode, n, p50, p90 in rows:
+        print(f"| {mode} | {n} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} |")
+    on, off, ion, ioff = by["on"], by["off"], by["idle on"], by["idle off"]
+    print(f"\nconcurrent: prefetch / none p50 {on[0] / off[0]:.2f}, p90 {on[1] / off[1]:.2f}")
+    print(f"idle: prefetch / none p50 {ion[0] / ioff[0]:.2f}, p90 {ion[1] / ioff[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
