@@ -351,6 +351,14 @@ def _fate(stats: dict[str, object]) -> str:
 
 
 _SUMMARY = (
-    "num_fetches", "num_hits", "prompt_tokens", "cached_tokens", "hot_block_hits",
-    "ssd_block_hits", "stored_blocks", "num_spills",
-)  # fmt: skip
+    "num_fetches",
+    "num_hits",
+    "prompt_tokens",
+    "cached_tokens",
+    "hot_block_hits",
+    "ssd_block_hits",
+    "stored_blocks",
+    "num_spills",
+    "prefetched_blocks",
+    "prefetch_hits",
+)

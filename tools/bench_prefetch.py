@@ -10,8 +10,13 @@ saved to a directory and served by real ``prefixcache serve`` processes:
    flushes its hot tier to the lower tier);
 2. rounds: a fresh server (hot tier empty) takes one new turn of every
    conversation at once (``--clients`` threads, streamed: time to first token),
-   then stops; rounds alternate prefetch on (the default) and off
-   (``PREFIXCACHE_PREFETCH_BYTES=0``), ``--rounds`` of each;
+   then stops (the SSD tier's files are dropped from the page cache before
+   each round); rounds alternate prefetch on (the default) and off
+   (``PREFIXCACHE_PREFETCH_BYTES=0``), ``--rounds`` of each. ``--path
+   sequential`` sends the requests with a ``seed`` (mlx-lm's sequential path:
+   each waits for the generation before it, the case prefetch is for);
+   ``batched`` lets mlx-lm's batch take them (it fetches each as it arrives, so
+   they hardly wait);
 3. idle: the same turns one at a time (nothing queued), prefetch on and off.
 
 ``--tier ssd`` keeps the prefixes on the SSD tier; ``--tier remote`` on a Redis
@@ -35,6 +40,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchlib import drop_caches
 from reuselib.servers import Server
 
 from prefixcache.tiny import save_model
@@ -59,8 +65,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tier", choices=("ssd", "remote"), default="ssd")
     p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--path", choices=("sequential", "batched"), default="sequential")
+    p.add_argument("--max-tokens", type=int, default=4, help="generated per request")
     p.add_argument("--rounds", type=int, default=3, help="rounds of each mode")
-    p.add_argument("--prefix-words", type=int, default=900)
+    p.add_argument("--prefix-words", type=int, default=250, help="about 1,000 tokens")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -86,7 +94,7 @@ def serve(args, model: Path, work: Path, prefetch: bool, redis_url: str | None) 
     return server
 
 
-def concurrent(server: Server, requests: list[list[dict[str, str]]]) -> list[float]:
+def concurrent(server: Server, requests: list[list[dict[str, str]]], **body) -> list[float]:
     """Time to first token of every request, all sent at once (a barrier)."""
     out: list[float] = [0.0] * len(requests)
     errors: list[BaseException] = []
@@ -95,7 +103,7 @@ def concurrent(server: Server, requests: list[list[dict[str, str]]]) -> list[flo
     def one(i: int) -> None:
         try:
             barrier.wait()
-            out[i] = server.first_token(requests[i])
+            out[i] = server.first_token(requests[i], **body)
         except BaseException as err:  # re-raised on the main thread
             errors.append(err)
 
@@ -146,14 +154,26 @@ def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
     for _ in range(args.rounds):
         for prefetch in (True, False):
             turns = [[*h, {"role": "user", "content": text(rng, 8)}] for h in history]
+            body = {"max_tokens": args.max_tokens}
+            if args.path == "sequential":
+                body["seed"] = 0
+            _cold(work, url)
             server = serve(args, model, work, prefetch, url)
-            results["on" if prefetch else "off"] += concurrent(server, turns)
+            results["on" if prefetch else "off"] += concurrent(server, turns, **body)
             server.stop()
+            _cold(work, url)
             server = serve(args, model, work, prefetch, url)
             mode = "idle on" if prefetch else "idle off"
-            results[mode] += [server.first_token(t) for t in turns]  # nothing queued
+            results[mode] += [server.first_token(t, **body) for t in turns]  # nothing queued
             server.stop()
     return results
+
+
+def _cold(work: Path, redis_url: str | None) -> None:
+    """The SSD tier's files out of the page cache (as after a reboot; root drops it all)."""
+    if redis_url is None:
+        paths = [str(p) for p in (work / "ssd").rglob("*") if p.is_file()]
+        drop_caches(paths, level=1)
 
 
 def _redis(work: Path) -> tuple[subprocess.Popen, str]:
@@ -177,7 +197,8 @@ def _report(args, results: dict[str, list[float]]) -> None:
         line = f"TTFT p50 {p50 * 1e3:.0f} ms p90 {p90 * 1e3:.0f} ms"
         print(f"{args.tier} prefetch {mode}: n={len(times)} {line}", flush=True)
     by = {m: (p50, p90) for m, _, p50, p90 in rows}
-    print(f"\n{args.clients} concurrent clients, prefixes on {args.tier}, load {os.getloadavg()}")
+    where = f"prefixes on {args.tier}, {args.path} path"
+    print(f"\n{args.clients} concurrent clients, {where}, load {os.getloadavg()}")
     print("| mode | requests | TTFT p50 ms | TTFT p90 ms |")
     print("|---|---|---|---|")
     for mode, n, p50, p90 in rows:

@@ -127,14 +127,23 @@ class Server:
             time.perf_counter() - start,
         )
 
-    def first_token(self, messages: list[dict[str, str]], max_tokens: int = 4) -> float:
+    def first_token(
+        self, messages: list[dict[str, str]], max_tokens: int = 4, **extra: object
+    ) -> float:
         """Seconds from sending a greedy streamed chat completion to its first token
-        (the rest of the reply is read and dropped).
+        (the rest of the reply is read and dropped); ``extra``: more request fields
+        (a ``seed`` sends it down mlx-lm's sequential path).
 
         Raises:
             RuntimeError: the request failed (with the server's log tail).
         """
-        body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True}
+        body = {
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": True,
+            **extra,
+        }
         request = urllib.request.Request(
             self.url + "/v1/chat/completions",
             data=json.dumps(body).encode(),
