@@ -43,7 +43,8 @@ from ..base import TierReader
 from ..writer import Writer
 from .index import SsdIndex, decode_or_none
 from .payload import read_header
-from .readers import Job, Readers, num_readers
+from .read_into import Job
+from .readers import Readers
 
 
 class Source(Protocol):
@@ -85,7 +86,7 @@ class SsdReader(TierReader):
             specs = read_header(self.tier.payload_file(key), key)
         except (OSError, PayloadError):
             return None  # the stream reads it again and tells
-        return {name: Placed((), dtype, shape) for name, dtype, shape in specs}
+        return {name: Placed(None, dtype, shape) for name, dtype, shape in specs}
 
     def prepare(self, indices: list[int], place: Place | None) -> None:
         self.close()
@@ -120,8 +121,8 @@ def stream(
     Closing the generator (a restore done or falling short) stops the readers
     and waits for them: after that nothing writes into a destination.
     """
-    jobs = [_job(tier, key) for key in keys]
-    readers = Readers(jobs, num_readers(len(jobs)), place)
+    jobs = _jobs(tier, keys)
+    readers = Readers(jobs, place)
     try:
         for i, job in enumerate(jobs):
             buf, result = readers.take(i)
@@ -134,12 +135,16 @@ def stream(
         readers.stop()
 
 
-def _job(tier: Source, key: bytes) -> Job:
-    path = tier.payload_file(key)
-    if tier.writer.pending(key) is not None:
-        return Job(key, None, None, path)
-    raw = tier.index.get(key)
-    return Job(key, raw, decode_or_none(key, raw), path)
+def _jobs(tier: Source, keys: Sequence[bytes]) -> list[Job]:
+    """A job per key: the index entries read in one transaction; a block still
+    queued for the writer gets none (it is served from the queue)."""
+    raws = tier.index.get_many(keys)
+    jobs = []
+    for key, raw in zip(keys, raws, strict=True):
+        if tier.writer.pending(key) is not None:
+            raw = None
+        jobs.append(Job(key, raw, decode_or_none(key, raw), tier.payload_file(key)))
+    return jobs
 
 
 def _result(
