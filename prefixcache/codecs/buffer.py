@@ -33,7 +33,9 @@ class TokenBuffer:
         # Byte view of ``array`` once it is written in place; set once, never reset
         # (reader threads hold destinations into it).
         self._host: np.ndarray | None = None
-        self._dtype: mx.Dtype | None = None  # of ``array``, once written in place
+        # dtype and (B, heads, capacity, dim) of ``array``, set before ``_host``
+        self._dtype: mx.Dtype | None = None
+        self._dims = (0, 0, 0, 0)
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -41,11 +43,13 @@ class TokenBuffer:
         A HostArray is copied in at once (it is only valid until the next block);
         a Placed tensor is already in place.
         """
-        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
-        if isinstance(x, Placed):
+        if type(x) is Placed:  # the common case of a streamed restore: checks only
             if not self._fits(start, x.dtype, x.shape):
                 raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
-        elif isinstance(x, HostArray) or self._host is not None:
+            self._end = max(self._end, start + x.shape[2])
+            return
+        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
+        if isinstance(x, HostArray) or self._host is not None:
             self._write(start, x)
         else:
             self._pending.append((start, x, None))
@@ -151,13 +155,8 @@ class TokenBuffer:
         (which is written in place)."""
         if self._host is None or len(shape) != 4 or dtype != self._dtype:
             return False
-        b, h, cap, d = self._host.shape
-        return (
-            shape[0] == b
-            and shape[1] == h
-            and shape[3] * dtype.size == d
-            and (0 <= start <= cap - shape[2])
-        )
+        b, h, cap, d = self._dims
+        return shape[0] == b and shape[1] == h and shape[3] == d and 0 <= start <= cap - shape[2]
 
     def _write(self, start: int, x: HostArray | mx.array) -> None:
         if len(x.shape) != 4:
@@ -175,6 +174,6 @@ class TokenBuffer:
     def _open(self, array: mx.array) -> None:
         """Make ``array`` the buffer, written in place through its host view from now on."""
         mx.eval(array)
-        self.array, self._dtype = array, array.dtype
+        self.array, self._dtype, self._dims = array, array.dtype, tuple(array.shape)
         self._host = host_view(array)
         advise_huge(self._host)
