@@ -34,10 +34,11 @@ class Place(Protocol):
     buffer, or None.
 
     The region is a writable uint8 view shaped like the tensor with its last
-    axis in bytes (as ``HostArray.rows``), not necessarily contiguous (``runs``
-    gives its contiguous runs). With ``count`` > 1 it holds tensor ``name`` of
-    blocks ``index`` to ``index + count - 1``, each of ``shape``, one after
-    another on the token axis (axis 2): ``count`` times ``shape[2]`` tokens.
+    axis in bytes (as ``HostArray.rows``), not necessarily contiguous
+    (``contiguous`` gives its contiguous runs). With ``count`` > 1 it holds
+    tensor ``name`` of blocks ``index`` to ``index + count - 1``, each of
+    ``shape``, one after another on the token axis (axis 2): ``count`` times
+    ``shape[2]`` tokens.
     """
 
     def __call__(
@@ -45,10 +46,11 @@ class Place(Protocol):
     ) -> np.ndarray | None: ...
 
 
-def runs(region: np.ndarray) -> list[memoryview]:
+def contiguous(region: np.ndarray) -> list[memoryview]:
     """The contiguous runs of a ``Place`` region in row-major order ('B' format):
-    one when it is contiguous, else one per block of its last two axes (or of its
-    last axis) that is: a token range of each (batch, head) row of a restore buffer."""
+    the region itself when it is contiguous, else one per block of its last two
+    axes that is (a token range of one (batch, head) row of a restore buffer),
+    else one per row of its last axis."""
     if region.nbytes == 0:
         return []
     if region.flags.c_contiguous:

@@ -16,7 +16,7 @@ from test_ssd_stream import chain_dest, flip_byte, placed_into, stored
 from prefixcache import CacheConfig
 from prefixcache.codecs.kv import KVBuilder
 from prefixcache.errors import PayloadError
-from prefixcache.host import HostArray, Placed, runs
+from prefixcache.host import HostArray, Placed, contiguous
 from prefixcache.tiers.base import Tier
 from prefixcache.tiers.ssd import payload as payload_module
 from prefixcache.tiers.ssd import runs as ssd_runs
@@ -62,8 +62,7 @@ def test_plan_runs_cuts_at_the_first_block_sizes_budget_and_non_small_jobs(monke
     def job(size: int | None) -> Job:
         if size is None:
             return Job(b"k", None, None, "p")  # queued or absent
-        meta = make_meta(size)
-        return Job(b"k", b"raw", meta, "p")
+        return Job(b"k", b"raw", make_meta(size), "p")
 
     sizes = [100, 100, 100, 100, 100, None, 100, 100, 200, 100, 90, 90]
     got = [list(r) for r in ssd_runs.plan_runs([job(s) for s in sizes])]
@@ -73,10 +72,10 @@ def test_plan_runs_cuts_at_the_first_block_sizes_budget_and_non_small_jobs(monke
     assert ssd_runs.plan_runs([]) == []
 
 
-def make_meta(file_bytes: int):
+def make_meta(nbytes: int):
     from prefixcache.blocks import BlockMeta
 
-    return BlockMeta(b"k", b"p", b"r", 0, b"", 0, file_bytes, 0, 0.0, 0.0)
+    return BlockMeta(b"k", b"p", b"r", 0, b"", nbytes, nbytes + 8, 0, 0.0, 0.0)
 
 
 def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier):
@@ -269,12 +268,12 @@ def test_builders_give_a_run_region_only_for_full_blocks():
     assert builder.destination(31, "keys", mx.bfloat16, shape, 2) is None  # past the end
 
 
-def test_runs_of_a_region_cover_it_in_order():
+def test_the_contiguous_runs_of_a_region_cover_it_in_order():
     buf = np.arange(2 * 3 * 10 * 4, dtype=np.uint8).reshape(2, 3, 10, 4)
     region = buf[:, :, 2:5, :]
-    pieces = runs(region)
+    pieces = contiguous(region)
     assert len(pieces) == 6 and all(p.nbytes == 12 for p in pieces)
     assert b"".join(bytes(p) for p in pieces) == region.tobytes()
-    whole = runs(buf[1])
+    whole = contiguous(buf[1])
     assert len(whole) == 1 and bytes(whole[0]) == buf[1].tobytes()
-    assert runs(buf[:, :, 3:3, :]) == []
+    assert contiguous(buf[:, :, 3:3, :]) == []

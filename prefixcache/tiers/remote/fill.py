@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed, runs
+from ...host import MX_DTYPES, HostArray, Place, Placed, contiguous
 from .format import PART_BYTES, PART_HEAD_BYTES, RemoteMeta, part_checksum, spec_bytes
 from .wire import Replies
 
@@ -62,7 +62,7 @@ def targets(meta: RemoteMeta, place: Place | None) -> Targets:
             dest = data
         else:
             arrays[name] = Placed(dest, MX_DTYPES[dtype], shape)
-        into += runs(dest)
+        into += contiguous(dest)
     starts = np.cumsum([0] + [r.nbytes for r in into[:-1]]).tolist() if into else []
     return Targets(arrays, into, starts)
 

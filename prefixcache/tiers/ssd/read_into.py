@@ -20,7 +20,7 @@ import xxhash
 
 from ...blocks import BlockMeta
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock, runs
+from ...host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock, contiguous
 from .files import open_payload
 from .payload import read_spans
 
@@ -135,7 +135,7 @@ def _read_placed(fd: int, job: Job, bufs: Buffers, place: Place | None) -> Outco
             arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
         else:
             arrays[name] = Placed(region, MX_DTYPES[dtype], shape)
-        _read_into(fd, runs(region), base + start, hasher)
+        _read_into(fd, contiguous(region), base + start, hasher)
     if hasher.intdigest() != meta.checksum:
         raise PayloadError("payload checksum mismatch")
     return lent, streamed(job, arrays)
