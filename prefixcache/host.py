@@ -156,13 +156,14 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
     """
     out = []
     for name, arr in arrays.items():
-        if arr.dtype not in SAFETENSORS_DTYPES:
+        dtype = SAFETENSORS_DTYPES.get(arr.dtype)  # one dtype lookup: a put takes every array
+        if dtype is None:
             raise ValueError(f"cannot store array {name!r} of dtype {arr.dtype}")
         view = memoryview(arr)
         if not view.c_contiguous:
             raise ValueError(f"array {name!r} is not row-contiguous")
-        data = view.cast("B") if arr.size else memoryview(b"")
-        out.append(Tensor(name, SAFETENSORS_DTYPES[arr.dtype], tuple(arr.shape), data))
+        data = view.cast("B") if view.nbytes else memoryview(b"")
+        out.append(Tensor(name, dtype, view.shape, data))
     return out
 
 
