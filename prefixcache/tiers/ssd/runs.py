@@ -19,6 +19,7 @@ all goes into the reader's loose buffer, lent to the caller with the block.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from .files import open_payload
 from .payload import header_length, parse_header
 from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
 
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # Payloads of up to this many bytes are read whole, in runs; larger ones straight
 # into their places (read_into.py). tools/bench_blocks.py, warm, 2 cores: 2 MiB
 # payloads (block 64 here) cost ~10% less CPU in runs, 8 MiB ones ~5% more.
@@ -93,11 +95,14 @@ def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterato
     size = first.file_bytes
     scratch = bufs.scratch(len(jobs) * size + 1)
     files: list[_File | PayloadError | OSError] = []
-    for k, job in enumerate(jobs):
-        try:  # slot k, plus the next slot's first byte (read over by the next file)
-            files.append(_load(job, scratch[k * size : (k + 1) * size + 1]))
-        except (PayloadError, OSError) as e:
-            files.append(e)
+    with _opened(jobs) as fds:
+        for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
+            try:  # slot k, plus the next slot's first byte (read over by the next file)
+                if isinstance(fd, BaseException):
+                    raise fd
+                files.append(_load(job, fd, scratch[k * size : (k + 1) * size + 1]))
+            except (PayloadError, OSError) as e:
+                files.append(e)
     good = [f for f in files if isinstance(f, _File)]
     arrays: list[dict[str, HostArray | Placed]] = [{} for _ in files]
     loose: list[list[tuple[str, Span]]] = [[] for _ in files]
@@ -119,16 +124,33 @@ def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterato
         yield lent, streamed(f.job, placed)
 
 
-def _load(job: Job, slot: np.ndarray) -> _File:
+@contextlib.contextmanager
+def _opened(jobs: Sequence[Job]) -> Iterator[list[int | PayloadError | OSError]]:
+    """The run's files opened (or why not), each asked into the page cache at once:
+    read cold, the run's reads are in flight together, not one after another."""
+    fds: list[int | PayloadError | OSError] = []
+    try:
+        for job in jobs:
+            try:
+                fds.append(fd := open_payload(job.path))
+            except (PayloadError, OSError) as e:
+                fds.append(e)
+                continue
+            if _WILLNEED is not None:
+                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+        yield fds
+    finally:
+        for fd in fds:
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _load(job: Job, fd: int, slot: np.ndarray) -> _File:
     """Read a small payload file whole into ``slot`` (its size + 1) and verify it."""
     meta = job.meta
     assert meta is not None
     size = meta.file_bytes
-    fd = open_payload(job.path)
-    try:
-        got = pread_all(fd, slot, 0)
-    finally:
-        os.close(fd)
+    got = pread_all(fd, slot, 0)
     if got != size:
         more = "more than " if got > size else ""
         raise PayloadError(f"payload has {more}{min(got, size)} bytes, index says {size}")
