@@ -21,10 +21,11 @@ from .prime import SLICE, Primer
 from .read_into import Buffers, Job, Outcome, Stopped, read_large
 from .runs import plan_runs, read_run, small
 
-# Reader threads, one per core up to four: each is mostly in the kernel copying
-# (GIL released). On 2 cores, 2 readers streamed from the page cache at ~6.9 GB/s
-# and 4 at ~5.2; cold, 2-4 were alike (tools/bench_ssd_restore.py).
-_READERS = min(4, max(2, os.cpu_count() or 2))
+# Reader threads, one per core, three at least and four at most: each is mostly in
+# the kernel or in numpy copying (GIL released). On 2 cores (tools/bench_blocks.py,
+# 128 MiB): cold, block 16, three readers took 117-128 ms, two 148-150, four
+# 125-133 (a run's reads wait on the disk); warm, two to four were alike.
+_READERS = min(4, max(3, os.cpu_count() or 2))
 
 
 # Seconds between asks for a destination still being allocated.
