@@ -234,9 +234,9 @@ def test_readers_go_on_with_placed_blocks_while_the_caller_holds_one(tier):
 
 
 def test_no_reader_writes_into_a_place_after_close(tier, monkeypatch):
-    keys = stored(tier, 8, 12)
+    keys = stored(tier, 8, 24)
     monkeypatch.setattr(ssd_runs, "RUN_BYTES", 2 * tier.get_meta(keys[0]).file_bytes)
-    dest = chain_dest(12)
+    dest = chain_dest(24)
     place = placed_into(dest, skip=set(), names=set(LAYOUT))
 
     def slow_place(*args, **kwargs):
@@ -251,7 +251,7 @@ def test_no_reader_writes_into_a_place_after_close(tier, monkeypatch):
     time.sleep(0.05)
     for name, d in dest.items():
         np.testing.assert_array_equal(d, before[name])
-    assert not dest["0.keys"][:, :, 16 * 8 :].any()  # readers never got that far
+    assert not dest["0.keys"][:, :, 16 * 16 :].any()  # readers never got that far
 
 
 def test_token_buffer_stays_in_place_once_streamed_into():
