@@ -35,14 +35,15 @@ from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # Payloads of up to this many bytes are read whole, in runs; larger ones straight
-# into their places (read_into.py). tools/bench_blocks.py, warm, 2 cores: 2 MiB
-# payloads (block 64 here) cost ~10% less CPU in runs, 8 MiB ones ~5% more.
-SMALL_READ = 4 << 20
+# into their places (read_into.py). On 2 cores (128 MiB, 3 readers), 2 MiB payloads
+# (block 64) took 63-73 ms read whole against 75-83 straight into place.
+SMALL_READ = 2 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
-# A run's scratch outgrows the CPU's L2, but fewer, longer copies (one per tensor
-# and run) cost less than the L2 saves: 128 MiB at block 16 took ~30% less CPU in
-# runs of 4 MiB than block by block.
-RUN_BYTES = 4 << 20
+# Fewer, longer copies (one per tensor and run, not per block) pay for a scratch
+# buffer beyond the CPU's L2: reading 128 MiB at block 16 took 56 ms of CPU in runs
+# of 4 MiB against 67 block by block (one thread); whole fetches with runs of 2 and
+# 4 MiB cost alike (78 ms of CPU), so each reader's scratch stays at ~2 MiB.
+RUN_BYTES = 2 << 20
 
 
 def plan_runs(jobs: Sequence[Job]) -> list[range]:
