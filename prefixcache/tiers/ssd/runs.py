@@ -40,10 +40,10 @@ _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 SMALL_READ = 2 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
 # Fewer, longer copies (one per tensor and run, not per block) pay for a scratch
-# buffer beyond the CPU's L2: reading 128 MiB at block 16 took 56 ms of CPU in runs
-# of 4 MiB against 67 block by block (one thread); whole fetches with runs of 2 and
-# 4 MiB cost alike (78 ms of CPU), so each reader's scratch stays at ~2 MiB.
-RUN_BYTES = 2 << 20
+# buffer beyond the CPU's L2. Fetching 128 MiB on 2 cores, three readers, runs of
+# 2 / 4 / 8 MiB: block 16 87 / 83 / 67 ms, block 32 70 / 54 / 52 ms (another day,
+# two readers, 4 MiB runs beat 8 and 16); each reader's scratch is one run.
+RUN_BYTES = 4 << 20
 
 
 def plan_runs(jobs: Sequence[Job]) -> list[range]:
