@@ -4,8 +4,10 @@ A reader thread (readers.py) takes the chain's small payload files (up to
 SMALL_READ bytes) in runs of consecutive blocks of one file size, up to
 RUN_BYTES in all. Each file is read whole, in one read of one byte more than
 the index says (a longer file shows), into its slot of the reader's scratch
-buffer, which stays in the CPU cache, and verified there in one hash call:
-nothing reaches the restore buffers before its block's checksum matched.
+buffer (reused, so it stays in the CPU's caches), and verified there in one
+hash call: nothing reaches the restore buffers before its block's checksum
+matched. The run's files are opened first and asked into the page cache
+together, so that read cold their reads are in flight at once.
 
 Then each tensor of the run goes into its place with ONE numpy copy for the
 whole run (``place(..., count)``: the restore buffer's region of that tensor
@@ -41,8 +43,9 @@ SMALL_READ = 2 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
 # Fewer, longer copies (one per tensor and run, not per block) pay for a scratch
 # buffer beyond the CPU's L2. Fetching 128 MiB on 2 cores, three readers, runs of
-# 2 / 4 / 8 MiB: block 16 87 / 83 / 67 ms, block 32 70 / 54 / 52 ms (another day,
-# two readers, 4 MiB runs beat 8 and 16); each reader's scratch is one run.
+# 2 / 4 / 8 MiB: block 16 87 / 83 / 67 ms, block 32 70 / 54 / 52 ms; earlier, on a
+# busier machine with two readers, 4 MiB runs beat 8 and 16. A reader's scratch
+# holds one run.
 RUN_BYTES = 4 << 20
 
 
