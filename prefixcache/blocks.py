@@ -60,9 +60,19 @@ def split_layers(arrays: dict[str, mx.array]) -> dict[int, dict[str, mx.array]]:
     """Group a flat ``"{layer}.{name}"`` payload by layer in one pass."""
     out: dict[int, dict[str, mx.array]] = {}
     for name, arr in arrays.items():
-        layer, _, rest = name.partition(".")
-        out.setdefault(int(layer), {})[rest] = arr
+        parts = _PARTS.get(name)
+        if parts is None:
+            layer, _, rest = name.partition(".")
+            parts = (int(layer), rest)
+            if len(_PARTS) < _MAX_PARTS:
+                _PARTS[name] = parts
+        out.setdefault(parts[0], {})[parts[1]] = arr
     return out
+
+
+# payload name -> (layer, name in the layer): a restore splits every block's names
+_PARTS: dict[str, tuple[int, str]] = {}
+_MAX_PARTS = 1 << 16
 
 
 def join_layers(layers: list[dict[str, mx.array]]) -> dict[str, mx.array]:

@@ -1,17 +1,18 @@
 """A block's tensor as bytes in host memory, as the SSD stream hands it over.
 
-The SSD stream (tiers/ssd/stream.py) reads each tensor straight into the restore
-buffer that will hold it when the builder offers a destination (``Placed``:
-the bytes are already where they belong), and otherwise into a reused read
-buffer (``HostArray``: a view, verified, valid until the next block). A builder
-that takes them (``takes_host``) copies a HostArray straight into its restore
-buffer; any other gets MLX arrays from ``to_mx`` (one copy).
+The SSD stream (tiers/ssd/stream.py) puts each tensor straight into the restore
+buffer that will hold it when the builder offers a destination (``Place``: a
+region of the buffer; ``Placed``: the bytes are already where they belong), and
+otherwise leaves it in a reused read buffer (``HostArray``: a view, verified,
+valid until the next block). A builder that takes them (``takes_host``) copies
+a HostArray straight into its restore buffer; any other gets MLX arrays from
+``to_mx`` (one copy).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -27,9 +28,38 @@ SAFETENSORS_DTYPES: dict[mx.Dtype, str] = {
 MX_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 ITEMSIZE = {name: dtype.size for dtype, name in SAFETENSORS_DTYPES.items()}
 
-# (chain index, flat payload name, dtype, shape) -> where a reader thread may write
-# that tensor (the destination's contiguous runs in row-major order), or None.
-Place = Callable[[int, str, mx.Dtype, tuple[int, ...]], "list[memoryview] | None"]
+
+class Place(Protocol):
+    """Where a reader thread may write a streamed tensor: its region of a restore
+    buffer, or None.
+
+    The region is a writable uint8 view shaped like the tensor with its last
+    axis in bytes (as ``HostArray.rows``), not necessarily contiguous
+    (``contiguous`` gives its contiguous runs). With ``count`` > 1 it holds
+    tensor ``name`` of blocks ``index`` to ``index + count - 1``, each of
+    ``shape``, one after another on the token axis (axis 2): ``count`` times
+    ``shape[2]`` tokens.
+    """
+
+    def __call__(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None: ...
+
+
+def contiguous(region: np.ndarray) -> list[memoryview]:
+    """The contiguous runs of a ``Place`` region in row-major order ('B' format):
+    the region itself when it is contiguous, else one per block of its last two
+    axes that is (a token range of one (batch, head) row of a restore buffer),
+    else one per row of its last axis."""
+    if region.nbytes == 0:
+        return []
+    if region.flags.c_contiguous:
+        return [memoryview(region).cast("B")]
+    lead = region.ndim - 1
+    if region.ndim >= 2 and region[(0,) * (region.ndim - 2)].flags.c_contiguous:
+        lead -= 1
+    # indexing, never reshape: a copy would swallow the bytes written into it
+    return [memoryview(region[i]).cast("B") for i in np.ndindex(region.shape[:lead])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,23 +93,24 @@ class HostArray:
 class Placed:
     """A tensor the stream already read into the destination its builder gave.
 
-    ``views`` are the destination's contiguous runs in row-major order (valid
-    while the restore buffer is).
+    ``region`` is that destination (a ``Place`` region, valid while the restore
+    buffer is); None where only the dtype and shape are meant (a header's
+    tensors, before anything is read).
     """
 
-    views: tuple[memoryview, ...]
+    region: np.ndarray | None
     dtype: mx.Dtype
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views)
+        return 0 if self.region is None else self.region.nbytes
 
     def to_mx(self) -> mx.array:
         """An evaluated MLX array owning a copy of the bytes (e.g. to promote into hot)."""
-        if self.nbytes == 0:
+        if self.region is None or self.region.nbytes == 0:
             return mx.zeros(self.shape, self.dtype)
-        flat = np.concatenate([np.frombuffer(v, np.uint8) for v in self.views])
+        flat = np.ascontiguousarray(self.region).reshape(-1)
         out = mx.array(flat).view(self.dtype).reshape(self.shape)
         mx.eval(out)
         return out
@@ -125,13 +156,14 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
     """
     out = []
     for name, arr in arrays.items():
-        if arr.dtype not in SAFETENSORS_DTYPES:
+        dtype = SAFETENSORS_DTYPES.get(arr.dtype)  # one dtype lookup: a put takes every array
+        if dtype is None:
             raise ValueError(f"cannot store array {name!r} of dtype {arr.dtype}")
         view = memoryview(arr)
         if not view.c_contiguous:
             raise ValueError(f"array {name!r} is not row-contiguous")
-        data = view.cast("B") if arr.size else memoryview(b"")
-        out.append(Tensor(name, SAFETENSORS_DTYPES[arr.dtype], tuple(arr.shape), data))
+        data = view.cast("B") if view.nbytes else memoryview(b"")
+        out.append(Tensor(name, dtype, view.shape, data))
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import Block, split_layers
@@ -246,7 +247,10 @@ def _add_block(
 ) -> None:
     """Hand block ``index``'s payload to the builders of the layers that use it."""
     layers = split_layers(arrays)
-    if not resident:  # allocate every layer's buffer (unwritten) before the copies
+    # a block read wholly into place by host-taking builders leaves no MLX work
+    placed = all(type(a) is Placed for a in arrays.values())
+    streamed = not resident and not (placed and all(builders[i].takes_host for i in users[index]))
+    if streamed:  # allocate every layer's buffer (unwritten) before the copies
         mx.async_eval([builders[i].reserve(index, layers.get(i, {})) for i in users[index]])
     for layer in users[index]:
         builder = builders[layer]
@@ -257,21 +261,29 @@ def _add_block(
             builder.add(index, part)
         except (LayoutMismatchError, KeyError) as err:
             raise Shortfall(index, _reason(err)) from err
-    if not resident:
+    if streamed:
         mx.eval([b.buffers() for b in builders])
 
 
 def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
-    """(chain index, flat payload name, dtype, shape) -> where a reader thread may
-    write that tensor, or None. Only for layers that use the block, and only once
-    their builder's buffer exists (``destination``); runs no MLX."""
+    """(chain index, flat payload name, dtype, shape, count) -> where a reader thread
+    may write that tensor (of ``count`` blocks), or None. Only for layers that use
+    each of the blocks, and only once their builder's buffer exists
+    (``destination``); runs no MLX."""
     wanted = {index: set(layers) for index, layers in users.items()}
+    layers: dict[str, tuple[int, str]] = {}  # payload name -> (layer, its name there)
 
-    def place(index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]):
-        head, _, rest = name.partition(".")
-        if not head.isdigit() or int(head) not in wanted.get(index, ()):
+    def place(
+        index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
+        route = layers.get(name)
+        if route is None:
+            head, _, rest = name.partition(".")
+            route = layers[name] = (int(head), rest) if head.isdigit() else (-1, rest)
+        layer, rest = route
+        if any(layer not in wanted.get(i, ()) for i in range(index, index + count)):
             return None
-        return builders[int(head)].destination(index, rest, dtype, shape)
+        return builders[layer].destination(index, rest, dtype, shape, count)
 
     return place
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -65,15 +64,18 @@ UNPLACED = "0.values"
 
 
 def placer(buffers: dict):
-    """A restore's ``place``: each tensor but one into its own buffer, in uneven
-    runs (so parts start and end inside runs); ``buffers`` collects them."""
+    """A restore's ``place``: each tensor but one into a region of its own buffer,
+    a token range of each (batch, head) row as in a restore buffer (so parts start
+    and end inside runs); ``buffers`` collects (buffer, region)."""
 
     def place(index, name, dtype, shape):
         if name == UNPLACED:
             return None  # no place: the reader's host buffer
-        buf = buffers[index, name] = np.zeros(int(np.prod(shape)) * dtype.size, np.uint8)
-        cuts = [0, 12345, buf.nbytes // 2 + 7, buf.nbytes]
-        return [memoryview(buf[a:b]) for a, b in pairwise(cuts)]
+        b, h, n, d = shape
+        buf = np.zeros((b, h, n + 3, d * dtype.size), np.uint8)
+        region = buf[:, :, 1 : n + 1, :]
+        buffers[index, name] = (buf, region)
+        return region
 
     return place
 
@@ -104,9 +106,10 @@ def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed, secr
         for block in got:
             check_block(block, scale=4000)
         assert tier.stats()["num_loads"] == 2 and tier.stats()["num_corrupt"] == 0
-        for (index, name), buf in buffers.items():  # the bytes went straight into place
+        for (index, name), (buf, region) in buffers.items():  # straight into place
             want = expected_bits(keys[index], 4000)[name]
-            assert buf.tobytes() == want.tobytes() and want.any()
+            assert region.tobytes() == want.tobytes() and want.any()
+            assert not buf[:, :, 0].any() and not buf[:, :, -2:].any()  # nothing outside
         tier.close()
     finally:
         server.stop()
@@ -215,8 +218,9 @@ def _part_bytes_in(buffers: dict, meta, n: int) -> int:
     for name, dtype, shape in meta.specs:
         size = int(np.prod(shape)) * MX_DTYPES[dtype].size
         if (0, name) in buffers:
-            buf = buffers[0, name]
-            found += int(np.count_nonzero(buf[max(lo - at, 0) : max(min(hi - at, size), 0)]))
+            _, region = buffers[0, name]
+            flat = np.ascontiguousarray(region).reshape(-1)  # the tensor's bytes in order
+            found += int(np.count_nonzero(flat[max(lo - at, 0) : max(min(hi - at, size), 0)]))
         at += size
     return found
 

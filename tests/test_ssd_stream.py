@@ -26,6 +26,7 @@ from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed, StreamedBlock
 from prefixcache.restore import ChainLoad
+from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import read_header
@@ -167,11 +168,10 @@ def test_token_buffer_copies_host_arrays_in_place():
 def placed_into(dest: dict[str, np.ndarray], skip: set[int], names: set[str]):
     """A place function writing tensors of ``names`` into ``dest`` (chain-long, per name)."""
 
-    def place(index, name, dtype, shape):
-        if index in skip or name not in names:
+    def place(index, name, dtype, shape, count=1):
+        if skip.intersection(range(index, index + count)) or name not in names:
             return None
-        region = dest[name][:, :, index * 16 : (index + 1) * 16, :]
-        return [memoryview(region[b, h]) for b in range(shape[0]) for h in range(shape[1])]
+        return dest[name][:, :, index * 16 : (index + count) * 16, :]
 
     return place
 
@@ -233,14 +233,15 @@ def test_readers_go_on_with_placed_blocks_while_the_caller_holds_one(tier):
     assert [b.index for b in gen] == list(range(1, 8))
 
 
-def test_no_reader_writes_into_a_place_after_close(tier):
-    keys = stored(tier, 8, 12)
-    dest = chain_dest(12)
+def test_no_reader_writes_into_a_place_after_close(tier, monkeypatch):
+    keys = stored(tier, 8, 24)
+    monkeypatch.setattr(ssd_runs, "RUN_BYTES", 2 * tier.get_meta(keys[0]).file_bytes)
+    dest = chain_dest(24)
     place = placed_into(dest, skip=set(), names=set(LAYOUT))
 
-    def slow_place(*args):
+    def slow_place(*args, **kwargs):
         time.sleep(0.02)  # readers cannot get through the chain before close
-        return place(*args)
+        return place(*args, **kwargs)
 
     gen = stream(tier, keys, slow_place)
     next(gen)
@@ -250,7 +251,7 @@ def test_no_reader_writes_into_a_place_after_close(tier):
     time.sleep(0.05)
     for name, d in dest.items():
         np.testing.assert_array_equal(d, before[name])
-    assert not dest["0.keys"][:, :, 16 * 8 :].any()  # readers never got that far
+    assert not dest["0.keys"][:, :, 16 * 16 :].any()  # readers never got that far
 
 
 def test_token_buffer_stays_in_place_once_streamed_into():
@@ -262,10 +263,10 @@ def test_token_buffer_stays_in_place_once_streamed_into():
     array = buf.array
     address = np.asarray(memoryview(array).cast("B")).ctypes.data
     buf.add(4, mx.array(parts[1]).view(mx.bfloat16))  # a hot block after a streamed one
-    views = buf.destination(8, mx.bfloat16, (1, 2, 4, 8))
-    for view, row in zip(views, parts[2].reshape(2, 4, 8), strict=True):
-        np.asarray(view)[...] = row.view(np.uint8)
-    buf.add(8, Placed(tuple(views), mx.bfloat16, (1, 2, 4, 8)))
+    region = buf.destination(8, mx.bfloat16, (1, 2, 4, 8))
+    assert region.shape == (1, 2, 4, 8 * 2) and region.dtype == np.uint8
+    region[...] = parts[2].view(np.uint8)  # a view of the buffer: written in place
+    buf.add(8, Placed(region, mx.bfloat16, (1, 2, 4, 8)))
     out = buf.materialize()
     assert out is array and np.asarray(memoryview(out).cast("B")).ctypes.data == address
     got = np.array(out.view(mx.uint16))
@@ -339,7 +340,7 @@ def test_a_dropped_restore_frees_its_buffers_without_the_garbage_collector(tmp_p
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no page-cache probe on this OS")
 def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_is_taken(tier):
     keys = stored(tier, 11, 3)
-    jobs = [ssd_stream._job(tier, key) for key in keys]
+    jobs = ssd_stream._jobs(tier, keys)
     for job in jobs:
         with open(job.path, "rb") as f:
             os.fsync(f.fileno())

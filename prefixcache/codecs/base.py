@@ -61,6 +61,16 @@ def owned_tokens(x: mx.array, start: int, end: int) -> mx.array:
     return owned(part)
 
 
+def run_shape(shape: tuple[int, ...], count: int, block_size: int) -> tuple[int, ...] | None:
+    """The shape of ``count`` blocks' tensors of ``shape`` one after another on the
+    token axis (axis 2); None unless they are full blocks (or just one)."""
+    if count == 1:
+        return shape
+    if len(shape) != 4 or shape[2] != block_size:
+        return None
+    return (shape[0], shape[1], count * block_size, shape[3])
+
+
 def num_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks holding ``num_tokens`` tokens (the last one possibly in part)."""
     return -(-num_tokens // block_size)
@@ -107,10 +117,12 @@ class Builder(ABC):
         return []
 
     def destination(
-        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
-    ) -> list[memoryview] | None:
-        """Where a reader thread may write tensor ``name`` of block ``index``: the
-        contiguous runs of a restore buffer in row-major order, or None. Runs no MLX."""
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
+        """Where a reader thread may write tensor ``name`` of block ``index`` (with
+        ``count`` > 1: of the ``count`` full blocks from ``index``, one after another
+        on the token axis): its region of a restore buffer (see ``host.Place``), or
+        None. Runs no MLX."""
         return None
 
 

@@ -35,6 +35,9 @@ class TokenBuffer:
         # Byte view of ``array`` once it is written in place; set once, never reset
         # (reader threads hold destinations into it).
         self._host: np.ndarray | None = None
+        # dtype and (B, heads, capacity, dim) of ``array``, set before ``_host``
+        self._dtype: mx.Dtype | None = None
+        self._dims = (0, 0, 0, 0)
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -42,11 +45,13 @@ class TokenBuffer:
         A HostArray is copied in at once (it is only valid until the next block);
         a Placed tensor is already in place.
         """
-        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
-        if isinstance(x, Placed):
-            if self._host is None or self._fit(start, x) is None:
+        if type(x) is Placed:  # the common case of a streamed restore: checks only
+            if not self._fits(start, x.dtype, x.shape):
                 raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
-        elif isinstance(x, HostArray) or self._host is not None:
+            self._end = max(self._end, start + x.shape[2])
+            return
+        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
+        if isinstance(x, HostArray) or self._host is not None:
             self._write(start, x)
         else:
             self._pending.append((start, x, None))
@@ -79,22 +84,16 @@ class TokenBuffer:
         self._open(_new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype))
         return [self.array]
 
-    def destination(
-        self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]
-    ) -> list[memoryview] | None:
+    def destination(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """Where a streamed tensor of ``dtype`` and ``shape`` for tokens from
-        ``start`` goes: the contiguous runs of the buffer in row-major order,
-        or None when the buffer is not written in place yet or it does not fit.
+        ``start`` goes: its region of the buffer (a ``Place`` region), or None
+        when the buffer is not written in place yet or it does not fit.
 
         Safe from a reader thread: reads only the view, which never changes once set.
         """
-        host = self._host
-        region = None if host is None else self._fit(start, Placed((), dtype, shape))
-        if region is None:
+        if not self._fits(start, dtype, shape):
             return None
-        # each (batch, head) row is contiguous; never reshape: a copy would swallow the bytes
-        batch, heads = region.shape[:2]
-        return [memoryview(region[b, h]) for b in range(batch) for h in range(heads)]
+        return self._host[:, :, start : start + shape[2], :]
 
     def materialize(self) -> mx.array | None:
         """Write the queued segments; returns the buffer or None if empty.
@@ -151,34 +150,31 @@ class TokenBuffer:
             self._host[:, :, self._end :, :] = 0
         return array
 
-    def _fit(self, start: int, x: HostArray | Placed) -> np.ndarray | None:
-        """The region of the host view for ``x`` at ``start``, or None if it does not fit."""
-        host, array = self._host, self.array
-        if host is None or array is None or len(x.shape) != 4 or x.dtype != array.dtype:
-            return None
-        b, h, cap, d = array.shape
-        n = x.shape[2]
-        if (x.shape[0], x.shape[1], x.shape[3]) != (b, h, d) or not 0 <= start <= cap - n:
-            return None
-        return host[:, :, start : start + n, :]
+    def _fits(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> bool:
+        """Whether a tensor of ``dtype`` and ``shape`` fits the buffer at ``start``
+        (which is written in place)."""
+        if self._host is None or len(shape) != 4 or dtype != self._dtype:
+            return False
+        b, h, cap, d = self._dims
+        return shape[0] == b and shape[1] == h and shape[3] == d and 0 <= start <= cap - shape[2]
 
     def _write(self, start: int, x: HostArray | mx.array) -> None:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
         if self._host is None and not self.reserve(x):
             self.materialize()  # hot segments queued before: copied in first
-        region = self._fit(start, x)
-        if region is None:
+        if not self._fits(start, x.dtype, x.shape):
             raise LayoutMismatchError(
                 f"block tensor {x.dtype}{tuple(x.shape)} at token {start} does not fit "
                 f"buffer {self.array.dtype}{self.array.shape}"
             )
+        region = self._host[:, :, start : start + x.shape[2], :]
         region[...] = x.rows() if isinstance(x, HostArray) else host_bytes(x)  # releases the GIL
 
     def _open(self, array: mx.array) -> None:
         """Make ``array`` the buffer, written in place through its host view from now on."""
         mx.eval(array)
-        self.array = array
+        self.array, self._dtype, self._dims = array, array.dtype, tuple(array.shape)
         self._host = host_view(array)
         advise_huge(self._host)
 

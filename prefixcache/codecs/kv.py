@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Resident, owned_tokens
+from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
 
 
@@ -107,13 +108,14 @@ class KVBuilder(Builder):
         return self.keys.reserve(arrays.get("keys")) + self.values.reserve(arrays.get("values"))
 
     def destination(
-        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
-    ) -> list[memoryview] | None:
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
         """Where the SSD stream may read block ``index``'s ``name`` tensor (see TokenBuffer)."""
-        buf = {"keys": self.keys, "values": self.values}.get(name)
-        if buf is None:
+        buf = self.keys if name == "keys" else self.values if name == "values" else None
+        run = run_shape(shape, count, self.block_size)  # full blocks lie one after another
+        if buf is None or run is None:
             return None
-        return buf.destination(index * self.block_size - self.first, dtype, shape)
+        return buf.destination(index * self.block_size - self.first, dtype, run)
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
 from ..errors import LayoutMismatchError
 from ..host import HostArray
-from .base import Builder, Codec, Resident
+from .base import Builder, Codec, Resident, run_shape
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice
 
@@ -103,14 +104,15 @@ class QuantizedBuilder(Builder):
         return out
 
     def destination(
-        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...]
-    ) -> list[memoryview] | None:
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
         """Where the SSD stream may read a packed part of block ``index`` (see TokenBuffer)."""
         kind, _, part = name.partition(".")
-        if kind not in self.parts or part not in PARTS:
+        run = run_shape(shape, count, self.block_size)
+        if kind not in self.parts or part not in PARTS or run is None:
             return None
         buf = self.parts[kind][PARTS.index(part)]
-        return buf.destination(index * self.block_size, dtype, shape)
+        return buf.destination(index * self.block_size, dtype, run)
 
     def buffers(self) -> list[mx.array]:
         out = (b.materialize() for bufs in self.parts.values() for b in bufs)

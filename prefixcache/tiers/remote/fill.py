@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed
+from ...host import MX_DTYPES, HostArray, Place, Placed, contiguous
 from .format import (
     PART_BYTES,
     PART_HEAD_BYTES,
@@ -61,14 +61,14 @@ def targets(meta: RemoteMeta, place: Place | None) -> Targets:
     """The destinations of block ``meta``'s payload: each tensor's place (its
     size must match), else a slice of one new host buffer."""
     sizes = [spec_bytes(s) for s in meta.specs]
-    dests: list[list[memoryview] | None] = []
+    dests: list[np.ndarray | None] = []
     for (name, dtype, shape), size in zip(meta.specs, sizes, strict=True):
         dest = place(meta.index, name, MX_DTYPES[dtype], shape) if place is not None else None
-        dests.append(dest if dest is not None and _nbytes(dest) == size else None)
+        dests.append(dest if dest is not None and dest.nbytes == size else None)
     loose = sum(size for size, dest in zip(sizes, dests, strict=True) if dest is None)
     buf = np.empty(loose, np.uint8) if loose else None
     arrays: dict[str, HostArray | Placed] = {}
-    runs: list[memoryview] = []
+    into: list[memoryview] = []
     used = 0
     for (name, dtype, shape), size, dest in zip(meta.specs, sizes, dests, strict=True):
         if dest is None:
@@ -76,12 +76,12 @@ def targets(meta: RemoteMeta, place: Place | None) -> Targets:
             data = buf[used : used + size] if buf is not None else np.empty(0, np.uint8)
             used += size
             arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
-            dest = [memoryview(data)]
+            dest = data
         else:
-            arrays[name] = Placed(tuple(dest), MX_DTYPES[dtype], shape)
-        runs += [v.cast("B") for v in dest if v.nbytes]
-    starts = np.cumsum([0] + [r.nbytes for r in runs[:-1]]).tolist() if runs else []
-    return Targets(arrays, runs, starts)
+            arrays[name] = Placed(dest, MX_DTYPES[dtype], shape)
+        into += contiguous(dest)
+    starts = np.cumsum([0] + [r.nbytes for r in into[:-1]]).tolist() if into else []
+    return Targets(arrays, into, starts)
 
 
 def receive(into: Targets, meta: RemoteMeta, names: Names, n: int, replies: Replies) -> bool:
@@ -183,7 +183,3 @@ def _staging(size: int) -> memoryview:
     if buf is None or buf.nbytes < size:
         buf = _STAGING.buf = memoryview(np.empty(max(size, PART_BYTES), np.uint8)).cast("B")
     return buf
-
-
-def _nbytes(views: list[memoryview]) -> int:
-    return sum(v.nbytes for v in views)

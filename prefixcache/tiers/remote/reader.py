@@ -80,7 +80,7 @@ class RemoteReader(TierReader):
         meta = self.tier.meta_of(self.keys, indices[0]) if indices else None
         if meta is None:
             return None
-        return {name: Placed((), MX_DTYPES[dtype], shape) for name, dtype, shape in meta.specs}
+        return {name: Placed(None, MX_DTYPES[dtype], shape) for name, dtype, shape in meta.specs}
 
     def prepare(self, indices: list[int], place: Place | None) -> None:
         self.close()

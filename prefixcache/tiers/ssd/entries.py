@@ -13,6 +13,7 @@ whose file is gone, only an orphan file that ``gc`` removes.
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 import time
@@ -35,6 +36,17 @@ def decode_or_none(key: bytes, raw: bytes | None) -> BlockMeta | None:
     """The decoded entry, or None if it is absent or unreadable."""
     if raw is None:
         return None
+    if type(raw) is bytes:  # a restore decodes each entry twice: lookup, then load
+        return _decoded(key, raw)
+    return _decode(key, raw)
+
+
+@functools.lru_cache(maxsize=2048)
+def _decoded(key: bytes, raw: bytes) -> BlockMeta | None:
+    return _decode(key, raw)
+
+
+def _decode(key: bytes, raw: bytes) -> BlockMeta | None:
     try:
         return decode_meta(key, raw)
     except ValueError:

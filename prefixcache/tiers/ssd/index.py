@@ -105,6 +105,20 @@ class SsdIndex:
     def get(self, key: bytes) -> bytes | None:
         return self._txn(lambda t: t.get(key, db=self._db["blocks"]))
 
+    def get_many(self, keys: Sequence[bytes], *, until_absent: bool = False) -> list[bytes | None]:
+        """The entries of ``keys`` in one read (``until_absent``: up to the first
+        key not indexed, which is the last, as None)."""
+
+        def read(txn: lmdb.Transaction) -> list[bytes | None]:
+            out: list[bytes | None] = []
+            for key in keys:
+                out.append(txn.get(key, db=self._db["blocks"]))
+                if until_absent and out[-1] is None:
+                    break
+            return out
+
+        return self._txn(read)
+
     def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
         """(key, entry) of every block indexed under ``parent``, in one read."""
 

@@ -3,12 +3,14 @@
 ``stream(tier, keys, place)`` yields the blocks of a chain in order. Blocks on
 disk are read by reader threads (plain file I/O, xxh3 and header checks: no MLX
 call leaves the caller's thread), several files in flight, so later blocks are
-read while the caller handles earlier ones. A reader parses the payload's
-header first and asks ``place`` where each tensor goes: once the restore's
-buffers exist, that is a slice of the buffer itself, so the tensor is read from
-the page cache straight into the restored cache (one copy) and hashed there
-while it is still in the CPU cache. A tensor with no place is read into the
-reader's reused read buffer.
+read while the caller handles earlier ones. The index entries of the whole
+chain are read in one LMDB transaction. A reader asks ``place`` where each
+tensor goes: once the restore's buffers exist, that is a region of the buffer
+itself. Small payload files are read whole, verified, and copied into their
+places in runs of consecutive blocks, one numpy copy per tensor and run
+(runs.py); a large one is read from the page cache straight into the restored
+cache (one copy) and hashed there while it is still in the CPU cache
+(read_into.py). A tensor with no place goes into the reader's loose buffer.
 
 The buffers normally exist before the stream starts: the restore sizes them
 from the first block's header (ChainLoad.first_shapes), so every block goes
@@ -16,7 +18,7 @@ straight into place. When it could not (that header unreadable, the block
 still queued for the writer), the first block is read into a read buffer and
 its copy allocates the buffers; until the caller has taken it, a later tensor
 whose buffer does not exist yet is asked for again, and in between the reader
-pulls later payload files into the page cache (ssd_prime.py). Otherwise the
+pulls later payload files into the page cache (prime.py). Otherwise the
 kernel's own readahead serves each file: asking it to read further ahead
 (POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
 queueing in front of the reads that wait for them.
@@ -26,9 +28,10 @@ place) and HostArrays (zero-copy views into a read buffer, verified, valid until
 the next block is requested). A block still queued for the writer is served
 from the queue (a fresh :class:`Block`), as ``SsdTier.load`` does. A block that
 is missing or fails its checks is quarantined (on the caller's thread), counted,
-and yielded as None: a miss. Its bytes may already be in the restore buffer: the
-restore then stops before that block (the buffers are discarded or the block is
-never exposed).
+and yielded as None: a miss. A large one's bytes may already be in the restore
+buffer (a small one is verified before any byte is placed): the restore then
+stops before that block (the buffers are discarded or the block is never
+exposed).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from ..base import TierReader
 from ..writer import Writer
 from .index import SsdIndex, decode_or_none
 from .payload import read_header
-from .readers import Job, Readers, num_readers
+from .read_into import Job
+from .readers import Readers
 
 
 class Source(Protocol):
@@ -85,7 +89,7 @@ class SsdReader(TierReader):
             specs = read_header(self.tier.payload_file(key), key)
         except (OSError, PayloadError):
             return None  # the stream reads it again and tells
-        return {name: Placed((), dtype, shape) for name, dtype, shape in specs}
+        return {name: Placed(None, dtype, shape) for name, dtype, shape in specs}
 
     def prepare(self, indices: list[int], place: Place | None) -> None:
         self.close()
@@ -112,16 +116,15 @@ def stream(
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
     Args:
-        place: (chain index, payload tensor name, dtype, shape) -> the
-            destination's contiguous runs in row-major order, or None. Called
-            from reader threads; the destinations must stay valid until the
-            generator is closed.
+        place: where a tensor (or a run of blocks' tensors) goes in the
+            restore buffers (``host.Place``), or None. Called from reader
+            threads; the regions must stay valid until the generator is closed.
 
     Closing the generator (a restore done or falling short) stops the readers
     and waits for them: after that nothing writes into a destination.
     """
-    jobs = [_job(tier, key) for key in keys]
-    readers = Readers(jobs, num_readers(len(jobs)), place)
+    jobs = _jobs(tier, keys)
+    readers = Readers(jobs, place)
     try:
         for i, job in enumerate(jobs):
             buf, result = readers.take(i)
@@ -129,17 +132,22 @@ def stream(
                 yield _result(tier, job, result)
             finally:
                 readers.give_back(i, buf)
-                readers.first_taken.set()
+                if not i:
+                    readers.first_taken.set()
     finally:
         readers.stop()
 
 
-def _job(tier: Source, key: bytes) -> Job:
-    path = tier.payload_file(key)
-    if tier.writer.pending(key) is not None:
-        return Job(key, None, None, path)
-    raw = tier.index.get(key)
-    return Job(key, raw, decode_or_none(key, raw), path)
+def _jobs(tier: Source, keys: Sequence[bytes]) -> list[Job]:
+    """A job per key: the index entries read in one transaction; a block still
+    queued for the writer gets none (it is served from the queue)."""
+    raws = tier.index.get_many(keys)
+    jobs = []
+    for key, raw in zip(keys, raws, strict=True):
+        if tier.writer.pending(key) is not None:
+            raw = None
+        jobs.append(Job(key, raw, decode_or_none(key, raw), tier.payload_file(key)))
+    return jobs
 
 
 def _result(

@@ -26,7 +26,7 @@ from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError
 from ...host import tensors_of
-from ..base import Tier, TierReader
+from ..base import ChainEntry, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .controls import SsdControls
 from .directory import open_dir
@@ -142,6 +142,23 @@ class SsdTier(SsdControls, Tier):
 
     def entry(self, key: bytes) -> BlockMeta | None:
         return self.get_meta(key)
+
+    def held(self, keys: Sequence[bytes], start: int) -> list[ChainEntry]:
+        """As ``entry`` for ``keys[start:]`` while held, the index read in one
+        transaction per run of indexed keys (one for a chain written out)."""
+        out: list[ChainEntry] = []
+        pos = start
+        while pos < len(keys):
+            raws = self.index.get_many(keys[pos:], until_absent=True)
+            for key, raw in zip(keys[pos:], raws, strict=False):
+                item = self.writer.pending(key)
+                if item is not None:
+                    meta = BlockMeta.of(item.block, now=item.queued)
+                elif (meta := self._decoded(key, raw)) is None:
+                    return out
+                out.append(meta)
+            pos += len(raws)
+        return out
 
     def payload_names(self, key: bytes) -> Container[str] | None:
         item = self.writer.pending(key)  # else the header's: unverified, the load checks

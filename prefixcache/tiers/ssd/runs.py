@@ -1,0 +1,251 @@
+"""Runs of small payload files: read whole, verified, then placed together.
+
+A reader thread (readers.py) takes the chain's small payload files (up to
+SMALL_READ bytes) in runs of consecutive blocks of one file size, up to
+RUN_BYTES in all. Each file is read whole, in one read of one byte more than
+the index says (a longer file shows), into its slot of the reader's scratch
+buffer (reused, so it stays in the CPU's caches), and verified there in one
+hash call: nothing reaches the restore buffers before its block's checksum
+matched. The run's files are opened first and asked into the page cache
+together, so that read cold their reads are in flight at once.
+
+Then each tensor of the run goes into its place with ONE numpy copy for the
+whole run (``place(..., count)``: the restore buffer's region of that tensor
+for all the run's blocks, one after another on the token axis), where
+per-block reads took one iovec and one hash call per (batch, head) row and
+block: per run a few calls per tensor name, not per block and row. A tensor
+that has no run region (a layer that does not use every block of the run, a
+buffer not allocated yet) is placed block by block; one without a place at
+all goes into the reader's loose buffer, lent to the caller with the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ...errors import PayloadError
+from ...host import MX_DTYPES, HostArray, Place, Placed
+from .files import open_payload
+from .payload import header_length, parse_header
+from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
+
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+# Payloads of up to this many bytes are read whole, in runs; larger ones straight
+# into their places (read_into.py). On 2 cores (128 MiB, 3 readers), 2 MiB payloads
+# (block 64) took 63-73 ms read whole against 75-83 straight into place.
+SMALL_READ = 2 << 20
+# Payload bytes a run may hold: consecutive files read, verified and placed together.
+# Fewer, longer copies (one per tensor and run, not per block) pay for a scratch
+# buffer beyond the CPU's L2. Fetching 128 MiB on 2 cores, three readers, runs of
+# 2 / 4 / 8 MiB: block 16 87 / 83 / 67 ms, block 32 70 / 54 / 52 ms; earlier, on a
+# busier machine with two readers, 4 MiB runs beat 8 and 16. A reader's scratch
+# holds one run.
+RUN_BYTES = 4 << 20
+
+
+def plan_runs(jobs: Sequence[Job]) -> list[range]:
+    """The jobs cut into runs: consecutive small payloads of one file size,
+    RUN_BYTES at most; every other job (large, queued, absent, or the first: it
+    must not wait for the buffers it allocates) a run of its own."""
+    out: list[range] = []
+    start = 0
+    for i in range(1, len(jobs)):
+        first, meta = jobs[start].meta, jobs[i].meta
+        if (
+            start == 0
+            or first is None
+            or meta is None
+            or not small(jobs[i])
+            or meta.file_bytes != first.file_bytes
+            or (i - start + 1) * first.nbytes > RUN_BYTES
+        ):
+            out.append(range(start, i))
+            start = i
+    if jobs:
+        out.append(range(start, len(jobs)))
+    return out
+
+
+def small(job: Job) -> bool:
+    return job.meta is not None and job.meta.nbytes <= SMALL_READ
+
+
+@dataclass(frozen=True, slots=True)
+class _File:
+    """A payload file read into its scratch slot and verified."""
+
+    job: Job
+    index: int  # in the chain
+    data: np.ndarray  # the file's bytes
+    base: int  # where the tensors' data start
+    spans: tuple[Span, ...]
+
+
+def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
+    """The blocks of a run of small files (``plan_runs``), in order: each a
+    (lent loose buffer or None, block) or the error that makes it a miss.
+
+    Raises:
+        Stopped: the stream closed while a block waited for the loose buffer.
+    """
+    first = jobs[0].meta
+    assert first is not None
+    size = first.file_bytes
+    scratch = bufs.scratch(len(jobs) * size + 1)
+    files: list[_File | PayloadError | OSError] = []
+    with _opened(jobs) as fds:
+        for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
+            try:  # slot k, plus the next slot's first byte (read over by the next file)
+                if isinstance(fd, BaseException):
+                    raise fd
+                files.append(_load(job, fd, scratch[k * size : (k + 1) * size + 1]))
+            except (PayloadError, OSError) as e:
+                files.append(e)
+    good = [f for f in files if isinstance(f, _File)]
+    arrays: list[dict[str, HostArray | Placed]] = [{} for _ in files]
+    loose: list[list[tuple[str, Span]]] = [[] for _ in files]
+    same = all(f.spans == good[0].spans and f.base == good[0].base for f in good)
+    if len(good) == len(files) and same:
+        _place_run(good, scratch[: len(files) * size], place, arrays, loose)
+    else:
+        for k, f in enumerate(files):
+            if isinstance(f, _File):
+                _place_block(f, place, arrays[k], loose[k])
+    for f, placed, rest in zip(files, arrays, loose, strict=True):
+        if not isinstance(f, _File):
+            yield None, f
+            continue
+        lent = None
+        if rest:
+            lent = _loose(f, rest, bufs, placed)
+            placed = {name: placed[name] for name, *_ in f.spans}  # in file order
+        yield lent, streamed(f.job, placed)
+
+
+@contextlib.contextmanager
+def _opened(jobs: Sequence[Job]) -> Iterator[list[int | PayloadError | OSError]]:
+    """The run's files opened (or why not), each asked into the page cache at once:
+    read cold, the run's reads are in flight together, not one after another."""
+    fds: list[int | PayloadError | OSError] = []
+    try:
+        for job in jobs:
+            try:
+                fds.append(fd := open_payload(job.path))
+            except (PayloadError, OSError) as e:
+                fds.append(e)
+                continue
+            if _WILLNEED is not None:
+                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+        yield fds
+    finally:
+        for fd in fds:
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _load(job: Job, fd: int, slot: np.ndarray) -> _File:
+    """Read a small payload file whole into ``slot`` (its size + 1) and verify it."""
+    meta = job.meta
+    assert meta is not None
+    size = meta.file_bytes
+    got = pread_all(fd, slot, 0)
+    if got != size:
+        more = "more than " if got > size else ""
+        raise PayloadError(f"payload has {more}{min(got, size)} bytes, index says {size}")
+    data = slot[:size]
+    if xxhash.xxh3_64_intdigest(data) != meta.checksum:
+        raise PayloadError("payload checksum mismatch")
+    base = 8 + header_length(data[:8].tobytes(), size)
+    if size - base != meta.nbytes:
+        raise PayloadError(f"payload holds {size - base} bytes, index says {meta.nbytes}")
+    spans = parse_header(data[8:base].tobytes(), job.key, size - base)
+    return _File(job, meta.index, data, base, spans)
+
+
+def _place_run(
+    files: list[_File],
+    scratch: np.ndarray,
+    place: Place | None,
+    arrays: list[dict[str, HostArray | Placed]],
+    loose: list[list[tuple[str, Span]]],
+) -> None:
+    """Place the tensors of files of one layout: one copy per tensor for all of
+    them where the run has a region (4-axis tensors, several blocks), else block
+    by block."""
+    k, first, base = len(files), files[0], files[0].base
+    rows = scratch.reshape(k, -1)  # file j's bytes in row j
+    for span in first.spans:
+        name, dtype, shape, start, end = span
+        dt = MX_DTYPES[dtype]
+        region = None
+        if place is not None and k > 1 and len(shape) == 4:
+            region = place(first.index, name, dt, shape, k)
+        if region is None or region.nbytes != k * (end - start):
+            for f, placed, rest in zip(files, arrays, loose, strict=True):
+                _place_tensor(f, span, place, placed, rest)
+            continue
+        b, h, n, width = region.shape[0], region.shape[1], shape[2], region.shape[3]
+        dest = _view(region, (b, h, k, n, width))
+        src = _view(rows[:, base + start : base + end], (k, b, h, n, width))
+        np.copyto(dest, src.transpose(1, 2, 0, 3, 4))
+        for j in range(k):
+            arrays[j][name] = Placed(region[:, :, j * n : (j + 1) * n], dt, shape)
+
+
+def _place_block(
+    f: _File,
+    place: Place | None,
+    placed: dict[str, HostArray | Placed],
+    loose: list[tuple[str, Span]],
+) -> None:
+    for span in f.spans:
+        _place_tensor(f, span, place, placed, loose)
+
+
+def _place_tensor(
+    f: _File,
+    span: Span,
+    place: Place | None,
+    placed: dict[str, HostArray | Placed],
+    loose: list[tuple[str, Span]],
+) -> None:
+    """One tensor of a verified file into its place, or onto ``loose``."""
+    name, dtype, shape, start, end = span
+    dt = MX_DTYPES[dtype]
+    region = place(f.index, name, dt, shape) if place is not None else None
+    if region is None or region.nbytes != end - start:
+        loose.append((name, span))
+        return
+    np.copyto(region, f.data[f.base + start : f.base + end].reshape(region.shape))
+    placed[name] = Placed(region, dt, shape)
+
+
+def _loose(
+    f: _File,
+    loose: list[tuple[str, Span]],
+    bufs: Buffers,
+    arrays: dict[str, HostArray | Placed],
+) -> np.ndarray:
+    """Copy tensors without a place into the loose buffer (lent from now on)."""
+    lent = bufs.loose(sum(end - start for _, (*_, start, end) in loose))
+    used = 0
+    for name, (_, dtype, shape, start, end) in loose:
+        out = lent[used : used + end - start]
+        out[...] = f.data[f.base + start : f.base + end]
+        used += end - start
+        arrays[name] = HostArray(out, MX_DTYPES[dtype], shape)
+    return lent
+
+
+def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``a`` reshaped without a copy (a copy would swallow what is written into it)."""
+    out = a.reshape(shape)
+    if out.base is None:
+        raise ValueError(f"region of strides {a.strides} cannot be viewed as {shape}")
+    return out

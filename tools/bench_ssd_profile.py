@@ -1,0 +1,201 @@
+"""Where a warm SSD fetch spends its time: the caller's thread, the reader threads.
+
+The chain of tools/bench_blocks.py (8 layers, 8 kv heads, head_dim 128, bf16,
+4096 tokens = 128 MiB) is stored at each ``--block-sizes`` on the SSD tier only
+and fetched ``--repeat`` times from the page cache. Per fetch, measured in the
+fetch itself (medians):
+
+  wall         the fetch, cache evaluated
+  cpu          this process's CPU time (every thread)
+  readers      CPU time of the SSD reader threads together (their ``_run``)
+  caller       CPU time of the caller's thread, split into
+    lookup       Lookup.plan: chain keys, the index reads, the token checks
+    alloc        the restore buffers sized and allocated from the first header
+    blocks       taking each block from the stream and handing it to the
+                 builders (restore._add_block: split by layer, checks)
+    rest         the remainder: thread start and join, headroom zeroing, eval
+
+and ``file``: ONE file of the same bytes read into fresh memory (wall and CPU),
+alternating with the fetches. Only names that every version of the restore path
+keeps are wrapped, so the same command profiles the code before a change and
+after it.
+
+    python tools/bench_ssd_profile.py [--block-sizes 16 32 64 256] [--repeat 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+from benchlib import shaped_model, synthetic_cache
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache import restore as restore_module
+from prefixcache.lookup import Lookup
+from prefixcache.tiers.ssd import readers as readers_module
+
+PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"]
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 256])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--dir", default=None)
+    return p
+
+
+class Meter:
+    """CPU time of the wrapped functions on the thread that runs them."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.cpu[name] = self.cpu.get(name, 0.0) + seconds
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        real: Callable = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            began = time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.add(name, time.thread_time() - began)
+
+        setattr(owner, attr, timed)
+
+
+@contextlib.contextmanager
+def metered() -> Iterator[Meter]:
+    meter = Meter()
+    saved = [
+        (Lookup, "plan", Lookup.plan),
+        (restore_module, "_reserve_first", restore_module._reserve_first),
+        (restore_module, "_add_block", restore_module._add_block),
+        (restore_module.ChainLoad, "load", restore_module.ChainLoad.load),
+        (readers_module.Readers, "_run", readers_module.Readers._run),
+    ]
+    for owner, attr, name in [
+        (Lookup, "plan", "lookup"),
+        (restore_module, "_reserve_first", "alloc"),
+        (restore_module, "_add_block", "blocks"),
+        (restore_module.ChainLoad, "load", "blocks"),
+        (readers_module.Readers, "_run", "readers"),
+    ]:
+        meter.wrap(owner, attr, name)
+    try:
+        yield meter
+    finally:
+        for owner, attr, real in saved:
+            setattr(owner, attr, real)
+
+
+def profile(pc: PrefixCache, probe: list[int], meter: Meter) -> dict[str, float]:
+    gc.collect()
+    meter.cpu.clear()
+    wall, cpu, caller = time.perf_counter(), time.process_time(), time.thread_time()
+    cache, num = pc.fetch(probe)
+    mx.eval([c.state for c in cache])
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    caller = time.thread_time() - caller
+    assert num == len(probe) - 1, (num, len(probe))
+    del cache
+    out = {"wall": wall, "cpu": cpu, "caller": caller, **meter.cpu}
+    out["rest"] = caller - sum(meter.cpu.get(k, 0.0) for k in ("lookup", "alloc", "blocks"))
+    return out
+
+
+def file_read(path: str, nbytes: int) -> tuple[float, float]:
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = np.empty(nbytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(out))
+    del out
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run(args, model, block_size: int, root: str) -> dict[str, object]:
+    tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
+    probe = [*tokens, 1]
+    cfg = CacheConfig(
+        block_size=block_size,
+        hot_max_bytes=1,
+        promote=False,
+        ssd_dir=os.path.join(root, f"ssd{block_size}"),
+        ssd_min_free_bytes=0,
+        write_queue_bytes=1 << 30,
+    )
+    with PrefixCache(model, cfg, model_id="bench") as pc:
+        cache = synthetic_cache(args, args.tokens)
+        pc.store(tokens, cache)
+        pc.flush()
+        nbytes = sum(c.keys[..., : args.tokens, :].nbytes * 2 for c in cache)
+        del cache
+        path = os.path.join(root, "one.file")
+        with open(path, "wb") as f:
+            f.write(os.urandom(nbytes))
+        rows, refs = [], []
+        with metered() as meter:
+            profile(pc, probe, meter)  # warm: the page cache, first allocations
+            for i in range(args.repeat):
+                if i % 2:
+                    refs.append(file_read(path, nbytes))
+                    rows.append(profile(pc, probe, meter))
+                else:
+                    rows.append(profile(pc, probe, meter))
+                    refs.append(file_read(path, nbytes))
+        os.remove(path)
+    out: dict[str, object] = {"block": block_size, "num_blocks": args.tokens // block_size}
+    for part in PARTS:
+        out[part] = statistics.median(r.get(part, 0.0) for r in rows) * 1e3
+    out["file_wall"] = statistics.median(w for w, _ in refs) * 1e3
+    out["file_cpu"] = statistics.median(c for _, c in refs) * 1e3
+    return out
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    model = shaped_model(args)
+    load = os.getloadavg()
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        for block_size in args.block_sizes:
+            rows.append(row := run(args, model, block_size, root))
+            print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+    head = ["block", "num blocks", *PARTS, "file wall", "file cpu"]
+    print("\nms per fetch (medians); readers, caller and its parts are CPU time")
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
+    for r in rows:
+        cells = [str(r["block"]), str(r["num_blocks"])]
+        cells += [f"{r[k]:.1f}" for k in [*PARTS, "file_wall", "file_cpu"]]
+        print("| " + " | ".join(cells) + " |")
+    end, cores = os.getloadavg(), os.cpu_count()
+    print(f"\nload average (1 min) at start {load[0]:.2f}, at end {end[0]:.2f} on {cores} cores.")
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+if __name__ == "__main__":
+    main()
