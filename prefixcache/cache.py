@@ -16,7 +16,7 @@ from .hashing import Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
-from .prefetch import Prefetcher, job_of
+from .prefetch import Job, Prefetcher, job_of
 from .restore import restore
 from .services import Services
 from .shared import fetch_shared, shared_stats
@@ -67,7 +67,7 @@ class PrefixCache(ControlVerbs):
         self.controls = Controls(self.tiers)
         self._closed = False
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
-        self.prefetcher = Prefetcher(self.hot, self._lock, self._stats, bound)
+        self.prefetcher = Prefetcher(self.tiers, self._lock, self._stats, bound)
         self.services = Services(
             self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
         )
@@ -99,6 +99,8 @@ class PrefixCache(ControlVerbs):
             self._last_shared = (data, root, got.shared)
             self.controls.used(got.keys)
             self.prefetcher.used(got.keys)
+            if got.promote:  # loaded again into the tiers above, off this request's path
+                self.prefetcher.submit(Job(data, root, got.keys, got.promote, promote=True))
             self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
             return got.cache, got.num_tokens
 
@@ -253,7 +255,9 @@ class PrefixCache(ControlVerbs):
             return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
 
     def flush(self) -> None:
-        """Persist every dirty hot block to the lower tiers and wait for their writes."""
+        """Finish the promotions and prefetches under way, persist every dirty hot
+        block to the lower tiers and wait for their writes."""
+        self.prefetcher.join()  # not under the lock: its thread takes it
         with self._lock:
             self.tiers.flush()
             self.services.save_counters()

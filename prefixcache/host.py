@@ -80,12 +80,13 @@ class HostArray:
             return self.data
         return self.data.reshape(*self.shape[:-1], self.shape[-1] * self.dtype.size)
 
-    def to_mx(self) -> mx.array:
-        """An evaluated MLX array owning a copy of the bytes."""
+    def to_mx(self, *, evaluate: bool = True) -> mx.array:
+        """An MLX array owning a copy of the bytes (evaluated unless told not to)."""
         if self.data.nbytes == 0:
             return mx.zeros(self.shape, self.dtype)
         out = mx.array(self.data).view(self.dtype).reshape(self.shape)
-        mx.eval(out)
+        if evaluate:
+            mx.eval(out)
         return out
 
 
@@ -106,13 +107,14 @@ class Placed:
     def nbytes(self) -> int:
         return 0 if self.region is None else self.region.nbytes
 
-    def to_mx(self) -> mx.array:
-        """An evaluated MLX array owning a copy of the bytes (e.g. to promote into hot)."""
+    def to_mx(self, *, evaluate: bool = True) -> mx.array:
+        """An MLX array owning a copy of the bytes (evaluated unless told not to)."""
         if self.region is None or self.region.nbytes == 0:
             return mx.zeros(self.shape, self.dtype)
         flat = np.ascontiguousarray(self.region).reshape(-1)
         out = mx.array(flat).view(self.dtype).reshape(self.shape)
-        mx.eval(out)
+        if evaluate:
+            mx.eval(out)
         return out
 
 
@@ -181,5 +183,6 @@ class StreamedBlock:
 
     def to_block(self) -> Block:
         """A Block owning MLX copies of the arrays (e.g. to promote into hot)."""
-        arrays = {name: a.to_mx() for name, a in self.arrays.items()}
+        arrays = {name: a.to_mx(evaluate=False) for name, a in self.arrays.items()}
+        mx.eval(list(arrays.values()))  # one evaluation for the block
         return Block(self.key, self.parent, self.root, self.index, self.tokens, arrays, self.nbytes)

@@ -1,4 +1,7 @@
-"""Prefetch: a queued request's lower-tier blocks promoted into hot while it waits.
+"""Prefetch and promotion: lower-tier blocks loaded into the tiers above on one
+background thread.
+
+Prefetch: a queued request's lower-tier blocks promoted into hot while it waits.
 
 ``PrefixCache.prefetch(tokens)`` plans the prompt's restore from metadata (as a
 fetch would), and hands the blocks that only a lower tier (ssd, remote) holds
@@ -13,6 +16,12 @@ Bounded: at most ``prefetch_bytes`` of prefetched blocks not yet used are held
 (a job stops there), and a block that no longer fits beside what hot holds is
 not loaded. Counted: ``prefetched_blocks``, ``prefetch_hits`` (blocks a fetch
 then took from hot), ``prefetch_wasted_bytes`` (prefetched, evicted unused).
+
+Promotion: a fetch that restored lower-tier blocks (read straight into its
+buffers: one copy) hands them here to be loaded again and kept above
+(``Tiers.promote``: hot while it has room, evicting nothing; ssd for a remote
+hit), so the request does not pay a second copy and an MLX array per tensor
+(on the CPU at block 16, 4-5x the restore itself). Counted as promotions.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import dataclass, field
 from .stats import Stats
 from .tiers.base import ChainEntry, Tier
 from .tiers.hot import HotTier
+from .tiers.stack import Tiers
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +51,15 @@ class Job:
     root: bytes
     keys: list[bytes]  # the plan's keys (a reader's indices refer to them)
     blocks: list[tuple[int, Tier, int]]  # (index in keys, tier, payload bytes)
+    promote: bool = False  # a fetch's promotion (bounded by hot's room), not a prefetch
     cancelled: bool = field(default=False)
 
 
 class Prefetcher:
-    """One background thread promoting jobs' blocks into the hot tier.
+    """One background thread loading jobs' blocks into the tiers above theirs.
 
     Args:
-        hot: the hot tier (touched only under ``lock``).
+        tiers: the cache's tiers (touched only under ``lock``).
         lock: the cache's lock.
         stats: where the counters go.
         max_bytes: prefetched blocks not yet used that may be held at once.
@@ -56,12 +67,13 @@ class Prefetcher:
 
     def __init__(
         self,
-        hot: HotTier,
+        tiers: Tiers,
         lock: AbstractContextManager,
         stats: Stats,
         max_bytes: int,
     ):
-        self.hot, self.lock, self.stats, self.max_bytes = hot, lock, stats, max_bytes
+        self.tiers, self.lock, self.stats, self.max_bytes = tiers, lock, stats, max_bytes
+        self.hot: HotTier = tiers.hot
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._open: list[Job] = []  # queued or running (guarded by ``lock``)
         self._unused: dict[bytes, int] = {}  # prefetched, not yet used: key -> bytes
@@ -71,7 +83,7 @@ class Prefetcher:
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` (called under the lock); returns how many blocks it holds."""
-        if not job.blocks or self.max_bytes <= 0:
+        if not job.blocks or (self.max_bytes <= 0 and not job.promote):
             return 0
         self._open.append(job)
         with self._idle:
@@ -133,7 +145,7 @@ class Prefetcher:
             try:
                 reader.prepare([i for i, _ in mine], None)
                 for index, nbytes in mine:
-                    if not self._room(job, nbytes):
+                    if not self._room(job, tier, nbytes):
                         return
                     try:
                         loaded = reader.load(index)
@@ -142,22 +154,29 @@ class Prefetcher:
                         return
                     if loaded is None:
                         return  # the chain stops here: later blocks cannot be used
-                    self._put(job, loaded.to_block())  # arrays evaluated on this thread
+                    self._put(job, tier, loaded.to_block())  # arrays evaluated on this thread
             finally:
                 reader.close()
 
-    def _room(self, job: Job, nbytes: int) -> bool:
+    def _room(self, job: Job, tier: Tier, nbytes: int) -> bool:
         """Whether to load one more block of ``job`` (not cancelled; within bounds)."""
         with self.lock:
             self._forget_evicted()
             if job.cancelled:
                 return False
+            if job.promote:
+                return self.tiers.promotable(tier, nbytes)
             unused = sum(self._unused.values())
             return unused + nbytes <= self.max_bytes and nbytes <= self.hot.max_bytes
 
-    def _put(self, job: Job, block) -> None:
+    def _put(self, job: Job, tier: Tier, block) -> None:
         with self.lock:
-            if job.cancelled or block.key in self.hot:
+            if job.cancelled:
+                return
+            if job.promote:
+                self.tiers.promote(tier, block)
+                return
+            if block.key in self.hot:
                 return
             if self.hot.put(block):
                 self._unused[block.key] = block.nbytes

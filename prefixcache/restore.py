@@ -12,8 +12,9 @@ buffer it belongs to (``place``: one copy from the page cache, no read
 buffer), so the peak is the restored cache (plus one block when the first
 block had to allocate). Tensors without such a destination come as
 HostArrays (views of a read buffer): builders that take them copy the bytes
-in; the others get MLX arrays of them. Lower-tier blocks are collected for
-promotion as they pass.
+in; the others get MLX arrays of them. Lower-tier blocks worth promoting are
+listed as they pass (``Restored.promote``): the cache loads them again into
+the tiers above on its background thread, so the request pays for one copy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from .blocks import Block, split_layers
+from .blocks import split_layers
 from .codecs import Builder, Codec, codec_for, round_up
 from .errors import LayoutMismatchError, MissReason, Shortfall
 from .host import HostArray, Place, Placed
@@ -45,13 +46,14 @@ class Restored:
     reason: MissReason | None
     shared: int
     keys: list[bytes]
+    promote: list[tuple[int, Tier, int]]  # lower-tier blocks to promote: (index, tier, bytes)
 
 
 def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Restored:
     """A fresh cache holding the deepest restorable prefix of the prompt ``data``.
 
     The lookup's plan is rebuilt; a block that fails to load is excluded and the
-    next plan tried. Lower-tier blocks loaded are promoted (``Tiers.after_hit``).
+    next plan tried. Lower-tier blocks loaded are listed for promotion.
     """
     tiers, layout, bs = lookup.tiers, lookup.layout, lookup.config.block_size
     exclude: set[bytes] = set()
@@ -61,7 +63,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         shared = plan.shared if shared is None else shared
         reason = reason or plan.reason
         if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
-            return Restored(make_prompt_cache(layout.model), 0, reason, shared, [])
+            return Restored(make_prompt_cache(layout.model), 0, reason, shared, [], [])
         loader = ChainLoad(tiers, plan)
         # a block cut back is copied whole: the buffers hold every block. With headroom,
         # room for the prompt's rest and the reply in mlx-lm's steps; without, the
@@ -74,22 +76,22 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
             exclude.add(plan.entries[short.index].key)
             reason = reason or short.reason
             continue
-        tiers.after_hit(plan.keys, loader.loaded)
-        return Restored(cache, plan.num_tokens, reason, shared, plan.keys)
+        tiers.after_hit(plan.keys)
+        return Restored(cache, plan.num_tokens, reason, shared, plan.keys, loader.promote)
 
 
 class ChainLoad:
     """Loads the blocks of one plan in chain order, each from the tier that holds it.
 
-    ``loaded`` collects lower-tier blocks to promote (as MLX copies): into hot
-    while it has room, and onto the lower tiers above their own (e.g. a remote
-    hit kept on ssd), when ``promote`` is on.
+    ``promote`` lists the lower-tier blocks worth promoting (``Tiers.promotable``:
+    into hot while it has room, and onto the lower tiers above their own, e.g. a
+    remote hit kept on ssd), when ``promote`` is on.
     """
 
     def __init__(self, tiers: Tiers, plan: Plan):
         self.stack, self.plan = tiers, plan
         self.keys = plan.keys
-        self.loaded: list[tuple[Tier, Block]] = []
+        self.promote: list[tuple[int, Tier, int]] = []
         hot = tiers.hot
         self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
         self._readers: dict[Tier, TierReader] = {}
@@ -126,7 +128,7 @@ class ChainLoad:
         promote = self.stack.config.promote and not tier.resident
         if promote and (self.stack.above(tier) or block.nbytes <= self._room):
             self._room -= block.nbytes
-            self.loaded.append((tier, block.to_block()))
+            self.promote.append((index, tier, block.nbytes))
         return block.arrays, tier.resident
 
     def host_views(self, index: int) -> Mapping[str, Any]:

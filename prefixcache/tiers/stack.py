@@ -1,14 +1,15 @@
 """Tiers: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
-Read path: a chain is matched through the tiers in order (``chain``, ``children``;
-the restore itself is restore.py's), and lower-tier hits are promoted upward
-(``after_hit``). Write path: new blocks go into hot; under ``write_back`` a
-dirty block spills to the lower tiers when hot evicts it, under
-``write_through`` it is put there at once, and an ``eager`` tier takes every
-block at once. With no lower tier (``hot_cache_only``) an evicted block is
-discarded, and remembered to explain the next miss. A ``persist=False`` block
-stays hot only (``private``); a metered tier's writes pass the governor
-(governor.py); pins and sessions act on the stack through controls.py.
+Read path: a chain is matched through the tiers in order (``chain``,
+``children``; the restore itself is restore.py's), and lower-tier hits are
+promoted upward (``promote``, from the prefetch thread: off the request's
+path). Write path: new blocks go into hot; under ``write_back`` a dirty block
+spills to the lower tiers when hot evicts it, under ``write_through`` it is put
+there at once, and an ``eager`` tier takes every block at once. With no lower
+tier (``hot_cache_only``) an evicted block is discarded, and remembered to
+explain the next miss. A ``persist=False`` block stays hot only (``private``);
+a metered tier's writes pass the governor (governor.py); pins and sessions act
+on the stack through controls.py.
 """
 
 from __future__ import annotations
@@ -102,19 +103,26 @@ class Tiers:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
-    def after_hit(self, chain: Sequence[bytes], loaded: Sequence[tuple[Tier, Block]]) -> None:
-        """Promote lower-tier hits into the tiers above them; mark the chain used."""
-        if self.config.promote:
-            for owner, block in sorted(loaded, key=lambda p: p[1].index):
-                promoted = False
-                if self.hot.nbytes + block.nbytes <= self.hot.max_bytes:
-                    promoted = self.hot.put(block)
-                for tier in self.above(owner):  # e.g. a remote hit is kept on ssd too
-                    promoted = tier.put(block) or promoted
-                self.stats.num_promotions += promoted
+    def after_hit(self, chain: Sequence[bytes]) -> None:
+        """Mark a restored chain used (its lower-tier blocks are promoted apart: ``promote``)."""
         self.hot.touch(chain)
         for tier in self.lower:
             tier.touch([k for k in chain if k not in self.hot])
+
+    def promotable(self, owner: Tier, nbytes: int) -> bool:
+        """Whether a block of ``owner`` is worth loading to promote (hot has room, or a
+        lower tier above ``owner`` keeps it too)."""
+        return self.hot.nbytes + nbytes <= self.hot.max_bytes or bool(self.above(owner))
+
+    def promote(self, owner: Tier, block: Block) -> None:
+        """Keep a lower-tier hit in the tiers above ``owner``: hot while it has room
+        (nothing is evicted for it), and e.g. ssd for a remote hit."""
+        promoted = False
+        if block.key not in self.hot and self.hot.nbytes + block.nbytes <= self.hot.max_bytes:
+            promoted = self.hot.put(block)
+        for tier in self.above(owner):
+            promoted = tier.put(block) or promoted
+        self.stats.num_promotions += promoted
 
     # -- write path ----------------------------------------------------------
 
