@@ -12,11 +12,15 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
 
   mlx-lm LRU     LRUPromptCache (RAM only, whole sequences) as the server makes it:
                  the budget is applied by trim_to only, so inserts overshoot it
-  LRU strict     LRUPromptCache(max_bytes=budget): enforced at every insert too
-  ours hot-only  TieredPromptCache(hot_cache_only=True): cost-aware eviction (the default)
+  ours hot-only  TieredPromptCache(hot_cache_only=True) as ``prefixcache serve
+                 --prompt-cache-bytes`` makes it: the same rule (hot_max_bytes
+                 its default, the budget applied by trim_to only); cost-aware
+                 eviction (the default)
   hot-only LRU   the same with eviction="lru" (leaves first, least recently used)
-  ours + SSD     TieredPromptCache with an SSD tier (write_back; closed and
-                 reopened at the restart, as ``prefixcache serve`` does on SIGTERM)
+  ours + SSD     the same with an SSD tier (write_back; closed and reopened at
+                 the restart, as ``prefixcache serve`` does on SIGTERM)
+  LRU strict     LRUPromptCache(max_bytes=budget): enforced at every insert too
+  ours strict    hot-only with hot_max_bytes=budget: enforced at every insert too
 
 Per system: cached / prompt tokens, prefill tokens computed, time to first
 token (median, p90, and summed: the time spent recomputing what was not
@@ -207,11 +211,12 @@ def print_table(rows: list[dict[str, str]]) -> None:
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
-    model = build_model(
-        "llama", seed=args.seed, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=4, num_attention_heads=args.hidden // 32,
-        num_key_value_heads=max(1, args.hidden // 64), head_dim=32,
-    )  # fmt: skip
+    width = {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden}
+    heads = {
+        "num_attention_heads": args.hidden // 32,
+        "num_key_value_heads": max(1, args.hidden // 64),
+    }
+    model = build_model("llama", seed=args.seed, num_hidden_layers=4, head_dim=32, **width, **heads)
     systems, trace = make_trace(args)
     print(
         f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
@@ -220,27 +225,21 @@ def main() -> None:
         f"block size {args.block_size}"
     )
     results = []
+    # as ``prefixcache serve`` sets it: restore_headroom 0 (the batch path copies at once),
+    # hot_max_bytes its default (the budget is --prompt-cache-bytes: trim_to)
+    hot = CacheConfig(block_size=args.block_size, hot_cache_only=True, restore_headroom=0)
+    lru = hot.replace(eviction="lru")
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budget:
-            # restore_headroom 0 as ``prefixcache serve`` sets it (the batch path copies at once)
-            hot = CacheConfig(
-                block_size=args.block_size,
-                hot_max_bytes=budget,
-                hot_cache_only=True,
-                restore_headroom=0,
-            )
             ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
+            strict = hot.replace(hot_max_bytes=budget)
             systems_run = [
                 ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
-                ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
-                ("ours hot-only", lambda hot=hot: TieredPromptCache(lambda key: model, hot)),
-                (
-                    "hot-only LRU",
-                    lambda hot=hot: TieredPromptCache(
-                        lambda key: model, hot.replace(eviction="lru")
-                    ),
-                ),
+                ("ours hot-only", lambda: TieredPromptCache(lambda key: model, hot)),
+                ("hot-only LRU", lambda: TieredPromptCache(lambda key: model, lru)),
                 ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
+                ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
+                ("ours strict", lambda cfg=strict: TieredPromptCache(lambda key: model, cfg)),
             ]
             reference = None
             for name, make_cache in systems_run:
