@@ -1,0 +1,156 @@
+"""``prefixcache ls``: the blocks (or chains) of an SSD tier directory, one row
+each, filtered by model, age, size and pins, and sorted."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from ..config import parse_bytes
+from ..tiers.ssd.inventory import Entry, Inventory, end_token
+from ..tiers.ssd.view import SsdView
+from .common import Doc, count, duration, emit, model_roots, ssd_command
+from .report import format_age, format_bytes, table
+
+
+def add_ls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model id (or 4+ hex digits of a namespace root key)")
+    p.add_argument("--chains", action="store_true", help="one row per chain (leaf block)")
+    p.add_argument("--older-than", type=duration, help="last used before, e.g. 7d, 12h")
+    p.add_argument("--newer-than", type=duration, help="last used within, e.g. 30m")
+    p.add_argument("--min-bytes", type=parse_bytes, help="at least this size, e.g. 1M")
+    p.add_argument(
+        "--sort",
+        choices=("age", "size", "tokens"),
+        default="age",
+        help="age: most recently used first; size, tokens: largest first",
+    )
+    p.add_argument("--reverse", action="store_true", help="reverse the order")
+    p.add_argument("--limit", type=count, help="print at most this many rows")
+    p.add_argument("--pinned", action="store_true", help="only pinned blocks (chains holding one)")
+
+
+def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
+    roots = model_roots(inv, args.model)
+    labels = {r: inv.namespaces[r].label for r in roots}
+    rows = (
+        [_chain_row(inv, e) for e in inv.leaves(roots)]
+        if args.chains
+        else [_block_row(inv, e) for e in inv.blocks(roots)]
+    )
+    pins = view.index.pins()
+    for row in rows:
+        key = bytes.fromhex(row["key"])
+        _pin_fields(row, [e.key for e in inv.chain(key)[0]] if args.chains else [key], pins)
+    if args.pinned:
+        rows = [r for r in rows if r["pinned"]]
+    now = time.time()
+    if args.older_than is not None:
+        rows = [r for r in rows if now - r["last_used"] > args.older_than]
+    if args.newer_than is not None:
+        rows = [r for r in rows if now - r["last_used"] <= args.newer_than]
+    if args.min_bytes is not None:
+        rows = [r for r in rows if r["nbytes"] >= args.min_bytes]
+    sort_key = {"age": "last_used", "size": "nbytes", "tokens": "prefix_tokens"}[args.sort]
+    rows.sort(key=lambda r: (r[sort_key], r["key"]), reverse=not args.reverse)
+    doc = {
+        "ssd_dir": view.path,
+        "kind": "chains" if args.chains else "blocks",
+        "num_matched": len(rows),
+        "rows": rows[: args.limit],
+    }
+    doc["pinned_only"] = args.pinned
+    emit(args, doc, lambda: _ls_text(doc, labels, now))
+    return 0
+
+
+def _pin_fields(row: Doc, keys: list[bytes], pins: dict[bytes, tuple[float, int]]) -> None:
+    """A listing row's ``pinned`` (one of its blocks ``keys`` is) and ``pinned_until``
+    (the earliest end among them, Unix time; None: never)."""
+    ends = [pins[k][0] for k in keys if k in pins]
+    row["pinned"] = bool(ends)
+    row["pinned_until"] = min(ends) if ends and math.isfinite(min(ends)) else None
+
+
+def _block_row(inv: Inventory, e: Entry) -> Doc:
+    parent = inv.entries.get(e.parent)
+    end = end_token(e.index, e.num_tokens, parent and parent.num_tokens)
+    return {
+        "key": e.key.hex(),
+        "model": inv.namespaces[e.root].model,
+        "root": e.root.hex(),
+        "index": e.index,
+        "num_tokens": e.num_tokens,
+        "prefix_tokens": end,
+        "nbytes": e.file_bytes,
+        "payload_nbytes": e.nbytes,
+        "created": e.created,
+        "last_used": e.last_used,
+        "num_children": len(inv.children.get(e.key, ())),
+        "detached": inv.link_error(e) is not None,
+    }
+
+
+def _chain_row(inv: Inventory, leaf: Entry) -> Doc:
+    chain, missing = inv.chain(leaf.key)
+    return {
+        "key": leaf.key.hex(),
+        "model": inv.namespaces[leaf.root].model,
+        "root": leaf.root.hex(),
+        "num_blocks": len(chain),
+        "prefix_tokens": sum(e.num_tokens for e in chain),
+        "nbytes": sum(e.file_bytes for e in chain),
+        "created": leaf.created,
+        "last_used": leaf.last_used,
+        "complete": missing is None,
+    }
+
+
+def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
+    rows = doc["rows"]
+    label = {r.hex(): name for r, name in labels.items()}
+    if doc["kind"] == "chains":
+        heads = ("leaf key", "model", "blocks", "tokens", "size", "used", "complete")
+        body = [
+            [
+                r["key"],
+                label[r["root"]],
+                r["num_blocks"],
+                r["prefix_tokens"],
+                format_bytes(r["nbytes"]),
+                format_age(now - r["last_used"]) + " ago",
+                "yes" if r["complete"] else "no",
+            ]
+            for r in rows
+        ]
+        align = "llrrrrl"
+    else:
+        heads = ("key", "model", "block", "tokens", "size", "used", "children")
+        body = [
+            [
+                r["key"],
+                label[r["root"]],
+                r["index"],
+                f"{r['prefix_tokens'] - r['num_tokens']}-{r['prefix_tokens']}",
+                format_bytes(r["nbytes"]),
+                format_age(now - r["last_used"]) + " ago",
+                r["num_children"],
+            ]
+            for r in rows
+        ]
+        align = "llrrrrr"
+    if doc["pinned_only"]:
+        heads, align = (*heads, "pin ends"), align + "r"
+        body = [[*b, _pin_end(r["pinned_until"], now)] for b, r in zip(body, rows, strict=True)]
+    more = doc["num_matched"] - len(rows)
+    tail = f"\n... {more} more (--limit)" if more > 0 else ""
+    return (table(heads, body, align) if rows else f"(no {doc['kind']} match)") + tail
+
+
+def _pin_end(until: float | None, now: float) -> str:
+    return "never" if until is None else "in " + format_age(until - now)
+
+
+COMMANDS = (ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),)
