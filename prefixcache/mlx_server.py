@@ -3,38 +3,30 @@
 mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
-``prefixcache serve`` (cli/serve.py) runs mlx-lm's own ``main()`` with it in place.
 
 mlx-lm calls it on its generation thread, where any exception kills the thread
 for good (every later request fails, ``/health`` turns 503). So no failure of
-the cache's storage gets there: an SSD directory that cannot be opened serves
-the model hot-only (and is tried again later), a request the cache cannot
-serve is a miss, an insert it cannot keep is dropped; each is counted and
-logged once.
+the cache's storage gets there: a request the cache cannot serve is a miss, an
+insert it cannot keep is dropped; each is counted and logged once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import lmdb
 import mlx.nn as nn
 
-from .cache import PrefixCache
 from .config import CacheConfig
-from .errors import SsdFormatError, UnsupportedCacheError
-from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, model_id_of, text_prefix
+from .errors import UnsupportedCacheError
+from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
+from .mlx_open_cache import STORAGE_ERRORS, OpenCache
 from .request_options import Requests
 from .shared import blank_caches
 
 log = logging.getLogger(__name__)
-
-# What the disk or the index may raise; never passed on to mlx-lm's generation thread.
-_STORAGE_ERRORS = (OSError, lmdb.Error, SsdFormatError)
 
 
 class TieredPromptCache:
@@ -68,16 +60,11 @@ class TieredPromptCache:
         check_mlx_lm_version()
         self.shared = shared
         self.config = config if config is not None else CacheConfig.from_env()
-        self._model_for = model_for
         self._lock = threading.RLock()
-        self._key: ModelKey | None = None
-        self._cache: PrefixCache | None = None
-        self._opened = False
-        self._hot_only_since: float | None = None  # the SSD tier could not be opened
+        self._current = OpenCache(model_for, self.config)
         self._last: tuple[ModelKey, list[int], int] | None = None  # the last fetch
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
-        self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
-        self.requests = Requests()  # per-request options (request_options.py)
+        self.requests = Requests()  # per-request options
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
@@ -93,15 +80,15 @@ class TieredPromptCache:
         text = text_prefix(tokens)
         with self._lock:
             self._last = None
-            cache = self._open(model)
+            cache = self._current.open(model)
             if cache is None or not text:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
                 restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
-            except _STORAGE_ERRORS as err:
-                self._storage_error("fetch", err)
+            except STORAGE_ERRORS as err:
+                self._current.storage_error("fetch", err)
                 return (blank_caches(cache) if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
         if num_cached == 0 and not self.shared:
@@ -113,14 +100,14 @@ class TieredPromptCache:
         there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
         text = text_prefix(list(tokens))
         with self._lock:
-            cache = self._open(model)
+            cache = self._current.open(model)
             if cache is None or not text:
                 return []
             try:
                 extra = self.requests.for_fetch(tokens).extra
                 return cache.checkpoints(text, num_cached, extra=extra)
-            except _STORAGE_ERRORS as err:
-                self._storage_error("checkpoints", err)
+            except STORAGE_ERRORS as err:
+                self._current.storage_error("checkpoints", err)
                 return []
 
     def prefetch(
@@ -131,13 +118,13 @@ class TieredPromptCache:
         request for another model never switches it from the HTTP thread."""
         text = text_prefix(list(tokens))
         with self._lock:
-            cache = self._cache
-            if cache is None or model != self._key or self.shared or not text:
+            cache = self._current.cache
+            if cache is None or model != self._current.key or self.shared or not text:
                 return 0
             try:
                 return cache.prefetch(text, extra=extra)
-            except _STORAGE_ERRORS as err:
-                self._storage_error("prefetch", err)
+            except STORAGE_ERRORS as err:
+                self._current.storage_error("prefetch", err)
                 return 0
 
     def last_fetch(self) -> tuple[ModelKey, list[int], int] | None:
@@ -160,7 +147,7 @@ class TieredPromptCache:
         conversation tails) before the prefixes they extend.
         """
         with self._lock:
-            cache = self._open(model)
+            cache = self._current.open(model)
             text = text_prefix(tokens)
             if cache is None or not text:
                 return
@@ -179,8 +166,8 @@ class TieredPromptCache:
                 self.num_rejected += 1
                 level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
                 log.log(level, "prefixcache: %s cache not stored: %s", cache_type, err)
-            except _STORAGE_ERRORS as err:
-                self._storage_error("insert", err)
+            except STORAGE_ERRORS as err:
+                self._current.storage_error("insert", err)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
@@ -192,33 +179,35 @@ class TieredPromptCache:
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
-            if limit is not None and self._cache is not None:
+            if limit is not None and self._current.cache is not None:
                 try:
-                    self._cache.trim_hot(limit)
-                except _STORAGE_ERRORS as err:  # spilling evicted blocks
-                    self._storage_error("trim", err)
+                    self._current.cache.trim_hot(limit)
+                except STORAGE_ERRORS as err:  # spilling evicted blocks
+                    self._current.storage_error("trim", err)
 
     def __len__(self) -> int:
         """Hot blocks held (the unit of this cache; sequences share them)."""
         with self._lock:
-            return len(self._cache.hot) if self._cache is not None else 0
+            cache = self._current.cache
+            return len(cache.hot) if cache is not None else 0
 
     @property
     def nbytes(self) -> int:
         """Bytes held in RAM by the hot tier."""
         with self._lock:
-            return self._cache.hot.nbytes if self._cache is not None else 0
+            cache = self._current.cache
+            return cache.hot.nbytes if cache is not None else 0
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Per tier: ``n_sequences`` (blocks held) and ``n_bytes``, as mlx-lm logs them."""
         with self._lock:
-            cache = self._cache
+            cache = self._current.cache
             out = {"hot": {"n_sequences": len(self), "n_bytes": self.nbytes}}
             if cache is not None and cache.ssd is not None:
                 try:
                     ssd = cache.ssd.stats()
-                except _STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
-                    self._storage_error("stats", err)
+                except STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
+                    self._current.storage_error("stats", err)
                     return out
                 out["ssd"] = {"n_sequences": ssd["num_blocks"], "n_bytes": ssd["nbytes"]}
             return out
@@ -228,14 +217,15 @@ class TieredPromptCache:
     def stats(self) -> dict[str, object]:
         """The open PrefixCache's stats plus the adapter's counters."""
         with self._lock:
-            out = self._cache.stats() if self._cache is not None else {}
+            cache = self._current.cache
+            out = cache.stats() if cache is not None else {}
             return {
                 **out,
-                "model_key": self._key,
+                "model_key": self._current.key,
                 "num_rejected": self.num_rejected,
-                "num_storage_errors": self.num_storage_errors,
+                "num_storage_errors": self._current.num_storage_errors,
                 "num_unattributed": self.num_unattributed,
-                "hot_only": int(self._hot_only_since is not None),
+                "hot_only": int(self._current.hot_only),
             }
 
     def end_session(self, session: str) -> int:
@@ -245,120 +235,23 @@ class TieredPromptCache:
             ValueError: unknown ``session`` (or no model's cache is open).
         """
         with self._lock:
-            if self._cache is None:
+            cache = self._current.cache
+            if cache is None:
                 raise ValueError(f"unknown session {session!r}: no request was served yet")
-            return self._cache.end_session(session)
+            return cache.end_session(session)
+
+    @property
+    def num_storage_errors(self) -> int:
+        """Storage failures turned into misses or dropped inserts."""
+        return self._current.num_storage_errors
 
     def close(self) -> None:
         """Flush and close the open PrefixCache; logs its counters."""
         with self._lock:
-            self._close_current()
-            self._key, self._opened = None, False
+            self._current.forget()
 
     def __enter__(self) -> TieredPromptCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _open(self, model_key: ModelKey) -> PrefixCache | None:
-        if self._opened and model_key == self._key:
-            if self._hot_only_since is not None and self._retry_due():
-                self._reopen_with_ssd()
-            return self._cache
-        self._close_current()
-        self._key, self._opened = model_key, True
-        try:
-            model = self._model_for(model_key)
-            self._cache = self._new_cache(model_key, model, self.config)
-        except UnsupportedCacheError as err:
-            log.warning("prefixcache: %s is served without a prompt cache: %s", model_key, err)
-            return None
-        log.info("prefixcache: cache for %s open (%s)", model_key, self._cache.namespace.model_id)
-        return self._cache
-
-    def _new_cache(self, model_key: ModelKey, model: nn.Module, config: CacheConfig):
-        """A PrefixCache; hot-only (one log line) if its SSD directory cannot be used."""
-        model_id = model_id_of(model_key, model)
-        try:
-            cache = PrefixCache(model, config, model_id=model_id)
-        except _STORAGE_ERRORS as err:
-            if config.hot_cache_only:
-                raise
-            self.num_storage_errors += 1
-            self._hot_only_since = time.monotonic()
-            log.error(
-                "prefixcache: SSD tier %s unusable (%s): serving %s hot-only, retrying in %gs",
-                config.ssd_path, err, model_key, config.ssd_retry_seconds,
-            )  # fmt: skip
-            return PrefixCache(model, config.replace(hot_cache_only=True), model_id=model_id)
-        self._hot_only_since = None
-        return cache
-
-    def _retry_due(self) -> bool:
-        since = self._hot_only_since
-        return since is not None and time.monotonic() - since >= self.config.ssd_retry_seconds
-
-    def _reopen_with_ssd(self) -> None:
-        """Swap the hot-only cache for one with the SSD tier, if it opens now (the
-        hot blocks are dropped: they were never written anywhere)."""
-        old = self._cache
-        assert old is not None
-        try:
-            cache = PrefixCache(old.model, self.config, model_id=old.namespace.model_id)
-        except _STORAGE_ERRORS as err:
-            self._hot_only_since = time.monotonic()
-            log.debug("prefixcache: SSD tier still unusable: %s", err)
-            return
-        old.close()
-        self._cache, self._hot_only_since = cache, None
-        log.warning("prefixcache: SSD tier %s usable again for %s", self.config.ssd_path, self._key)
-
-    def _storage_error(self, what: str, err: BaseException) -> None:
-        """A storage failure during ``what``: counted, logged once, served as a miss."""
-        self.num_storage_errors += 1
-        level = logging.ERROR if self.num_storage_errors == 1 else logging.DEBUG
-        log.log(level, "prefixcache: %s failed (%s: %s); served without the cache",
-                what, type(err).__name__, err)  # fmt: skip
-
-    def _close_current(self) -> None:
-        """Flush and close the open cache; one line says what was persisted and what was lost."""
-        cache, self._cache = self._cache, None
-        if cache is None:
-            return
-        try:
-            cache.flush()
-        except _STORAGE_ERRORS as err:
-            self._storage_error("flush", err)
-        stats = cache.stats()
-        try:
-            cache.close()
-        except _STORAGE_ERRORS as err:
-            self._storage_error("close", err)
-        summary = " ".join(f"{k}={stats[k]}" for k in _SUMMARY)
-        log.info("prefixcache: closed cache for %s: %s %s", self._key, summary, _fate(stats))
-
-
-def _fate(stats: dict[str, object]) -> str:
-    """What reached the SSD tier this session and what did not (blocks)."""
-    ssd = stats.get("ssd")
-    if not isinstance(ssd, dict):
-        return f"persisted_blocks=0 lost_blocks={stats['hot']['num_blocks']} (hot-only)"
-    text = f"persisted_blocks={ssd['num_writes']} lost_blocks={ssd['num_dropped_writes']}"
-    if not ssd["enabled"]:
-        text += f" ssd_failures={ssd['num_failures']} (SSD writes off at close)"
-    return text
-
-
-_SUMMARY = (
-    "num_fetches",
-    "num_hits",
-    "prompt_tokens",
-    "cached_tokens",
-    "hot_block_hits",
-    "ssd_block_hits",
-    "stored_blocks",
-    "num_spills",
-    "prefetched_blocks",
-    "prefetch_hits",
-)
