@@ -66,6 +66,7 @@ class PrefixCache(ControlVerbs):
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self._closed = False
+        self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
         self.prefetcher = Prefetcher(self.tiers, self._lock, self._stats, bound)
         self.services = Services(
@@ -248,11 +249,20 @@ class PrefixCache(ControlVerbs):
             self.tiers.note_prefill(num_tokens, seconds)
 
     def stats(self) -> CacheStats:
+        """Counters and each tier's figures (docs/stats.md); after ``close``, as
+        they were at close."""
         with self._lock:
-            tiers = self.tiers.snapshot()
-            written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
-            out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
-            return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
+            if self._closed:
+                if self._final_stats is None:
+                    raise RuntimeError("PrefixCache is closed")
+                return self._final_stats
+            return self._collect_stats()
+
+    def _collect_stats(self) -> CacheStats:
+        tiers = self.tiers.snapshot()
+        written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
+        out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
+        return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
 
     def flush(self) -> None:
         """Finish the promotions and prefetches under way, persist every dirty hot
@@ -272,6 +282,7 @@ class PrefixCache(ControlVerbs):
             try:
                 self.tiers.flush()
                 self.services.save_counters()
+                self._final_stats = self._collect_stats()
             finally:
                 try:
                     self.tiers.close()
