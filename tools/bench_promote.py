@@ -56,7 +56,11 @@ def one_fetch(args, block_size: int, root: str, promote: bool) -> tuple[float, f
 
 
 def run(args, block_size: int) -> dict:
-    root = tempfile.mkdtemp(prefix="bench_promote_")
+    with tempfile.TemporaryDirectory(prefix="bench_promote_") as root:
+        return rounds(args, block_size, root)
+
+
+def rounds(args, block_size: int, root: str) -> dict:
     with PrefixCache(args.model, config(args, block_size, root, False), model_id="b") as pc:
         pc.store(list(range(args.tokens)), synthetic_cache(args, args.tokens))
         pc.flush()
