@@ -114,9 +114,17 @@ class BlockMeta:
     ) -> BlockMeta:
         nbytes = block.nbytes or sum(a.nbytes for a in block.arrays.values())
         return cls(
-            block.key, block.parent, block.root, block.index, block.tokens,
-            nbytes, file_bytes, checksum, now, now,
-        )  # fmt: skip
+            block.key,
+            block.parent,
+            block.root,
+            block.index,
+            block.tokens,
+            nbytes,
+            file_bytes,
+            checksum,
+            now,
+            now,
+        )
 
 
 # Index entry: fixed header, the token ids, then xxh3-64 of everything before it.
@@ -127,9 +135,17 @@ _META_HEAD = struct.Struct("<BxxxI16s16sQQQddI")
 def encode_meta(meta: BlockMeta) -> bytes:
     """Encode a BlockMeta as a compact index value (the key is not included)."""
     head = _META_HEAD.pack(
-        META_FORMAT, meta.index, meta.parent, meta.root, meta.nbytes, meta.file_bytes,
-        meta.checksum, meta.created, meta.last_used, len(meta.tokens) // 4,
-    )  # fmt: skip
+        META_FORMAT,
+        meta.index,
+        meta.parent,
+        meta.root,
+        meta.nbytes,
+        meta.file_bytes,
+        meta.checksum,
+        meta.created,
+        meta.last_used,
+        len(meta.tokens) // 4,
+    )
     body = head + meta.tokens
     return body + xxhash.xxh3_64_digest(body)
 

@@ -21,10 +21,19 @@ from .blocks import Block
 
 # MLX dtype <-> safetensors dtype name (every dtype a cache uses; no float64)
 SAFETENSORS_DTYPES: dict[mx.Dtype, str] = {
-    mx.bool_: "BOOL", mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.uint64: "U64",
-    mx.int8: "I8", mx.int16: "I16", mx.int32: "I32", mx.int64: "I64",
-    mx.float16: "F16", mx.bfloat16: "BF16", mx.float32: "F32",
-}  # fmt: skip
+    mx.bool_: "BOOL",
+    mx.uint8: "U8",
+    mx.uint16: "U16",
+    mx.uint32: "U32",
+    mx.uint64: "U64",
+    mx.int8: "I8",
+    mx.int16: "I16",
+    mx.int32: "I32",
+    mx.int64: "I64",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.float32: "F32",
+}
 MX_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 ITEMSIZE = {name: dtype.size for dtype, name in SAFETENSORS_DTYPES.items()}
 

@@ -289,8 +289,11 @@ class TieredPromptCache:
             self._hot_only_since = time.monotonic()
             log.error(
                 "prefixcache: SSD tier %s unusable (%s): serving %s hot-only, retrying in %gs",
-                config.ssd_path, err, model_key, config.ssd_retry_seconds,
-            )  # fmt: skip
+                config.ssd_path,
+                err,
+                model_key,
+                config.ssd_retry_seconds,
+            )
             return PrefixCache(model, config.replace(hot_cache_only=True), model_id=model_id)
         self._hot_only_since = None
         return cache
@@ -318,8 +321,13 @@ class TieredPromptCache:
         """A storage failure during ``what``: counted, logged once, served as a miss."""
         self.num_storage_errors += 1
         level = logging.ERROR if self.num_storage_errors == 1 else logging.DEBUG
-        log.log(level, "prefixcache: %s failed (%s: %s); served without the cache",
-                what, type(err).__name__, err)  # fmt: skip
+        log.log(
+            level,
+            "prefixcache: %s failed (%s: %s); served without the cache",
+            what,
+            type(err).__name__,
+            err,
+        )
 
     def _close_current(self) -> None:
         """Flush and close the open cache; one line says what was persisted and what was lost."""

@@ -125,14 +125,20 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "prefetched_blocks": ("prefetched_blocks_total", _C, "blocks prefetch promoted into hot"),
     "prefetch_hits": ("prefetch_hits_total", _C, "prefetched blocks a fetch then used"),
     "prefetch_wasted_bytes": (
-        "prefetch_wasted_bytes_total", _C, "prefetched bytes evicted before any fetch used them"
+        "prefetch_wasted_bytes_total",
+        _C,
+        "prefetched bytes evicted before any fetch used them",
     ),
     "num_rejected": ("rejected_inserts_total", _C, "server inserts refused (type or layout)"),
     "ssd_writes_deferred": (
-        "ssd_writes_deferred_total", _C, "ssd writes postponed (over the write budget)",
+        "ssd_writes_deferred_total",
+        _C,
+        "ssd writes postponed (over the write budget)",
     ),
     "ssd_writes_skipped": (
-        "ssd_writes_skipped_total", _C, "blocks never written to ssd (not admitted, no budget)",
+        "ssd_writes_skipped_total",
+        _C,
+        "blocks never written to ssd (not admitted, no budget)",
     ),
     "ssd_bytes_written": ("ssd_bytes_written_total", _C, "payload file bytes written to ssd"),
     "num_pinned": ("pinned_blocks", _G, "blocks pinned (any tier)"),
@@ -151,7 +157,9 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "ssd.num_blocks": ("ssd_blocks", _G, "blocks indexed in the ssd tier"),
     "ssd.nbytes": ("ssd_bytes", _G, "payload file bytes in the ssd tier"),
     "ssd.num_corrupt_total": (
-        "ssd_index_corrupt_blocks_total", _C, "corrupt blocks quarantined by any process",
+        "ssd_index_corrupt_blocks_total",
+        _C,
+        "corrupt blocks quarantined by any process",
     ),
     "ssd.max_bytes": ("ssd_max_bytes", _G, "byte budget of the ssd tier"),
     "ssd.queue_depth": ("ssd_write_queue_blocks", _G, "blocks waiting for the ssd writer"),
@@ -188,16 +196,20 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "remote.num_loads": ("remote_loads_total", _C, "blocks fetched from the remote server"),
     "remote.load_bytes": ("remote_loaded_bytes_total", _C, "payload bytes fetched remotely"),
     "remote.num_missing_parts": (
-        "remote_missing_parts_total", _C, "remote blocks with a part evicted or torn",
+        "remote_missing_parts_total",
+        _C,
+        "remote blocks with a part evicted or torn",
     ),
     "remote.num_corrupt": ("remote_corrupt_blocks_total", _C, "remote blocks failing checks"),
     "remote.num_gate_refusals": (
-        "remote_gate_refusals_total", _C, "remote restores refused: slower than prefill",
+        "remote_gate_refusals_total",
+        _C,
+        "remote restores refused: slower than prefill",
     ),
     "remote.num_gate_probes": ("remote_gate_probes_total", _C, "refused restores let through"),
     "remote.fetch_bytes_per_s": ("remote_fetch_bytes_per_second", _G, "measured remote speed"),
     "remote.prefill_tokens_per_s": ("prefill_tokens_per_second", _G, "measured prefill speed"),
-}  # fmt: skip
+}
 _MISSES = "prefixcache_misses_by_reason_total"
 
 

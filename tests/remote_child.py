@@ -23,9 +23,12 @@ BLOCK = 16
 
 def main(url: str, ssd_dir: str, verb: str, seed: int, num_tokens: int) -> None:
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=ssd_dir, ssd_min_free_bytes=0, remote_url=url,
+        block_size=BLOCK,
+        ssd_dir=ssd_dir,
+        ssd_min_free_bytes=0,
+        remote_url=url,
         write_policy="write_through" if verb == "store" else "write_back",
-    )  # fmt: skip
+    )
     tokens = prompt(seed, num_tokens)
     with PrefixCache(tiny_model("llama"), config, model_id="tiny") as pc:
         _, logits = pc.prefill(tokens)

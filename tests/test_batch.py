@@ -92,8 +92,10 @@ def test_batch_generator_with_restored_caches_equals_single(arch):
             pc.prefill(p, prefill_step_size=BLOCK)
         restored = [pc.fetch(p) for p in full]
         gen = BatchGenerator(model, max_tokens=6, prefill_step_size=BLOCK)
-        uids = gen.insert([p[n:] for p, (_, n) in zip(full, restored, strict=True)],
-                          caches=[c for c, _ in restored])  # fmt: skip
+        uids = gen.insert(
+            [p[n:] for p, (_, n) in zip(full, restored, strict=True)],
+            caches=[c for c, _ in restored],
+        )
         tokens = {u: [] for u in uids}
         logprobs = {u: [] for u in uids}
         finished = {}
@@ -106,8 +108,15 @@ def test_batch_generator_with_restored_caches_equals_single(arch):
         gen.close()
         for uid, p in zip(uids, full, strict=True):
             cache, num_cached = pc.fetch(p)
-            alone = list(generate_step(mx.array(p[num_cached:]), model, prompt_cache=cache,
-                                       prefill_step_size=BLOCK, max_tokens=6))  # fmt: skip
+            alone = list(
+                generate_step(
+                    mx.array(p[num_cached:]),
+                    model,
+                    prompt_cache=cache,
+                    prefill_step_size=BLOCK,
+                    max_tokens=6,
+                )
+            )
             assert tokens[uid] == [int(t) for t, _ in alone]
             assert max_diff(mx.stack(logprobs[uid]), mx.stack([lp for _, lp in alone])) == 0.0
 

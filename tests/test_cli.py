@@ -45,9 +45,13 @@ A, B = "tiny/model-a", "tiny/model-b"
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [*BASE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        text=True, env=env,
-    )  # fmt: skip
+        [*BASE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
@@ -80,8 +84,11 @@ def made(tmp_path_factory):
     ssd, tok = root / "ssd", root / "tok"
     out = subprocess.run(
         [sys.executable, CHILD, "build", str(ssd), str(tok)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return ssd, tok, json.loads(out.stdout.splitlines()[-1])
 
 
@@ -137,9 +144,11 @@ def test_ls_filters_sorts_and_lists_chains(made):
     ssd, _, built = made
     d = ("--ssd-dir", str(ssd), "--json")
     only_b, chains, limited, big = cli_all(
-        ("ls", *d, "--model", B), ("ls", *d, "--chains", "--sort", "tokens"),
-        ("ls", *d, "--limit", "2", "--sort", "size"), ("ls", *d, "--min-bytes", "1M"),
-    )  # fmt: skip
+        ("ls", *d, "--model", B),
+        ("ls", *d, "--chains", "--sort", "tokens"),
+        ("ls", *d, "--limit", "2", "--sort", "size"),
+        ("ls", *d, "--min-bytes", "1M"),
+    )
     assert {r["key"] for r in only_b["rows"]} == set(built["b"]["p3"])
     assert {r["model"] for r in only_b["rows"]} == {B}
     assert chains["kind"] == "chains" and chains["num_matched"] == 3
@@ -254,9 +263,15 @@ def test_read_only_commands_start_no_thread_and_write_nothing(made, copy, capsys
     _, _, built = made
     key = built["a"]["p2"][3]
     d = ("--ssd-dir", copy)
-    reads = [("stats", *d), ("stats", *d, "--json"), ("ls", *d, "--chains"), ("tree", *d),
-             ("show", key, *d, "--full"), ("verify", *d, "--no-progress"),
-             ("gc", *d, "--older-than", "0", "--dry-run")]  # fmt: skip
+    reads = [
+        ("stats", *d),
+        ("stats", *d, "--json"),
+        ("ls", *d, "--chains"),
+        ("tree", *d),
+        ("show", key, *d, "--full"),
+        ("verify", *d, "--no-progress"),
+        ("gc", *d, "--older-than", "0", "--dry-run"),
+    ]
     before = snapshot(copy)
     codes: list[int] = []
     for argv in reads:
@@ -288,10 +303,14 @@ def test_inspection_commands_do_not_import_mlx_lm(made):
     )
     calls = [("stats",), ("show", built["a"]["p1"][0]), ("tree",), ("verify",)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", probe, *c, "--ssd-dir", str(ssd)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", probe, *c, "--ssd-dir", str(ssd)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for c in calls
-    ]  # fmt: skip
+    ]
     for call, proc in zip(calls, procs, strict=True):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, (call, err)
@@ -424,8 +443,11 @@ def test_unusable_directories_are_refused(copy, tmp_path):
         txn.put(b"version", b"99", db=env.open_db(b"meta", txn=txn))
     env.close()
     env_dir = {**os.environ, "PREFIXCACHE_SSD_DIR": copy}
-    procs = [start("stats", "--ssd-dir", str(missing)), start("ls", "--ssd-dir", str(foreign)),
-             start("stats", "--json", env=env_dir)]  # fmt: skip
+    procs = [
+        start("stats", "--ssd-dir", str(missing)),
+        start("ls", "--ssd-dir", str(foreign)),
+        start("stats", "--json", env=env_dir),
+    ]
     (rc1, _, err1), (rc2, _, err2), (rc3, out3, _) = map(finish, procs)
     assert rc1 == 2 and "no SSD tier directory" in err1 and not missing.exists()
     assert rc2 == 2 and "version 99" in err2 and "reads prefixcache-ssd version 1" in err2
@@ -520,8 +542,18 @@ def test_serve_metrics_port_and_stats_after_the_server_stopped(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    argv = [*BASE, "serve", "--model", str(model), "--ssd-dir", ssd, "--block-size", "16",
-            "--metrics-port", str(port)]  # fmt: skip
+    argv = [
+        *BASE,
+        "serve",
+        "--model",
+        str(model),
+        "--ssd-dir",
+        ssd,
+        "--block-size",
+        "16",
+        "--metrics-port",
+        str(port),
+    ]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When?"}]
     with running(argv, tmp_path / "serve.log") as server:
         server.chat(messages)
@@ -544,8 +576,11 @@ def test_serve_metrics_port_and_stats_after_the_server_stopped(tmp_path):
 
 def test_readable_sizes_ages_and_durations():
     assert [format_bytes(n) for n in (0, 1023, 1536, 5 << 30)] == [
-        "0 B", "1023 B", "1.5 KiB", "5.0 GiB",
-    ]  # fmt: skip
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "5.0 GiB",
+    ]
     assert [format_age(s) for s in (59, 3600, 93784, 8 * 86400)] == ["59s", "1h", "1d 2h", "1w 1d"]
     assert [parse_duration(t) for t in ("7d", "12h", "1h30m", "90")] == [604800, 43200, 5400, 90]
     for bad in ("", "7x", "-1", "d7", "inf"):

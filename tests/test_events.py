@@ -55,10 +55,14 @@ def test_every_store_and_eviction_of_every_tier_in_order(
     cache = make_prompt_cache(llama)
     prefill(llama, tokens, cache, step=BLOCK)
     cfg = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0,
-        hot_max_bytes=2 * 8192, ssd_max_bytes=3 * 8192 + 3 * 1024,
-        events_url=f"tcp://*:{port}", counters_save_seconds=0,
-    )  # fmt: skip
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        hot_max_bytes=2 * 8192,
+        ssd_max_bytes=3 * 8192 + 3 * 1024,
+        events_url=f"tcp://*:{port}",
+        counters_save_seconds=0,
+    )
     num_stores = 1200
     with PrefixCache(llama, cfg, model_id="m") as pc:
         assert pc.services.events.wait_for_subscriber(10)

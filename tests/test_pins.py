@@ -25,9 +25,11 @@ TRAFFIC = 256  # tokens per other prompt
 
 def config(tmp_path, **changes) -> CacheConfig:
     base = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0,
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
         counters_save_seconds=0,
-    )  # fmt: skip
+    )
     return base.replace(**changes)
 
 

@@ -33,8 +33,20 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _serve(model_dir: Path, ssd: str, port: int = 1) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model_dir),
-            "--ssd-dir", ssd, "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--ssd-dir",
+        ssd,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
 
@@ -49,8 +61,11 @@ def _read_only_dir(tmp_path: Path):
         yield path
         path.chmod(0o700)
         return
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-                         capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:
         yield None
         return
@@ -183,8 +198,11 @@ def test_counters_survive_sigkill_after_the_save_interval(tmp_path, seconds):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     child = subprocess.Popen(
         [sys.executable, str(HERE / "counters_child.py"), str(ssd), str(seconds)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert child.stdout.readline().strip() == "done"
         assert child.stdout.readline().strip() == "waited"  # 1 s: 5 intervals
@@ -193,8 +211,11 @@ def test_counters_survive_sigkill_after_the_save_interval(tmp_path, seconds):
         child.wait(timeout=30)
     out = subprocess.run(
         [sys.executable, "-m", "prefixcache", "stats", "--json", "--ssd-dir", str(ssd)],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     counters = json.loads(out.stdout)["counters"]
     if seconds:
         assert counters["num_fetches"] == 3 and counters["num_stores"] == 1, counters

@@ -56,9 +56,14 @@ def test_a_prefix_stored_on_one_host_restores_bit_exactly_on_another(tmp_path, l
 
 def cache_for(tmp_path, name: str, url: str, model, **changes) -> PrefixCache:
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / name), ssd_min_free_bytes=0, remote_url=url,
-        remote_breaker_failures=1, remote_breaker_ms=300, remote_timeout_ms=500,
-    )  # fmt: skip
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / name),
+        ssd_min_free_bytes=0,
+        remote_url=url,
+        remote_breaker_failures=1,
+        remote_breaker_ms=300,
+        remote_timeout_ms=500,
+    )
     return PrefixCache(model, config.replace(**changes), model_id="tiny")
 
 

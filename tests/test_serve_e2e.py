@@ -119,9 +119,19 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _ours(model: Path, ssd: Path) -> list[str]:
     return [
-        sys.executable, "-m", "prefixcache", "serve", "--model", str(model),
-        "--ssd-dir", str(ssd), "--block-size", str(BLOCK_SIZE), "--mx-cache-limit", "256M",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "serve",
+        "--model",
+        str(model),
+        "--ssd-dir",
+        str(ssd),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--mx-cache-limit",
+        "256M",
+    ]
 
 
 def _plain(model: Path) -> list[str]:

@@ -16,9 +16,11 @@ BLOCK_BYTES = 8192
 
 def config(tmp_path, **changes) -> CacheConfig:
     base = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0,
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
         counters_save_seconds=0,
-    )  # fmt: skip
+    )
     return base.replace(**changes)
 
 

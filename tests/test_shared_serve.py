@@ -130,9 +130,19 @@ def test_serve_shared_prefix_end_to_end(tmp_path):
     model = save_model(tmp_path / "llama", "llama")
     port = _free_port()
     ours = [
-        sys.executable, "-m", "prefixcache", "serve", "--model", str(model), "--hot-cache-only",
-        "--block-size", str(BLOCK_SIZE), "--shared-prefix", "--metrics-port", str(port),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "serve",
+        "--model",
+        str(model),
+        "--hot-cache-only",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--shared-prefix",
+        "--metrics-port",
+        str(port),
+    ]
     with running(ours, tmp_path / "ours.log") as server:
         _chat(server, "Hi")  # stores the system prompt
         got = _chat_all(server)

@@ -58,8 +58,9 @@ def open_tier(tmp_path):
 def tmpfs(path, options: str):
     """Mount a tmpfs at ``path`` (yields False if mounting is not permitted)."""
     path.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                         capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True
+    )
     try:
         yield res.returncode == 0 or res.stderr.strip()
     finally:
@@ -200,8 +201,10 @@ def test_reopen_in_a_new_process_sees_the_blocks(open_tier, tmp_path):
     tier.close()
     out = subprocess.run(
         [sys.executable, CHILD, "verify", str(tmp_path / "ssd")],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == ["ok", "20"]
 
 
@@ -246,8 +249,10 @@ def test_two_processes_write_one_directory_at_once(open_tier, tmp_path):
     path = str(tmp_path / "ssd")
     open_tier(path).close()
     # seeds 21 and 22, plus an overlap: both write chain 23
-    children = [run_child("write", path, seed, "60", "--wait", stdin=subprocess.PIPE)
-                for seed in ("21", "22", "23", "23")]  # fmt: skip
+    children = [
+        run_child("write", path, seed, "60", "--wait", stdin=subprocess.PIPE)
+        for seed in ("21", "22", "23", "23")
+    ]
     for child in children:
         assert child.stdout.readline() == "ready\n"
     for child in children:
@@ -332,9 +337,11 @@ def test_corrupt_index_entry_is_quarantined(open_tier, tmp_path, how):
     with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
         value = bytearray(txn.get(blocks[2].key))
         value = {
-            "truncate": value[:-9], "flip": value[:40] + b"\xff" + value[41:],
-            "garbage": os.urandom(len(value)), "empty": b"",
-        }[how]  # fmt: skip
+            "truncate": value[:-9],
+            "flip": value[:40] + b"\xff" + value[41:],
+            "garbage": os.urandom(len(value)),
+            "empty": b"",
+        }[how]
         txn.put(blocks[2].key, bytes(value))
     env.close()
     tier = open_tier()

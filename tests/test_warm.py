@@ -15,9 +15,11 @@ BLOCK_BYTES = 8192
 
 def test_warm_start_loads_pins_then_recent_chains(tmp_path, llama):
     cfg = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0,
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
         counters_save_seconds=0,
-    )  # fmt: skip
+    )
     prompts = [prompt(i, 4 * BLOCK) for i in range(6)]
     caches = []
     with PrefixCache(llama, cfg, model_id="m") as pc:

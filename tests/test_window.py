@@ -182,9 +182,13 @@ def test_an_ssd_restore_between_points_loads_each_block_once(gemma, tmp_path, he
     a = prompt(1, 100)
     probe = a[:70] + prompt(7, 10)
     config = CacheConfig(
-        block_size=BLOCK, snapshot_interval=6, hot_max_bytes=1, promote=False,
-        ssd_dir=str(tmp_path), ssd_min_free_bytes=0,
-    )  # fmt: skip
+        block_size=BLOCK,
+        snapshot_interval=6,
+        hot_max_bytes=1,
+        promote=False,
+        ssd_dir=str(tmp_path),
+        ssd_min_free_bytes=0,
+    )
     with PrefixCache(gemma, config, model_id="tiny") as pc:
         pc.prefill(a, prefill_step_size=BLOCK)
         pc.flush()

@@ -40,21 +40,32 @@ MODELS = {
     "gemma3 5:1": (
         "gemma3_text",
         dict(
-            num_hidden_layers=12, sliding_window=128, sliding_window_pattern=6,
-            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            num_hidden_layers=12,
+            sliding_window=128,
+            sliding_window_pattern=6,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
             intermediate_size=128,
         ),
     ),
     "qwen3-next 3:1": (
         "qwen3_next",
         dict(
-            num_hidden_layers=8, full_attention_interval=4, hidden_size=64,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            linear_num_value_heads=8, linear_num_key_heads=4,
-            linear_key_head_dim=64, linear_value_head_dim=64,
+            num_hidden_layers=8,
+            full_attention_interval=4,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_num_value_heads=8,
+            linear_num_key_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
         ),
     ),
-}  # fmt: skip
+}
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

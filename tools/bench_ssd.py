@@ -266,23 +266,32 @@ def bench_open(num: int, work: str) -> dict[str, float]:
 
 
 COLUMNS = [  # (key, header, format)
-    ("block_mib", "MiB", "{:.1f}"), ("num", "N", "{:.0f}"),
-    ("raw_seq_cold", "seq", "{:.2f}"), ("raw_files_cold", "files", "{:.2f}"),
-    ("load_cold", "load", "{:.2f}"), ("stream_cold", "stream", "{:.2f}"),
+    ("block_mib", "MiB", "{:.1f}"),
+    ("num", "N", "{:.0f}"),
+    ("raw_seq_cold", "seq", "{:.2f}"),
+    ("raw_files_cold", "files", "{:.2f}"),
+    ("load_cold", "load", "{:.2f}"),
+    ("stream_cold", "stream", "{:.2f}"),
     ("buf_load_cold", "buf", "{:.2f}"),
-    ("mxl_load_cold", "mxl", "{:.2f}"), ("lmdb_load_cold", "lmdb", "{:.2f}"),
-    ("raw_seq_warm", "seq", "{:.2f}"), ("raw_files_warm", "files", "{:.2f}"),
-    ("load_warm", "load", "{:.2f}"), ("stream_warm", "stream", "{:.2f}"),
+    ("mxl_load_cold", "mxl", "{:.2f}"),
+    ("lmdb_load_cold", "lmdb", "{:.2f}"),
+    ("raw_seq_warm", "seq", "{:.2f}"),
+    ("raw_files_warm", "files", "{:.2f}"),
+    ("load_warm", "load", "{:.2f}"),
+    ("stream_warm", "stream", "{:.2f}"),
     ("buf_load_warm", "buf", "{:.2f}"),
-    ("mxl_load_warm", "mxl", "{:.2f}"), ("lmdb_load_warm", "lmdb", "{:.2f}"),
-    ("raw_write", "raw", "{:.2f}"), ("writer", "writer", "{:.2f}"),
-    ("lmdb_write", "lmdb", "{:.2f}"), ("put_us", "put us", "{:.0f}"),
+    ("mxl_load_warm", "mxl", "{:.2f}"),
+    ("lmdb_load_warm", "lmdb", "{:.2f}"),
+    ("raw_write", "raw", "{:.2f}"),
+    ("writer", "writer", "{:.2f}"),
+    ("lmdb_write", "lmdb", "{:.2f}"),
+    ("put_us", "put us", "{:.0f}"),
     ("stream_cold_vs_raw_seq", "c/seq", "{:.0%}"),
     ("stream_cold_vs_raw_files", "c/files", "{:.0%}"),
     ("stream_warm_vs_raw_seq", "w/seq", "{:.0%}"),
     ("stream_warm_vs_raw_files", "w/files", "{:.0%}"),
     ("write_ratio", "w/raw", "{:.0%}"),
-]  # fmt: skip
+]
 
 
 def print_table(rows: dict[str, dict[str, float]]) -> None:

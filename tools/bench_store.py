@@ -50,8 +50,13 @@ def run(model, n: int, block_size: int, policy: str, ssd_dir: str) -> dict[str, 
         t0 = time.perf_counter()
         pc.store(tokens, cache)
         t_store = time.perf_counter() - t0
-    return {"tokens": n, "policy": policy, "prefill_ms": t_prefill * 1e3,
-            "store_ms": t_store * 1e3, "ratio": t_store / t_prefill}  # fmt: skip
+    return {
+        "tokens": n,
+        "policy": policy,
+        "prefill_ms": t_prefill * 1e3,
+        "store_ms": t_store * 1e3,
+        "ratio": t_store / t_prefill,
+    }
 
 
 def main() -> None:
@@ -63,13 +68,20 @@ def main() -> None:
             for policy in ("hot", "write_back", "write_through"):
                 row = run(model, n, args.block_size, policy, f"{tmp}/{n}-{policy}")
                 rows.append(row)
-                print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in row.items()), flush=True)  # fmt: skip
+                print(
+                    " ".join(
+                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in row.items()
+                    ),
+                    flush=True,
+                )
     print("\n| tokens | policy | prefill ms | store ms (caller) | store / prefill |")
     print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['policy']} | {r['prefill_ms']:.0f} | {r['store_ms']:.1f} | "
-              f"{r['ratio']:.2%} |")  # fmt: skip
+        print(
+            f"| {r['tokens']} | {r['policy']} | {r['prefill_ms']:.0f} | {r['store_ms']:.1f} | "
+            f"{r['ratio']:.2%} |"
+        )
 
 
 if __name__ == "__main__":

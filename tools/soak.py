@@ -58,16 +58,22 @@ def run_one(name: str, args: argparse.Namespace) -> Result:
 
 def summary(r: Result) -> str:
     status = "ok" if r.ok else "FAILED"
-    return (f"{r.name}: {status} in {r.seconds:.0f} s: {r.ops} ops, {r.checked} restores "
-            f"checked exactly, {r.wrong} wrong, {r.errors} errors; {r.notes}")  # fmt: skip
+    return (
+        f"{r.name}: {status} in {r.seconds:.0f} s: {r.ops} ops, {r.checked} restores "
+        f"checked exactly, {r.wrong} wrong, {r.errors} errors; {r.notes}"
+    )
 
 
 def table(results: list[Result]) -> str:
-    rows = ["| scenario | result | ops | restores checked | wrong | errors | seconds |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| scenario | result | ops | restores checked | wrong | errors | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        rows.append(f"| {r.name} | {'ok' if r.ok else 'FAILED'} | {r.ops} | {r.checked} | "
-                    f"{r.wrong} | {r.errors} | {r.seconds:.0f} |")  # fmt: skip
+        rows.append(
+            f"| {r.name} | {'ok' if r.ok else 'FAILED'} | {r.ops} | {r.checked} | "
+            f"{r.wrong} | {r.errors} | {r.seconds:.0f} |"
+        )
     return "\n".join(rows)
 
 

@@ -30,8 +30,12 @@ def add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--older-than", type=duration, help="last used before, e.g. 7d, 12h")
     p.add_argument("--newer-than", type=duration, help="last used within, e.g. 30m")
     p.add_argument("--min-bytes", type=parse_bytes, help="at least this size, e.g. 1M")
-    p.add_argument("--sort", choices=("age", "size", "tokens"), default="age",
-                   help="age: most recently used first; size, tokens: largest first")  # fmt: skip
+    p.add_argument(
+        "--sort",
+        choices=("age", "size", "tokens"),
+        default="age",
+        help="age: most recently used first; size, tokens: largest first",
+    )
     p.add_argument("--reverse", action="store_true", help="reverse the order")
     p.add_argument("--limit", type=count, help="print at most this many rows")
     p.add_argument("--pinned", action="store_true", help="only pinned blocks (chains holding one)")
@@ -49,9 +53,17 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
     namespaces = [ns for ns in namespaces if ns["num_blocks"] or ns["counters"] is not None]
     models: dict[str | None, Doc] = {}
     for ns in namespaces:
-        m = models.setdefault(ns["model"], {"model": ns["model"], "num_namespaces": 0,
-                                            "num_blocks": 0, "num_tokens": 0, "nbytes": 0,
-                                            "counters": _counters(None)})  # fmt: skip
+        m = models.setdefault(
+            ns["model"],
+            {
+                "model": ns["model"],
+                "num_namespaces": 0,
+                "num_blocks": 0,
+                "num_tokens": 0,
+                "nbytes": 0,
+                "counters": _counters(None),
+            },
+        )
         m["num_namespaces"] += 1
         for name in ("num_blocks", "num_tokens", "nbytes"):
             m[name] += ns[name]
@@ -133,26 +145,33 @@ def _stats_text(doc: Doc) -> str:
     if doc["other_pids"]:
         lines.append(f"  open in: pid {', '.join(map(str, doc['other_pids']))}")
     if doc["num_bad_entries"] or doc["num_corrupt_total"]:
-        lines.append(f"  unreadable entries: {doc['num_bad_entries']}, "
-                     f"corrupt blocks quarantined so far: {doc['num_corrupt_total']}")  # fmt: skip
-    rows = []
-    for m in doc["models"]:
-        c = m["counters"]
-        rate = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
-        rows.append([
-            m["model"] or "(unrecorded)", m["num_blocks"], m["num_tokens"],
-            format_bytes(m["nbytes"]), c["num_fetches"], c["num_hits"],
-            f"{c['cached_tokens']}/{c['prompt_tokens']} ({100 * rate:.0f}%)",
-            c["hot_block_hits"], c["ssd_block_hits"],
-        ])  # fmt: skip
-    heads = ("model", "blocks", "tokens", "size", "fetches", "hits", "cached tokens",
-             "hot hits", "ssd hits")  # fmt: skip
-    lines += ["", table(heads, rows, "lrrrrrrrr")] if rows else ["", "(no blocks)"]
+        lines.append(
+            f"  unreadable entries: {doc['num_bad_entries']}, "
+            f"corrupt blocks quarantined so far: {doc['num_corrupt_total']}"
+        )
+    rows = [_model_row(m) for m in doc["models"]]
+    lines += ["", table(_MODEL_HEADS, rows, "lrrrrrrrr")] if rows else ["", "(no blocks)"]
     reasons = {k: v for k, v in doc["counters"]["miss_reasons"].items() if v}
     if reasons:
         lines.append("")
         lines.append("miss reasons: " + ", ".join(f"{k} {v}" for k, v in reasons.items()))
     return "\n".join(lines)
+
+
+_MODEL_HEADS = (
+    *("model", "blocks", "tokens", "size", "fetches", "hits"),
+    *("cached tokens", "hot hits", "ssd hits"),
+)
+
+
+def _model_row(m: Doc) -> list:
+    """One model's line of ``stats``: its blocks and its counters."""
+    c = m["counters"]
+    rate = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+    blocks = [m["model"] or "(unrecorded)", m["num_blocks"], m["num_tokens"]]
+    cached = f"{c['cached_tokens']}/{c['prompt_tokens']} ({100 * rate:.0f}%)"
+    hits = [c["num_fetches"], c["num_hits"], cached, c["hot_block_hits"], c["ssd_block_hits"]]
+    return [*blocks, format_bytes(m["nbytes"]), *hits]
 
 
 def _writes_text(doc: Doc) -> str:
@@ -170,9 +189,11 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
     inv = Inventory.load(view)
     roots = model_roots(inv, args.model)
     labels = {r: inv.namespaces[r].label for r in roots}
-    rows = [_chain_row(inv, e) for e in inv.leaves(roots)] if args.chains else [
-        _block_row(inv, e) for e in inv.blocks(roots)
-    ]  # fmt: skip
+    rows = (
+        [_chain_row(inv, e) for e in inv.leaves(roots)]
+        if args.chains
+        else [_block_row(inv, e) for e in inv.blocks(roots)]
+    )
     pins = view.index.pins()
     for row in rows:
         key = bytes.fromhex(row["key"])
@@ -188,8 +209,12 @@ def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
         rows = [r for r in rows if r["nbytes"] >= args.min_bytes]
     sort_key = {"age": "last_used", "size": "nbytes", "tokens": "prefix_tokens"}[args.sort]
     rows.sort(key=lambda r: (r[sort_key], r["key"]), reverse=not args.reverse)
-    doc = {"ssd_dir": view.path, "kind": "chains" if args.chains else "blocks",
-           "num_matched": len(rows), "rows": rows[: args.limit]}  # fmt: skip
+    doc = {
+        "ssd_dir": view.path,
+        "kind": "chains" if args.chains else "blocks",
+        "num_matched": len(rows),
+        "rows": rows[: args.limit],
+    }
     doc["pinned_only"] = args.pinned
     emit(args, doc, lambda: _ls_text(doc, labels, now))
     return 0
@@ -207,22 +232,34 @@ def _block_row(inv: Inventory, e: Entry) -> Doc:
     parent = inv.entries.get(e.parent)
     end = end_token(e.index, e.num_tokens, parent and parent.num_tokens)
     return {
-        "key": e.key.hex(), "model": inv.namespaces[e.root].model, "root": e.root.hex(),
-        "index": e.index, "num_tokens": e.num_tokens, "prefix_tokens": end,
-        "nbytes": e.file_bytes, "payload_nbytes": e.nbytes, "created": e.created,
-        "last_used": e.last_used, "num_children": len(inv.children.get(e.key, ())),
+        "key": e.key.hex(),
+        "model": inv.namespaces[e.root].model,
+        "root": e.root.hex(),
+        "index": e.index,
+        "num_tokens": e.num_tokens,
+        "prefix_tokens": end,
+        "nbytes": e.file_bytes,
+        "payload_nbytes": e.nbytes,
+        "created": e.created,
+        "last_used": e.last_used,
+        "num_children": len(inv.children.get(e.key, ())),
         "detached": inv.link_error(e) is not None,
-    }  # fmt: skip
+    }
 
 
 def _chain_row(inv: Inventory, leaf: Entry) -> Doc:
     chain, missing = inv.chain(leaf.key)
     return {
-        "key": leaf.key.hex(), "model": inv.namespaces[leaf.root].model, "root": leaf.root.hex(),
-        "num_blocks": len(chain), "prefix_tokens": sum(e.num_tokens for e in chain),
-        "nbytes": sum(e.file_bytes for e in chain), "created": leaf.created,
-        "last_used": leaf.last_used, "complete": missing is None,
-    }  # fmt: skip
+        "key": leaf.key.hex(),
+        "model": inv.namespaces[leaf.root].model,
+        "root": leaf.root.hex(),
+        "num_blocks": len(chain),
+        "prefix_tokens": sum(e.num_tokens for e in chain),
+        "nbytes": sum(e.file_bytes for e in chain),
+        "created": leaf.created,
+        "last_used": leaf.last_used,
+        "complete": missing is None,
+    }
 
 
 def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
@@ -230,16 +267,33 @@ def _ls_text(doc: Doc, labels: dict[bytes, str], now: float) -> str:
     label = {r.hex(): name for r, name in labels.items()}
     if doc["kind"] == "chains":
         heads = ("leaf key", "model", "blocks", "tokens", "size", "used", "complete")
-        body = [[r["key"], label[r["root"]], r["num_blocks"], r["prefix_tokens"],
-                 format_bytes(r["nbytes"]), format_age(now - r["last_used"]) + " ago",
-                 "yes" if r["complete"] else "no"] for r in rows]  # fmt: skip
+        body = [
+            [
+                r["key"],
+                label[r["root"]],
+                r["num_blocks"],
+                r["prefix_tokens"],
+                format_bytes(r["nbytes"]),
+                format_age(now - r["last_used"]) + " ago",
+                "yes" if r["complete"] else "no",
+            ]
+            for r in rows
+        ]
         align = "llrrrrl"
     else:
         heads = ("key", "model", "block", "tokens", "size", "used", "children")
-        body = [[r["key"], label[r["root"]], r["index"],
-                 f"{r['prefix_tokens'] - r['num_tokens']}-{r['prefix_tokens']}",
-                 format_bytes(r["nbytes"]), format_age(now - r["last_used"]) + " ago",
-                 r["num_children"]] for r in rows]  # fmt: skip
+        body = [
+            [
+                r["key"],
+                label[r["root"]],
+                r["index"],
+                f"{r['prefix_tokens'] - r['num_tokens']}-{r['prefix_tokens']}",
+                format_bytes(r["nbytes"]),
+                format_age(now - r["last_used"]) + " ago",
+                r["num_children"],
+            ]
+            for r in rows
+        ]
         align = "llrrrrr"
     if doc["pinned_only"]:
         heads, align = (*heads, "pin ends"), align + "r"

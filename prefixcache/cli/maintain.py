@@ -73,17 +73,23 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
 def _verify_doc(view: SsdView, r: VerifyReport) -> Doc:
     quarantined = set(r.quarantined)
     return {
-        "ssd_dir": view.path, "ok": r.ok, "num_blocks": r.num_blocks,
-        "num_checked": r.num_checked, "num_bad": len(r.bad),
-        "bad": [{"key": k.hex(), "reason": why, "quarantined": k in quarantined}
-                for k, why in r.bad.items()],
+        "ssd_dir": view.path,
+        "ok": r.ok,
+        "num_blocks": r.num_blocks,
+        "num_checked": r.num_checked,
+        "num_bad": len(r.bad),
+        "bad": [
+            {"key": k.hex(), "reason": why, "quarantined": k in quarantined}
+            for k, why in r.bad.items()
+        ],
         "num_unreadable": len(r.unreadable),
         "unreadable": [{"key": k.hex(), "reason": why} for k, why in r.unreadable.items()],
         "num_detached": len(r.detached),
         "detached": [{"key": k.hex(), "reason": why} for k, why in r.detached.items()],
-        "num_unreachable": r.num_unreachable, "num_quarantined": len(r.quarantined),
+        "num_unreachable": r.num_unreachable,
+        "num_quarantined": len(r.quarantined),
         "other_pids": r.other_pids,
-    }  # fmt: skip
+    }
 
 
 def _verify_text(doc: Doc) -> str:
@@ -139,18 +145,31 @@ def cmd_gc(view: SsdView, args: argparse.Namespace) -> int:
 
 
 def _gc_doc(
-    view: SsdView, plan: GcPlan, dry_run: bool, orphans: int, dangling: int, before: int,
+    view: SsdView,
+    plan: GcPlan,
+    dry_run: bool,
+    orphans: int,
+    dangling: int,
+    before: int,
     others: list[int],
-) -> Doc:  # fmt: skip
+) -> Doc:
     return {
-        "ssd_dir": view.path, "dry_run": dry_run,
-        "num_orphan_files": orphans, "num_dangling_entries": dangling,
-        "num_blocks": len(plan.remove), "nbytes": plan.nbytes, "num_tokens": plan.num_tokens,
-        "num_selected": plan.num_selected, "num_descendants": plan.num_below,
-        "num_evicted": plan.num_evicted, "num_detached": plan.num_detached,
-        "nbytes_before": before, "nbytes_after": before - plan.nbytes,
-        "other_pids": others, "keys": [k.hex() for k in plan.remove],
-    }  # fmt: skip
+        "ssd_dir": view.path,
+        "dry_run": dry_run,
+        "num_orphan_files": orphans,
+        "num_dangling_entries": dangling,
+        "num_blocks": len(plan.remove),
+        "nbytes": plan.nbytes,
+        "num_tokens": plan.num_tokens,
+        "num_selected": plan.num_selected,
+        "num_descendants": plan.num_below,
+        "num_evicted": plan.num_evicted,
+        "num_detached": plan.num_detached,
+        "nbytes_before": before,
+        "nbytes_after": before - plan.nbytes,
+        "other_pids": others,
+        "keys": [k.hex() for k in plan.remove],
+    }
 
 
 def _gc_text(doc: Doc) -> str:
@@ -183,28 +202,49 @@ def cmd_clear(view: SsdView, args: argparse.Namespace) -> int:
     if not args.yes:
         if not sys.stdin.isatty():
             raise UsageError("refusing without --yes (stdin is not a terminal)")
-        answer = input(f"Remove {len(keys)} blocks ({format_bytes(nbytes)}) of {what} "
-                       f"from {view.path}? [y/N] ")  # fmt: skip
+        answer = input(
+            f"Remove {len(keys)} blocks ({format_bytes(nbytes)}) of {what} from {view.path}? [y/N] "
+        )
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed")
             return 1
     num = remove(view, keys)
     orphans = 0 if args.model else view.index.reconcile()[0]
     view.records.drop_counters(roots)
-    doc = {"ssd_dir": view.path, "model": args.model, "num_blocks": num, "nbytes": nbytes,
-           "num_orphan_files": orphans}  # fmt: skip
+    doc = {
+        "ssd_dir": view.path,
+        "model": args.model,
+        "num_blocks": num,
+        "nbytes": nbytes,
+        "num_orphan_files": orphans,
+    }
     emit(args, doc, lambda: f"removed {num} blocks ({format_bytes(nbytes)}) of {what}")
     return 0
 
 
 COMMANDS = (
-    ssd_command("verify", "check every payload checksum and every chain", cmd_verify,
-                add_verify_args, writable=lambda args: args.quarantine),
+    ssd_command(
+        "verify",
+        "check every payload checksum and every chain",
+        cmd_verify,
+        add_verify_args,
+        writable=lambda args: args.quarantine,
+    ),
     with_remote(
-        ssd_command("gc", "remove orphans, dangling entries, by model, age or size", cmd_gc,
-                    add_gc_args, writable=lambda args: not args.dry_run),
+        ssd_command(
+            "gc",
+            "remove orphans, dangling entries, by model, age or size",
+            cmd_gc,
+            add_gc_args,
+            writable=lambda args: not args.dry_run,
+        ),
         remote_run=cmd_remote_gc,
     ),
-    ssd_command("clear", "remove every block, or one model's", cmd_clear, add_clear_args,
-                writable=lambda args: True),
-)  # fmt: skip
+    ssd_command(
+        "clear",
+        "remove every block, or one model's",
+        cmd_clear,
+        add_clear_args,
+        writable=lambda args: True,
+    ),
+)

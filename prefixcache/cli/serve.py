@@ -115,12 +115,28 @@ def port(text: str) -> int:
 
 
 _CONFIG_FLAGS = (
-    "ssd_dir", "hot_max_bytes", "ssd_max_bytes", "block_size", "hot_cache_only", "write_policy",
-    "remote_url", "remote_prefix", "remote_timeout_ms", "remote_connect_timeout_ms",
-    "remote_max_bytes", "remote_secret_file", "remote_tls_ca", "remote_tls_cert", "remote_tls_key",
-    "ssd_admit_after", "ssd_write_budget", "warm_bytes", "events_url", "pin_system_prompts",
+    "ssd_dir",
+    "hot_max_bytes",
+    "ssd_max_bytes",
+    "block_size",
+    "hot_cache_only",
+    "write_policy",
+    "remote_url",
+    "remote_prefix",
+    "remote_timeout_ms",
+    "remote_connect_timeout_ms",
+    "remote_max_bytes",
+    "remote_secret_file",
+    "remote_tls_ca",
+    "remote_tls_cert",
+    "remote_tls_key",
+    "ssd_admit_after",
+    "ssd_write_budget",
+    "warm_bytes",
+    "events_url",
+    "pin_system_prompts",
     "eviction",
-)  # fmt: skip
+)
 
 
 def serve_config(args: argparse.Namespace) -> CacheConfig:

@@ -116,17 +116,34 @@ def _show_doc(
     complete = chain[0].parent == chain[0].root and chain[0].index == 0
     end = end_token(m.index, m.num_tokens, chain[-2].num_tokens if len(chain) > 1 else None)
     doc: Doc = {
-        "key": m.key.hex(), "model": ns.model, "root": m.root.hex(),
+        "key": m.key.hex(),
+        "model": ns.model,
+        "root": m.root.hex(),
         "namespace": json.loads(ns.text) if ns.model is not None else None,
-        "index": m.index, "num_tokens": m.num_tokens, "prefix_tokens": end,
-        "nbytes": m.file_bytes, "payload_nbytes": m.nbytes, "checksum": f"{m.checksum:016x}",
-        "created": m.created, "last_used": m.last_used, "payload_path": path,
-        "payload_exists": os.path.exists(path), "complete": complete,
+        "index": m.index,
+        "num_tokens": m.num_tokens,
+        "prefix_tokens": end,
+        "nbytes": m.file_bytes,
+        "payload_nbytes": m.nbytes,
+        "checksum": f"{m.checksum:016x}",
+        "created": m.created,
+        "last_used": m.last_used,
+        "payload_path": path,
+        "payload_exists": os.path.exists(path),
+        "complete": complete,
         "missing_parent": None if complete else chain[0].parent.hex(),
-        "chain": [{"key": c.key.hex(), "index": c.index, "num_tokens": c.num_tokens,
-                   "nbytes": c.file_bytes} for c in chain],
-        "tokens": _ids(m), "text": decode(_ids(m)) if decode else None,
-    }  # fmt: skip
+        "chain": [
+            {
+                "key": c.key.hex(),
+                "index": c.index,
+                "num_tokens": c.num_tokens,
+                "nbytes": c.file_bytes,
+            }
+            for c in chain
+        ],
+        "tokens": _ids(m),
+        "text": decode(_ids(m)) if decode else None,
+    }
     if full:
         prefix = [t for c in chain for t in _ids(c)]
         doc["prefix_token_ids"] = prefix
@@ -178,16 +195,21 @@ def cmd_tree(view: SsdView, args: argparse.Namespace) -> int:
         blocks = inv.blocks([root])
         if not blocks:
             continue
-        namespaces.append({
-            "root": root.hex(), "model": inv.namespaces[root].model,
-            "label": inv.namespaces[root].label, "num_blocks": len(blocks),
-            "num_tokens": sum(e.num_tokens for e in blocks),
-            "nbytes": sum(e.file_bytes for e in blocks),
-            "num_chains": len(inv.leaves([root])),
-            "num_forks": sum(len(inv.children.get(e.key, ())) > 1 for e in blocks)
-            + (len(top) > 1),
-            "tree": [_node(s) for s in top], "detached": [_node(s) for s in detached],
-        })  # fmt: skip
+        namespaces.append(
+            {
+                "root": root.hex(),
+                "model": inv.namespaces[root].model,
+                "label": inv.namespaces[root].label,
+                "num_blocks": len(blocks),
+                "num_tokens": sum(e.num_tokens for e in blocks),
+                "nbytes": sum(e.file_bytes for e in blocks),
+                "num_chains": len(inv.leaves([root])),
+                "num_forks": sum(len(inv.children.get(e.key, ())) > 1 for e in blocks)
+                + (len(top) > 1),
+                "tree": [_node(s) for s in top],
+                "detached": [_node(s) for s in detached],
+            }
+        )
     doc = {"ssd_dir": view.path, "namespaces": namespaces}
     emit(args, doc, lambda: _tree_text(doc, inv))
     return 0
@@ -196,11 +218,14 @@ def cmd_tree(view: SsdView, args: argparse.Namespace) -> int:
 def _node(seg: Segment) -> Doc:
     """A segment as JSON (recursive: depth is the number of nested forks)."""
     return {
-        "first_key": seg.keys[0].hex(), "last_key": seg.keys[-1].hex(),
-        "num_blocks": len(seg.keys), "start_token": seg.start_token,
-        "end_token": seg.end_token, "nbytes": seg.nbytes,
+        "first_key": seg.keys[0].hex(),
+        "last_key": seg.keys[-1].hex(),
+        "num_blocks": len(seg.keys),
+        "start_token": seg.start_token,
+        "end_token": seg.end_token,
+        "nbytes": seg.nbytes,
         "children": [_node(c) for c in seg.children],
-    }  # fmt: skip
+    }
 
 
 def _tree_text(doc: Doc, inv: Inventory) -> str:
@@ -224,8 +249,13 @@ def _tree_text(doc: Doc, inv: Inventory) -> str:
 
 
 COMMANDS = (
-    ssd_command("show", "one block: metadata, chain back to the root, tokens", cmd_show,
-                add_show_args),
-    ssd_command("tree", "chains of each namespace as a tree: shared prefixes, forks", cmd_tree,
-                add_tree_args),
-)  # fmt: skip
+    ssd_command(
+        "show", "one block: metadata, chain back to the root, tokens", cmd_show, add_show_args
+    ),
+    ssd_command(
+        "tree",
+        "chains of each namespace as a tree: shared prefixes, forks",
+        cmd_tree,
+        add_tree_args,
+    ),
+)

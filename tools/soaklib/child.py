@@ -21,8 +21,14 @@ def main(argv: list[str]) -> int:
     hot_bytes, ssd_bytes, groups, per_group, ops = map(int, argv[3:8])
     work = Workload(make_prompts(groups, per_group))
     rng = random.Random(seed)
-    pc = open_cache(work.model, ssd_dir, hot_max_bytes=hot_bytes, ssd_max_bytes=ssd_bytes,
-                    write_policy=policy, queue_full="inline")  # fmt: skip
+    pc = open_cache(
+        work.model,
+        ssd_dir,
+        hot_max_bytes=hot_bytes,
+        ssd_max_bytes=ssd_bytes,
+        write_policy=policy,
+        queue_full="inline",
+    )
     print("ready", flush=True)
     tally = Tally()
     step = 0

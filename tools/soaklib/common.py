@@ -57,8 +57,16 @@ class Tally:
     findings: list[str] = field(default_factory=list)
 
     def result(self, name: str, start: float, notes: str = "") -> Result:
-        return Result(name, self.ops, self.checked, self.wrong, self.errors,
-                      time.perf_counter() - start, notes, tuple(self.findings))  # fmt: skip
+        return Result(
+            name,
+            self.ops,
+            self.checked,
+            self.wrong,
+            self.errors,
+            time.perf_counter() - start,
+            notes,
+            tuple(self.findings),
+        )
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -193,5 +201,9 @@ def temp_files(ssd_dir: str) -> list[str]:
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``prefixcache ARGS`` in a subprocess (as an operator would)."""
-    return subprocess.run([sys.executable, "-m", "prefixcache", *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -46,10 +46,23 @@ def child_env() -> dict[str, str]:
 
 
 def spawn_server(ssd_dir: str, setup: CrashSetup, seed: int, policy: str, ops: int = 0):
-    argv = [ssd_dir, str(seed), policy, str(setup.hot_bytes), str(setup.ssd_bytes),
-            str(setup.groups), str(setup.per_group), str(ops)]  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "soaklib.child", *argv], env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = [
+        ssd_dir,
+        str(seed),
+        policy,
+        str(setup.hot_bytes),
+        str(setup.ssd_bytes),
+        str(setup.groups),
+        str(setup.per_group),
+        str(ops),
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "soaklib.child", *argv],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def read_until(proc: subprocess.Popen, deadline: float, tally: Tally) -> None:
@@ -90,8 +103,12 @@ def kill_cli(ssd_dir: str, setup: CrashSetup, rng: random.Random, action: str) -
         args += ["--max-bytes", str(rng.randrange(setup.ssd_bytes))]
     else:
         args += ["--yes"]
-    proc = subprocess.Popen([sys.executable, "-m", "prefixcache", action, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache", action, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(rng.uniform(0.2, 1.2))  # the CLI takes ~0.3-0.6 s to start on 2 cores
     return _kill(proc, action)
 
@@ -114,8 +131,9 @@ def check_after(work: Workload, ssd_dir: str, setup: CrashSetup, tally: Tally, s
     elif "does not exist" not in out.stderr and "no SSD tier" not in out.stderr:
         tally.errors += 1
         tally.findings.append(f"verify failed ({out.returncode}): {out.stderr[-300:]}")
-    pc = open_cache(work.model, ssd_dir, hot_max_bytes=setup.hot_bytes,
-                    ssd_max_bytes=setup.ssd_bytes)  # fmt: skip
+    pc = open_cache(
+        work.model, ssd_dir, hot_max_bytes=setup.hot_bytes, ssd_max_bytes=setup.ssd_bytes
+    )
     seen["temps left after reopen"] += len(common.temp_files(ssd_dir))
     try:
         for i in range(len(work.prompts)):

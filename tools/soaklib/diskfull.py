@@ -44,8 +44,9 @@ def tmpfs(path: str, size: int, inodes: int) -> Iterator[str | None]:
     """Mount a small tmpfs; yields None, or why it could not be mounted."""
     os.makedirs(path)
     options = f"size={size},nr_inodes={inodes}"
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", path],
-                         capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", path], capture_output=True, text=True
+    )
     try:
         yield None if res.returncode == 0 else (res.stderr.strip() or "mount failed")
     finally:
@@ -81,15 +82,20 @@ def check_clean(ssd_dir: str, tally: Tally, what: str) -> str:
 def phases(work: Workload, fresh: Workload, ssd_dir: str, filler: str, tally: Tally) -> list[str]:
     notes = []
     pc = open_cache(
-        work.model, ssd_dir, hot_max_bytes=64 << 20, write_policy="write_through",
+        work.model,
+        ssd_dir,
+        hot_max_bytes=64 << 20,
+        write_policy="write_through",
         ssd_retry_seconds=RETRY,
-    )  # fmt: skip
+    )
     try:
         serve_all(work, pc, tally)  # fills the disk
         pc.flush()
         ssd = pc.stats()["ssd"]
-        notes.append(f"disk full: enabled={ssd['enabled']} num_disk_full={ssd['num_disk_full']} "
-                     f"after {ssd['num_writes']} writes")  # fmt: skip
+        notes.append(
+            f"disk full: enabled={ssd['enabled']} num_disk_full={ssd['num_disk_full']} "
+            f"after {ssd['num_writes']} writes"
+        )
         if ssd["enabled"]:
             tally.findings.append("the disk never filled up: enlarge the prompts or shrink the fs")
         hits = tally.checked
@@ -104,8 +110,10 @@ def phases(work: Workload, fresh: Workload, ssd_dir: str, filler: str, tally: Ta
         pc.flush()
         ssd = pc.stats()["ssd"]
         back = ssd["enabled"] == 1 and ssd["num_writes"] > writes
-        notes.append(f"space returned: tier re-enabled={'yes' if back else 'no'} "
-                     f"(new writes {ssd['num_writes'] - writes})")  # fmt: skip
+        notes.append(
+            f"space returned: tier re-enabled={'yes' if back else 'no'} "
+            f"(new writes {ssd['num_writes'] - writes})"
+        )
         if not back:
             tally.findings.append("FINDING: the SSD tier stays disabled after space returns")
     finally:
@@ -114,8 +122,10 @@ def phases(work: Workload, fresh: Workload, ssd_dir: str, filler: str, tally: Ta
     try:
         before = tally.checked
         serve_all(work, pc, tally)
-        notes.append(f"reopened: enabled={pc.stats()['ssd']['enabled']}, "
-                     f"{tally.checked - before} exact restores from SSD")  # fmt: skip
+        notes.append(
+            f"reopened: enabled={pc.stats()['ssd']['enabled']}, "
+            f"{tally.checked - before} exact restores from SSD"
+        )
     finally:
         pc.close()
     notes.append(check_clean(ssd_dir, tally, "after reopen"))

@@ -93,15 +93,18 @@ def run(setup: MemorySetup, base_dir: str | None = None) -> Result:
                 c = curve(arch, tmp if tiered else None, setup)
             tally.ops += setup.requests
             d_rss, d_mlx = c.growth()
-            lines.append(f"{c.name}: RSS {c.rss[0] / MiB:.0f}->{c.rss[-1] / MiB:.0f} MiB "
-                         f"(growth after warm-up {d_rss / MiB:+.1f}), MLX non-hot growth "
-                         f"{d_mlx / MiB:+.2f} MiB, hot max {c.hot_max / MiB:.2f} MiB")  # fmt: skip
-            over = (d_rss > setup.rss_bound, d_mlx > setup.mlx_bound,
-                    c.hot_max > setup.hot_bytes)  # fmt: skip
+            lines.append(
+                f"{c.name}: RSS {c.rss[0] / MiB:.0f}->{c.rss[-1] / MiB:.0f} MiB "
+                f"(growth after warm-up {d_rss / MiB:+.1f}), MLX non-hot growth "
+                f"{d_mlx / MiB:+.2f} MiB, hot max {c.hot_max / MiB:.2f} MiB"
+            )
+            over = (d_rss > setup.rss_bound, d_mlx > setup.mlx_bound, c.hot_max > setup.hot_bytes)
             if any(over):
                 tally.errors += 1
                 tally.findings.append(f"{c.name} grew beyond its bound: {lines[-1]}")
-    bounds = (f"bounds: RSS growth <= {setup.rss_bound / MiB:.0f} MiB, MLX non-hot growth <= "
-              f"{setup.mlx_bound / MiB:.0f} MiB, hot <= {setup.hot_bytes / MiB:.0f} MiB; "
-              f"{setup.requests} requests each, sampled every {setup.every}")  # fmt: skip
+    bounds = (
+        f"bounds: RSS growth <= {setup.rss_bound / MiB:.0f} MiB, MLX non-hot growth <= "
+        f"{setup.mlx_bound / MiB:.0f} MiB, hot <= {setup.hot_bytes / MiB:.0f} MiB; "
+        f"{setup.requests} requests each, sampled every {setup.every}"
+    )
     return tally.result("memory", start, bounds + "; " + "; ".join(lines))

@@ -78,10 +78,15 @@ def run(setup: ProcSetup, base_dir: str | None = None) -> Result:
     crash_setup = CrashSetup(hot_bytes=setup.hot_bytes, ssd_bytes=setup.ssd_bytes)
     with tempfile.TemporaryDirectory(dir=base_dir, prefix="soak-procs-") as tmp:
         procs = [
-            spawn_server(tmp, crash_setup, setup.seed * 100 + p,
-                         ("write_back", "write_through")[p % 2], setup.ops)
+            spawn_server(
+                tmp,
+                crash_setup,
+                setup.seed * 100 + p,
+                ("write_back", "write_through")[p % 2],
+                setup.ops,
+            )
             for p in range(setup.procs)
-        ]  # fmt: skip
+        ]
         for p in procs:  # the CLI needs the directory: wait until every server opened it
             line = p.stdout.readline()
             if line.strip() != "ready":
@@ -105,7 +110,9 @@ def run(setup: ProcSetup, base_dir: str | None = None) -> Result:
         tally.errors += 1
         tally.findings.append(f"{max(max_seen, final)} B on disk > cap {setup.ssd_bytes}")
     cmds = ", ".join(f"{k} {v}" for k, v in sorted(seen.items()))
-    notes = (f"{setup.procs} processes x {setup.ops} ops; beside them: {cmds}; "
-             f"max sampled on disk {max_seen} B, final {final} B, "
-             f"cap {setup.ssd_bytes} B")  # fmt: skip
+    notes = (
+        f"{setup.procs} processes x {setup.ops} ops; beside them: {cmds}; "
+        f"max sampled on disk {max_seen} B, final {final} B, "
+        f"cap {setup.ssd_bytes} B"
+    )
     return tally.result("procs", start, notes)

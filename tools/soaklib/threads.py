@@ -83,8 +83,9 @@ class _Run:
             counted = self.pc.stats()["ssd"]["nbytes"]
             if on_disk > self.setup.ssd_bytes or on_disk != counted:
                 tally.errors += 1
-                tally.findings.append(f"on disk {on_disk} B, tier says {counted}, cap "
-                                      f"{self.setup.ssd_bytes}")  # fmt: skip
+                tally.findings.append(
+                    f"on disk {on_disk} B, tier says {counted}, cap {self.setup.ssd_bytes}"
+                )
         self.barrier.wait()
 
     def worker(self, t: int) -> None:
@@ -115,8 +116,9 @@ def run(setup: ThreadSetup, base_dir: str | None = None) -> Result:
     for i in range(len(work.prompts)):
         work.reference(i)  # computed before the threads start
     with tempfile.TemporaryDirectory(dir=base_dir, prefix="soak-threads-") as tmp:
-        pc = open_cache(work.model, tmp, hot_max_bytes=setup.hot_bytes,
-                        ssd_max_bytes=setup.ssd_bytes)  # fmt: skip
+        pc = open_cache(
+            work.model, tmp, hot_max_bytes=setup.hot_bytes, ssd_max_bytes=setup.ssd_bytes
+        )
         state = _Run(setup, work, pc, tmp)
         threads = [threading.Thread(target=state.worker, args=(t,)) for t in range(setup.threads)]
         sampler = threading.Thread(target=state.sampler)
@@ -137,8 +139,10 @@ def run(setup: ThreadSetup, base_dir: str | None = None) -> Result:
         tally.errors += 1
         tally.findings.append(f"sampled {state.max_sampled} B on disk > cap {setup.ssd_bytes}")
     ssd = stats["ssd"]
-    notes = (f"{setup.threads} threads x {setup.ops} ops; hot evictions "
-             f"{stats['hot']['num_evictions']}, spills {stats['num_spills']}, ssd evictions "
-             f"{ssd['num_evictions']}, max sampled on disk {state.max_sampled} B "
-             f"<= cap {setup.ssd_bytes} B")  # fmt: skip
+    notes = (
+        f"{setup.threads} threads x {setup.ops} ops; hot evictions "
+        f"{stats['hot']['num_evictions']}, spills {stats['num_spills']}, ssd evictions "
+        f"{ssd['num_evictions']}, max sampled on disk {state.max_sampled} B "
+        f"<= cap {setup.ssd_bytes} B"
+    )
     return tally.result("threads", start, notes)

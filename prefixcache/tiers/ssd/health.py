@@ -73,8 +73,10 @@ class Health:
             logger.error(
                 "SSD tier %s disabled (%s); serving from the hot tier and the blocks already "
                 "stored, retrying in %gs",
-                self.path, self.reason, self.retry_seconds,
-            )  # fmt: skip
+                self.path,
+                self.reason,
+                self.retry_seconds,
+            )
 
     def retry_due(self) -> bool:
         """Writes are off and the last failure is at least ``retry_seconds`` old."""

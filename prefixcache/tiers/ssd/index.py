@@ -70,9 +70,13 @@ class SsdIndex:
         self.path = os.path.realpath(path)
         try:
             self._shared = SharedEnv.acquire(
-                self.path, map_size=map_size, dbs=_DBS, dupsort=_DUPSORT, readonly=readonly,
+                self.path,
+                map_size=map_size,
+                dbs=_DBS,
+                dupsort=_DUPSORT,
+                readonly=readonly,
                 mode=FILE_MODE,
-            )  # fmt: skip
+            )
         except lmdb.NotFoundError as e:
             raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
         self.entries = Entries(self._shared.dbs, payloads)
@@ -166,9 +170,13 @@ class SsdIndex:
             start = rows[-1][0] + b"\0"
 
     def reserve(
-        self, wanted: Sequence[Wanted], *, max_bytes: int, min_free_bytes: int,
+        self,
+        wanted: Sequence[Wanted],
+        *,
+        max_bytes: int,
+        min_free_bytes: int,
         free_bytes: int,
-    ) -> Reservation:  # fmt: skip
+    ) -> Reservation:
         """Reserve room for payloads (key, file bytes, disk footprint) about to be written.
 
         Evicts LRU leaves so that indexed + reserved file bytes stay <= ``max_bytes``

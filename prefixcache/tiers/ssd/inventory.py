@@ -49,9 +49,16 @@ class Entry:
     @classmethod
     def of(cls, m: BlockMeta) -> Entry:
         return cls(
-            m.key, m.parent, m.root, m.index, m.num_tokens, m.nbytes, m.file_bytes,
-            m.created, m.last_used,
-        )  # fmt: skip
+            m.key,
+            m.parent,
+            m.root,
+            m.index,
+            m.num_tokens,
+            m.nbytes,
+            m.file_bytes,
+            m.created,
+            m.last_used,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,9 +71,15 @@ class SharedEnv:
 
     @classmethod
     def acquire(
-        cls, path: str, *, map_size: int, dbs: Sequence[str], dupsort: Sequence[str] = (),
-        readonly: bool = False, mode: int = 0o600,
-    ) -> SharedEnv:  # fmt: skip
+        cls,
+        path: str,
+        *,
+        map_size: int,
+        dbs: Sequence[str],
+        dupsort: Sequence[str] = (),
+        readonly: bool = False,
+        mode: int = 0o600,
+    ) -> SharedEnv:
         """Open (or share the already open) environment at ``path`` (files made ``mode``).
 
         Raises:
@@ -88,9 +94,13 @@ class SharedEnv:
                 shared._refs += 1
                 return shared
             env = lmdb.open(
-                path, map_size=map_size, max_dbs=len(dbs) + 1, subdir=True, readonly=readonly,
+                path,
+                map_size=map_size,
+                max_dbs=len(dbs) + 1,
+                subdir=True,
+                readonly=readonly,
                 mode=mode,
-            )  # fmt: skip
+            )
             try:
                 env.reader_check()  # free reader slots of dead processes
                 handles = {

@@ -61,9 +61,14 @@ def clear_writes(
 
 
 def reserve(
-    txn: lmdb.Transaction, entries: Entries, wanted: Sequence[Wanted], owner: tuple[int, int],
-    max_bytes: int, min_free: int, free: int,
-) -> Reservation:  # fmt: skip
+    txn: lmdb.Transaction,
+    entries: Entries,
+    wanted: Sequence[Wanted],
+    owner: tuple[int, int],
+    max_bytes: int,
+    min_free: int,
+    free: int,
+) -> Reservation:
     """Reserve room for ``wanted`` payloads, evicting LRU leaves (see the module docstring)."""
     res = Reservation()
     pinning.expire(txn, entries)

@@ -41,10 +41,22 @@ logger = logging.getLogger(__name__)
 
 _MAX_TOUCHES = 4096  # pending LRU touches that wake the writer (else they ride with writes)
 _COUNTERS = (
-    "num_writes", "written_bytes", "num_dropped_writes", "num_inline_writes", "num_existing",
-    "num_no_room", "num_evictions", "num_failures", "num_disk_full", "num_recoveries",
-    "num_corrupt", "num_read_errors", "num_loads", "load_bytes", "num_pending_loads",
-)  # fmt: skip
+    "num_writes",
+    "written_bytes",
+    "num_dropped_writes",
+    "num_inline_writes",
+    "num_existing",
+    "num_no_room",
+    "num_evictions",
+    "num_failures",
+    "num_disk_full",
+    "num_recoveries",
+    "num_corrupt",
+    "num_read_errors",
+    "num_loads",
+    "load_bytes",
+    "num_pending_loads",
+)
 
 
 class SsdTier(SsdControls, Tier):
