@@ -1,5 +1,10 @@
 """The package's shape rules, checked from its source: no import cycle, small modules
-and functions (STYLE: one concept per module)."""
+and functions (STYLE: one concept per module).
+
+The size rule lives here and only here (the Makefile's lint runs this file): a
+module of prefixcache/ or tools/ aims at 300 lines and fails at 400; the modules
+over the target are listed by name, so a new one fails and one brought back
+under the target must leave the list."""
 
 from __future__ import annotations
 
@@ -8,9 +13,20 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "prefixcache"
-MAX_MODULE_LINES = 400  # STYLE: 100-300 lines is the target, 400 fails
-MAX_FUNCTION_LINES = 50
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "prefixcache"
+TARGET_MODULE_LINES = 300
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 50  # the package's functions
+OVER_TARGET = {  # modules over TARGET_MODULE_LINES today, each to be split by concept
+    "prefixcache/cache.py",
+    "prefixcache/cli/inspect.py",
+    "prefixcache/config.py",
+    "prefixcache/mlx_server.py",
+    "prefixcache/tiers/ssd/index.py",
+    "prefixcache/tiers/ssd/tier.py",
+    "tools/bench_ssd.py",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -92,11 +108,35 @@ def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def sizes() -> dict[str, int]:
+    """Lines of every module of prefixcache/ and tools/, by path from the root."""
+    paths = [*PACKAGE.rglob("*.py"), *(ROOT / "tools").rglob("*.py")]
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sorted(paths)}
+
+
+def over(found: dict[str, int], limit: int) -> set[str]:
+    return {path for path, lines in found.items() if lines > limit}
+
+
+def test_no_module_fails_the_size_rule():
+    assert over(sizes(), MAX_MODULE_LINES) == set()
+
+
+def test_modules_over_the_target_are_the_listed_ones():
+    assert over(sizes(), TARGET_MODULE_LINES) == OVER_TARGET
+
+
+def test_the_size_checks_catch_a_long_module():
+    """Negative control: a module past either bound is caught."""
+    found = {"a.py": 120, "b.py": 301, "c.py": 401}
+    assert over(found, TARGET_MODULE_LINES) == {"b.py", "c.py"}
+    assert over(found, MAX_MODULE_LINES) == {"c.py"}
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
-def test_module_and_function_sizes(name):
+def test_function_sizes(name):
     path = modules()[name]
     source = path.read_text()
-    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} is over {MAX_MODULE_LINES}"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             size = node.end_lineno - node.lineno + 1
