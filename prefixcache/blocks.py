@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import xxhash
 
+from .hashing import TOKEN_BYTES
+
 KEY_BYTES = 16
 
 
@@ -50,7 +52,7 @@ class Block:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return len(self.tokens) // TOKEN_BYTES
 
     def to_block(self) -> Block:
         return self
@@ -106,7 +108,7 @@ class BlockMeta:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return len(self.tokens) // TOKEN_BYTES
 
     @classmethod
     def of(
@@ -144,7 +146,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
         meta.checksum,
         meta.created,
         meta.last_used,
-        len(meta.tokens) // 4,
+        len(meta.tokens) // TOKEN_BYTES,
     )
     body = head + meta.tokens
     return body + xxhash.xxh3_64_digest(body)
@@ -168,8 +170,10 @@ def decode_meta(key: bytes, value: bytes) -> BlockMeta:
     if fmt != META_FORMAT:
         raise ValueError(f"index entry format {fmt}, expected {META_FORMAT}")
     tokens = body[_META_HEAD.size :]
-    if len(tokens) != 4 * num_tokens:
-        raise ValueError(f"index entry has {len(tokens)} token bytes, expected {4 * num_tokens}")
+    if len(tokens) != TOKEN_BYTES * num_tokens:
+        raise ValueError(
+            f"index entry has {len(tokens)} token bytes, expected {TOKEN_BYTES * num_tokens}"
+        )
     return BlockMeta(
         key, parent, root, index, tokens, nbytes, file_bytes, checksum, created, last_used
     )

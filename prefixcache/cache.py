@@ -12,7 +12,7 @@ import mlx.nn as nn
 from .capture import cut_blocks
 from .config import CacheConfig
 from .controls import Controls, check_session, tail_keys
-from .hashing import Namespace, chain_keys, token_bytes
+from .hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
@@ -102,7 +102,7 @@ class PrefixCache(ControlVerbs):
             self.prefetcher.used(got.keys)
             if got.promote:  # loaded again into the tiers above, off this request's path
                 self.prefetcher.submit(Job(data, root, got.keys, got.promote, promote=True))
-            self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
+            self._stats.fetched(len(data) // TOKEN_BYTES, got.num_tokens, got.reason)
             return got.cache, got.num_tokens
 
     def prefetch(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
@@ -168,12 +168,12 @@ class PrefixCache(ControlVerbs):
             pc.store(tokens + reply[:-1], cache)
         """
         data = _nonempty(tokens)
-        if not self.lookup.needs_checkpoints(len(data) // 4):
+        if not self.lookup.needs_checkpoints(len(data) // TOKEN_BYTES):
             return []
         with self._lock:
             self._check_open()
             shared = self._shared(data, self._root(extra))
-        return self.lookup.checkpoints(len(data) // 4, num_cached, shared)
+        return self.lookup.checkpoints(len(data) // TOKEN_BYTES, num_cached, shared)
 
     def store(
         self,
@@ -317,7 +317,7 @@ class PrefixCache(ControlVerbs):
         check_session(session)
         with self._lock:
             self._check_open()
-            self.layout.validate(cache, len(data) // 4)
+            self.layout.validate(cache, len(data) // TOKEN_BYTES)
             root = self._root(extra)
             bs = self.config.block_size
             keys = chain_keys(root, data, bs)

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 from .blocks import Block
 from .errors import PinCapacityError
-from .hashing import tail_key
+from .hashing import TOKEN_BYTES, tail_key
 from .tiers.stack import Tiers
 
 
@@ -200,5 +200,5 @@ class Controls:
 
 def tail_keys(root: bytes, keys: Sequence[bytes], data: bytes, block_size: int) -> list[bytes]:
     """The tail key of ``data`` (uint32 token bytes) after its full blocks ``keys``, if any."""
-    rest = data[len(keys) * block_size * 4 :]
+    rest = data[len(keys) * block_size * TOKEN_BYTES :]
     return [tail_key(keys[-1] if keys else root, rest)] if rest else []

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .blocks import split_layers
 from .codecs import Builder, Codec, codec_for, round_up
 from .errors import LayoutMismatchError, MissReason, Shortfall
+from .hashing import TOKEN_BYTES
 from .host import HostArray, Place, Placed
 from .lookup import Lookup, Plan
 from .tiers.base import Tier, TierReader
@@ -69,7 +70,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         # room for the prompt's rest and the reply in mlx-lm's steps; without, the
         # restored blocks only (e.g. a batch copies the cache at once)
         whole = len(plan.entries) * bs
-        capacity = round_up(max(len(data) // 4 + headroom, whole)) if headroom else whole
+        capacity = round_up(max(len(data) // TOKEN_BYTES + headroom, whole)) if headroom else whole
         try:
             cache = rebuild(layout.fresh(plan.num_tokens), loader, capacity=capacity, block_size=bs)
         except Shortfall as short:
@@ -233,7 +234,7 @@ def _reserve_first(
         return
     index, specs = first
     # the block's own token count bounds what an unverified header can allocate
-    tokens = len(plan.entries[index].tokens) // 4
+    tokens = len(plan.entries[index].tokens) // TOKEN_BYTES
     specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
     for i in users[index]:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from ..blocks import Block
 from ..config import CacheConfig
 from ..errors import MissReason
+from ..hashing import TOKEN_BYTES
 from ..pins import Pins
 from ..stats import Stats
 from .base import ChainEntry, Tier
@@ -171,7 +172,7 @@ class Tiers:
         if parent == blocks[0].root or not self.contains(parent):
             return False
         new = {b.key for b in blocks}
-        size = 4 * self.config.block_size
+        size = TOKEN_BYTES * self.config.block_size
         return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
 
     def keep_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
+from ...hashing import TOKEN_BYTES
 from ...host import MX_DTYPES, Tensor
 from .names import Names
 from .seal import DIGEST_BYTES, Forged, digest_of, part_hasher, same_digest
@@ -92,7 +93,7 @@ def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
         SIGNED if seal else 0,
         meta.root,
         meta.index,
-        len(meta.tokens) // 4,
+        len(meta.tokens) // TOKEN_BYTES,
         meta.num_parts,
         meta.nbytes,
     )
@@ -163,7 +164,7 @@ def decode_meta(name: bytes, value: bytes, names: Names, key: bytes | None = Non
 
 
 def _decode_body(head: MetaHead, body: bytes, what: str) -> RemoteMeta:
-    at = _KEYS.size + 4 * head.num_tokens
+    at = _KEYS.size + TOKEN_BYTES * head.num_tokens
     ends = at + DIGEST_BYTES * head.num_parts
     if len(body) < ends:
         raise PayloadError(f"{what} is truncated")

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from ...blocks import Block
 from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
+from ...hashing import TOKEN_BYTES
 from ...host import tensors_of
 from ..base import Tier, TierReader
 from ..writer import WriteItem, Writer
@@ -108,7 +109,7 @@ class RemoteTier(Tier):
     def held(self, keys: Sequence[bytes], start: int) -> list[RemoteMeta]:
         self._miss = None
         metas = self._lookup(keys, start)
-        tokens = sum(len(m.tokens) for m in metas) // 4
+        tokens = sum(len(m.tokens) for m in metas) // TOKEN_BYTES
         if metas and not self.gate.admits(sum(m.nbytes for m in metas), tokens):
             self._miss = (keys[start], MissReason.REMOTE_GATE)
             return []
