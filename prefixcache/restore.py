@@ -122,9 +122,10 @@ class ChainLoad:
             Shortfall: the tier could not load it.
         """
         tier = self.plan.tiers[index]
-        block = self._reader(tier).load(index)
+        reader = self._reader(tier)
+        block = reader.load(index)
         if block is None:
-            raise Shortfall(index, tier.load_miss)
+            raise Shortfall(index, reader.miss(index))
         self.stack.stats.block_hit(tier.name)
         promote = self.stack.config.promote and not tier.resident
         if promote and (self.stack.above(tier) or block.nbytes <= self._room):

@@ -35,7 +35,6 @@ class HotTier(Tier):
     name = "hot"
     resident = True
     lists_children = True
-    load_miss = MissReason.EVICTED
 
     def __init__(
         self,
@@ -288,6 +287,9 @@ class _HotReader(TierReader):
 
     def load(self, index: int) -> Block | None:
         return self.hot.get(self.keys[index])
+
+    def miss(self, index: int) -> MissReason:
+        return MissReason.EVICTED  # another thread's eviction since the lookup
 
     def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
         key = self.keys[index]

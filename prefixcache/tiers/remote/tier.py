@@ -88,7 +88,6 @@ class RemoteTier(Tier):
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
-        self._load_miss = MissReason.CORRUPT
         self._last: Chain | None = None
         self._closed = False
         self.writer = Writer(
@@ -98,11 +97,6 @@ class RemoteTier(Tier):
             batch_bytes=16 << 20,
             name="prefixcache-remote-writer",
         )
-
-    @property
-    def load_miss(self) -> MissReason:  # type: ignore[override]
-        """Why the last block the reader could not load was unusable."""
-        return self._load_miss
 
     # -- read path -------------------------------------------------------------
 
@@ -158,7 +152,6 @@ class RemoteTier(Tier):
 
     def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None:
         """Count a block the reader could not use (on the caller's thread)."""
-        self._load_miss = reason
         if reason is MissReason.EVICTED:
             self._count("num_missing_parts")
         elif reason is MissReason.CORRUPT:
