@@ -9,6 +9,7 @@ under the target must leave the list."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,28 @@ def test_function_sizes(name):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             size = node.end_lineno - node.lineno + 1
             assert size <= MAX_FUNCTION_LINES, f"{path}:{node.lineno} {node.name} has {size}"
+
+
+HIDDEN_CONTRACTS = (
+    r"type\([^)]*\)\.\w+ is ",  # an identity test of a method: "does it override?"
+    r"(hasattr|getattr)\((tier|codec|builder|reader|self\.tier)\b",  # probing for a hook
+)
+
+
+def hidden_contracts(source: str) -> list[str]:
+    return [m.group(0) for p in HIDDEN_CONTRACTS for m in re.finditer(p, source)]
+
+
+def test_hooks_are_declared_not_probed():
+    """Optional hooks are declared on their base class with a default (tiers/base.py,
+    codecs/base.py): nothing asks whether a method is overridden or an attribute
+    exists."""
+    found = {n: hidden_contracts(p.read_text()) for n, p in modules().items()}
+    assert {n: f for n, f in found.items() if f} == {}
+
+
+def test_the_hook_check_finds_a_probe():
+    """Negative control."""
+    assert hidden_contracts("if type(codec).covers is Codec.covers:") != []
+    assert hidden_contracts("if hasattr(tier, 'children'):") != []
+    assert hidden_contracts("if isinstance(tier, ListsChildren):") == []

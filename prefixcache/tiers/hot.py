@@ -21,7 +21,7 @@ from ..blocks import Block
 from ..errors import MissReason
 from ..host import host_bytes
 from ..pins import Pins
-from .base import BlockListener, Tier, TierReader
+from .base import BlockListener, ListsChildren, Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 CostHook = Callable[[Block], float]  # FLOPs to recompute the block (costs.py)
@@ -29,12 +29,11 @@ _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
-class HotTier(Tier):
+class HotTier(ListsChildren, Tier):
     """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
 
     name = "hot"
     resident = True
-    lists_children = True
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ from ..errors import MissReason
 from ..hashing import TOKEN_BYTES
 from ..pins import Pins
 from ..stats import Stats
-from .base import ChainEntry, Tier
+from .base import ChainEntry, ListsChildren, Tier
 from .governor import WriteGovernor
 from .hot import CostHook, HotTier, ShedHook
 
@@ -85,7 +85,7 @@ class Tiers:
         from (the first that lists it)."""
         out: dict[bytes, tuple[ChainEntry, Tier]] = {}
         for tier in self.all:
-            for entry in tier.children(parent) if tier.lists_children else ():
+            for entry in tier.children(parent) if isinstance(tier, ListsChildren) else ():
                 out.setdefault(entry.key, (entry, tier))
         return list(out.values())
 
@@ -250,7 +250,7 @@ class Tiers:
 
     def finds(self, tier: Tier, block: Block) -> bool:
         """Whether a lookup can find ``block`` on ``tier``: a tail only by its parent."""
-        return tier.lists_children or block.num_tokens >= self.config.block_size
+        return isinstance(tier, ListsChildren) or block.num_tokens >= self.config.block_size
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
         if block.key in self.private:

@@ -4,7 +4,7 @@ The tier comes after hot and ssd. It takes every stored block at once
 (``eager``): on store, not on spill (under ``write_back`` a block would reach
 it late or never), so other hosts can restore a prefix seconds after one host
 computed it; the caller only queues byte views, a background writer encodes
-and sends them (writes.py). Tails go remote too (``lists_children``: a
+and sends them (writes.py). Tails go remote too (``ListsChildren``: a
 parent's children are listed in a set beside it), so a conversation resumes
 on another host to the exact token.
 
@@ -32,7 +32,7 @@ from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
 from ...host import tensors_of
-from ..base import Tier, TierReader
+from ..base import ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import Chain, children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
@@ -59,7 +59,7 @@ _COUNTERS = (
 )
 
 
-class RemoteTier(Tier):
+class RemoteTier(ListsChildren, Tier):
     """The shared remote tier of one ``remote_url`` and ``remote_prefix``.
 
     Args:
@@ -73,7 +73,6 @@ class RemoteTier(Tier):
 
     name = "remote"
     eager = True
-    lists_children = True
 
     def __init__(self, config: CacheConfig, *, client: RemoteClient | None = None):
         secret = load_secret(config)

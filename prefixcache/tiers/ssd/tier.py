@@ -26,7 +26,7 @@ from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError
 from ...host import tensors_of
-from ..base import ChainEntry, Tier, TierReader
+from ..base import ChainEntry, ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .controls import SsdControls
 from .directory import open_dir
@@ -59,7 +59,7 @@ _COUNTERS = (
 )
 
 
-class SsdTier(SsdControls, Tier):
+class SsdTier(SsdControls, ListsChildren, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -75,7 +75,6 @@ class SsdTier(SsdControls, Tier):
     """
 
     name = "ssd"
-    lists_children = True
     metered = True
 
     def __init__(
