@@ -167,3 +167,26 @@ def test_the_hook_check_finds_a_probe():
     assert hidden_contracts("if type(codec).covers is Codec.covers:") != []
     assert hidden_contracts("if hasattr(tier, 'children'):") != []
     assert hidden_contracts("if isinstance(tier, ListsChildren):") == []
+
+
+ADMIN = "prefixcache.tiers.ssd.admin"
+
+
+def serving_importers_of_admin(graph: dict[str, set[str]]) -> set[str]:
+    """Modules outside the commands (cli) and the admin corner that import it."""
+    return {
+        name
+        for name, deps in graph.items()
+        if not name.startswith(("prefixcache.cli", ADMIN))
+        and any(d == ADMIN or d.startswith(ADMIN + ".") for d in deps)
+    }
+
+
+def test_the_serving_path_never_imports_the_ssd_admin_corner():
+    assert serving_importers_of_admin(graph_of(modules())) == set()
+
+
+def test_the_admin_check_finds_an_importer():
+    """Negative control."""
+    graph = {"prefixcache.cache": {ADMIN + ".view"}, "prefixcache.cli.show": {ADMIN}}
+    assert serving_importers_of_admin(graph) == {"prefixcache.cache"}

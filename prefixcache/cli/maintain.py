@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..config import parse_bytes
-from ..tiers.ssd.inventory import Inventory
-from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
-from ..tiers.ssd.view import SsdView
+from ..tiers.ssd.admin.inventory import Inventory
+from ..tiers.ssd.admin.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
+from ..tiers.ssd.admin.view import SsdView
 from .common import Doc, UsageError, duration, emit, model_roots, ssd_command
 from .remote import cmd_remote_gc, with_remote
 from .report import format_bytes

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...blocks import BlockMeta
-from ...errors import PayloadError
-from .files import list_files
+from ....blocks import BlockMeta
+from ....errors import PayloadError
+from ..files import list_files
+from ..payload import read_payload
 from .inventory import Entry, Inventory, scan
-from .payload import read_payload
 from .view import SsdView
 
 _REMOVE_CHUNK = 256

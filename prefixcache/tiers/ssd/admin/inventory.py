@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ...blocks import BlockMeta
-from .index import decode_or_none
+from ....blocks import BlockMeta
+from ..index import decode_or_none
 from .view import SsdView
 
 _SCAN_CHUNK = 1024
