@@ -17,7 +17,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from .blocks import Block
+from .blocks import Block, BlockHeader
 
 # MLX dtype <-> safetensors dtype name (every dtype a cache uses; no float64)
 SAFETENSORS_DTYPES: dict[mx.Dtype, str] = {
@@ -179,14 +179,9 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamedBlock:
+class StreamedBlock(BlockHeader):
     """A verified block whose arrays are views into the stream's read buffer."""
 
-    key: bytes
-    parent: bytes
-    root: bytes
-    index: int
-    tokens: bytes
     arrays: dict[str, HostArray | Placed]
     nbytes: int
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from ...blocks import BlockHeader
 from ...errors import PayloadError
 from ...hashing import TOKEN_BYTES
 from ...host import MX_DTYPES, Tensor
@@ -68,14 +69,9 @@ class MetaHead:
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteMeta:
-    """A block's meta value: its chain fields (a ChainEntry) and how to read its parts."""
+class RemoteMeta(BlockHeader):
+    """A block's meta value: its header and how to read its parts."""
 
-    key: bytes
-    parent: bytes
-    root: bytes
-    index: int
-    tokens: bytes
     nbytes: int  # payload bytes (all parts' data)
     digests: tuple[bytes, ...]  # each part's digest (xxh3-128, or MAC)
     specs: tuple[Spec, ...]  # the tensors, in payload order
