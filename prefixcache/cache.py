@@ -24,7 +24,7 @@ from .stats import Stats
 from .stats_types import CacheStats
 from .tiers import lower_tiers
 from .tiers.base import Tier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 from .verbs import ControlVerbs
 
 
@@ -62,7 +62,7 @@ class PrefixCache(ControlVerbs):
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
         cost = self.layout.block_cost if self.config.eviction == "cost" else None
-        self.tiers = Tiers(self.config, self._stats, lower, shed, cost)
+        self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self._closed = False
@@ -335,13 +335,13 @@ class PrefixCache(ControlVerbs):
             self._last_shared = None  # what is stored changed
             tail = cut.tail
             continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
-            self.tiers.keep(cut.new, persist=persist, continues=continues)
+            self.tiers.place(cut.new, persist=persist, continues=continues)
             self.tiers.replace(cut.upgraded)
             if tail is not None:
-                self.tiers.keep_tail(tail, persist=persist, continues=continues)
+                self.tiers.place_tail(tail, persist=persist, continues=continues)
             walked = [*keys, *tail_keys(root, keys, data, bs)]
             self.controls.stored(session, persist, [*cut.new, *([tail] if tail else [])], walked)
-            if self.layout.trimmable_at(1):  # recurrent state: a tail's end state is its own
+            if not self.layout.keeps_state:  # else a tail's end state is its own
                 for block in [*cut.new[-1:], *([tail] if tail else [])]:
                     self.hot.drop_superseded(block)
             self._stats.num_stores += 1

@@ -11,7 +11,7 @@ held anywhere else. The prefill loop that does it is prefill.py.
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
-union of both payloads (see ``Tiers.replace``).
+union of both payloads (see ``TierStack.replace``).
 
 The tail of a cut (its last tokens after the last full block) is cut as a
 tail block (``cut_tail``): a child of that last full block, outside the

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from .blocks import Block
 from .errors import PinCapacityError
 from .hashing import TOKEN_BYTES, tail_key
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 def check_session(session: str | None) -> str | None:
@@ -42,7 +42,7 @@ def check_session(session: str | None) -> str | None:
 class Controls:
     """Pins, sessions and persistence over one cache's tiers."""
 
-    def __init__(self, tiers: Tiers) -> None:
+    def __init__(self, tiers: TierStack) -> None:
         self.tiers = tiers
         self._owner: dict[bytes, str] = {}  # block key -> the only session holding it
         self._held: dict[str, set[bytes]] = {}  # session -> its blocks
@@ -75,7 +75,7 @@ class Controls:
         for tier in tiers.lower:
             tier.check_pin([b for b in lasting if tiers.finds(tier, b)])
         for block in blocks:  # root-first: each one's parent is hot before it
-            hot.put(block, cold=block.parent != block.root and block.parent not in hot)
+            hot.put(block, at_cold_end=block.parent != block.root and block.parent not in hot)
         pins.add([b.key for b in blocks], until)
         for tier in tiers.lower:
             mine = [b for b in lasting if tiers.finds(tier, b)]

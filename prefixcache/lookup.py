@@ -1,7 +1,7 @@
 """Lookup: where a prompt stands in the tiers, and the deepest prefix a restore can give.
 
 Metadata only: nothing is loaded. The prompt's full blocks are matched by
-chain key through the tiers (``Tiers.chain``) and checked token by token.
+chain key through the tiers (``TierStack.chain``) and checked token by token.
 Then restore points are tried deepest first, level by level from the end of
 the matched chain back to the root. At each level (a matched block, or the
 root) they are:
@@ -31,7 +31,7 @@ from .errors import MissReason
 from .hashing import TOKEN_BYTES, chain_keys
 from .layout import ModelLayout
 from .tiers.base import ChainEntry, Tier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ class _Standing:
 class Lookup:
     """Matching and restore planning for one PrefixCache (called under its lock)."""
 
-    def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: Tiers):
+    def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: TierStack):
         self.config, self.layout, self.tiers = config, layout, tiers
 
     def plan(self, data: bytes, root: bytes, *, exclude: Container[bytes] = ()) -> Plan:

@@ -34,7 +34,7 @@ from .hashing import TOKEN_BYTES
 from .host import HostArray, Place, Placed
 from .lookup import Lookup, Plan
 from .tiers.base import Tier, TierReader
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,19 +77,19 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
             exclude.add(plan.entries[short.index].key)
             reason = reason or short.reason
             continue
-        tiers.after_hit(plan.keys)
+        tiers.touch_chain(plan.keys)
         return Restored(cache, plan.num_tokens, reason, shared, plan.keys, loader.promote)
 
 
 class ChainLoad:
     """Loads the blocks of one plan in chain order, each from the tier that holds it.
 
-    ``promote`` lists the lower-tier blocks worth promoting (``Tiers.promotable``:
+    ``promote`` lists the lower-tier blocks worth promoting (``TierStack.promotable``:
     into hot while it has room, and onto the lower tiers above their own, e.g. a
     remote hit kept on ssd), when ``promote`` is on.
     """
 
-    def __init__(self, tiers: Tiers, plan: Plan):
+    def __init__(self, tiers: TierStack, plan: Plan):
         self.stack, self.plan = tiers, plan
         self.keys = plan.keys
         self.promote: list[tuple[int, Tier, int]] = []

@@ -126,13 +126,13 @@ class HotTier(ListsChildren, Tier):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
-    def put(self, block: Block, *, dirty: bool = False, cold: bool = False) -> bool:
+    def put(self, block: Block, *, dirty: bool = False, at_cold_end: bool = False) -> bool:
         """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
 
         Returns False, inserting nothing, when the block alone is larger than
         the whole budget. A block evicted again by its own insertion (the only
         leaf of a chain larger than the budget) went through ``on_evict``.
-        ``cold`` inserts at the LRU end: a block whose parent is not hot is the
+        ``at_cold_end`` inserts at the LRU's evict-first end: a block whose parent is not hot is the
         first to go, so a chain larger than the budget keeps its root-most part.
         """
         if block.key in self._lru:
@@ -141,7 +141,7 @@ class HotTier(ListsChildren, Tier):
         if block.nbytes > self.max_bytes:
             return False
         self._lru[block.key] = block
-        if cold:
+        if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
         self._children.setdefault(block.parent, {})[block.key] = None
         if self.shed is not None:

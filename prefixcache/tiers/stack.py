@@ -1,4 +1,4 @@
-"""Tiers: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
+"""TierStack: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
 Read path: a chain is matched through the tiers in order (``chain``,
 ``children``; the restore itself is restore.py's), and lower-tier hits are
@@ -31,7 +31,7 @@ from .hot import CostHook, HotTier, ShedHook
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
 
-class Tiers:
+class TierStack:
     """The tiers of one PrefixCache, hot first (not thread-safe: the facade locks)."""
 
     def __init__(
@@ -104,7 +104,7 @@ class Tiers:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
-    def after_hit(self, chain: Sequence[bytes]) -> None:
+    def touch_chain(self, chain: Sequence[bytes]) -> None:
         """Mark a restored chain used (its lower-tier blocks are promoted apart: ``promote``)."""
         self.hot.touch(chain)
         for tier in self.lower:
@@ -127,7 +127,7 @@ class Tiers:
 
     # -- write path ----------------------------------------------------------
 
-    def keep(
+    def place(
         self,
         blocks: Sequence[Block],
         *,
@@ -155,7 +155,7 @@ class Tiers:
             if cold and not self.lower:  # its parent is gone: no fetch can reach it
                 self._on_hot_evict(block, False)
                 continue
-            if not self.hot.put(block, dirty=dirty, cold=cold) and dirty:
+            if not self.hot.put(block, dirty=dirty, at_cold_end=cold) and dirty:
                 self.spill(block)  # larger than the whole hot budget
             if not cold:
                 warm.append(block.key)
@@ -175,7 +175,7 @@ class Tiers:
         size = TOKEN_BYTES * self.config.block_size
         return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
 
-    def keep_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
+    def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
         Tails are found through their parent (``Tier.children``), so they go to
@@ -184,7 +184,7 @@ class Tiers:
         """
         cold = block.parent != block.root and block.parent not in self.hot
         if not (cold and not self.lower):
-            self.keep([block], persist=persist, continues=continues)
+            self.place([block], persist=persist, continues=continues)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
@@ -193,7 +193,7 @@ class Tiers:
         self.remove_lower(keys)
         self.hot.remove(keys)
         for block, hidden in zip(blocks, private, strict=True):
-            self.keep([block], upgrade=True, persist=not hidden)
+            self.place([block], upgrade=True, persist=not hidden)
 
     def spill(self, block: Block, *, last_chance: bool = True) -> None:
         """Write a dirty hot block to the tiers it is due on (``last_chance``: it is
