@@ -35,7 +35,8 @@ from typing import Protocol
 
 import xxhash
 
-from ...config import MIN_SECRET_CHARS, CacheConfig
+from ...config import CacheConfig
+from ...connections import MIN_SECRET_CHARS
 from ...errors import PayloadError
 
 DIGEST_BYTES = 16

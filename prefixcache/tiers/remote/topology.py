@@ -25,7 +25,8 @@ from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.retry import Retry
 
-from ...config import CacheConfig, redact_url
+from ...config import CacheConfig
+from ...connections import redact_url
 
 NUM_SLOTS = 16384
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
