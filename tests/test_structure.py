@@ -22,7 +22,6 @@ MAX_FUNCTION_LINES = 50  # the package's functions
 OVER_TARGET = {  # modules over TARGET_MODULE_LINES today, each to be split by concept
     "prefixcache/cache.py",
     "prefixcache/cli/inspect.py",
-    "prefixcache/mlx_server.py",
     "prefixcache/tiers/ssd/index.py",
     "prefixcache/tiers/ssd/tier.py",
     "tools/bench_ssd.py",
