@@ -6,10 +6,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from .capture import cut_blocks
+from .checkpoint_verbs import CheckpointVerbs, nonempty
 from .config import CacheConfig
 from .controls import Controls, check_session, tail_keys
 from .hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
@@ -28,7 +28,7 @@ from .tiers.stack import TierStack
 from .verbs import ControlVerbs
 
 
-class PrefixCache(ControlVerbs):
+class PrefixCache(CheckpointVerbs, ControlVerbs):
     """A tiered, block-aware prefix cache for one model.
 
     Args:
@@ -91,7 +91,7 @@ class PrefixCache(ControlVerbs):
         """
         if shared:
             return fetch_shared(self, tokens, extra=extra)
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             root = self._root(extra)
@@ -110,7 +110,7 @@ class PrefixCache(ControlVerbs):
         holds into hot, on a background thread; returns at once (how many blocks
         it queued). For a request that waits: its ``fetch`` takes what arrived
         and waits for nothing else (prefetch.py)."""
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             root = self._root(extra)
@@ -121,59 +121,10 @@ class PrefixCache(ControlVerbs):
 
     def match(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
         """Tokens ``fetch`` would restore (from the tiers' metadata; restores nothing)."""
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             return self.lookup.plan(data, self._root(extra)).num_tokens
-
-    def stored_prefix(
-        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
-    ) -> int:
-        """Tokens of ``tokens`` some stored sequence shares, restorable or not.
-
-        Where this exceeds ``match`` on a model whose state cannot be cut back
-        (recurrent layers, windows), the prompt leaves a stored sequence there
-        without state to resume from: ``checkpoints`` names it.
-        """
-        data = _nonempty(tokens)
-        with self._lock:
-            self._check_open()
-            return self._shared(data, self._root(extra))
-
-    def checkpoints(
-        self,
-        tokens: Sequence[int],
-        num_cached: int = 0,
-        *,
-        extra: Mapping[str, str] | None = None,
-    ) -> list[int]:
-        """Where to ``capture`` the cache while prefilling ``tokens``: ascending
-        positions in ``(num_cached, len(tokens))``.
-
-        A model whose caches can be cut back to any token (KV, quantized,
-        windows that have not wrapped) needs none: the list is empty. Else,
-        Marconi-style: the junction where the prompt leaves a stored sequence
-        it shares a prefix with (``stored_prefix``, at the exact token: the
-        shared prefix's second sighting), the prompt's end minus
-        ``checkpoint_tail`` tokens (an exact repeat, or a next turn whose
-        template re-renders the last tokens, resumes there), and the snapshot
-        interval's points (``layout.snapshot_interval`` blocks apart: prompts
-        that will branch where nothing is stored yet). The scheduler loop::
-
-            cache, n = pc.fetch(tokens)
-            for stop in pc.checkpoints(tokens, n):
-                ...prefill tokens[n:stop] into cache...; n = stop
-                pc.capture(tokens[:stop], cache)
-            ...prefill the rest, generate...
-            pc.store(tokens + reply[:-1], cache)
-        """
-        data = _nonempty(tokens)
-        if not self.lookup.needs_checkpoints(len(data) // TOKEN_BYTES):
-            return []
-        with self._lock:
-            self._check_open()
-            shared = self._shared(data, self._root(extra))
-        return self.lookup.checkpoints(len(data) // TOKEN_BYTES, num_cached, shared)
 
     def store(
         self,
@@ -201,52 +152,6 @@ class PrefixCache(ControlVerbs):
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
         return self._store(tokens, cache, extra, session=session, persist=persist)
-
-    def capture(
-        self,
-        tokens_so_far: Sequence[int],
-        cache: Sequence[Any],
-        *,
-        extra: Mapping[str, str] | None = None,
-        session: str | None = None,
-        persist: bool = True,
-    ) -> int:
-        """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
-        state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
-        ending there), with the window and chunk K/V a restore there needs.
-
-        Raises:
-            the errors of ``store``: a cache that does not hold exactly
-            ``tokens_so_far`` cannot be kept there.
-        """
-        return self._store(tokens_so_far, cache, extra, session=session, persist=persist)
-
-    def prefill(
-        self,
-        tokens: Sequence[int],
-        *,
-        prefill_step_size: int | None = None,
-        extra: Mapping[str, str] | None = None,
-        session: str | None = None,
-        persist: bool = True,
-    ) -> tuple[list[Any], mx.array]:
-        """``fetch``, prefill the rest capturing at every checkpoint, ``store``.
-
-        ``prefill_step_size`` (a multiple of ``block_size``; chunks also end on
-        its multiples) defaults to about mlx-lm's 2048 tokens. Returns (cache,
-        last logits).
-        """
-        from .prefill import prefill
-
-        keep = {"extra": extra, "session": session, "persist": persist}
-        return prefill(self, tokens, prefill_step_size=prefill_step_size, **keep)
-
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        """Report a prefill of ``num_tokens`` that took ``seconds`` (``prefill`` does;
-        a scheduler with its own loop may): the remote tier's cost gate weighs
-        fetching a prefix against recomputing it at this speed."""
-        with self._lock:
-            self.tiers.note_prefill(num_tokens, seconds)
 
     def stats(self) -> CacheStats:
         """Counters and each tier's figures (docs/stats.md); after ``close``, as
@@ -360,10 +265,3 @@ class PrefixCache(ControlVerbs):
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
         return root
-
-
-def _nonempty(tokens: Sequence[int]) -> bytes:
-    data = token_bytes(tokens)
-    if not data:
-        raise ValueError("tokens is empty: a prompt needs at least one token")
-    return data
