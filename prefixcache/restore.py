@@ -97,7 +97,7 @@ class ChainLoad:
         self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
         self._readers: dict[Tier, TierReader] = {}
 
-    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
+    def first_specs(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
         """The first block of ``order`` not resident in memory, with its tensors'
         shapes if its tier knows them before loading it; else None."""
         tiers = self.plan.tiers
@@ -108,14 +108,14 @@ class ChainLoad:
         shapes = self._reader(tiers[first]).first_shapes(mine)
         return None if shapes is None else (first, shapes)
 
-    def prepare(self, order: list[int], place: Place | None) -> None:
+    def start(self, order: list[int], place: Place | None) -> None:
         """Start every lower tier's reader on its blocks of ``order``."""
         tiers = self.plan.tiers
         for tier in dict.fromkeys(tiers[i] for i in order):
             if not tier.resident:
                 self._reader(tier).prepare([i for i in order if tiers[i] is tier], place)
 
-    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
+    def payload(self, index: int) -> tuple[Mapping[str, Any], bool]:
         """(block ``index``'s flat payload, whether it stays in memory anyway).
 
         Raises:
@@ -133,12 +133,12 @@ class ChainLoad:
             self.promote.append((index, tier, block.nbytes))
         return block.arrays, tier.resident
 
-    def host_views(self, index: int) -> Mapping[str, Any]:
+    def resident_views(self, index: int) -> Mapping[str, Any]:
         """Host bytes of block ``index``'s arrays, when its tier keeps them (hot)."""
         views = self._reader(self.plan.tiers[index]).host_views(index)
         return {} if views is None else views
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """Stop every reader (and wait for its threads); safe to call more than once."""
         for reader in self._readers.values():
             reader.close()
@@ -155,7 +155,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
 
     Args:
         fresh: empty caches from make_prompt_cache (quantized where due).
-        loader: loads the plan's blocks; closed before the buffers are let go,
+        loader: loads the plan's blocks; stopped before the buffers are let go,
             whether the rebuild succeeds or not.
         capacity: buffer length in tokens.
         block_size: tokens per block.
@@ -178,12 +178,12 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         if order and all(plan.tiers[i].resident for i in order):
             _add_resident(builders, users, order, loader)
         else:
-            _reserve_first(builders, users, plan, loader.first_shapes(order) if order else None)
-            loader.prepare(order, _placer(builders, users))
+            _reserve_first(builders, users, plan, loader.first_specs(order) if order else None)
+            loader.start(order, _placer(builders, users))
             for index in order:
-                _add_block(builders, users, index, *loader.load(index))
+                _add_block(builders, users, index, *loader.payload(index))
     finally:
-        loader.close()
+        loader.stop()
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches
@@ -205,7 +205,7 @@ def _add_resident(
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
     can (``Builder.add_resident``: one copy per buffer), else one at a time."""
-    blocks = {i: (loader.load(i)[0], loader.host_views(i)) for i in order}
+    blocks = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
     layers: dict[int, list[int]] = {}
     for index in order:
         for layer in users[index]:

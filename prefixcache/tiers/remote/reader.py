@@ -21,29 +21,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ...errors import MissReason, PayloadError
 from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
-from .client import RemoteClient, RemoteUnavailable
+from .client import RemoteUnavailable
 from .fill import Targets, receive, targets
 from .format import RemoteMeta, decode_meta
 from .names import Names
 from .wire import Replies, pipelined_gets
 
-
-class Source(Protocol):
-    """What the reader uses of the remote tier (tier.py's RemoteTier)."""
-
-    names: Names
-    client: RemoteClient
-
-    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
-
-    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None: ...
-
-    def loaded(self, nbytes: int, seconds: float) -> None: ...
+if TYPE_CHECKING:  # the tier creates its readers: no import at run time
+    from .tier import RemoteTier
 
 
 AHEAD = 2
@@ -65,7 +55,7 @@ class Failed:
 class RemoteReader(TierReader):
     """The blocks of one restore that the remote tier holds, fetched in chain order."""
 
-    def __init__(self, tier: Source, keys: Sequence[bytes]):
+    def __init__(self, tier: RemoteTier, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0
