@@ -20,8 +20,6 @@ TARGET_MODULE_LINES = 300
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50  # the package's functions
 OVER_TARGET = {  # modules over TARGET_MODULE_LINES today, each to be split by concept
-    "prefixcache/tiers/ssd/index.py",
-    "prefixcache/tiers/ssd/tier.py",
     "tools/bench_ssd.py",
 }
 

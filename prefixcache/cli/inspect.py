@@ -18,7 +18,7 @@ from ..config import parse_bytes
 from ..stats import Stats, add_counters
 from ..tiers.ssd.admin.inventory import Entry, Inventory, NamespaceInfo, end_token
 from ..tiers.ssd.admin.view import SsdView
-from ..tiers.ssd.index import FORMAT_NAME, FORMAT_VERSION
+from ..tiers.ssd.version import FORMAT_NAME, FORMAT_VERSION
 from .common import Doc, count, duration, emit, model_roots, ssd_command
 from .remote import with_remote
 from .report import format_age, format_bytes, table
