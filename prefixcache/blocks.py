@@ -8,23 +8,24 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import xxhash
 
+from .hashing import TOKEN_BYTES
+
 KEY_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
-class Block:
-    """One cached block.
+class BlockHeader:
+    """Where a block sits: the fields every record of a block starts with (the hot
+    tier's Block, the SSD index's BlockMeta, the remote tier's meta, a streamed block).
 
     Attributes:
         key: 16-byte chain key of this block (see hashing.py).
         parent: key of the previous block, or the namespace root key.
         root: namespace root key (which model / layout the block belongs to).
         index: position in the chain; the block holds tokens
-            ``[index * block_size, (index + 1) * block_size)``.
+            ``[index * block_size, (index + 1) * block_size)`` (a tail: fewer).
         tokens: the block's token ids as little-endian uint32 bytes; compared
             on every hit (collision guard).
-        arrays: flat payload ``"{layer}.{name}" -> mx.array``; each array is
-            contiguous and owned by the block (never a view of a live cache).
     """
 
     key: bytes
@@ -32,6 +33,22 @@ class Block:
     root: bytes
     index: int
     tokens: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class Block(BlockHeader):
+    """One cached block: its header and its payload.
+
+    Attributes:
+        arrays: flat payload ``"{layer}.{name}" -> mx.array``; each array is
+            contiguous and owned by the block (never a view of a live cache).
+        nbytes: payload bytes of the arrays.
+    """
+
     arrays: dict[str, mx.array] = field(repr=False)
     nbytes: int = 0
 
@@ -47,10 +64,6 @@ class Block:
     ) -> Block:
         nbytes = sum(a.nbytes for a in arrays.values())
         return cls(key, parent, root, index, tokens, arrays, nbytes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) // 4
 
     def to_block(self) -> Block:
         return self
@@ -81,11 +94,11 @@ def join_layers(layers: list[dict[str, mx.array]]) -> dict[str, mx.array]:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What the SSD index keeps about a block: everything but the payload.
+class BlockMeta(BlockHeader):
+    """What the SSD index keeps about a block: its header and, of its payload,
+    only sizes, checksum and times.
 
     Attributes:
-        key, parent, root, index, tokens: as in :class:`Block`.
         nbytes: payload bytes of the block's arrays.
         file_bytes: size of the payload file on disk (0 while still queued).
         checksum: xxh3-64 of the payload file's bytes (0 while still queued).
@@ -93,20 +106,11 @@ class BlockMeta:
         last_used: time.time() of the last load or touch (LRU order).
     """
 
-    key: bytes
-    parent: bytes
-    root: bytes
-    index: int
-    tokens: bytes
     nbytes: int
     file_bytes: int
     checksum: int
     created: float
     last_used: float
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) // 4
 
     @classmethod
     def of(
@@ -144,7 +148,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
         meta.checksum,
         meta.created,
         meta.last_used,
-        len(meta.tokens) // 4,
+        len(meta.tokens) // TOKEN_BYTES,
     )
     body = head + meta.tokens
     return body + xxhash.xxh3_64_digest(body)
@@ -168,8 +172,10 @@ def decode_meta(key: bytes, value: bytes) -> BlockMeta:
     if fmt != META_FORMAT:
         raise ValueError(f"index entry format {fmt}, expected {META_FORMAT}")
     tokens = body[_META_HEAD.size :]
-    if len(tokens) != 4 * num_tokens:
-        raise ValueError(f"index entry has {len(tokens)} token bytes, expected {4 * num_tokens}")
+    if len(tokens) != TOKEN_BYTES * num_tokens:
+        raise ValueError(
+            f"index entry has {len(tokens)} token bytes, expected {TOKEN_BYTES * num_tokens}"
+        )
     return BlockMeta(
         key, parent, root, index, tokens, nbytes, file_bytes, checksum, created, last_used
     )

@@ -1,10 +1,4 @@
-"""PrefixCache: the facade a scheduler calls around its prefill.
-
-It builds a model's tiers and their services, answers the read verbs (``fetch``,
-``prefetch``, ``match``, ``stored_prefix``, ``checkpoints``), reports its
-``stats`` and closes everything it opened; the write verbs and the operator
-verbs are mixed in.
-"""
+"""PrefixCache: the facade a scheduler calls around its prefill. Policy lives here."""
 
 from __future__ import annotations
 
@@ -14,9 +8,11 @@ from typing import Any, cast
 
 import mlx.nn as nn
 
+from .capture import cut_blocks
+from .checkpoint_verbs import CheckpointVerbs, nonempty
 from .config import CacheConfig
-from .controls import Controls
-from .hashing import Namespace, token_bytes
+from .controls import Controls, check_session, tail_keys
+from .hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
@@ -26,14 +22,13 @@ from .services import Services
 from .shared import fetch_shared, shared_stats
 from .stats import Stats
 from .stats_types import CacheStats
-from .storing import StoreVerbs
 from .tiers import lower_tiers
 from .tiers.base import Tier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 from .verbs import ControlVerbs
 
 
-class PrefixCache(StoreVerbs, ControlVerbs):
+class PrefixCache(CheckpointVerbs, ControlVerbs):
     """A tiered, block-aware prefix cache for one model.
 
     Args:
@@ -67,10 +62,11 @@ class PrefixCache(StoreVerbs, ControlVerbs):
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
         cost = self.layout.block_cost if self.config.eviction == "cost" else None
-        self.tiers = Tiers(self.config, self._stats, lower, shed, cost)
+        self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self._closed = False
+        self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
         self.prefetcher = Prefetcher(self.tiers, self._lock, self._stats, bound)
         self.services = Services(
@@ -95,7 +91,7 @@ class PrefixCache(StoreVerbs, ControlVerbs):
         """
         if shared:
             return fetch_shared(self, tokens, extra=extra)
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             root = self._root(extra)
@@ -106,7 +102,7 @@ class PrefixCache(StoreVerbs, ControlVerbs):
             self.prefetcher.used(got.keys)
             if got.promote:  # loaded again into the tiers above, off this request's path
                 self.prefetcher.submit(Job(data, root, got.keys, got.promote, promote=True))
-            self._stats.fetched(len(data) // 4, got.num_tokens, got.reason)
+            self._stats.fetched(len(data) // TOKEN_BYTES, got.num_tokens, got.reason)
             return got.cache, got.num_tokens
 
     def prefetch(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
@@ -114,7 +110,7 @@ class PrefixCache(StoreVerbs, ControlVerbs):
         holds into hot, on a background thread; returns at once (how many blocks
         it queued). For a request that waits: its ``fetch`` takes what arrived
         and waits for nothing else (prefetch.py)."""
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             root = self._root(extra)
@@ -125,73 +121,53 @@ class PrefixCache(StoreVerbs, ControlVerbs):
 
     def match(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
         """Tokens ``fetch`` would restore (from the tiers' metadata; restores nothing)."""
-        data = _nonempty(tokens)
+        data = nonempty(tokens)
         with self._lock:
             self._check_open()
             return self.lookup.plan(data, self._root(extra)).num_tokens
 
-    def stored_prefix(
-        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
-    ) -> int:
-        """Tokens of ``tokens`` some stored sequence shares, restorable or not.
-
-        Where this exceeds ``match`` on a model whose state cannot be cut back
-        (recurrent layers, windows), the prompt leaves a stored sequence there
-        without state to resume from: ``checkpoints`` names it.
-        """
-        data = _nonempty(tokens)
-        with self._lock:
-            self._check_open()
-            return self._shared(data, self._root(extra))
-
-    def checkpoints(
+    def store(
         self,
         tokens: Sequence[int],
-        num_cached: int = 0,
+        cache: Sequence[Any],
         *,
         extra: Mapping[str, str] | None = None,
-    ) -> list[int]:
-        """Where to ``capture`` the cache while prefilling ``tokens``: ascending
-        positions in ``(num_cached, len(tokens))``.
+        session: str | None = None,
+        persist: bool = True,
+    ) -> int:
+        """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
+        and the tail (the tokens after the last full block), with every layer's
+        state at the exact end. Returns how many new full blocks were kept.
 
-        A model whose caches can be cut back to any token (KV, quantized,
-        windows that have not wrapped) needs none: the list is empty. Else,
-        Marconi-style: the junction where the prompt leaves a stored sequence
-        it shares a prefix with (``stored_prefix``, at the exact token: the
-        shared prefix's second sighting), the prompt's end minus
-        ``checkpoint_tail`` tokens (an exact repeat, or a next turn whose
-        template re-renders the last tokens, resumes there), and the snapshot
-        interval's points (``layout.snapshot_interval`` blocks apart: prompts
-        that will branch where nothing is stored yet). The scheduler loop::
+        After generating, the cache holds the prompt and every generated token
+        but the last: ``store(tokens + generated[:-1], cache)``. The next turn
+        of a conversation then resumes from there on every layout.
+        ``session`` tags the blocks only this session holds (``end_session``
+        drops them); ``persist=False`` keeps them hot only, never written to a
+        lower tier (docs/operating.md).
 
-            cache, n = pc.fetch(tokens)
-            for stop in pc.checkpoints(tokens, n):
-                ...prefill tokens[n:stop] into cache...; n = stop
-                pc.capture(tokens[:stop], cache)
-            ...prefill the rest, generate...
-            pc.store(tokens + reply[:-1], cache)
+        Raises:
+            UnsupportedCacheError: a layer's cache type has no codec.
+            LayoutMismatchError: the cache does not fit this model's layout.
+            ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        data = _nonempty(tokens)
-        if not self.lookup.needs_checkpoints(len(data) // 4):
-            return []
-        with self._lock:
-            self._check_open()
-            shared = self._shared(data, self._root(extra))
-        return self.lookup.checkpoints(len(data) // 4, num_cached, shared)
-
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:
-        """Report a prefill of ``num_tokens`` that took ``seconds`` (``prefill`` does;
-        a scheduler with its own loop may): the remote tier's cost gate weighs
-        fetching a prefix against recomputing it at this speed."""
-        with self._lock:
-            self.tiers.note_prefill(num_tokens, seconds)
+        return self._store(tokens, cache, extra, session=session, persist=persist)
 
     def stats(self) -> CacheStats:
+        """Counters and each tier's figures (docs/stats.md); after ``close``, as
+        they were at close."""
         with self._lock:
-            tiers = self.tiers.snapshot()
-            written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
-            out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
-            return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
+            if self._closed:
+                if self._final_stats is None:
+                    raise RuntimeError("PrefixCache is closed")
+                return self._final_stats
+            return self._collect_stats()
+
+    def _collect_stats(self) -> CacheStats:
+        tiers = self.tiers.snapshot()
+        written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
+        out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
+        return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
 
     def flush(self) -> None:
         """Finish the promotions and prefetches under way, persist every dirty hot
@@ -211,6 +187,7 @@ class PrefixCache(StoreVerbs, ControlVerbs):
             try:
                 self.tiers.flush()
                 self.services.save_counters()
+                self._final_stats = self._collect_stats()
             finally:
                 try:
                     self.tiers.close()
@@ -232,6 +209,49 @@ class PrefixCache(StoreVerbs, ControlVerbs):
             return last[2]
         return self.lookup.shared(data, root)
 
+    def _store(
+        self,
+        tokens: Sequence[int],
+        cache: Sequence[Any],
+        extra: Mapping[str, str] | None,
+        *,
+        session: str | None,
+        persist: bool,
+    ) -> int:
+        data = token_bytes(tokens)
+        check_session(session)
+        with self._lock:
+            self._check_open()
+            self.layout.validate(cache, len(data) // TOKEN_BYTES)
+            root = self._root(extra)
+            bs = self.config.block_size
+            keys = chain_keys(root, data, bs)
+            cut = cut_blocks(
+                keys,
+                root,
+                data,
+                cache,
+                block_size=bs,
+                snapshot_interval=self.layout.snapshot_interval,
+                stored=self.tiers.contains,
+                resident=self.hot.get,
+                window=self.layout.window_policy,
+            )
+            self._last_shared = None  # what is stored changed
+            tail = cut.tail
+            continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
+            self.tiers.place(cut.new, persist=persist, continues=continues)
+            self.tiers.replace(cut.upgraded)
+            if tail is not None:
+                self.tiers.place_tail(tail, persist=persist, continues=continues)
+            walked = [*keys, *tail_keys(root, keys, data, bs)]
+            self.controls.stored(session, persist, [*cut.new, *([tail] if tail else [])], walked)
+            if not self.layout.keeps_state:  # else a tail's end state is its own
+                for block in [*cut.new[-1:], *([tail] if tail else [])]:
+                    self.hot.drop_superseded(block)
+            self._stats.num_stores += 1
+            return len(cut.new)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
@@ -245,10 +265,3 @@ class PrefixCache(StoreVerbs, ControlVerbs):
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
         return root
-
-
-def _nonempty(tokens: Sequence[int]) -> bytes:
-    data = token_bytes(tokens)
-    if not data:
-        raise ValueError("tokens is empty: a prompt needs at least one token")
-    return data

@@ -11,7 +11,7 @@ held anywhere else. The prefill loop that does it is prefill.py.
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
-union of both payloads (see ``Tiers.replace``).
+union of both payloads (see ``TierStack.replace``).
 
 The tail of a cut (its last tokens after the last full block) is cut as a
 tail block (``cut_tail``): a child of that last full block, outside the
@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .blocks import Block, join_layers
 from .codecs import Codec, codec_for
-from .hashing import tail_key
+from .hashing import TOKEN_BYTES, tail_key
 from .window import WindowPolicy
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
@@ -96,7 +96,7 @@ def cut_blocks(
         snapshot_interval, window: restore points' interval; which blocks keep window K/V.
         stored, resident: whether a key is held by any tier; its hot block or None.
     """
-    length = len(data) // 4
+    length = len(data) // TOKEN_BYTES
     codecs = [codec_for(c) for c in cache]
     reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
     new, upgraded = [], []
@@ -106,7 +106,7 @@ def cut_blocks(
             continue
         arrays = _block(codecs, cache, i, block_size, length, snapshot_interval, window)
         if old is None:
-            tokens = data[i * block_size * 4 : (i + 1) * block_size * 4]
+            tokens = data[i * block_size * TOKEN_BYTES : (i + 1) * block_size * TOKEN_BYTES]
             parent = keys[i - 1] if i else root
             new.append(Block.make(keys[i], parent, root, i, tokens, arrays))
             continue
@@ -137,17 +137,17 @@ def cut_tail(
         keys: chain keys of the full blocks of ``data``.
         root: namespace root key.
         data: the tokens the cache holds, as uint32 bytes.
-        cache: the live cache list (holding ``len(data) // 4`` tokens).
+        cache: the live cache list (holding ``len(data) // TOKEN_BYTES`` tokens).
         block_size: tokens per block.
         stored: whether (truthy) a tail key is held already (then None is returned).
     """
-    length = len(data) // 4
+    length = len(data) // TOKEN_BYTES
     index = length // block_size
     start = index * block_size
     if start == length:
         return None
     parent = keys[index - 1] if index else root
-    tail = data[start * 4 :]
+    tail = data[start * TOKEN_BYTES :]
     key = tail_key(parent, tail)
     if stored(key):
         return None

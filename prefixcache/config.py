@@ -1,7 +1,7 @@
 """CacheConfig: every setting of a PrefixCache, loadable from PREFIXCACHE_* env vars.
 
-Each field's default, meaning and rule: a value is checked when a config is made,
-so a config that exists is usable.
+How a field is read from text and checked by its type is settings.py's (generic:
+a new field needs no code there); the rules of each field are here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from . import settings
-from .config_remote import check_remote, check_remote_trust, redact_url
+from .connections import check_events, check_remote, check_remote_trust, redact_url
 from .settings import ENV_PREFIX, parse_bytes
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "WRITE_POLICIES",
     "CacheConfig",
     "parse_bytes",
+    "redact_url",
 ]
 
 WritePolicy = Literal["write_back", "write_through"]
@@ -218,7 +219,7 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         # write_policy, eviction, queue_full: their Literal types, checked above
         check_remote(self.remote_url, self.remote_prefix)
-        _check_events(self.events_url)
+        check_events(self.events_url)
         check_remote_trust(self)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
@@ -244,11 +245,3 @@ class CacheConfig:
                 ``field`` names it.
         """
         return settings.from_env(cls, os.environ if environ is None else environ, overrides)
-
-
-EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
-
-
-def _check_events(url: str | None) -> None:
-    if url is not None and (not isinstance(url, str) or not url.startswith(EVENT_SCHEMES)):
-        raise ValueError(f"events_url must start with one of {EVENT_SCHEMES}, got {url!r}")

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 
 from .blocks import Block
 from .errors import PinCapacityError
-from .hashing import tail_key
-from .tiers.stack import Tiers
+from .hashing import TOKEN_BYTES, tail_key
+from .tiers.stack import TierStack
 
 
 def check_session(session: str | None) -> str | None:
@@ -42,7 +42,7 @@ def check_session(session: str | None) -> str | None:
 class Controls:
     """Pins, sessions and persistence over one cache's tiers."""
 
-    def __init__(self, tiers: Tiers) -> None:
+    def __init__(self, tiers: TierStack) -> None:
         self.tiers = tiers
         self._owner: dict[bytes, str] = {}  # block key -> the only session holding it
         self._held: dict[str, set[bytes]] = {}  # session -> its blocks
@@ -75,7 +75,7 @@ class Controls:
         for tier in tiers.lower:
             tier.check_pin([b for b in lasting if tiers.finds(tier, b)])
         for block in blocks:  # root-first: each one's parent is hot before it
-            hot.put(block, cold=block.parent != block.root and block.parent not in hot)
+            hot.put(block, at_cold_end=block.parent != block.root and block.parent not in hot)
         pins.add([b.key for b in blocks], until)
         for tier in tiers.lower:
             mine = [b for b in lasting if tiers.finds(tier, b)]
@@ -200,5 +200,5 @@ class Controls:
 
 def tail_keys(root: bytes, keys: Sequence[bytes], data: bytes, block_size: int) -> list[bytes]:
     """The tail key of ``data`` (uint32 token bytes) after its full blocks ``keys``, if any."""
-    rest = data[len(keys) * block_size * 4 :]
+    rest = data[len(keys) * block_size * TOKEN_BYTES :]
     return [tail_key(keys[-1] if keys else root, rest)] if rest else []

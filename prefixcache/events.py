@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .hashing import TOKEN_BYTES
 from .tiers.base import ChainEntry
 
 try:
@@ -121,7 +122,7 @@ class EventPublisher:
                 tier,
             )
             for b in blocks
-            if len(b.tokens) == 4 * bs
+            if len(b.tokens) == TOKEN_BYTES * bs
         ]
         self._put(events)
 

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 FORMAT_VERSION = 1
+TOKEN_BYTES = 4  # a token id is stored as one little-endian uint32
 _ROOT_TAG = b"prefixcache/v1/root\0"
 _TAIL_TAG = b"prefixcache/v1/tail\0"
 _NATIVE_LE = sys.byteorder == "little" and array.array("I").itemsize == 4
@@ -111,7 +112,7 @@ def tail_key(parent: bytes, tail: bytes) -> bytes:
 
 def chain_keys(root: bytes, data: bytes, block_size: int) -> list[bytes]:
     """Keys of every full block of ``data`` (uint32 token bytes), in order."""
-    step = block_size * 4
+    step = block_size * TOKEN_BYTES
     keys: list[bytes] = []
     parent = root
     digest = xxhash.xxh3_128_digest  # the function: no hasher object per block

@@ -152,6 +152,12 @@ class ModelLayout:
             for codec, c in zip(self.codecs, self.template, strict=True)
         )
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a layer holds recurrent state (no length of it can be trimmed, so
+        the state at a sequence's end belongs to that exact end)."""
+        return not self.trimmable_at(1)
+
     def validate(self, cache: Sequence[Any], num_tokens: int) -> None:
         """Refuse a cache that does not fit this layout or does not hold ``num_tokens``.
 

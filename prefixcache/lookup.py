@@ -1,7 +1,7 @@
 """Lookup: where a prompt stands in the tiers, and the deepest prefix a restore can give.
 
 Metadata only: nothing is loaded. The prompt's full blocks are matched by
-chain key through the tiers (``Tiers.chain``) and checked token by token.
+chain key through the tiers (``TierStack.chain``) and checked token by token.
 Then restore points are tried deepest first, level by level from the end of
 the matched chain back to the root. At each level (a matched block, or the
 root) they are:
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 from .config import CacheConfig
 from .errors import MissReason
-from .hashing import chain_keys
+from .hashing import TOKEN_BYTES, chain_keys
 from .layout import ModelLayout
 from .tiers.base import ChainEntry, Tier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,14 +88,14 @@ class _Standing:
 class Lookup:
     """Matching and restore planning for one PrefixCache (called under its lock)."""
 
-    def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: Tiers):
+    def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: TierStack):
         self.config, self.layout, self.tiers = config, layout, tiers
 
     def plan(self, data: bytes, root: bytes, *, exclude: Container[bytes] = ()) -> Plan:
         """The deepest restorable prefix of the prompt ``data`` (uint32 bytes),
         leaving at least one token to prefill; ``exclude``: keys not to use."""
         stand = self._stand(data, root, exclude)
-        limit = len(data) // 4 - 1
+        limit = len(data) // TOKEN_BYTES - 1
         shared = self._shared(stand)
         reason, deepest = None, 0  # why the deepest point failed, and its tokens
         names: dict[bytes, Container[str] | None] = {}
@@ -160,7 +160,7 @@ class Lookup:
     def _shared(self, stand: _Standing) -> int:
         depth = len(stand.entries)
         start = depth * self.config.block_size
-        rest = stand.data[start * 4 :]
+        rest = stand.data[start * TOKEN_BYTES :]
         if not rest:  # the prompt ends on the chain: nothing to list (no LMDB read)
             return start
         common = (common_tokens(c.tokens, rest) for c, _ in self._children(stand, depth))
@@ -174,7 +174,7 @@ class Lookup:
         for level in range(len(stand.entries), -1, -1):
             start = level * bs
             found = []
-            rest = stand.data[start * 4 :]
+            rest = stand.data[start * TOKEN_BYTES :]
             skip = stand.keys[level] if level < len(stand.entries) else None  # the chain's own
             for child, tier in self._children(stand, level) if rest else ():
                 if child.key == skip or child.key in exclude:
@@ -182,7 +182,7 @@ class Lookup:
                 common = common_tokens(child.tokens, rest)
                 end = min(start + common, limit)
                 if end > start:
-                    cut = (end - start) * 4 < len(child.tokens)
+                    cut = (end - start) * TOKEN_BYTES < len(child.tokens)
                     found.append(_Point(end, level, child, tier, cut))
             found.sort(key=lambda p: (-p.num_tokens, p.cut, self._rank_of(p.tier)))
             yield from found
@@ -230,7 +230,7 @@ def walk(
     """(how many of ``entries`` (held by the tiers, root-first) match the prompt
     ``data``, why the next one does not): parent links, positions and stored token
     ids are checked (a key collision shows as ``token_mismatch``)."""
-    step = block_size * 4
+    step = block_size * TOKEN_BYTES
     parent = root
     depth = len(entries)
     for i, entry in enumerate(entries):
@@ -248,13 +248,13 @@ def walk(
 
 def common_tokens(a: bytes, b: bytes) -> int:
     """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
-    hi = min(len(a), len(b)) // 4
-    if a[: hi * 4] == b[: hi * 4]:
+    hi = min(len(a), len(b)) // TOKEN_BYTES
+    if a[: hi * TOKEN_BYTES] == b[: hi * TOKEN_BYTES]:
         return hi
     lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[: mid * 4] == b[: mid * 4]:
+        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
             lo = mid
         else:
             hi = mid

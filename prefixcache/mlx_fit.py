@@ -24,8 +24,6 @@ ModelKey = Hashable  # mlx-lm's (model_path, adapter_path, draft_model_path)
 # [min, max) of the mlx-lm releases whose server calls this adapter fits (tested: 0.32.2).
 SUPPORTED_MLX_LM = ("0.32.2", "0.33")
 
-ModelKey = Hashable  # mlx-lm's (model_path, adapter_path, draft_model_path)
-
 
 class MlxLmVersionError(RuntimeError):
     """The installed mlx-lm's server does not have the interface this adapter fits."""

@@ -3,11 +3,14 @@
 mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
+``prefixcache serve`` (cli/serve.py) runs mlx-lm's own ``main()`` with it in place.
 
 mlx-lm calls it on its generation thread, where any exception kills the thread
 for good (every later request fails, ``/health`` turns 503). So no failure of
-the cache's storage gets there: a request the cache cannot serve is a miss, an
-insert it cannot keep is dropped; each is counted and logged once.
+the cache's storage gets there: an SSD directory that cannot be opened serves
+the model hot-only (and is tried again later), a request the cache cannot
+serve is a miss, an insert it cannot keep is dropped; each is counted and
+logged once.
 """
 
 from __future__ import annotations
@@ -19,17 +22,19 @@ from typing import Any
 
 import mlx.nn as nn
 
+from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import UnsupportedCacheError
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
-from .mlx_open_cache import STORAGE_ERRORS, OpenCache
+from .mlx_lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
+from .mlx_lifecycle import CacheLifecycle
 from .request_options import Requests
 from .shared import blank_caches
 
 log = logging.getLogger(__name__)
 
 
-class TieredPromptCache:
+class TieredPromptCache(CacheLifecycle):
     """mlx-lm's server prompt cache, backed by one PrefixCache per model key.
 
     Only the current model key's PrefixCache is open: mlx-lm's server holds one
@@ -60,11 +65,16 @@ class TieredPromptCache:
         check_mlx_lm_version()
         self.shared = shared
         self.config = config if config is not None else CacheConfig.from_env()
+        self._model_for = model_for
         self._lock = threading.RLock()
-        self._current = OpenCache(model_for, self.config)
+        self._key: ModelKey | None = None
+        self._cache: PrefixCache | None = None
+        self._opened = False
+        self._hot_only_since: float | None = None  # the SSD tier could not be opened
         self._last: tuple[ModelKey, list[int], int] | None = None  # the last fetch
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
-        self.requests = Requests()  # per-request options
+        self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
+        self.requests = Requests()  # per-request options (request_options.py)
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
@@ -80,15 +90,15 @@ class TieredPromptCache:
         text = text_prefix(tokens)
         with self._lock:
             self._last = None
-            cache = self._current.open(model)
+            cache = self._open(model)
             if cache is None or not text:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
                 restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
-            except STORAGE_ERRORS as err:
-                self._current.storage_error("fetch", err)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("fetch", err)
                 return (blank_caches(cache) if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
         if num_cached == 0 and not self.shared:
@@ -100,14 +110,14 @@ class TieredPromptCache:
         there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
         text = text_prefix(list(tokens))
         with self._lock:
-            cache = self._current.open(model)
+            cache = self._open(model)
             if cache is None or not text:
                 return []
             try:
                 extra = self.requests.for_fetch(tokens).extra
                 return cache.checkpoints(text, num_cached, extra=extra)
-            except STORAGE_ERRORS as err:
-                self._current.storage_error("checkpoints", err)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("checkpoints", err)
                 return []
 
     def prefetch(
@@ -118,13 +128,13 @@ class TieredPromptCache:
         request for another model never switches it from the HTTP thread."""
         text = text_prefix(list(tokens))
         with self._lock:
-            cache = self._current.cache
-            if cache is None or model != self._current.key or self.shared or not text:
+            cache = self._cache
+            if cache is None or model != self._key or self.shared or not text:
                 return 0
             try:
                 return cache.prefetch(text, extra=extra)
-            except STORAGE_ERRORS as err:
-                self._current.storage_error("prefetch", err)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("prefetch", err)
                 return 0
 
     def last_fetch(self) -> tuple[ModelKey, list[int], int] | None:
@@ -147,7 +157,7 @@ class TieredPromptCache:
         conversation tails) before the prefixes they extend.
         """
         with self._lock:
-            cache = self._current.open(model)
+            cache = self._open(model)
             text = text_prefix(tokens)
             if cache is None or not text:
                 return
@@ -166,8 +176,8 @@ class TieredPromptCache:
                 self.num_rejected += 1
                 level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
                 log.log(level, "prefixcache: %s cache not stored: %s", cache_type, err)
-            except STORAGE_ERRORS as err:
-                self._current.storage_error("insert", err)
+            except _STORAGE_ERRORS as err:
+                self._storage_error("insert", err)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
@@ -179,35 +189,33 @@ class TieredPromptCache:
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
-            if limit is not None and self._current.cache is not None:
+            if limit is not None and self._cache is not None:
                 try:
-                    self._current.cache.trim_hot(limit)
-                except STORAGE_ERRORS as err:  # spilling evicted blocks
-                    self._current.storage_error("trim", err)
+                    self._cache.trim_hot(limit)
+                except _STORAGE_ERRORS as err:  # spilling evicted blocks
+                    self._storage_error("trim", err)
 
     def __len__(self) -> int:
         """Hot blocks held (the unit of this cache; sequences share them)."""
         with self._lock:
-            cache = self._current.cache
-            return len(cache.hot) if cache is not None else 0
+            return len(self._cache.hot) if self._cache is not None else 0
 
     @property
     def nbytes(self) -> int:
         """Bytes held in RAM by the hot tier."""
         with self._lock:
-            cache = self._current.cache
-            return cache.hot.nbytes if cache is not None else 0
+            return self._cache.hot.nbytes if self._cache is not None else 0
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Per tier: ``n_sequences`` (blocks held) and ``n_bytes``, as mlx-lm logs them."""
         with self._lock:
-            cache = self._current.cache
+            cache = self._cache
             out = {"hot": {"n_sequences": len(self), "n_bytes": self.nbytes}}
             if cache is not None and cache.ssd is not None:
                 try:
                     ssd = cache.ssd.stats()
-                except STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
-                    self._current.storage_error("stats", err)
+                except _STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
+                    self._storage_error("stats", err)
                     return out
                 out["ssd"] = {"n_sequences": ssd["num_blocks"], "n_bytes": ssd["nbytes"]}
             return out
@@ -217,15 +225,14 @@ class TieredPromptCache:
     def stats(self) -> dict[str, object]:
         """The open PrefixCache's stats plus the adapter's counters."""
         with self._lock:
-            cache = self._current.cache
-            out = cache.stats() if cache is not None else {}
+            out = self._cache.stats() if self._cache is not None else {}
             return {
                 **out,
-                "model_key": self._current.key,
+                "model_key": self._key,
                 "num_rejected": self.num_rejected,
-                "num_storage_errors": self._current.num_storage_errors,
+                "num_storage_errors": self.num_storage_errors,
                 "num_unattributed": self.num_unattributed,
-                "hot_only": int(self._current.hot_only),
+                "hot_only": int(self._hot_only_since is not None),
             }
 
     def end_session(self, session: str) -> int:
@@ -235,20 +242,15 @@ class TieredPromptCache:
             ValueError: unknown ``session`` (or no model's cache is open).
         """
         with self._lock:
-            cache = self._current.cache
-            if cache is None:
+            if self._cache is None:
                 raise ValueError(f"unknown session {session!r}: no request was served yet")
-            return cache.end_session(session)
-
-    @property
-    def num_storage_errors(self) -> int:
-        """Storage failures turned into misses or dropped inserts."""
-        return self._current.num_storage_errors
+            return self._cache.end_session(session)
 
     def close(self) -> None:
         """Flush and close the open PrefixCache; logs its counters."""
         with self._lock:
-            self._current.forget()
+            self._close_current()
+            self._key, self._opened = None, False
 
     def __enter__(self) -> TieredPromptCache:
         return self

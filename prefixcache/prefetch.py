@@ -19,7 +19,7 @@ then took from hot), ``prefetch_wasted_bytes`` (prefetched, evicted unused).
 
 Promotion: a fetch that restored lower-tier blocks (read straight into its
 buffers: one copy) hands them here to be loaded again and kept above
-(``Tiers.promote``: hot while it has room, evicting nothing; ssd for a remote
+(``TierStack.promote``: hot while it has room, evicting nothing; ssd for a remote
 hit), so the request does not pay a second copy and an MLX array per tensor
 (on the CPU at block 16, 4-5x the restore itself). Counted as promotions.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from .stats import Stats
 from .tiers.base import ChainEntry, Tier
 from .tiers.hot import HotTier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        tiers: Tiers,
+        tiers: TierStack,
         lock: AbstractContextManager,
         stats: Stats,
         max_bytes: int,

@@ -30,10 +30,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from .blocks import split_layers
 from .codecs import Builder, Codec, codec_for, round_up
 from .errors import LayoutMismatchError, MissReason, Shortfall
+from .hashing import TOKEN_BYTES
 from .host import HostArray, Place, Placed
 from .lookup import Lookup, Plan
 from .tiers.base import Tier, TierReader
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,26 +70,26 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         # room for the prompt's rest and the reply in mlx-lm's steps; without, the
         # restored blocks only (e.g. a batch copies the cache at once)
         whole = len(plan.entries) * bs
-        capacity = round_up(max(len(data) // 4 + headroom, whole)) if headroom else whole
+        capacity = round_up(max(len(data) // TOKEN_BYTES + headroom, whole)) if headroom else whole
         try:
             cache = rebuild(layout.fresh(plan.num_tokens), loader, capacity=capacity, block_size=bs)
         except Shortfall as short:
             exclude.add(plan.entries[short.index].key)
             reason = reason or short.reason
             continue
-        tiers.after_hit(plan.keys)
+        tiers.touch_chain(plan.keys)
         return Restored(cache, plan.num_tokens, reason, shared, plan.keys, loader.promote)
 
 
 class ChainLoad:
     """Loads the blocks of one plan in chain order, each from the tier that holds it.
 
-    ``promote`` lists the lower-tier blocks worth promoting (``Tiers.promotable``:
+    ``promote`` lists the lower-tier blocks worth promoting (``TierStack.promotable``:
     into hot while it has room, and onto the lower tiers above their own, e.g. a
     remote hit kept on ssd), when ``promote`` is on.
     """
 
-    def __init__(self, tiers: Tiers, plan: Plan):
+    def __init__(self, tiers: TierStack, plan: Plan):
         self.stack, self.plan = tiers, plan
         self.keys = plan.keys
         self.promote: list[tuple[int, Tier, int]] = []
@@ -96,7 +97,7 @@ class ChainLoad:
         self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
         self._readers: dict[Tier, TierReader] = {}
 
-    def first_shapes(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
+    def first_specs(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
         """The first block of ``order`` not resident in memory, with its tensors'
         shapes if its tier knows them before loading it; else None."""
         tiers = self.plan.tiers
@@ -107,23 +108,24 @@ class ChainLoad:
         shapes = self._reader(tiers[first]).first_shapes(mine)
         return None if shapes is None else (first, shapes)
 
-    def prepare(self, order: list[int], place: Place | None) -> None:
+    def start(self, order: list[int], place: Place | None) -> None:
         """Start every lower tier's reader on its blocks of ``order``."""
         tiers = self.plan.tiers
         for tier in dict.fromkeys(tiers[i] for i in order):
             if not tier.resident:
                 self._reader(tier).prepare([i for i in order if tiers[i] is tier], place)
 
-    def load(self, index: int) -> tuple[Mapping[str, Any], bool]:
+    def payload(self, index: int) -> tuple[Mapping[str, Any], bool]:
         """(block ``index``'s flat payload, whether it stays in memory anyway).
 
         Raises:
             Shortfall: the tier could not load it.
         """
         tier = self.plan.tiers[index]
-        block = self._reader(tier).load(index)
+        reader = self._reader(tier)
+        block = reader.load(index)
         if block is None:
-            raise Shortfall(index, tier.load_miss)
+            raise Shortfall(index, reader.miss(index))
         self.stack.stats.block_hit(tier.name)
         promote = self.stack.config.promote and not tier.resident
         if promote and (self.stack.above(tier) or block.nbytes <= self._room):
@@ -131,12 +133,12 @@ class ChainLoad:
             self.promote.append((index, tier, block.nbytes))
         return block.arrays, tier.resident
 
-    def host_views(self, index: int) -> Mapping[str, Any]:
+    def resident_views(self, index: int) -> Mapping[str, Any]:
         """Host bytes of block ``index``'s arrays, when its tier keeps them (hot)."""
         views = self._reader(self.plan.tiers[index]).host_views(index)
         return {} if views is None else views
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """Stop every reader (and wait for its threads); safe to call more than once."""
         for reader in self._readers.values():
             reader.close()
@@ -153,7 +155,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
 
     Args:
         fresh: empty caches from make_prompt_cache (quantized where due).
-        loader: loads the plan's blocks; closed before the buffers are let go,
+        loader: loads the plan's blocks; stopped before the buffers are let go,
             whether the rebuild succeeds or not.
         capacity: buffer length in tokens.
         block_size: tokens per block.
@@ -176,12 +178,12 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         if order and all(plan.tiers[i].resident for i in order):
             _add_resident(builders, users, order, loader)
         else:
-            _reserve_first(builders, users, plan, loader.first_shapes(order) if order else None)
-            loader.prepare(order, _placer(builders, users))
+            _reserve_first(builders, users, plan, loader.first_specs(order) if order else None)
+            loader.start(order, _placer(builders, users))
             for index in order:
-                _add_block(builders, users, index, *loader.load(index))
+                _add_block(builders, users, index, *loader.payload(index))
     finally:
-        loader.close()
+        loader.stop()
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches
@@ -203,7 +205,7 @@ def _add_resident(
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
     can (``Builder.add_resident``: one copy per buffer), else one at a time."""
-    blocks = {i: (loader.load(i)[0], loader.host_views(i)) for i in order}
+    blocks = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
     layers: dict[int, list[int]] = {}
     for index in order:
         for layer in users[index]:
@@ -233,7 +235,7 @@ def _reserve_first(
         return
     index, specs = first
     # the block's own token count bounds what an unverified header can allocate
-    tokens = len(plan.entries[index].tokens) // 4
+    tokens = len(plan.entries[index].tokens) // TOKEN_BYTES
     specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
     for i in users[index]:

@@ -18,7 +18,7 @@ from .config import CacheConfig
 from .periodic import Periodic
 from .stats import Stats, counter_delta
 from .tiers.governor import watch
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 from .warm import CacheLock, WarmStart
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class Services:
     def __init__(
         self,
         config: CacheConfig,
-        tiers: Tiers,
+        tiers: TierStack,
         lock: CacheLock,
         stats: Stats,
         root: Callable[[], bytes],

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 ENV_PREFIX = "PREFIXCACHE_"
 # Variables read outside CacheConfig (known, so not reported as misspelt).
-OTHER_VARIABLES = ("PREFIXCACHE_HUGE_PAGES",)  # uninit.py: 0 turns huge-page advice off
+OTHER_VARIABLES = ("PREFIXCACHE_HUGE_PAGES",)  # restore_buffers.py: 0 turns huge-page advice off
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -18,7 +18,7 @@ from .controls import Controls, tail_keys
 from .hashing import chain_keys, token_bytes
 from .pins import pin_until
 from .tiers.hot import HotTier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 
 class ControlVerbs:
@@ -31,7 +31,7 @@ class ControlVerbs:
 
     config: CacheConfig
     controls: Controls
-    tiers: Tiers
+    tiers: TierStack
     _lock: AbstractContextManager[object]
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes: ...

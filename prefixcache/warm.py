@@ -25,7 +25,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from .tiers.base import Tier
-from .tiers.stack import Tiers
+from .tiers.stack import TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class WarmStart:
 
     def __init__(
         self,
-        tiers: Tiers,
+        tiers: TierStack,
         lock: CacheLock,
         max_bytes: int,
         clock: Callable[[], float] = time.perf_counter,
@@ -118,7 +118,7 @@ class WarmStart:
                 has_parent = block.parent == block.root or block.parent in hot
                 room = hot.nbytes + block.nbytes <= hot.max_bytes
                 if entry.key not in hot and has_parent and room:
-                    hot.put(block, cold=True)
+                    hot.put(block, at_cold_end=True)
                     self.num_blocks += 1
                     self.nbytes += block.nbytes
         return True

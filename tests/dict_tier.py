@@ -1,9 +1,10 @@
 """A test-only lower tier in one file: proof that the tier contract is enough.
 
 Blocks are kept as safetensors bytes in a dict (as a remote store would hold
-them): ``put`` serializes, a reader deserializes into fresh MLX arrays. It
-implements :class:`prefixcache.tiers.base.Tier` and nothing else, and is
-handed to ``PrefixCache(..., tiers=[DictTier()])``.
+them): ``put`` serializes, a reader deserializes into fresh MLX arrays.
+``PlainDictTier`` implements :class:`prefixcache.tiers.base.Tier` and nothing
+else; ``DictTier`` adds ``ListsChildren`` (tails go to it). Each is handed to
+``PrefixCache(..., tiers=[DictTier()])``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from prefixcache.blocks import Block
-from prefixcache.tiers.base import Tier, TierReader
+from prefixcache.tiers.base import ListsChildren, Tier, TierReader
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +30,10 @@ class Entry:
     payload: bytes
 
 
-class DictTier(Tier):
+class PlainDictTier(Tier):
+    """The tier contract's required part: blocks by key (tails never come here)."""
+
     name = "remote"
-    lists_children = True
 
     def __init__(self) -> None:
         self.entries: dict[bytes, Entry] = {}
@@ -40,9 +42,6 @@ class DictTier(Tier):
 
     def entry(self, key: bytes) -> Entry | None:
         return self.entries.get(key)
-
-    def children(self, parent: bytes) -> list[Entry]:
-        return [e for e in self.entries.values() if e.parent == parent]
 
     def contains(self, key: bytes) -> bool:
         return key in self.entries
@@ -70,8 +69,15 @@ class DictTier(Tier):
         return {"num_blocks": len(self.entries), "num_loads": self.num_loads}
 
 
+class DictTier(ListsChildren, PlainDictTier):
+    """And what it holds under a parent: tails come here and are found."""
+
+    def children(self, parent: bytes) -> list[Entry]:
+        return [e for e in self.entries.values() if e.parent == parent]
+
+
 class _Reader(TierReader):
-    def __init__(self, tier: DictTier, keys: Sequence[bytes]):
+    def __init__(self, tier: PlainDictTier, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
 
     def load(self, index: int) -> Block | None:

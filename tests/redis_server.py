@@ -1,7 +1,7 @@
 """A real redis-server for the remote tier's tests: started, killed and restarted here.
 
 The server runs with no persistence on a loopback port (or a unix socket),
-with the settings the README recommends (``maxmemory`` + ``allkeys-lru``).
+with the settings docs/remote.md recommends (``maxmemory`` + ``allkeys-lru``).
 When ``redis-server`` is not installed the tests fail with how to install it:
 they are never skipped (``make test`` installs it on a fresh machine).
 """

@@ -34,8 +34,8 @@ from prefixcache.cli.common import parse_duration
 from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
 from prefixcache.cli.report import format_age, format_bytes
 from prefixcache.errors import MissReason
+from prefixcache.tiers.ssd.admin.view import SsdView
 from prefixcache.tiers.ssd.tier import SsdTier
-from prefixcache.tiers.ssd.view import SsdView
 
 CHILD = str(Path(__file__).with_name("cli_child.py"))
 EXE = shutil.which("prefixcache")

@@ -107,7 +107,7 @@ def test_a_chain_larger_than_the_budget_evicts_each_block_once():
         b = block(f"c{i}", parent=parent, index=i)
         # accepted, even when evicted at once; the manager marks a block cold
         # when its parent is not hot
-        assert hot.put(b, dirty=True, cold=parent != ROOT and parent not in hot)
+        assert hot.put(b, dirty=True, at_cold_end=parent != ROOT and parent not in hot)
         parent = b.key
     assert sorted(evicted) == [2, 3, 4] and len(evicted) == 3
     assert {b.index for b in hot} == {0, 1}  # the root-most blocks stay

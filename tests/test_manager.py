@@ -191,6 +191,21 @@ def test_closed_cache_refuses(llama):
         pc.fetch([1, 2, 3])
 
 
+def test_stats_after_close_are_those_at_close(llama, tmp_path):
+    """``with PrefixCache(...) as pc: ...`` then ``pc.stats()``: the counters at close,
+    the SSD tier's included (its LMDB environment is closed by then)."""
+    tokens = prompt(5, 40)
+    with PrefixCache(llama, CacheConfig(block_size=BLOCK, ssd_dir=str(tmp_path))) as pc:
+        pc.store(tokens, filled(llama, tokens))
+        pc.fetch(tokens)
+        live = pc.stats()
+    after = pc.stats()
+    assert after["num_hits"] == live["num_hits"] == 1
+    assert after["ssd"]["nbytes"] > 0  # flushed at close
+    pc.close()
+    assert pc.stats() == after
+
+
 def test_hot_restore_reads_no_view_of_the_live_cache(llama):
     """Blocks own their memory: dropping the live cache frees it."""
     tokens = prompt(14, 8 * BLOCK)

@@ -13,11 +13,12 @@ import threading
 
 import pytest
 from conftest import max_diff, prompt, tiny_model
-from dict_tier import DictTier
+from dict_tier import DictTier, PlainDictTier
 from test_partial import TRIMMABLE, continued, finished, reference
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.tiers.base import ListsChildren
 
 BLOCK = 16
 
@@ -101,16 +102,7 @@ def test_prompt_diverging_inside_a_block_only_ssd_holds(tmp_path):
         assert max_diff(continued(model, theirs, probe[40:]), want) > 0.0
 
 
-class _Unlisting(DictTier):
-    """DictTier without ``children``: tails could never be found there."""
-
-    lists_children = False
-
-    def children(self, parent: bytes) -> list:
-        return []
-
-
-@pytest.mark.parametrize("tier_class", [DictTier, _Unlisting])
+@pytest.mark.parametrize("tier_class", [DictTier, PlainDictTier])
 def test_tails_go_only_to_tiers_that_list_children(tier_class, llama):
     tokens = prompt(1, 45)
     tier = tier_class()
@@ -119,9 +111,9 @@ def test_tails_go_only_to_tiers_that_list_children(tier_class, llama):
         pc.store(tokens, finished(llama, tokens))
         pc.flush()
         assert sorted(len(e.tokens) // 4 for e in tier.entries.values()) == (
-            [13, 16, 16] if tier.lists_children else [16, 16]
+            [13, 16, 16] if isinstance(tier, ListsChildren) else [16, 16]
         )
-        assert pc.fetch([*tokens, 1])[1] == (45 if tier.lists_children else 32)
+        assert pc.fetch([*tokens, 1])[1] == (45 if isinstance(tier, ListsChildren) else 32)
 
 
 def test_cli_inspects_and_verifies_tails(tmp_path, llama, capsys):

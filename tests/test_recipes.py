@@ -31,8 +31,8 @@ def recipes() -> dict[str, str]:
     return found
 
 
-def load(name: str) -> dict:
-    namespace: dict = {}
+def load(name: str, **given) -> dict:
+    namespace: dict = dict(given)
     exec(compile(recipes()[name], f"<recipe {name}>", "exec"), namespace)
     return namespace
 
@@ -50,7 +50,22 @@ def cold_reply(model, tokens, max_tokens=16) -> list[int]:
 
 
 def test_the_recipes_are_found():
-    assert {"scheduler loop", "batch generator"} <= set(recipes())
+    assert {"scheduler loop", "open a cache", "batch generator"} <= set(recipes())
+
+
+def test_open_a_cache_recipe(tmp_path, monkeypatch):
+    """The README's second block: the loop's ``generate`` on a cache with an SSD tier
+    under ``~`` (HOME points at a tmp dir), twice: the second reply is restored."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_model("llama")
+    tokens = prompt(3, 90)
+    generate = load("scheduler loop")["generate"]
+    first = load("open a cache", model=model, tokens=tokens, generate=generate)
+    again = load("open a cache", model=model, tokens=tokens, generate=generate)
+    assert first["reply"] == again["reply"] == cold_reply(model, tokens)
+    assert any((tmp_path / ".cache" / "prefixcache").iterdir())
+    assert first["pc"].stats()["cached_tokens"] == 0
+    assert again["pc"].stats()["cached_tokens"] > 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)

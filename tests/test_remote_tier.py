@@ -39,8 +39,9 @@ def stored(tier: RemoteTier, blocks) -> list[bytes]:
     return [b.key for b in blocks]
 
 
-def load_all(tier: RemoteTier, keys: list[bytes], place=None):
-    """held + a planned read of every held block, as a restore does (blocks or None)."""
+def load_all(tier: RemoteTier, keys: list[bytes], place=None, misses=None):
+    """held + a planned read of every held block, as a restore does (blocks or None);
+    the reader's reason for an unusable block is appended to ``misses``."""
     metas = tier.held(keys, 0)
     reader = tier.reader(keys)
     order = list(range(len(metas)))
@@ -54,6 +55,8 @@ def load_all(tier: RemoteTier, keys: list[bytes], place=None):
                 assert kinds == {n: HostArray if n == UNPLACED else Placed for n in kinds}
             out.append(_block(loaded))
             if out[-1] is None:  # a restore stops at its first unusable block
+                if misses is not None:
+                    misses.append(reader.miss(i))
                 break
         return out
     finally:
@@ -161,10 +164,11 @@ def test_evicted_part_is_a_counted_miss(redis_server):
     tier = tier_for(redis_server.url)
     keys = stored(tier, [make_block(3, i, scale=3000) for i in range(3)])  # 2 parts each
     redis_server.client().delete(part_key("prefixcache", keys[1], 1))
-    got = load_all(tier, keys)
+    misses: list = []
+    got = load_all(tier, keys, misses=misses)
     check_block(got[0], scale=3000)
     assert got[1] is None  # the stream stops at the first unusable block
-    assert tier.load_miss is MissReason.EVICTED
+    assert misses == [MissReason.EVICTED]
     assert tier.stats()["num_missing_parts"] == 1
     check_block(load_all(tier, keys[:1])[0], scale=3000)  # no reply of the miss left unread
     tier.close()
@@ -193,10 +197,11 @@ def test_a_wrong_part_is_never_restored(redis_server, damage, placed, secret):
     else:
         client.set(name, bytes(value))
     buffers: dict = {}
-    assert load_all(tier, keys, placer(buffers) if placed else None) == [None]
+    misses: list = []
+    assert load_all(tier, keys, placer(buffers) if placed else None, misses) == [None]
     forged = secret is not None and damage == "flip"  # the bytes fail their MAC
     st = tier.stats()
-    assert tier.load_miss is MissReason.CORRUPT
+    assert misses == [MissReason.CORRUPT]
     assert (st["num_forged"], st["num_corrupt"]) == ((1, 0) if forged else (0, 1))
     if placed and damage == "flip":  # where the failing part's bytes belong
         reached = _part_bytes_in(buffers, tier.meta_of(keys, 0), 1)

@@ -346,9 +346,9 @@ def test_serve_sets_mlx_buffer_cache_limit():
 def test_namespace_names_the_model_path_and_its_weights(llama):
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
         serve_batched(tiered, llama, prompt(1, 40))
-        model_id = tiered._current.cache.namespace.model_id
+        model_id = tiered._cache.namespace.model_id
     assert model_id.startswith("/models/tiny@fp:")
     other = tiny_model("llama", seed=1)
     with TieredPromptCache(lambda key: other, HOT) as tiered:
         serve_batched(tiered, other, prompt(1, 40))
-        assert tiered._current.cache.namespace.model_id != model_id  # same path, other weights
+        assert tiered._cache.namespace.model_id != model_id  # same path, other weights

@@ -66,7 +66,7 @@ def test_threads_few_hundred_ops(tmp_path):
 
 
 def test_processes_share_a_directory(tmp_path):
-    """Known finding (README, Reliability): ``verify`` beside servers can report a
+    """Known finding (docs/reliability.md): ``verify`` beside servers can report a
     block evicted meanwhile as "payload file is missing" (eviction unlinks the
     payload before its transaction commits). Any other error fails."""
     result = procs.run(procs.ProcSetup(procs=2, ops=30), str(tmp_path))

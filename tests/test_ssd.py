@@ -24,6 +24,7 @@ from prefixcache.blocks import Block, BlockMeta
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PayloadError, SsdFormatError
 from prefixcache.host import tensors_of
+from prefixcache.tiers.ssd.admin.maintenance import reconcile
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import (
     SMALL_PAYLOAD,
@@ -241,7 +242,7 @@ def test_sigkill_while_writing_never_leaves_a_torn_block(open_tier, tmp_path, se
     for meta in metas:
         check_block(tier.load(meta.key))
     assert tier.stats()["num_corrupt"] == 0
-    assert tier.index.reconcile() == (0, 0)  # open-time recovery left nothing behind
+    assert reconcile(tier.index) == (0, 0)  # open-time recovery left nothing behind
     assert len(payload_files(path)) == len(metas) == tier.stats()["num_blocks"]
 
 
@@ -389,7 +390,7 @@ def test_reconcile_removes_orphans_and_dangling_entries(open_tier, tmp_path):
     for p in (orphan, stray_temp):
         with open(p, "wb") as f:
             f.write(b"junk")
-    assert tier.index.reconcile() == (2, 1)
+    assert reconcile(tier.index) == (2, 1)
     assert sorted(payload_files(tmp_path / "ssd")) == sorted(
         p for p in files if blocks[3].key.hex() not in p
     )
@@ -555,7 +556,7 @@ def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path)
     tier.flush()
     check_block(tier.load(good.key))
     assert tier.load(bad.key) is None and tier.stats()["num_failures"] == 1
-    assert tier.index.reconcile() == (0, 0)  # nothing orphaned
+    assert reconcile(tier.index) == (0, 0)  # nothing orphaned
     tier.close()
 
 
@@ -631,7 +632,7 @@ def test_a_dropped_entry_loses_its_file_only_once_the_drop_commits(open_tier):
         raise RuntimeError("abort")
 
     with pytest.raises(RuntimeError, match="abort"):
-        index._txn(drop_then_fail, write=True)
+        index.transact(drop_then_fail, write=True)
     assert os.path.exists(path) and index.get(key) is not None
     check_block(tier.load(key))
     # control: the same drop, committed, removes both

@@ -284,20 +284,20 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     first, which allocates them), and the restore is exact; a block corrupted in
     the middle cuts the match there."""
     if not ahead:
-        monkeypatch.setattr(ChainLoad, "first_shapes", lambda self, indices: None)
+        monkeypatch.setattr(ChainLoad, "first_specs", lambda self, indices: None)
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
     seen: list[tuple[int, set[type]]] = []
     real = restore_module.rebuild
 
     def watched(fresh, loader, **kwargs):
-        load = loader.load
+        load = loader.payload
 
         def load_and_note(index):
             arrays, resident = load(index)
             seen.append((index, {type(a) for a in arrays.values()}))
             return arrays, resident
 
-        loader.load = load_and_note
+        loader.payload = load_and_note
         return real(fresh, loader, **kwargs)
 
     monkeypatch.setattr(restore_module, "rebuild", watched)

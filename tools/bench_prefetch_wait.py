@@ -87,7 +87,7 @@ def one(args, model, root: Path, url: str | None, mode: str, wait: float, a) -> 
                 time.sleep(wait)
             else:
                 spent = work(wait, a)
-        return fetch(pc, probe), spent
+        return fetch(pc, probe).wall, spent
 
 
 def main() -> None:

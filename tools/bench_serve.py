@@ -21,6 +21,11 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
                  the restart, as ``prefixcache serve`` does on SIGTERM)
   LRU strict     LRUPromptCache(max_bytes=budget): enforced at every insert too
   ours strict    hot-only with hot_max_bytes=budget: enforced at every insert too
+  strict LRU     the same with eviction="lru"
+
+"recompute GFLOP" sums the FLOPs of the prompt tokens each system prefilled
+(prefixcache/costs.py: weights plus attention over the tokens before each),
+the work its evictions left to redo, free of timing noise.
 
 Per system: cached / prompt tokens, prefill tokens computed, time to first
 token (median, p90, and summed: the time spent recomputing what was not
@@ -44,9 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from prefixcache.config import CacheConfig, parse_bytes
+from prefixcache.costs import RecomputeCost
 from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiny import build_model
 
@@ -115,6 +121,7 @@ class Result:
     resumed_cached: int = 0
     outputs: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
+    recompute_flops: float = 0.0  # of the tokens prefilled (costs.py: attention grows with depth)
 
 
 def serve(cache: Any, gen: BatchGenerator, prompt: list[int], sys_end: int, args, result: Result):
@@ -168,6 +175,7 @@ def run(name: str, budget: int, make_cache, model, systems, trace, args) -> Resu
         result.outputs.append(out)
         result.prompt_tokens += len(prompt)
         result.cached_tokens += num_cached
+        result.recompute_flops += args.cost.flops(num_cached, len(prompt) - num_cached)
         if turn.conv in resumed:
             resumed.discard(turn.conv)
             result.resumed_prompt += len(prompt)
@@ -195,6 +203,7 @@ def summary(r: Result, reference: Result) -> dict[str, str]:
         "TTFT p50": f"{p50 * 1e3:7.1f} ms",
         "TTFT p90": f"{p90 * 1e3:7.1f} ms",
         "TTFT sum": f"{sum(r.ttfts):6.2f} s",
+        "recompute GFLOP": f"{r.recompute_flops / 1e9:7.1f}",
         "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
         "after restart": f"{resumed:6.1%}",
         "same tokens": "ref" if r is reference else str(r.outputs == reference.outputs),
@@ -217,6 +226,7 @@ def main() -> None:
         "num_key_value_heads": max(1, args.hidden // 64),
     }
     model = build_model("llama", seed=args.seed, num_hidden_layers=4, head_dim=32, **width, **heads)
+    args.cost = RecomputeCost.of(model, make_prompt_cache(model))
     systems, trace = make_trace(args)
     print(
         f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
@@ -233,6 +243,7 @@ def main() -> None:
         for budget in args.budget:
             ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
             strict = hot.replace(hot_max_bytes=budget)
+            strict_lru = strict.replace(eviction="lru")
             systems_run = [
                 ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
                 ("ours hot-only", lambda: TieredPromptCache(lambda key: model, hot)),
@@ -240,6 +251,7 @@ def main() -> None:
                 ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
                 ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
                 ("ours strict", lambda cfg=strict: TieredPromptCache(lambda key: model, cfg)),
+                ("strict LRU", lambda cfg=strict_lru: TieredPromptCache(lambda key: model, cfg)),
             ]
             reference = None
             for name, make_cache in systems_run:

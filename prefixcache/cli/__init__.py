@@ -1,7 +1,10 @@
 """The ``prefixcache`` command: one registry of subcommands, one parser, one dispatch.
 
-The registry gathers the ``COMMANDS`` (:class:`~prefixcache.cli.common.Command`
-entries) of every command module of this package into one table, by name.
+Every command module (local.py: demo, make-model; serve.py: serve; inspect.py:
+stats, ls; show.py: show, tree; maintain.py: verify, gc, clear; pin.py: pin,
+unpin) lists its subcommands as :class:`~prefixcache.cli.common.Command` entries in
+``COMMANDS``; none imports mlx-lm at the top, so ``prefixcache stats`` starts
+fast.
 
 Errors are handled here, once, for every command: a user error (a bad flag or
 ``PREFIXCACHE_*`` value, a key or model that matches nothing, an unusable
@@ -24,7 +27,7 @@ from .. import __version__
 from ..config import CacheConfig
 from ..errors import CacheDirError, ConfigError, MissingExtraError, SsdFormatError
 from ..settings import warn_unknown
-from . import listing, local, maintain, pin, serve, show, stats
+from . import inspect, local, maintain, pin, serve, show
 from .common import (
     EXIT_CLOSED_PIPE,
     EXIT_INTERRUPTED,
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 
 COMMANDS: dict[str, Command] = {
     command.name: command
-    for module in (local, serve, stats, listing, show, maintain, pin)
+    for module in (local, serve, inspect, show, maintain, pin)
     for command in module.COMMANDS
 }
 # What a command's input can be wrong with: one line and exit 2, no traceback.

@@ -33,8 +33,8 @@ from typing import Any, NoReturn
 from ..config import CacheConfig
 from ..errors import CacheDirError, SsdFormatError
 from ..settings import env_name
-from ..tiers.ssd.inventory import Inventory
-from ..tiers.ssd.view import SsdView
+from ..tiers.ssd.admin.inventory import Inventory
+from ..tiers.ssd.admin.view import SsdView
 
 Doc = dict[str, Any]  # a --json document
 Args = argparse.Namespace

@@ -12,9 +12,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..config import parse_bytes
-from ..tiers.ssd.inventory import Inventory
-from ..tiers.ssd.maintenance import GcPlan, VerifyReport, plan_gc, remove, stray_files, verify
-from ..tiers.ssd.view import SsdView
+from ..tiers.ssd.admin.inventory import Inventory
+from ..tiers.ssd.admin.maintenance import (
+    GcPlan,
+    VerifyReport,
+    plan_gc,
+    reconcile,
+    remove,
+    stray_files,
+    verify,
+)
+from ..tiers.ssd.admin.view import SsdView
 from .common import Doc, UsageError, duration, emit, model_roots, ssd_command
 from .remote import cmd_remote_gc, with_remote
 from .report import format_bytes
@@ -120,7 +128,7 @@ def cmd_gc(view: SsdView, args: argparse.Namespace) -> int:
     if args.dry_run:
         orphans, dangling = stray_files(view, inv)
     else:
-        orphans, dangling = view.index.reconcile()
+        orphans, dangling = reconcile(view.index)
         inv = Inventory.load(view)
     before = sum(e.file_bytes for e in inv.entries.values())
     plan = plan_gc(
@@ -209,7 +217,7 @@ def cmd_clear(view: SsdView, args: argparse.Namespace) -> int:
             print("nothing removed")
             return 1
     num = remove(view, keys)
-    orphans = 0 if args.model else view.index.reconcile()[0]
+    orphans = 0 if args.model else reconcile(view.index)[0]
     view.records.drop_counters(roots)
     doc = {
         "ssd_dir": view.path,

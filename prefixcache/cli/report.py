@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..tiers.ssd.inventory import Segment
+from ..tiers.ssd.admin.inventory import Segment
 from .common import SECONDS
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import numpy as np
 
 from ..blocks import BlockMeta
+from ..tiers.ssd.admin.inventory import Inventory, NamespaceInfo, Segment, end_token
+from ..tiers.ssd.admin.view import SsdView
 from ..tiers.ssd.index import decode_or_none
-from ..tiers.ssd.inventory import Inventory, NamespaceInfo, Segment, end_token
-from ..tiers.ssd.view import SsdView
 from .common import Doc, UsageError, emit, model_roots, ssd_command
 from .report import format_age, format_bytes, short, table, tree_lines
 

@@ -1,6 +1,6 @@
 """TokenBuffer: one (B, heads, capacity, dim) buffer assembled from token-axis segments.
 
-The buffer is allocated unwritten (uninit.py; huge pages where Linux gives
+The buffer is allocated unwritten (restore_buffers.py; huge pages where Linux gives
 them) and written only through a host view of its memory, so its address never
 changes. Segments of blocks in memory (hot) are queued and copied in together
 (one numpy call per run of consecutive segments: memcpy speed, where MLX's
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import LayoutMismatchError
 from ..host import HostArray, Placed, host_bytes, host_view
-from ..uninit import advise_huge, empty
+from ..restore_buffers import advise_huge, empty
 
 
 class TokenBuffer:

@@ -18,6 +18,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from ..codecs.rotating import Ring
+from ..hashing import TOKEN_BYTES
 from .attention import Quant
 from .caches import SharedKVCache, SharedQuantizedKVCache
 from .prefix import LayerKind, LayerPrefix, SharedPrefix
@@ -60,7 +61,7 @@ def share(
         cache.keys = cache.values = None  # its buffer goes before the next layer's copy
         layers.append(layer)
         private.append(None)
-    return SharedPrefix(root, tokens[: num_tokens * 4], layers, private)
+    return SharedPrefix(root, tokens[: num_tokens * TOKEN_BYTES], layers, private)
 
 
 def _layer(cache: Any, kind: LayerKind, n: int) -> LayerPrefix:

@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..hashing import TOKEN_BYTES
 from .attention import Quant
 
 
@@ -131,7 +132,7 @@ class SharedPrefix:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // 4
+        return len(self.tokens) // TOKEN_BYTES
 
     @property
     def nbytes(self) -> int:

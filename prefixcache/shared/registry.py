@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..hashing import TOKEN_BYTES
 from . import hook
 from .prefix import SharedPrefix
 from .probe import SharedLayout
@@ -65,7 +66,7 @@ class SharedRegistry:
         """The live prefix a prompt (``data``, uint32 bytes) can use most of, and how
         many of its tokens: at most all but the prompt's last (the model needs a
         token to give logits); the whole prefix unless it can be cut back."""
-        limit = len(data) // 4 - 1
+        limit = len(data) // TOKEN_BYTES - 1
         best, most = None, 0
         with self._state:
             prefixes = list(self._live.get(root, ()))
@@ -111,7 +112,7 @@ class SharedRegistry:
 
 def common_tokens(a: bytes, b: bytes) -> int:
     """Leading tokens two uint32 token strings share."""
-    n = min(len(a), len(b)) // 4
+    n = min(len(a), len(b)) // TOKEN_BYTES
     x = np.frombuffer(a, np.uint32, n)
     y = np.frombuffer(b, np.uint32, n)
     differ = np.flatnonzero(x != y)

@@ -76,6 +76,11 @@ class TierReader(ABC):
     def load(self, index: int) -> Loaded | None:
         """Chain block ``index`` with its payload, or None when it is unusable."""
 
+    def miss(self, index: int) -> MissReason:
+        """Why block ``index`` could not be loaded (``load`` gave None): a damaged
+        block unless the tier knows better (the hot tier: evicted meanwhile)."""
+        return MissReason.CORRUPT
+
     def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
         """Host bytes of block ``index``'s 4-axis arrays when the tier holds them in
         memory for good (the hot tier: a restore copies them in one go); else None."""
@@ -93,9 +98,6 @@ class Tier(ABC):
         resident: loaded blocks stay in memory (no copy is needed to keep them).
         eager: takes every stored block at once, whatever the write policy
             (else blocks arrive on spill, or at once under ``write_through``).
-        load_miss: the miss reason when a block it held could not be loaded.
-        lists_children: ``children`` lists what it holds under a parent, so
-            tails (found only that way) are put to it; else they are not.
         metered: its writes wear a local disk: the stack applies
             ``ssd_admit_after`` and the tier's write budget before each put.
     """
@@ -103,8 +105,6 @@ class Tier(ABC):
     name: ClassVar[str]
     resident: ClassVar[bool] = False
     eager: ClassVar[bool] = False
-    load_miss: ClassVar[MissReason] = MissReason.CORRUPT
-    lists_children: ClassVar[bool] = False
     metered: ClassVar[bool] = False
 
     @abstractmethod
@@ -121,12 +121,6 @@ class Tier(ABC):
                 break
             out.append(found)
         return out
-
-    def children(self, parent: bytes) -> Sequence[ChainEntry]:
-        """Entries held under ``parent`` (a block key or a root key): full blocks
-        and tails alike, for partial-block reuse. A tier that cannot list them
-        keeps this default (and ``lists_children`` False)."""
-        return []
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:
@@ -204,3 +198,13 @@ class Tier(ABC):
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Gauges and counters of the tier (flat, numeric)."""
+
+
+class ListsChildren(ABC):
+    """A tier that lists what it holds under a parent: full blocks and tails alike,
+    for partial-block reuse. Tails are found only that way, so the stack puts
+    them only to tiers of this kind (``class MyTier(ListsChildren, Tier)``)."""
+
+    @abstractmethod
+    def children(self, parent: bytes) -> Sequence[ChainEntry]:
+        """Entries held under ``parent`` (a block key or a root key)."""

@@ -8,7 +8,7 @@ Before a block is put on a ``metered`` tier (the SSD tier), the stack asks
   restores it, counted in :class:`Sightings` (a count-min sketch keyed by the
   block's chain key, so a block evicted before its second sighting is still
   admitted when it comes back: TinyLFU's idea). A store that continues a chain
-  from its end (a conversation's next turn: ``Tiers.continues``) counts as two
+  from its end (a conversation's next turn: ``TierStack.continues``) counts as two
   uses of its new blocks: the conversation was used again, and under
   ``write_back`` its newest blocks often leave hot before the next turn could
   restore them. Pinned blocks are admitted at once.

@@ -21,7 +21,7 @@ from ..blocks import Block
 from ..errors import MissReason
 from ..host import host_bytes
 from ..pins import Pins
-from .base import BlockListener, Tier, TierReader
+from .base import BlockListener, ListsChildren, Tier, TierReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 CostHook = Callable[[Block], float]  # FLOPs to recompute the block (costs.py)
@@ -29,13 +29,11 @@ _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
-class HotTier(Tier):
+class HotTier(ListsChildren, Tier):
     """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
 
     name = "hot"
     resident = True
-    lists_children = True
-    load_miss = MissReason.EVICTED
 
     def __init__(
         self,
@@ -128,13 +126,13 @@ class HotTier(Tier):
             if key in self._lru:
                 self._lru.move_to_end(key)
 
-    def put(self, block: Block, *, dirty: bool = False, cold: bool = False) -> bool:
+    def put(self, block: Block, *, dirty: bool = False, at_cold_end: bool = False) -> bool:
         """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
 
         Returns False, inserting nothing, when the block alone is larger than
         the whole budget. A block evicted again by its own insertion (the only
         leaf of a chain larger than the budget) went through ``on_evict``.
-        ``cold`` inserts at the LRU end: a block whose parent is not hot is the
+        ``at_cold_end`` inserts at the LRU's evict-first end: a block whose parent is not hot is the
         first to go, so a chain larger than the budget keeps its root-most part.
         """
         if block.key in self._lru:
@@ -143,7 +141,7 @@ class HotTier(Tier):
         if block.nbytes > self.max_bytes:
             return False
         self._lru[block.key] = block
-        if cold:
+        if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
         self._children.setdefault(block.parent, {})[block.key] = None
         if self.shed is not None:
@@ -288,6 +286,9 @@ class _HotReader(TierReader):
 
     def load(self, index: int) -> Block | None:
         return self.hot.get(self.keys[index])
+
+    def miss(self, index: int) -> MissReason:
+        return MissReason.EVICTED  # another thread's eviction since the lookup
 
     def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
         key = self.keys[index]

@@ -1,4 +1,4 @@
-"""Tiers: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
+"""TierStack: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
 Read path: a chain is matched through the tiers in order (``chain``,
 ``children``; the restore itself is restore.py's), and lower-tier hits are
@@ -21,16 +21,17 @@ from collections.abc import Mapping, Sequence
 from ..blocks import Block
 from ..config import CacheConfig
 from ..errors import MissReason
+from ..hashing import TOKEN_BYTES
 from ..pins import Pins
 from ..stats import Stats
-from .base import ChainEntry, Tier
+from .base import ChainEntry, ListsChildren, Tier
 from .governor import WriteGovernor
 from .hot import CostHook, HotTier, ShedHook
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
 
-class Tiers:
+class TierStack:
     """The tiers of one PrefixCache, hot first (not thread-safe: the facade locks)."""
 
     def __init__(
@@ -84,7 +85,7 @@ class Tiers:
         from (the first that lists it)."""
         out: dict[bytes, tuple[ChainEntry, Tier]] = {}
         for tier in self.all:
-            for entry in tier.children(parent) if tier.lists_children else ():
+            for entry in tier.children(parent) if isinstance(tier, ListsChildren) else ():
                 out.setdefault(entry.key, (entry, tier))
         return list(out.values())
 
@@ -103,7 +104,7 @@ class Tiers:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
 
-    def after_hit(self, chain: Sequence[bytes]) -> None:
+    def touch_chain(self, chain: Sequence[bytes]) -> None:
         """Mark a restored chain used (its lower-tier blocks are promoted apart: ``promote``)."""
         self.hot.touch(chain)
         for tier in self.lower:
@@ -126,7 +127,7 @@ class Tiers:
 
     # -- write path ----------------------------------------------------------
 
-    def keep(
+    def place(
         self,
         blocks: Sequence[Block],
         *,
@@ -154,7 +155,7 @@ class Tiers:
             if cold and not self.lower:  # its parent is gone: no fetch can reach it
                 self._on_hot_evict(block, False)
                 continue
-            if not self.hot.put(block, dirty=dirty, cold=cold) and dirty:
+            if not self.hot.put(block, dirty=dirty, at_cold_end=cold) and dirty:
                 self.spill(block)  # larger than the whole hot budget
             if not cold:
                 warm.append(block.key)
@@ -171,10 +172,10 @@ class Tiers:
         if parent == blocks[0].root or not self.contains(parent):
             return False
         new = {b.key for b in blocks}
-        size = 4 * self.config.block_size
+        size = TOKEN_BYTES * self.config.block_size
         return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
 
-    def keep_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
+    def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
         Tails are found through their parent (``Tier.children``), so they go to
@@ -183,7 +184,7 @@ class Tiers:
         """
         cold = block.parent != block.root and block.parent not in self.hot
         if not (cold and not self.lower):
-            self.keep([block], persist=persist, continues=continues)
+            self.place([block], persist=persist, continues=continues)
 
     def replace(self, blocks: Sequence[Block]) -> None:
         """Swap stored blocks for fuller versions a later capture cut."""
@@ -192,7 +193,7 @@ class Tiers:
         self.remove_lower(keys)
         self.hot.remove(keys)
         for block, hidden in zip(blocks, private, strict=True):
-            self.keep([block], upgrade=True, persist=not hidden)
+            self.place([block], upgrade=True, persist=not hidden)
 
     def spill(self, block: Block, *, last_chance: bool = True) -> None:
         """Write a dirty hot block to the tiers it is due on (``last_chance``: it is
@@ -249,7 +250,7 @@ class Tiers:
 
     def finds(self, tier: Tier, block: Block) -> bool:
         """Whether a lookup can find ``block`` on ``tier``: a tail only by its parent."""
-        return tier.lists_children or block.num_tokens >= self.config.block_size
+        return isinstance(tier, ListsChildren) or block.num_tokens >= self.config.block_size
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
         if block.key in self.private:

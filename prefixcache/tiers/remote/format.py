@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from ...blocks import BlockHeader
 from ...errors import PayloadError
+from ...hashing import TOKEN_BYTES
 from ...host import MX_DTYPES, Tensor
 from .names import Names
 from .seal import DIGEST_BYTES, Forged, digest_of, part_hasher, same_digest
@@ -67,14 +69,9 @@ class MetaHead:
 
 
 @dataclass(frozen=True, slots=True)
-class RemoteMeta:
-    """A block's meta value: its chain fields (a ChainEntry) and how to read its parts."""
+class RemoteMeta(BlockHeader):
+    """A block's meta value: its header and how to read its parts."""
 
-    key: bytes
-    parent: bytes
-    root: bytes
-    index: int
-    tokens: bytes
     nbytes: int  # payload bytes (all parts' data)
     digests: tuple[bytes, ...]  # each part's digest (xxh3-128, or MAC)
     specs: tuple[Spec, ...]  # the tensors, in payload order
@@ -92,7 +89,7 @@ def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
         SIGNED if seal else 0,
         meta.root,
         meta.index,
-        len(meta.tokens) // 4,
+        len(meta.tokens) // TOKEN_BYTES,
         meta.num_parts,
         meta.nbytes,
     )
@@ -163,7 +160,7 @@ def decode_meta(name: bytes, value: bytes, names: Names, key: bytes | None = Non
 
 
 def _decode_body(head: MetaHead, body: bytes, what: str) -> RemoteMeta:
-    at = _KEYS.size + 4 * head.num_tokens
+    at = _KEYS.size + TOKEN_BYTES * head.num_tokens
     ends = at + DIGEST_BYTES * head.num_parts
     if len(body) < ends:
         raise PayloadError(f"{what} is truncated")

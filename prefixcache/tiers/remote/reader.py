@@ -21,29 +21,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ...errors import MissReason, PayloadError
 from ...host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
-from .client import RemoteClient, RemoteUnavailable
+from .client import RemoteUnavailable
 from .fill import Targets, receive, targets
 from .format import RemoteMeta, decode_meta
 from .names import Names
 from .wire import Replies, pipelined_gets
 
-
-class Source(Protocol):
-    """What the reader uses of the remote tier (tier.py's RemoteTier)."""
-
-    names: Names
-    client: RemoteClient
-
-    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
-
-    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None: ...
-
-    def loaded(self, nbytes: int, seconds: float) -> None: ...
+if TYPE_CHECKING:  # the tier creates its readers: no import at run time
+    from .tier import RemoteTier
 
 
 AHEAD = 2
@@ -65,7 +55,7 @@ class Failed:
 class RemoteReader(TierReader):
     """The blocks of one restore that the remote tier holds, fetched in chain order."""
 
-    def __init__(self, tier: Source, keys: Sequence[bytes]):
+    def __init__(self, tier: RemoteTier, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0
@@ -73,6 +63,7 @@ class RemoteReader(TierReader):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._results: queue.Queue[Fetched | Failed | Exception] = queue.Queue(AHEAD)
+        self._missed: dict[int, MissReason] = {}
 
     def first_shapes(self, indices: list[int]) -> Mapping[str, Placed] | None:
         """Block ``indices[0]``'s tensors from its meta (checksummed, fetched with
@@ -98,9 +89,13 @@ class RemoteReader(TierReader):
 
     def load(self, index: int) -> StreamedBlock | None:
         if self._thread is None or self._order[self._next : self._next + 1] != [index]:
-            return self._use(self._fetch(index))  # unplanned: one synchronous fetch
+            return self._use(index, self._fetch(index))  # unplanned: one synchronous fetch
         self._next += 1
-        return self._use(self._take(index))
+        return self._use(index, self._take(index))
+
+    def miss(self, index: int) -> MissReason:
+        """Why block ``index`` was unusable: parts missing (evicted) or damaged."""
+        return self._missed.get(index, MissReason.CORRUPT)
 
     def close(self) -> None:
         """Stop the fetch thread and wait for it; safe to call more than once."""
@@ -168,11 +163,12 @@ class RemoteReader(TierReader):
         )
         return Fetched(block, seconds)
 
-    def _use(self, result: Fetched | Failed | Exception) -> StreamedBlock | None:
+    def _use(self, index: int, result: Fetched | Failed | Exception) -> StreamedBlock | None:
         """Count the result on the caller's thread; None for a miss."""
         if isinstance(result, Exception):
             raise RuntimeError("remote tier reader failed") from result
         if isinstance(result, Failed):
+            self._missed[index] = result.reason
             self.tier.load_failed(result.key, result.reason, result.error)
             return None
         self.tier.loaded(result.block.nbytes, result.seconds)

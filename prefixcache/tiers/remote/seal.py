@@ -36,7 +36,7 @@ from typing import Protocol
 import xxhash
 
 from ...config import CacheConfig
-from ...config_remote import MIN_SECRET_CHARS
+from ...connections import MIN_SECRET_CHARS
 from ...errors import PayloadError
 
 DIGEST_BYTES = 16

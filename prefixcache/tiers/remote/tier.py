@@ -4,7 +4,7 @@ The tier comes after hot and ssd. It takes every stored block at once
 (``eager``): on store, not on spill (under ``write_back`` a block would reach
 it late or never), so other hosts can restore a prefix seconds after one host
 computed it; the caller only queues byte views, a background writer encodes
-and sends them (writes.py). Tails go remote too (``lists_children``: a
+and sends them (writes.py). Tails go remote too (``ListsChildren``: a
 parent's children are listed in a set beside it), so a conversation resumes
 on another host to the exact token.
 
@@ -30,8 +30,9 @@ from collections.abc import Mapping, Sequence
 from ...blocks import Block
 from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
+from ...hashing import TOKEN_BYTES
 from ...host import tensors_of
-from ..base import Tier, TierReader
+from ..base import ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import Chain, children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
@@ -58,7 +59,7 @@ _COUNTERS = (
 )
 
 
-class RemoteTier(Tier):
+class RemoteTier(ListsChildren, Tier):
     """The shared remote tier of one ``remote_url`` and ``remote_prefix``.
 
     Args:
@@ -72,7 +73,6 @@ class RemoteTier(Tier):
 
     name = "remote"
     eager = True
-    lists_children = True
 
     def __init__(self, config: CacheConfig, *, client: RemoteClient | None = None):
         secret = load_secret(config)
@@ -87,7 +87,6 @@ class RemoteTier(Tier):
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
-        self._load_miss = MissReason.CORRUPT
         self._last: Chain | None = None
         self._closed = False
         self.writer = Writer(
@@ -98,17 +97,12 @@ class RemoteTier(Tier):
             name="prefixcache-remote-writer",
         )
 
-    @property
-    def load_miss(self) -> MissReason:  # type: ignore[override]
-        """Why the last block the reader could not load was unusable."""
-        return self._load_miss
-
     # -- read path -------------------------------------------------------------
 
     def held(self, keys: Sequence[bytes], start: int) -> list[RemoteMeta]:
         self._miss = None
         metas = self._lookup(keys, start)
-        tokens = sum(len(m.tokens) for m in metas) // 4
+        tokens = sum(len(m.tokens) for m in metas) // TOKEN_BYTES
         if metas and not self.gate.admits(sum(m.nbytes for m in metas), tokens):
             self._miss = (keys[start], MissReason.REMOTE_GATE)
             return []
@@ -157,7 +151,6 @@ class RemoteTier(Tier):
 
     def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None:
         """Count a block the reader could not use (on the caller's thread)."""
-        self._load_miss = reason
         if reason is MissReason.EVICTED:
             self._count("num_missing_parts")
         elif reason is MissReason.CORRUPT:

@@ -26,7 +26,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from ...config import CacheConfig
-from ...config_remote import redact_url
+from ...connections import redact_url
 
 NUM_SLOTS = 16384
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")

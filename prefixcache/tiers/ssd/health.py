@@ -4,7 +4,7 @@ A failure of the disk or the index while serving (permissions, disk full, an
 LMDB or I/O error) must not reach the caller: the tier stops taking writes
 (blocks already stored stay readable while they can be read), logs one line,
 counts it, and after ``retry_seconds`` the writer thread probes the directory
-and turns writes back on if the cause is gone.
+(see writes.py) and turns writes back on if the cause is gone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,25 @@ import time
 from collections import Counter
 
 logger = logging.getLogger(__name__)
+
+
+COUNTERS = (  # every counter of the tier: stats() shows each, 0 until it moves
+    "num_writes",
+    "written_bytes",
+    "num_dropped_writes",
+    "num_inline_writes",
+    "num_existing",
+    "num_no_room",
+    "num_evictions",
+    "num_failures",
+    "num_disk_full",
+    "num_recoveries",
+    "num_corrupt",
+    "num_read_errors",
+    "num_loads",
+    "load_bytes",
+    "num_pending_loads",
+)
 
 
 class Counts:
@@ -38,6 +57,11 @@ class Counts:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def every(self) -> dict[str, int]:
+        """Each of ``COUNTERS`` (0 if it never moved), in that order."""
+        with self._lock:
+            return {name: self._counts[name] for name in COUNTERS}
 
 
 class Health:

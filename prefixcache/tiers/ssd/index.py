@@ -32,18 +32,17 @@ from ...blocks import BlockMeta, encode_meta
 from ...errors import SsdFormatError
 from . import budget, pinning, space
 from .entries import Entries, decode_or_none, lru_key
-from .files import DIR_MODE, FILE_MODE, list_files
+from .files import DIR_MODE, FILE_MODE
 from .lmdb_env import SharedEnv
 from .records import RECORD_DBS
 from .space import Reservation, Wanted
+from .version import check_format
 
-__all__ = ["FORMAT_VERSION", "Reservation", "SsdIndex", "Wanted", "decode_or_none"]
+__all__ = ["Reservation", "SsdIndex", "Wanted", "decode_or_none"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FORMAT_NAME = b"prefixcache-ssd"
-FORMAT_VERSION = 1
 _DBS = ("meta", "blocks", "lru", "children", "writing", "pins", *RECORD_DBS)
 _DUPSORT = ("children",)
 
@@ -70,9 +69,13 @@ class SsdIndex:
         self.path = os.path.realpath(path)
         try:
             self._shared = SharedEnv.acquire(
-                self.path, map_size=map_size, dbs=_DBS, dupsort=_DUPSORT, readonly=readonly,
+                self.path,
+                map_size=map_size,
+                dbs=_DBS,
+                dupsort=_DUPSORT,
+                readonly=readonly,
                 mode=FILE_MODE,
-            )  # fmt: skip
+            )
         except lmdb.NotFoundError as e:
             raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
         self.entries = Entries(self._shared.dbs, payloads)
@@ -80,12 +83,12 @@ class SsdIndex:
         self._closed = False
         try:
             self._open_format(readonly)
-            self.num_recovered = 0 if readonly else self._clear_dead_writes()
+            self.num_recovered = 0 if readonly else self.clear_dead_writes()
         except BaseException:
             self.close()
             raise
 
-    def _txn(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
+    def transact(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
         """One transaction; after a write commits, the files of dropped entries go."""
         if not write:
             return self._shared.txn(fn)
@@ -103,7 +106,7 @@ class SsdIndex:
             self._shared.release()
 
     def get(self, key: bytes) -> bytes | None:
-        return self._txn(lambda t: t.get(key, db=self._db["blocks"]))
+        return self.transact(lambda t: t.get(key, db=self._db["blocks"]))
 
     def get_many(self, keys: Sequence[bytes], *, until_absent: bool = False) -> list[bytes | None]:
         """The entries of ``keys`` in one read (``until_absent``: up to the first
@@ -117,7 +120,7 @@ class SsdIndex:
                     break
             return out
 
-        return self._txn(read)
+        return self.transact(read)
 
     def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
         """(key, entry) of every block indexed under ``parent``, in one read."""
@@ -130,7 +133,7 @@ class SsdIndex:
             rows = ((k, txn.get(k, db=self._db["blocks"])) for k in keys)
             return [(k, bytes(raw)) for k, raw in rows if raw is not None]
 
-        return self._txn(read)
+        return self.transact(read)
 
     def totals(self) -> dict[str, int]:
         """num_blocks, nbytes (payload file bytes) and num_corrupt_total (all processes)."""
@@ -142,7 +145,7 @@ class SsdIndex:
                 "num_corrupt_total": self.entries.counter(txn, b"num_corrupt"),
             }
 
-        return self._txn(read)
+        return self.transact(read)
 
     def scan(self, start: bytes, limit: int) -> list[tuple[bytes, bytes]]:
         """Up to ``limit`` (key, entry) pairs from ``start`` on, in key order."""
@@ -153,7 +156,7 @@ class SsdIndex:
                 return []
             return [(bytes(k), bytes(v)) for k, v in itertools.islice(cur, limit)]
 
-        return self._txn(read)
+        return self.transact(read)
 
     def rows(self, chunk: int = 1024) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, entry), in key order, read ``chunk`` at a time (short transactions)."""
@@ -166,9 +169,13 @@ class SsdIndex:
             start = rows[-1][0] + b"\0"
 
     def reserve(
-        self, wanted: Sequence[Wanted], *, max_bytes: int, min_free_bytes: int,
+        self,
+        wanted: Sequence[Wanted],
+        *,
+        max_bytes: int,
+        min_free_bytes: int,
         free_bytes: int,
-    ) -> Reservation:  # fmt: skip
+    ) -> Reservation:
         """Reserve room for payloads (key, file bytes, disk footprint) about to be written.
 
         Evicts LRU leaves so that indexed + reserved file bytes stay <= ``max_bytes``
@@ -176,7 +183,7 @@ class SsdIndex:
         ``min_free_bytes``. Keys that are indexed or being written already are skipped.
         """
         owner = (os.getpid(), threading.get_native_id())
-        return self._txn(
+        return self.transact(
             lambda t: space.reserve(
                 t, self.entries, wanted, owner, max_bytes, min_free_bytes, free_bytes
             ),
@@ -198,26 +205,26 @@ class SsdIndex:
             nbytes = sum(m.file_bytes for m in written)
             budget.charge(txn, self._db["records"], nbytes, write_budget, time.time())
 
-        self._txn(run, write=True)
+        self.transact(run, write=True)
 
     def written(self, write_budget: int) -> tuple[float, int]:
         """(bytes in the write budget's bucket now, bytes written today, UTC)."""
         now = time.time()
         db = self._db["records"]
-        return self._txn(
+        return self.transact(
             lambda t: (budget.level(t, db, write_budget, now), budget.written_today(t, db, now))
         )
 
     def pin(self, items: Sequence[tuple[bytes, int]], until: float) -> None:
         """Pin (key, file bytes) items until ``until`` (pinning.py)."""
-        self._txn(lambda t: pinning.pin(t, self.entries, items, until), write=True)
+        self.transact(lambda t: pinning.pin(t, self.entries, items, until), write=True)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
-        return self._txn(lambda t: pinning.unpin(t, self.entries, keys), write=True)
+        return self.transact(lambda t: pinning.unpin(t, self.entries, keys), write=True)
 
     def pins(self) -> dict[bytes, tuple[float, int]]:
         """Pins in force: key -> (end, file bytes)."""
-        return self._txn(lambda t: pinning.records(t, self.entries))
+        return self.transact(lambda t: pinning.records(t, self.entries))
 
     def touch(self, keys: Sequence[bytes], now: float) -> None:
         """Set last_used of indexed blocks to ``now`` (and move leaves in the LRU)."""
@@ -232,11 +239,11 @@ class SsdIndex:
                 if txn.delete(lru_key(meta), db=self._db["lru"]):
                     txn.put(lru_key(new), b"", db=self._db["lru"])
 
-        self._txn(run, write=True)
+        self.transact(run, write=True)
 
     def probe(self) -> None:
         """One small write transaction: raises if the index cannot be written now."""
-        self._txn(lambda t: t.put(b"probe", os.urandom(8), db=self._db["meta"]), write=True)
+        self.transact(lambda t: t.put(b"probe", os.urandom(8), db=self._db["meta"]), write=True)
 
     def quarantine(self, key: bytes, raw: bytes) -> int:
         """Drop an entry found corrupt unless it changed meanwhile; how many bad ones went
@@ -249,7 +256,7 @@ class SsdIndex:
             self.entries.add_counter(txn, b"num_corrupt", num)
             return num
 
-        return self._txn(run, write=True)
+        return self.transact(run, write=True)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop entries and their payload files; returns how many were indexed."""
@@ -257,7 +264,7 @@ class SsdIndex:
 
     def remove_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """Drop entries and their payload files; returns the keys that were indexed."""
-        return self._txn(lambda t: [k for k in keys if self.entries.drop_key(t, k)], write=True)
+        return self.transact(lambda t: [k for k in keys if self.entries.drop_key(t, k)], write=True)
 
     def evict_to(self, nbytes: int) -> list[bytes]:
         """Evict LRU leaves until at most ``nbytes`` are indexed; returns their keys."""
@@ -268,47 +275,24 @@ class SsdIndex:
             space.evict(txn, self.entries, lambda total, _: total <= nbytes, evicted)
             return evicted
 
-        return self._txn(run, write=True)
-
-    def reconcile(self) -> tuple[int, int]:
-        """Full scan: remove orphan payload/temp files and dangling or bad entries.
-
-        Also rebuilds the LRU, the child links and the byte total from the entries.
-        Returns (orphan files removed, dangling entries removed).
-        """
-        files, temps = list_files(self.entries.payloads)
-        self._clear_dead_writes()
-        return self._txn(lambda t: space.reconcile(t, self.entries, files, temps), write=True)
+        return self.transact(run, write=True)
 
     # -- internals --------------------------------------------------------
 
     def _open_format(self, readonly: bool) -> None:
-        def check(txn: lmdb.Transaction, write: bool) -> bool:
-            name = txn.get(b"format", db=self._db["meta"])
-            version = txn.get(b"version", db=self._db["meta"])
-            if version is None:
-                if write:
-                    txn.put(b"format", FORMAT_NAME, db=self._db["meta"])
-                    txn.put(b"version", b"%d" % FORMAT_VERSION, db=self._db["meta"])
-                return write
-            if name != FORMAT_NAME or version != b"%d" % FORMAT_VERSION:
-                raise SsdFormatError(
-                    f"SSD tier {self.path} has format {name!r} version "
-                    f"{version.decode(errors='replace')}; this prefixcache reads "
-                    f"{FORMAT_NAME.decode()} version {FORMAT_VERSION}"
-                )
-            return True
-
-        if self._txn(lambda t: check(t, False)):
+        """Record the format in a new index, or refuse another format (version.py)."""
+        if self.transact(lambda t: check_format(t, self._db["meta"], self.path, write=False)):
             return
         if readonly:
             raise SsdFormatError(f"SSD tier index {self.path} records no format version")
-        self._txn(lambda t: check(t, True), write=True)
+        self.transact(
+            lambda t: check_format(t, self._db["meta"], self.path, write=True), write=True
+        )
 
-    def _clear_dead_writes(self) -> int:
+    def clear_dead_writes(self) -> int:
         """Remove temp files and unindexed payloads of writers that died (O(#records))."""
-        dead = space.dead(self._txn(lambda t: space.writing_records(t, self.entries)))
+        dead = space.dead(self.transact(lambda t: space.writing_records(t, self.entries)))
         if dead:
-            self._txn(lambda t: space.clear_writes(t, self.entries, dead), write=True)
+            self.transact(lambda t: space.clear_writes(t, self.entries, dead), write=True)
             logger.info("SSD tier: cleaned up %d writes of dead processes", len(dead))
         return len(dead)

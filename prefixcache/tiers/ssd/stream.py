@@ -13,7 +13,7 @@ cache (one copy) and hashed there while it is still in the CPU cache
 (read_into.py). A tensor with no place goes into the reader's loose buffer.
 
 The buffers normally exist before the stream starts: the restore sizes them
-from the first block's header (ChainLoad.first_shapes), so every block goes
+from the first block's header (ChainLoad.first_specs), so every block goes
 straight into place. When it could not (that header unreadable, the block
 still queued for the writer), the first block is read into a read buffer and
 its copy allocates the buffers; until the caller has taken it, a later tensor
@@ -37,32 +37,19 @@ exposed).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from ...blocks import Block
 from ...errors import PayloadError
 from ...host import Place, Placed, StreamedBlock
 from ..base import TierReader
-from ..writer import Writer
-from .index import SsdIndex, decode_or_none
+from .index import decode_or_none
 from .payload import read_header
 from .read_into import Job
 from .readers import Readers
 
-
-class Source(Protocol):
-    """What the stream uses of the SSD tier (tier.py's SsdTier)."""
-
-    writer: Writer
-    index: SsdIndex
-
-    def payload_file(self, key: bytes) -> str: ...
-
-    def load(self, key: bytes) -> Block | None: ...
-
-    def note_load(self, key: bytes, nbytes: int) -> None: ...
-
-    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
+if TYPE_CHECKING:  # the tier creates its readers: no import at run time
+    from .tier import SsdTier
 
     def read_error(self, key: bytes, error: OSError) -> None: ...
 
@@ -70,7 +57,7 @@ class Source(Protocol):
 class SsdReader(TierReader):
     """The blocks of one restore that the SSD tier holds, streamed in chain order."""
 
-    def __init__(self, tier: Source, keys: Sequence[bytes]):
+    def __init__(self, tier: SsdTier, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: list[int] = []
@@ -111,7 +98,7 @@ class SsdReader(TierReader):
 
 
 def stream(
-    tier: Source, keys: Sequence[bytes], place: Place | None = None
+    tier: SsdTier, keys: Sequence[bytes], place: Place | None = None
 ) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
@@ -138,7 +125,7 @@ def stream(
         readers.stop()
 
 
-def _jobs(tier: Source, keys: Sequence[bytes]) -> list[Job]:
+def _jobs(tier: SsdTier, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
     queued for the writer gets none (it is served from the queue)."""
     raws = tier.index.get_many(keys)
@@ -151,7 +138,7 @@ def _jobs(tier: Source, keys: Sequence[bytes]) -> list[Job]:
 
 
 def _result(
-    tier: Source, job: Job, result: StreamedBlock | BaseException | None
+    tier: SsdTier, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
     """What the caller gets for ``job`` (runs on the caller's thread)."""
     if result is None:  # nothing read: queued, absent, or a bad entry

@@ -26,7 +26,7 @@ from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError
 from ...host import tensors_of
-from ..base import ChainEntry, Tier, TierReader
+from ..base import ChainEntry, ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .controls import SsdControls
 from .directory import open_dir
@@ -34,20 +34,16 @@ from .files import payload_path
 from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
 from .payload import read_header, read_payload
+from .read_notes import SsdReadNotes
 from .records import SsdRecords
-from .writes import SsdWrites, TierError
+from .writes import SsdWrites
 
 logger = logging.getLogger(__name__)
 
 _MAX_TOUCHES = 4096  # pending LRU touches that wake the writer (else they ride with writes)
-_COUNTERS = (
-    "num_writes", "written_bytes", "num_dropped_writes", "num_inline_writes", "num_existing",
-    "num_no_room", "num_evictions", "num_failures", "num_disk_full", "num_recoveries",
-    "num_corrupt", "num_read_errors", "num_loads", "load_bytes", "num_pending_loads",
-)  # fmt: skip
 
 
-class SsdTier(SsdControls, Tier):
+class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -63,7 +59,6 @@ class SsdTier(SsdControls, Tier):
     """
 
     name = "ssd"
-    lists_children = True
     metered = True
 
     def __init__(
@@ -247,7 +242,7 @@ class SsdTier(SsdControls, Tier):
         self.close()
 
     def stats(self) -> dict[str, int]:
-        counts = self._counts.snapshot()
+        counts = self._counts.every()
         return {
             "enabled": int(self.health.enabled),
             **self.index.totals(),
@@ -255,7 +250,7 @@ class SsdTier(SsdControls, Tier):
             "queue_depth": self.writer.queue_depth,
             "queue_bytes": self.writer.queue_bytes,
             "num_write_failures": self.writer.num_failures,
-            **{name: counts.get(name, 0) for name in _COUNTERS},
+            **counts,
             **self.control_stats(),
         }
 
@@ -269,33 +264,6 @@ class SsdTier(SsdControls, Tier):
         if raw is not None and meta is None:
             self.quarantine(key, raw, "bad index entry")
         return meta
-
-    def read_error(self, key: bytes, error: OSError) -> None:
-        """A payload that cannot be read now (EMFILE, EIO...): a miss, not a verdict."""
-        first = self._counts.add("num_read_errors") == 1
-        log = logger.warning if first else logger.debug
-        log("SSD tier %s: cannot read block %s: %s", self.path, key.hex(), error)
-
-    def note_load(self, key: bytes, nbytes: int) -> None:
-        """Count a served payload read (also the stream's) and touch it for the LRU."""
-        self._counts.add("num_loads")
-        self._counts.add("load_bytes", nbytes)
-        with self._lock:
-            self._touches.add(key)
-
-    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
-        """Drop a corrupt entry and its file; count it and log the first one."""
-        try:
-            dropped = self.index.quarantine(key, raw)  # > 1: other unreadable entries too
-        except TierError as e:  # e.g. disk full: the block is still never served
-            logger.debug("SSD tier: could not quarantine %s: %s", key.hex(), e)
-            dropped = 1
-        if not dropped:
-            return  # evicted or replaced meanwhile: a plain miss
-        self.report_removed([key])
-        first = self._counts.add("num_corrupt", dropped) == dropped
-        log = logger.warning if first else logger.debug
-        log("SSD tier %s: corrupt block %s quarantined (%s)", self.path, key.hex(), reason)
 
     def _write_batch(self, items: list[WriteItem]) -> None:
         self._apply_touches()  # before the batch's evictions pick LRU leaves

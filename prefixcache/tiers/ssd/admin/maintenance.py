@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...blocks import BlockMeta
-from ...errors import PayloadError
-from .files import list_files
+from ....blocks import BlockMeta
+from ....errors import PayloadError
+from .. import space
+from ..files import list_files
+from ..index import SsdIndex
+from ..payload import read_payload
 from .inventory import Entry, Inventory, scan
-from .payload import read_payload
 from .view import SsdView
 
 _REMOVE_CHUNK = 256
@@ -182,10 +184,21 @@ def remove(view: SsdView, keys: list[bytes]) -> int:
 def stray_files(view: SsdView, inv: Inventory) -> tuple[int, int]:
     """(payload or temp files no entry owns, entries without a payload file), read only.
 
-    Counts files being written right now as stray; ``view.index.reconcile()`` does not.
+    Counts files being written right now as stray; ``reconcile`` does not.
     """
     files, temps = list_files(os.path.join(view.path, "blocks"))
     indexed = set(inv.entries) | set(inv.bad)
     orphans = sum(key not in indexed for key in files) + len(temps)
     dangling = sum(key not in files for key in indexed)
     return orphans, dangling
+
+
+def reconcile(index: SsdIndex) -> tuple[int, int]:
+    """Full scan: remove orphan payload/temp files and dangling or bad entries.
+
+    Also rebuilds the LRU, the child links and the byte total from the entries.
+    Returns (orphan files removed, dangling entries removed).
+    """
+    files, temps = list_files(index.entries.payloads)
+    index.clear_dead_writes()
+    return index.transact(lambda t: space.reconcile(t, index.entries, files, temps), write=True)

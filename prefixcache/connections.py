@@ -1,5 +1,7 @@
-"""The rules of the remote tier's connection settings: its URL and key prefix, the
-shared secret, and the TLS files; and a URL shown with its password redacted.
+"""The connection settings' rules: the remote tier's URL, prefix, secret and TLS
+files, and the KV events URL; and a URL as it may be shown (password redacted).
+
+Checked once, by :class:`~prefixcache.config.CacheConfig` when it is made.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ def redact_url(url: str) -> str:
 
 
 def check_remote(url: str | None, prefix: str) -> None:
-    """``remote_url``: one of the remote schemes or None; ``remote_prefix``: a key-safe name."""
     if url is not None and (not isinstance(url, str) or not url.startswith(REMOTE_SCHEMES)):
         shown = redact_url(url) if isinstance(url, str) else url
         raise ValueError(f"remote_url must start with one of {REMOTE_SCHEMES}, got {shown!r}")
     if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " :*?[]"):
         raise ValueError(f"remote_prefix must be a non-empty name without ' :*?[]', got {prefix!r}")
+
+
+EVENT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_events(url: str | None) -> None:
+    if url is not None and (not isinstance(url, str) or not url.startswith(EVENT_SCHEMES)):
+        raise ValueError(f"events_url must start with one of {EVENT_SCHEMES}, got {url!r}")
 
 
 def check_remote_trust(config: CacheConfig) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 
-from ...errors import CacheDirError
-from .files import payload_path
-from .index import SsdIndex
-from .records import SsdRecords
+from ....errors import CacheDirError
+from ..files import payload_path
+from ..index import SsdIndex
+from ..records import SsdRecords
 
 __all__ = ["SsdView"]
 

@@ -1,4 +1,4 @@
-"""uninit.empty: restore buffers MLX allocates without writing, and TokenBuffer's
+"""restore_buffers.empty: restore buffers MLX allocates without writing, and TokenBuffer's
 zeroing of what no block wrote."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from prefixcache import uninit
+from prefixcache import restore_buffers
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.host import HostArray
 
@@ -38,7 +38,7 @@ def keep_freed_buffers():
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, mx.uint32, mx.int8])
 def test_empty_has_the_shape_and_dtype_and_takes_writes(dtype):
-    a = uninit.empty((1, 3, 5, 7), dtype)
+    a = restore_buffers.empty((1, 3, 5, 7), dtype)
     mx.eval(a)
     assert a.shape == (1, 3, 5, 7) and a.dtype == dtype
     view = np.asarray(memoryview(a).cast("B"))
@@ -47,8 +47,8 @@ def test_empty_has_the_shape_and_dtype_and_takes_writes(dtype):
 
 
 def test_empty_of_nothing_or_an_unknown_dtype_is_zeros():
-    assert uninit.empty((1, 0, 4), mx.float16).shape == (1, 0, 4)
-    c = uninit.empty((2, 2), mx.complex64)
+    assert restore_buffers.empty((1, 0, 4), mx.float16).shape == (1, 0, 4)
+    c = restore_buffers.empty((2, 2), mx.complex64)
     assert c.dtype == mx.complex64 and not mx.any(c).item()
 
 
@@ -68,7 +68,7 @@ def test_empty_leaves_fresh_pages_untouched():
     """The point of it: 256 MiB of fresh memory is not faulted in (mx.zeros, the
     control, faults in all of it)."""
     shape, size = (1, 8, 128 * 1024, 128), 256 * MiB
-    grown_empty = _rss_growth(lambda: uninit.empty(shape, mx.bfloat16))
+    grown_empty = _rss_growth(lambda: restore_buffers.empty(shape, mx.bfloat16))
     grown_zeros = _rss_growth(lambda: mx.zeros(shape, mx.bfloat16))
     assert grown_empty < 16 * MiB, grown_empty
     assert grown_zeros > 0.9 * size, grown_zeros
@@ -80,7 +80,7 @@ def test_empty_keeps_a_reused_buffers_bytes(keep_freed_buffers):
     old = mx.full(shape, 7, mx.int8)
     mx.eval(old)
     del old
-    a = uninit.empty(shape, mx.int8)
+    a = restore_buffers.empty(shape, mx.int8)
     mx.eval(a)
     assert np.all(np.asarray(a) == 7)
 
@@ -132,7 +132,7 @@ def _huge_bytes_in(start: int, nbytes: int) -> int:
 _HUGE_CHILD = """
 import mlx.core as mx, numpy as np, sys
 sys.path.insert(0, {tests!r})
-from test_uninit import _huge_bytes_in
+from test_restore_buffers import _huge_bytes_in
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.host import HostArray
 rows = np.zeros((1, 16, 256, 128), np.uint16)

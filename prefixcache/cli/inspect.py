@@ -1,17 +1,28 @@
-"""``prefixcache ls``: the blocks (or chains) of an SSD tier directory, one row
-each, filtered by model, age, size and pins, and sorted."""
+"""``prefixcache stats`` and ``ls``: what an SSD tier directory holds, per model and per block.
+
+``stats --remote-url`` reports a remote tier's server instead (remote.py).
+
+``show`` and ``tree`` are in show.py, ``verify``, ``gc`` and ``clear`` in
+maintain.py; what they share (options, --json, exit status) in common.py.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import shutil
 import time
 
 from ..config import parse_bytes
-from ..tiers.ssd.inventory import Entry, Inventory, end_token
-from ..tiers.ssd.view import SsdView
+from ..stats import Stats, add_counters
+from ..tiers.ssd.admin.inventory import Entry, Inventory, NamespaceInfo, end_token
+from ..tiers.ssd.admin.view import SsdView
+from ..tiers.ssd.version import FORMAT_NAME, FORMAT_VERSION
 from .common import Doc, count, duration, emit, model_roots, ssd_command
+from .remote import with_remote
 from .report import format_age, format_bytes, table
+from .stats_text import stats_text
 
 
 def add_ls_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +40,93 @@ def add_ls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reverse", action="store_true", help="reverse the order")
     p.add_argument("--limit", type=count, help="print at most this many rows")
     p.add_argument("--pinned", action="store_true", help="only pinned blocks (chains holding one)")
+
+
+# -- stats ----------------------------------------------------------------------
+
+
+def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
+    inv = Inventory.load(view)
+    counters = view.records.counters()
+    limits = view.records.limits() or {}
+    disk = shutil.disk_usage(view.path)
+    namespaces = [_ns_doc(inv, inv.namespaces[r], counters.get(r)) for r in inv.roots()]
+    namespaces = [ns for ns in namespaces if ns["num_blocks"] or ns["counters"] is not None]
+    models: dict[str | None, Doc] = {}
+    for ns in namespaces:
+        m = models.setdefault(
+            ns["model"],
+            {
+                "model": ns["model"],
+                "num_namespaces": 0,
+                "num_blocks": 0,
+                "num_tokens": 0,
+                "nbytes": 0,
+                "counters": _counters(None),
+            },
+        )
+        m["num_namespaces"] += 1
+        for name in ("num_blocks", "num_tokens", "nbytes"):
+            m[name] += ns[name]
+        m["counters"] = add_counters(m["counters"], ns["counters"] or {})
+    totals = view.index.totals()
+    doc = {
+        "ssd_dir": view.path,
+        "format": {"name": FORMAT_NAME.decode(), "version": FORMAT_VERSION},
+        "num_blocks": len(inv.entries),
+        "num_tokens": sum(e.num_tokens for e in inv.entries.values()),
+        "nbytes": sum(e.file_bytes for e in inv.entries.values()),
+        "num_bad_entries": len(inv.bad),
+        "num_corrupt_total": totals["num_corrupt_total"],
+        "max_bytes": limits.get("max_bytes"),
+        "min_free_bytes": limits.get("min_free_bytes"),
+        **_governance_doc(view, limits.get("write_budget", 0)),
+        "disk": {"total_bytes": disk.total, "free_bytes": disk.free},
+        "other_pids": view.records.other_pids(),
+        "models": sorted(models.values(), key=lambda m: m["model"] or ""),
+        "namespaces": namespaces,
+        "counters": functools.reduce(
+            add_counters, [ns["counters"] or {} for ns in namespaces], _counters(None)
+        ),
+    }
+    emit(args, doc, lambda: stats_text(doc))
+    return 0
+
+
+def _governance_doc(view: SsdView, budget: int) -> Doc:
+    """Bytes written today (UTC), the write budget (the last writer's; 0: none) and
+    what is left of it now, and the pins in force (the keys of ``stats()["ssd"]``)."""
+    level, today = view.index.written(budget)
+    pins = view.index.pins()
+    return {
+        "written_bytes_today": today,
+        "write_budget": budget,
+        "write_budget_left": max(0, int(budget - level)) if budget else None,
+        "num_pinned": len(pins),
+        "pinned_bytes": sum(nbytes for _, nbytes in pins.values()),
+    }
+
+
+def _ns_doc(inv: Inventory, ns: NamespaceInfo, counters: dict | None) -> Doc:
+    blocks = inv.blocks([ns.root])
+    return {
+        "root": ns.root.hex(),
+        "model": ns.model,
+        "extra": dict(ns.extra),
+        "kv_quant": list(ns.kv_quant) if ns.kv_quant else None,
+        "num_layers": ns.num_layers,
+        "num_blocks": len(blocks),
+        "num_tokens": sum(e.num_tokens for e in blocks),
+        "nbytes": sum(e.file_bytes for e in blocks),
+        "num_chains": len(inv.leaves([ns.root])),
+        "last_used": max((e.last_used for e in blocks), default=None),
+        "counters": _counters(counters) if counters is not None else None,
+    }
+
+
+def _counters(saved: dict | None) -> Doc:
+    """Every Stats counter (zero if never saved), so the keys are stable."""
+    return add_counters(Stats().as_dict(), saved or {})
 
 
 def cmd_ls(view: SsdView, args: argparse.Namespace) -> int:
@@ -153,4 +251,8 @@ def _pin_end(until: float | None, now: float) -> str:
     return "never" if until is None else "in " + format_age(until - now)
 
 
-COMMANDS = (ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),)
+_STATS_HELP = "blocks, tokens, bytes and hit counters per model (--remote-url: per server)"
+COMMANDS = (
+    with_remote(ssd_command("stats", _STATS_HELP, cmd_stats)),
+    ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),
+)

@@ -1,8 +1,8 @@
 """Inventory of an SSD tier directory: its blocks grouped by namespace, chains and forks.
 
-Read through an :class:`SsdView` while servers may hold the directory open:
-LMDB gives every process consistent reads, and a scan runs in short
-transactions. The inventory keeps each block's index
+What the inspection CLI reads, through an :class:`SsdView` (servers may hold
+the directory open meanwhile: LMDB gives every process consistent reads, and
+a scan runs in short transactions). The inventory keeps each block's index
 fields but not its token ids.
 """
 
@@ -12,8 +12,8 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ...blocks import BlockMeta
-from .index import decode_or_none
+from ....blocks import BlockMeta
+from ..index import decode_or_none
 from .view import SsdView
 
 _SCAN_CHUNK = 1024
