@@ -1,7 +1,7 @@
 """CacheConfig: every setting of a PrefixCache, loadable from PREFIXCACHE_* env vars.
 
-How a field is read from text and checked by its type is settings.py's (generic:
-a new field needs no code there); the rules of each field are here.
+Each field's default, meaning and rule: a value is checked when a config is
+made, so a config that exists is usable.
 """
 
 from __future__ import annotations

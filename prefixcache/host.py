@@ -1,12 +1,12 @@
-"""A block's tensor as bytes in host memory, as the SSD stream hands it over.
+"""A block's tensor as bytes in host memory, on its way from a reader to a restore buffer.
 
-The SSD stream (tiers/ssd/stream.py) puts each tensor straight into the restore
-buffer that will hold it when the builder offers a destination (``Place``: a
-region of the buffer; ``Placed``: the bytes are already where they belong), and
-otherwise leaves it in a reused read buffer (``HostArray``: a view, verified,
-valid until the next block). A builder that takes them (``takes_host``) copies
-a HostArray straight into its restore buffer; any other gets MLX arrays from
-``to_mx`` (one copy).
+``Place`` is where a reader may write a tensor: its region of the restore
+buffer that will hold it (``contiguous`` gives the region's runs); ``Placed``
+says the bytes are already there. Otherwise a tensor stays in a reused read
+buffer as a ``HostArray`` (a verified view, valid until the next block), which a
+builder that takes host bytes (``takes_host``) copies into its buffer and any
+other turns into an MLX array with ``to_mx`` (one copy). The safetensors dtype
+names map to MLX dtypes here.
 """
 
 from __future__ import annotations

@@ -3,14 +3,11 @@
 mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
-``prefixcache serve`` (cli/serve.py) runs mlx-lm's own ``main()`` with it in place.
 
 mlx-lm calls it on its generation thread, where any exception kills the thread
 for good (every later request fails, ``/health`` turns 503). So no failure of
-the cache's storage gets there: an SSD directory that cannot be opened serves
-the model hot-only (and is tried again later), a request the cache cannot
-serve is a miss, an insert it cannot keep is dropped; each is counted and
-logged once.
+the cache's storage gets there: a request the cache cannot serve is a miss, an
+insert it cannot keep is dropped; each is counted and logged once.
 """
 
 from __future__ import annotations

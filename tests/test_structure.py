@@ -19,9 +19,7 @@ PACKAGE = ROOT / "prefixcache"
 TARGET_MODULE_LINES = 300
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50  # the package's functions
-OVER_TARGET = {  # modules over TARGET_MODULE_LINES today, each to be split by concept
-    "tools/bench_ssd.py",
-}
+OVER_TARGET: set[str] = set()  # modules over TARGET_MODULE_LINES, each to be split by concept
 
 
 def modules() -> dict[str, Path]:

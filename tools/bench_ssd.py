@@ -28,20 +28,19 @@ and the open time of a directory holding ``--open-blocks`` blocks (cold and warm
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import struct
 import tempfile
 import time
 from collections.abc import Iterator
 
-import lmdb
 import mlx.core as mx
 import numpy as np
 import xxhash
+from bench_ssd_table import print_table
 from benchlib import drop_caches, read_fresh, read_reused, readahead
+from lmdb_payloads import lmdb_load, lmdb_write
 
 from prefixcache.blocks import Block
 from prefixcache.config import CacheConfig
@@ -51,7 +50,6 @@ from prefixcache.tiers.ssd.payload import encode_header, read_payload
 from prefixcache.tiers.ssd.tier import SsdTier
 
 MiB = 1 << 20
-_MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32}
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -88,23 +86,6 @@ def seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def arrays_from_buffer(buf, checksum: int) -> dict[str, mx.array]:
-    """Verify a safetensors image in memory, copy it into MLX once, view the tensors."""
-    if xxhash.xxh3_64_intdigest(buf) != checksum:
-        raise ValueError("checksum mismatch")
-    (length,) = struct.unpack_from("<Q", buf)
-    header = json.loads(bytes(buf[8 : 8 + length]))
-    header.pop("__metadata__", None)
-    flat = mx.array(np.frombuffer(buf, np.uint8, offset=8 + length))
-    out = {
-        name: flat[v["data_offsets"][0] : v["data_offsets"][1]].view(_MX[v["dtype"]])
-        for name, v in header.items()
-    }
-    out = {name: arr.reshape(header[name]["shape"]) for name, arr in out.items()}
-    mx.eval(out)
-    return out
-
-
 def consume(blocks) -> None:
     """Drop each block before the next, as a restore streaming into its buffer does."""
     for _ in blocks:
@@ -125,15 +106,6 @@ def forced_load(tier: SsdTier, keys: list[bytes], reader: str) -> None:
         meta = tier.get_meta(key)
         path = payload_path(os.path.join(tier.path, "blocks"), key)
         read_payload(path, key, meta.file_bytes, meta.checksum, reader=reader)
-
-
-def lmdb_load(path: str, keys: list[bytes], sums: dict[bytes, int]) -> None:
-    # Opened per run: pages of a live mapping survive drop_caches.
-    env = lmdb.open(path, map_size=1 << 40, readonly=True, lock=False)
-    with env.begin(buffers=True) as txn:
-        for key in keys:
-            arrays_from_buffer(txn.get(key), sums[key])
-    env.close()
 
 
 def write_refs(blocks: list[Block], work: str) -> dict[str, float]:
@@ -167,17 +139,7 @@ def write_refs(blocks: list[Block], work: str) -> dict[str, float]:
     out["writer"] = time.perf_counter() - start
     out["put_us"] = statistics.median(put_times) * 1e6
     tier.close()
-    env = lmdb.open(f"{work}/lmdb", map_size=1 << 40)
-
-    def lmdb_write() -> None:
-        for block in blocks:
-            tensors = tensors_of(block.arrays)
-            value = encode_header(tensors, block.key) + b"".join(t.data for t in tensors)
-            with env.begin(write=True) as txn:
-                txn.put(block.key, value)
-
-    out["lmdb_write"] = seconds(lmdb_write)
-    env.close()
+    out["lmdb_write"] = lmdb_write(blocks, f"{work}/lmdb")
     return out
 
 
@@ -263,54 +225,6 @@ def bench_open(num: int, work: str) -> dict[str, float]:
         out[f"open_{mode}_ms"] = (time.perf_counter() - start) * 1e3
         tier.close()
     return out
-
-
-COLUMNS = [  # (key, header, format)
-    ("block_mib", "MiB", "{:.1f}"),
-    ("num", "N", "{:.0f}"),
-    ("raw_seq_cold", "seq", "{:.2f}"),
-    ("raw_files_cold", "files", "{:.2f}"),
-    ("load_cold", "load", "{:.2f}"),
-    ("stream_cold", "stream", "{:.2f}"),
-    ("buf_load_cold", "buf", "{:.2f}"),
-    ("mxl_load_cold", "mxl", "{:.2f}"),
-    ("lmdb_load_cold", "lmdb", "{:.2f}"),
-    ("raw_seq_warm", "seq", "{:.2f}"),
-    ("raw_files_warm", "files", "{:.2f}"),
-    ("load_warm", "load", "{:.2f}"),
-    ("stream_warm", "stream", "{:.2f}"),
-    ("buf_load_warm", "buf", "{:.2f}"),
-    ("mxl_load_warm", "mxl", "{:.2f}"),
-    ("lmdb_load_warm", "lmdb", "{:.2f}"),
-    ("raw_write", "raw", "{:.2f}"),
-    ("writer", "writer", "{:.2f}"),
-    ("lmdb_write", "lmdb", "{:.2f}"),
-    ("put_us", "put us", "{:.0f}"),
-    ("stream_cold_vs_raw_seq", "c/seq", "{:.0%}"),
-    ("stream_cold_vs_raw_files", "c/files", "{:.0%}"),
-    ("stream_warm_vs_raw_seq", "w/seq", "{:.0%}"),
-    ("stream_warm_vs_raw_files", "w/files", "{:.0%}"),
-    ("write_ratio", "w/raw", "{:.0%}"),
-]
-
-
-def print_table(rows: dict[str, dict[str, float]]) -> None:
-    print(
-        "\nGB/s of payload file bytes. Reads: cold (page cache dropped) | warm; writes.\n"
-        "seq: one file of the same total size read with a 1 MiB buffer; files: each payload\n"
-        "file read into fresh memory; load: SsdTier.load; buf / mxl: the two payload readers\n"
-        "forced; lmdb: payloads as LMDB values. Ratios: stream vs seq / files (median of\n"
-        "per-repetition ratios), writer vs raw write + fsync."
-    )
-    head = ["shape", *(h for _, h, _ in COLUMNS)]
-    lines = [head, ["", "", "", *["cold"] * 7, *["warm"] * 7, *["write"] * 3]]
-    lines[1] += [""] * (len(head) - len(lines[1]))
-    for shape, r in rows.items():
-        r = {**r, "write_ratio": r["writer"] / r["raw_write"]}
-        lines.append([shape, *(fmt.format(r[key]) for key, _, fmt in COLUMNS)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    for line in lines:
-        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
 
 
 def main() -> None:

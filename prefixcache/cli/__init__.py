@@ -1,10 +1,7 @@
 """The ``prefixcache`` command: one registry of subcommands, one parser, one dispatch.
 
-Every command module (local.py: demo, make-model; serve.py: serve; inspect.py:
-stats, ls; show.py: show, tree; maintain.py: verify, gc, clear; pin.py: pin,
-unpin) lists its subcommands as :class:`~prefixcache.cli.common.Command` entries in
-``COMMANDS``; none imports mlx-lm at the top, so ``prefixcache stats`` starts
-fast.
+The registry gathers the ``COMMANDS`` (:class:`~prefixcache.cli.common.Command`
+entries) of every command module of this package into one table, by name.
 
 Errors are handled here, once, for every command: a user error (a bad flag or
 ``PREFIXCACHE_*`` value, a key or model that matches nothing, an unusable

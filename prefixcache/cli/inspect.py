@@ -1,9 +1,10 @@
 """``prefixcache stats`` and ``ls``: what an SSD tier directory holds, per model and per block.
 
-``stats --remote-url`` reports a remote tier's server instead (remote.py).
-
-``show`` and ``tree`` are in show.py, ``verify``, ``gc`` and ``clear`` in
-maintain.py; what they share (options, --json, exit status) in common.py.
+``stats`` builds one document: totals, the cap and the disk, writes against the
+budget, pins, and per model and namespace the blocks with their saved hit
+counters (``--remote-url``: a remote tier's server instead). ``ls`` lists the
+blocks, or the chains, one row each, filtered by model, age, size and pins,
+and sorted.
 """
 
 from __future__ import annotations

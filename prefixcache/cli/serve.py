@@ -1,8 +1,8 @@
 """``prefixcache serve``: its options, its CacheConfig, and the call into mlx-lm's server.
 
-The server itself (mlx-lm's ``main()`` with TieredPromptCache in place) is
-serve_main.py, imported only when serving: it imports mlx-lm, which the
-other commands never need.
+The server's run (mlx-lm's ``main()`` with TieredPromptCache in place) is
+imported only when serving: it imports mlx-lm, which the other commands never
+need.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A failure of the disk or the index while serving (permissions, disk full, an
 LMDB or I/O error) must not reach the caller: the tier stops taking writes
 (blocks already stored stay readable while they can be read), logs one line,
 counts it, and after ``retry_seconds`` the writer thread probes the directory
-(see writes.py) and turns writes back on if the cause is gone.
+and turns writes back on if the cause is gone.
 """
 
 from __future__ import annotations

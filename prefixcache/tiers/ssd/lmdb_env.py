@@ -5,7 +5,7 @@ path shares one (reference counted). Transactions run through
 :meth:`SharedEnv.txn`, which grows the map on ``MapFullError`` and adopts
 another process's growth on ``MapResizedError``. Resizing requires that no
 transaction of this process is open, which a small shared/exclusive gate ensures.
-A read-only opener (the inspection CLI) shares a writable environment already
+A read-only opener shares a writable environment already
 open, or opens the path read-only: it then writes nothing to the data file and
 may be shared by other readers only.
 """

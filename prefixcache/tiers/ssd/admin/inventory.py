@@ -1,8 +1,8 @@
 """Inventory of an SSD tier directory: its blocks grouped by namespace, chains and forks.
 
-What the inspection CLI reads, through an :class:`SsdView` (servers may hold
-the directory open meanwhile: LMDB gives every process consistent reads, and
-a scan runs in short transactions). The inventory keeps each block's index
+Read through an :class:`SsdView` while servers may hold the directory open:
+LMDB gives every process consistent reads, and a scan runs in short
+transactions. The inventory keeps each block's index
 fields but not its token ids.
 """
 
