@@ -10,15 +10,19 @@ import os
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import live_logits, max_diff, prefill, prompt, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 from test_ssd_stream import chain_dest, flip_byte, placed_into, stored
 
-from prefixcache import CacheConfig
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs.kv import KVBuilder
 from prefixcache.errors import PayloadError
+from prefixcache.hashing import chain_keys, token_bytes
 from prefixcache.host import HostArray, Placed, contiguous
 from prefixcache.tiers.base import Tier
 from prefixcache.tiers.ssd import payload as payload_module
+from prefixcache.tiers.ssd import readers
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import PAYLOAD_FORMAT, encode_header, parse_header
@@ -59,23 +63,26 @@ def test_plan_runs_cuts_at_the_first_block_sizes_budget_and_non_small_jobs(monke
     monkeypatch.setattr(ssd_runs, "RUN_BYTES", 3 * 100)
     monkeypatch.setattr(ssd_runs, "SMALL_READ", 150)
 
-    def job(size: int | None) -> Job:
+    def job(size: int | None, index: int) -> Job:
         if size is None:
             return Job(b"k", None, None, "p")  # queued or absent
-        return Job(b"k", b"raw", make_meta(size), "p")
+        return Job(b"k", b"raw", make_meta(size, index), "p")
 
     sizes = [100, 100, 100, 100, 100, None, 100, 100, 200, 100, 90, 90]
-    got = [list(r) for r in ssd_runs.plan_runs([job(s) for s in sizes])]
+    got = [list(r) for r in ssd_runs.plan_runs([job(s, i) for i, s in enumerate(sizes)])]
     # the first alone (it allocates), three at most (RUN_BYTES), a queued one alone,
     # a large one alone, a change of size cuts
     assert got == [[0], [1, 2, 3], [4], [5], [6, 7], [8], [9], [10, 11]]
     assert ssd_runs.plan_runs([]) == []
+    # a block another tier holds (chain index 3) cuts: a run is one stretch of the chain
+    gap = [job(100, i) for i in (0, 1, 2, 4, 5)]
+    assert [list(r) for r in ssd_runs.plan_runs(gap)] == [[0], [1, 2], [3, 4]]
 
 
-def make_meta(nbytes: int):
+def make_meta(nbytes: int, index: int = 0):
     from prefixcache.blocks import BlockMeta
 
-    return BlockMeta(b"k", b"p", b"r", 0, b"", nbytes, nbytes + 8, 0, 0.0, 0.0)
+    return BlockMeta(b"k", b"p", b"r", index, b"", nbytes, nbytes + 8, 0, 0.0, 0.0)
 
 
 def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier):
@@ -277,3 +284,53 @@ def test_the_contiguous_runs_of_a_region_cover_it_in_order():
     whole = contiguous(buf[1])
     assert len(whole) == 1 and bytes(whole[0]) == buf[1].tobytes()
     assert contiguous(buf[:, :, 3:3, :]) == []
+
+
+@pytest.mark.parametrize("hot_at", [[3], [1, 4]], ids=["one_hot_block", "two_hot_blocks"])
+def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(tmp_path, monkeypatch, hot_at):
+    """Blocks of one chain held by hot between blocks held only by the SSD tier (as
+    eviction and promotion leave them): the SSD blocks around a hot one are not one
+    run, so each lands at its own place and the restore equals the live run. The
+    control places runs across the gap (the bug this guards against): the blocks
+    after it land one place early and the logits differ."""
+    model = tiny_model("llama")
+    tokens = prompt(31, 8 * 16 + 5)
+    config = CacheConfig(block_size=16, promote=False, ssd_dir=str(tmp_path))
+
+    def fetch_logits(pc):
+        restored, num = pc.fetch(tokens)
+        assert num == 8 * 16 + 4
+        assert {type(c.keys) for c in restored} == {mx.array}
+        return prefill(model, tokens[num:], restored), num
+
+    with PrefixCache(model, config, model_id="tiny") as pc:
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        pc.store(tokens, cache)
+        pc.trim_hot(0)
+        pc.flush()
+        keys = chain_keys(pc._root(None), token_bytes(tokens), 16)
+        for i in hot_at:  # back into hot: the chain is ssd, ..., hot, ssd, ...
+            assert pc.hot.put(pc.ssd.load(keys[i]))
+        assert [k in pc.hot for k in keys] == [i in hot_at for i in range(len(keys))]
+        jobs = ssd_runs_jobs(pc, keys, hot_at)
+        for run in ssd_runs.plan_runs(jobs):  # a run is a stretch of the chain
+            first = jobs[run.start].meta.index
+            assert [jobs[j].meta.index for j in run] == list(range(first, first + len(run)))
+        logits, num = fetch_logits(pc)
+        assert max_diff(logits, live_logits(model, tokens, num)) == 0.0
+
+        # control: the full blocks after the first in one run, across the gap
+        def runs(jobs):
+            return [range(1), range(1, len(jobs) - 1), range(len(jobs) - 1, len(jobs))]
+
+        monkeypatch.setattr(readers, "plan_runs", runs)
+        bad, _ = fetch_logits(pc)
+        assert max_diff(bad, live_logits(model, tokens, num)) > 0.0
+
+
+def ssd_runs_jobs(pc, keys, hot_at) -> list[Job]:
+    """The SSD stream's jobs of the chain's blocks that hot does not hold."""
+    from prefixcache.tiers.ssd.stream import _jobs
+
+    return _jobs(pc.ssd, [k for i, k in enumerate(keys) if i not in hot_at])

@@ -50,9 +50,11 @@ RUN_BYTES = 4 << 20
 
 
 def plan_runs(jobs: Sequence[Job]) -> list[range]:
-    """The jobs cut into runs: consecutive small payloads of one file size,
-    RUN_BYTES at most; every other job (large, queued, absent, or the first: it
-    must not wait for the buffers it allocates) a run of its own."""
+    """The jobs cut into runs: small payloads of one file size that follow each
+    other in the chain, RUN_BYTES at most; every other job (large, queued, absent,
+    or the first: it must not wait for the buffers it allocates) a run of its own.
+    A run is placed as one region from its first block on, so a block another
+    tier holds (e.g. hot, between two SSD blocks) ends it."""
     out: list[range] = []
     start = 0
     for i in range(1, len(jobs)):
@@ -63,6 +65,7 @@ def plan_runs(jobs: Sequence[Job]) -> list[range]:
             or meta is None
             or not small(jobs[i])
             or meta.file_bytes != first.file_bytes
+            or meta.index != first.index + (i - start)
             or (i - start + 1) * first.nbytes > RUN_BYTES
         ):
             out.append(range(start, i))
