@@ -1,10 +1,9 @@
 """Restore: rebuild a :class:`~prefixcache.lookup.Plan` into caches at their final length.
 
 Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
-up to mlx-lm's 256-token step) filled block by block by slice assignment, so
-there is no growing concatenation and the suffix prefill writes in place.
-Blocks are fed block-major and evaluated one at a time, each loaded from the
-tier the plan names (:class:`ChainLoad`). Hot blocks are used as they are;
+up to mlx-lm's 256-token step; buffers of hot blocks allocated in one evaluation)
+filled block by block, so the suffix prefill writes in place. Each block is
+loaded from the tier the plan names (:class:`ChainLoad`). Hot blocks are used as they are;
 the other tiers' readers stream theirs: the buffers are allocated, unwritten,
 from the first streamed block's header (else that block's copy allocates
 them), and the SSD reader's threads read every tensor straight into the
@@ -184,6 +183,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
                 _add_block(builders, users, index, *loader.payload(index))
     finally:
         loader.stop()
+    mx.eval([b.allocate() for b in builders])  # every buffer still to make, at once
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches

@@ -38,6 +38,7 @@ class TokenBuffer:
         # dtype and (B, heads, capacity, dim) of ``array``, set before ``_host``
         self._dtype: mx.Dtype | None = None
         self._dims = (0, 0, 0, 0)
+        self._fresh: mx.array | None = None  # allocated ahead (``allocate``), not yet opened
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -95,6 +96,17 @@ class TokenBuffer:
             return None
         return self._host[:, :, start : start + shape[2], :]
 
+    def allocate(self) -> list[mx.array]:
+        """The buffer the queued segments will be copied into, created (lazily) for
+        the caller to evaluate with others; [] if there is none to make."""
+        if self._host is not None or self._fresh is not None or not self._pending:
+            return []
+        x = self._pending[0][1]
+        if len(x.shape) != 4:
+            return []  # materialize reports it
+        self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+        return [self._fresh]
+
     def materialize(self) -> mx.array | None:
         """Write the queued segments; returns the buffer or None if empty.
 
@@ -109,7 +121,12 @@ class TokenBuffer:
             x = self._pending[0][1]
             if len(x.shape) != 4:
                 raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-            self._open(_new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype))
+            fresh, self._fresh = self._fresh, None
+            self._open(
+                fresh
+                if fresh is not None
+                else _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+            )
         self._copy_pending()
         return self.array
 

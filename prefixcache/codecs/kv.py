@@ -117,6 +117,9 @@ class KVBuilder(Builder):
             return None
         return buf.destination(index * self.block_size - self.first, dtype, run)
 
+    def allocate(self) -> list[mx.array]:
+        return self.keys.allocate() + self.values.allocate()
+
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 

@@ -114,6 +114,9 @@ class QuantizedBuilder(Builder):
         buf = self.parts[kind][PARTS.index(part)]
         return buf.destination(index * self.block_size, dtype, run)
 
+    def allocate(self) -> list[mx.array]:
+        return [a for bufs in self.parts.values() for b in bufs for a in b.allocate()]
+
     def buffers(self) -> list[mx.array]:
         out = (b.materialize() for bufs in self.parts.values() for b in bufs)
         return [b for b in out if b is not None]

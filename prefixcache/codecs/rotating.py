@@ -196,6 +196,9 @@ class RotatingBuilder(Builder):
         self.keys.add(pos, keys[..., a - first : b - first, :])
         self.values.add(pos, values[..., a - first : b - first, :])
 
+    def allocate(self) -> list[mx.array]:
+        return self.keys.allocate() + self.values.allocate()
+
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]
 
