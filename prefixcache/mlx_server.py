@@ -181,14 +181,23 @@ class TieredPromptCache(CacheLifecycle):
 
         Blocks are shared between sequences, so there is no per-sequence unit
         to drop: ``n_sequences=0`` empties the hot tier, other counts keep it.
+        The blocks of the request last fetched go first: it is in flight, its
+        cache holds them too, and its insert at the end keeps them again (as
+        mlx-lm's LRU drops the entry a request was copied from).
         """
         limit = None if n_bytes is None else max(0, n_bytes)
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
             if limit is not None and self._cache is not None:
+                # mlx-lm trims right after admitting a request: the one last fetched is
+                # in flight, and its cache is inserted when it ends (trim_hot's ``first``)
+                first = extra = None
+                if self._last is not None and self._last[0] == self._key and not self.shared:
+                    first = text_prefix(self._last[1])
+                    extra = self.requests.for_fetch(self._last[1]).extra
                 try:
-                    self._cache.trim_hot(limit)
+                    self._cache.trim_hot(limit, first=first, extra=extra)
                 except _STORAGE_ERRORS as err:  # spilling evicted blocks
                     self._storage_error("trim", err)
 

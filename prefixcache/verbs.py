@@ -16,6 +16,8 @@ from typing import Any
 from .config import CacheConfig
 from .controls import Controls, tail_keys
 from .hashing import chain_keys, token_bytes
+from .layout import ModelLayout
+from .lookup import Lookup
 from .pins import pin_until
 from .tiers.hot import HotTier
 from .tiers.stack import TierStack
@@ -32,6 +34,8 @@ class ControlVerbs:
     config: CacheConfig
     controls: Controls
     tiers: TierStack
+    layout: ModelLayout
+    lookup: Lookup
     _lock: AbstractContextManager[object]
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes: ...
@@ -100,12 +104,31 @@ class ControlVerbs:
         """The SSD tier, or None (``hot_cache_only``)."""
         return self.tiers.named("ssd")
 
-    def trim_hot(self, max_bytes: int) -> int:
-        """Evict LRU hot blocks (leaves first, pinned ones kept) until at most
+    def trim_hot(
+        self,
+        max_bytes: int,
+        *,
+        first: Sequence[int] | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> int:
+        """Evict hot blocks (leaves first, pinned ones kept) until at most
         ``max_bytes`` are held; dirty blocks spill as on any eviction. Returns how
-        many blocks left the hot tier."""
+        many blocks left the hot tier.
+
+        ``first``: the tokens of a request in flight whose cache will be stored
+        when it ends. Its restored chain is held twice meanwhile (in hot and in
+        the request's cache), so its blocks go first, deepest first, where every
+        layer can be cut back (the store makes each of them again from the
+        cache); then the eviction policy's own choice.
+        """
+        limit = max(0, max_bytes)
         with self._lock:
-            return self.tiers.hot.evict_to(max(0, max_bytes))
+            num = 0
+            if first and not self.layout.checkpointed:
+                # the blocks its fetch restored: the plan again (metadata only)
+                plan = self.lookup.plan(token_bytes(first), self._root(extra))
+                num = self.tiers.hot.evict_chain(reversed(plan.keys), limit)
+            return num + self.tiers.hot.evict_to(limit)
 
     def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
         """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""

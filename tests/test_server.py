@@ -352,3 +352,61 @@ def test_namespace_names_the_model_path_and_its_weights(llama):
     with TieredPromptCache(lambda key: other, HOT) as tiered:
         serve_batched(tiered, other, prompt(1, 40))
         assert tiered._cache.namespace.model_id != model_id  # same path, other weights
+
+
+class TrimAfterFetch:
+    """mlx-lm's batch path as it trims: right after admitting each request."""
+
+    def __init__(self, tiered: TieredPromptCache, limit: int, *, in_flight: bool = True):
+        self.tiered, self.limit, self.in_flight = tiered, limit, in_flight
+
+    def fetch_nearest_cache(self, model_key, tokens):
+        got = self.tiered.fetch_nearest_cache(model_key, tokens)
+        if not self.in_flight:
+            self.tiered._last = None  # control: a trim that knows of no request in flight
+        self.tiered.trim_to(n_bytes=self.limit)
+        return got
+
+    def insert_cache(self, model_key, tokens, prompt_cache, *, cache_type="assistant"):
+        self.tiered.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in_flight_first", "control"])
+def test_trim_to_evicts_the_request_in_flight_first(llama, in_flight):
+    """The chain a request was just restored from is held twice (hot and its cache)
+    and kept again by its insert: trimming takes it first, so an older conversation
+    survives, and the request's next turn is still restored whole and exactly. The
+    control (a trim with no request in flight) evicts the older conversation."""
+    ref = NoCache()
+    with TieredPromptCache(lambda key: llama, HOT) as tiered:
+        old, new = prompt(1, 64), prompt(2, 64)
+        old = old + serve_batched(tiered, llama, old)[0]
+        new = new + serve_batched(tiered, llama, new)[0]
+        pc = tiered._cache
+        assert pc.match([*old, 7]) == len(old)
+        turn = [*new, *prompt(3, 16)]
+        trim = TrimAfterFetch(tiered, tiered.nbytes // 2, in_flight=in_flight)
+        out, cached = serve_batched(trim, llama, turn)
+        assert cached == len(new) and out == serve_batched(ref, llama, turn)[0]
+        # the older conversation: whole when the in-flight chain went first
+        assert (pc.match([*old, 7]) == len(old)) is in_flight
+        history = turn + out
+        nxt = [*history, *prompt(4, 16)]
+        out, cached = serve_batched(tiered, llama, nxt)  # the in-flight one was kept again
+        assert cached == len(history) and out == serve_batched(ref, llama, nxt)[0]
+
+
+def test_a_checkpointed_layout_trims_by_its_policy_alone():
+    """Where a layer cannot be cut back (recurrent state), a store cannot make the
+    in-flight chain's checkpoints again: ``first`` changes nothing."""
+    model = tiny_model("mamba2")
+    left = []
+    for first in (None, "in flight"):
+        with TieredPromptCache(lambda key: model, HOT) as tiered:
+            a, b = prompt(1, 64), prompt(2, 64)
+            serve_batched(tiered, model, a)
+            serve_batched(tiered, model, b)
+            tiered.fetch_nearest_cache(KEY, [*b, 5])
+            tiered._cache.trim_hot(tiered.nbytes // 2, first=[*b, 5] if first else None)
+            left.append(sorted(block.key for block in tiered._cache.hot))
+    assert left[0] == left[1]

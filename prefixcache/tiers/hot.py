@@ -13,15 +13,15 @@ Not thread-safe by itself: the manager holds its lock around every call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..blocks import Block
-from ..errors import MissReason
 from ..host import host_bytes
 from ..pins import Pins
 from .base import BlockListener, ListsChildren, Tier, TierReader
+from .hot_reader import HotReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 CostHook = Callable[[Block], float]  # FLOPs to recompute the block (costs.py)
@@ -97,7 +97,7 @@ class HotTier(ListsChildren, Tier):
         return [self._lru[k] for k in kids] if kids else []
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
-        return _HotReader(self, keys)
+        return HotReader(self, keys)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.pop(key) is not None for key in keys)
@@ -165,6 +165,18 @@ class HotTier(ListsChildren, Tier):
                 break
             self._evict(leaf)
             num += 1
+        return num
+
+    def evict_chain(self, keys: Iterable[bytes], max_bytes: int) -> int:
+        """Evict ``keys`` (a chain, deepest first) while over ``max_bytes``, each while
+        a leaf and not pinned; keys hot does not hold (a prompt's tail) are passed."""
+        num = 0
+        for key in keys:
+            if self.nbytes <= max_bytes or self._children.get(key) or self.pins.holds(key):
+                break
+            if key in self._lru:
+                self._evict(key)
+                num += 1
         return num
 
     def _victim(self) -> bytes | None:
@@ -276,20 +288,3 @@ class HotTier(ListsChildren, Tier):
                 and other.arrays.keys() <= block.arrays.keys()
             ):
                 self.remove([other.key])
-
-
-class _HotReader(TierReader):
-    """Hot blocks need no reading: the restore copies them from the tier itself."""
-
-    def __init__(self, hot: HotTier, keys: Sequence[bytes]):
-        self.hot, self.keys = hot, keys
-
-    def load(self, index: int) -> Block | None:
-        return self.hot.get(self.keys[index])
-
-    def miss(self, index: int) -> MissReason:
-        return MissReason.EVICTED  # another thread's eviction since the lookup
-
-    def host_views(self, index: int) -> Mapping[str, np.ndarray] | None:
-        key = self.keys[index]
-        return self.hot.host_views(key) if key in self.hot else None
