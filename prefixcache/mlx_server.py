@@ -189,7 +189,7 @@ class TieredPromptCache(CacheLifecycle):
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
-            if limit is not None and self._cache is not None:
+            if limit is not None and self._cache is not None and self.nbytes > limit:
                 # mlx-lm trims right after admitting a request: the one last fetched is
                 # in flight, and its cache is inserted when it ends (trim_hot's ``first``)
                 first = extra = None

@@ -124,11 +124,14 @@ class ControlVerbs:
         limit = max(0, max_bytes)
         with self._lock:
             num = 0
+            hot = self.tiers.hot
+            if hot.nbytes <= limit:
+                return 0
             if first and not self.layout.checkpointed:
                 # the blocks its fetch restored: the plan again (metadata only)
                 plan = self.lookup.plan(token_bytes(first), self._root(extra))
-                num = self.tiers.hot.evict_chain(reversed(plan.keys), limit)
-            return num + self.tiers.hot.evict_to(limit)
+                num = hot.evict_chain(reversed(plan.keys), limit)
+            return num + hot.evict_to(limit)
 
     def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
         """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""
