@@ -158,3 +158,28 @@ def test_cost_aware_eviction_never_takes_a_pinned_or_inner_block():
 
 def float_index(b: Block) -> float:
     return float(1 + b.index)
+
+
+def test_cost_aware_eviction_ages_out_a_deep_chain_nobody_uses():
+    """GreedyDual-Size credits: a deep history outlives newer shallow prompts for a
+    while, but the floor rises with every eviction, so once unused long enough it
+    goes (a rank + worth rule kept it for good); the same chain, touched now and
+    then, stays. Control: LRU evicts it at the first eviction."""
+
+    def run(cost, touch_every: int | None) -> int | None:
+        gone: list[bytes] = []
+        hot = HotTier(max_bytes=8 * 64, on_evict=lambda b, d: gone.append(b.key), cost=cost)
+        deep = deep_chain(hot, "d", 6)  # leaf at depth 5: worth 36 against 1
+        for i in range(200):
+            if touch_every and i % touch_every == 0:
+                hot.touch([block(f"d{j}").key for j in range(6)])
+            hot.put(block(f"p{i}"))  # one-block prompts, each used once
+            if deep.key in gone:
+                return i  # the deep leaf went after this many prompts
+        return None
+
+    by_depth = lambda b: float(1 + b.index) ** 2  # noqa: E731
+    aged = run(by_depth, None)
+    assert aged is not None and aged > 10  # it outlived many newer prompts, then aged out
+    assert run(by_depth, 5) is None  # used now and then: kept
+    assert run(None, None) == 2  # control: LRU takes it at the first eviction

@@ -10,8 +10,9 @@ cannot hold everything. Each request fetches, prefills the uncached tokens on
 the model (chunks of <= 512), decodes the reply (teacher-forced, not timed)
 and stores prompt + reply. Systems, at each budget (``--budget``):
 
-  cost       eviction="cost" (the default): least rank + FLOPs per byte among
-             the 32 least recently used leaves (hot.py)
+  cost       eviction="cost" (the default): the least credit among the 32 least
+             recently used leaves (GreedyDual-Size: FLOPs per byte over a rising
+             floor, prefixcache/tiers/credit.py)
   lru        eviction="lru": the least recently used leaf
   mlx-lm LRU LRUPromptCache(max_bytes=budget), whole sequences (--mlx-lru)
 
@@ -23,10 +24,16 @@ model is a narrow 2-layer llama (MLP of 32) whose attention dominates at
 depth: "cost model" in the header says from which depth. "prefill s" is the
 measured model time on the uncached tokens (2-core CPU shared with whatever
 else runs: compare within one run); ``--synthetic`` fills the caches with
-zeros instead of running the model (same tokens and FLOPs, no seconds).
+zeros instead of running the model (same tokens and FLOPs, no seconds), fast
+enough to sum many traces (``--seeds``): one trace's result swings with a few
+whole-session misses. "ended-session tokens held": the tokens of sessions
+past their last turn that hot could still restore, mean over requests (what
+the budget spends on histories nobody resumes). "evictions" counts hot's
+evictions; blocks dropped at insertion because their parent went are not in it.
 
     python tools/bench_eviction.py
-    python tools/bench_eviction.py --synthetic --budget 4M 8M 12M --chats 240
+    python tools/bench_eviction.py --synthetic --seeds 10 --budget 3M 6M 10M 16M
+    python tools/bench_eviction.py --synthetic --seeds 10 --session-span 0.25
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
+from bench_serve import print_table
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
@@ -47,21 +57,22 @@ from prefixcache.tiny import build_model
 
 MiB = 1 << 20
 CHUNK = 512
+MLX = "mlx-lm LRU"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sessions", type=int, default=6, help="long agent sessions")
-    p.add_argument("--session-turns", type=int, default=16)
+    p.add_argument("--sessions", type=int, default=4, help="long agent sessions")
+    p.add_argument("--session-turns", type=int, default=12)
     p.add_argument("--session-span", type=float, default=0.5, help="share of the trace each lives")
-    p.add_argument("--step-tokens", type=int, default=224, help="tool output + user, per turn")
+    p.add_argument("--step-tokens", type=int, default=160, help="tool output + user, per turn")
     p.add_argument("--reply-tokens", type=int, default=32, help="decoded per request")
-    p.add_argument("--chats", type=int, default=160, help="short chats")
+    p.add_argument("--chats", type=int, default=96, help="short chats")
     p.add_argument("--two-turn", type=float, default=0.5, help="share of chats with a 2nd turn")
     p.add_argument("--chat-tokens", type=int, default=96, help="user tokens per chat turn")
     p.add_argument("--systems", type=int, default=3, help="shared system prompts")
     p.add_argument("--system-tokens", type=int, default=384)
-    p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 6 * MiB, 10 * MiB])
+    p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 6 * MiB])
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
@@ -70,6 +81,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", action="store_true", help="zeros for K/V, no model run")
     p.add_argument("--mlx-lru", action="store_true", help="also mlx-lm's LRUPromptCache")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1, help="traces (seed, seed + 1, ...), summed")
     return p
 
 
@@ -82,9 +94,9 @@ class Request:
     reply: list[int]  # decoded after the prompt, stored with it
 
 
-def make_trace(args: argparse.Namespace) -> tuple[list[list[int]], list[Request]]:
-    """(system prompts, requests in arrival order) from ``args.seed``."""
-    rng = random.Random(args.seed)
+def make_trace(args: argparse.Namespace, seed: int) -> tuple[list[list[int]], list[Request]]:
+    """(system prompts, requests in arrival order) from ``seed``."""
+    rng = random.Random(seed)
     tokens = lambda n: [rng.randrange(1, 500) for _ in range(n)]  # noqa: E731
     systems = [tokens(args.system_tokens) for _ in range(args.systems)]
     out, span = [], args.session_span
@@ -134,7 +146,10 @@ class Result:
     flops: dict[str, float] = field(default_factory=lambda: {"session": 0.0, "chat": 0.0})
     prefill_s: float = 0.0
     wall_s: float = 0.0
+    seeds: int = 1
+    synthetic: bool = False
     evictions: int = 0
+    ended_held: float = 0.0  # tokens of ended sessions hot holds, mean over requests
 
 
 def extend(model: Any, cache: list[Any], tokens: list[int], args) -> None:
@@ -149,11 +164,13 @@ def extend(model: Any, cache: list[Any], tokens: list[int], args) -> None:
             mx.eval(model(mx.array([chunk]), cache=cache))
 
 
-def run(name: str, budget: int, pc: Any, model, systems, trace, args) -> Result:
-    """Replay ``trace`` through ``pc`` (fetch, prefill, decode, store per request)."""
-    result, histories = Result(name, budget), {}
+def run(result: Result, pc: Any, model, systems, trace, args) -> None:
+    """Replay ``trace`` through ``pc`` (fetch, prefill, decode, store per request),
+    adding to ``result``."""
+    histories: dict[int, list[int]] = {}
+    last = {req.conv: i for i, req in enumerate(trace)}
     began = time.perf_counter()
-    for req in trace:
+    for i, req in enumerate(trace):
         prompt = histories.get(req.conv, systems[req.system]) + req.new
         cache, cached = pc.fetch(prompt)
         start = time.perf_counter()
@@ -166,12 +183,13 @@ def run(name: str, budget: int, pc: Any, model, systems, trace, args) -> Result:
         result.cached_tokens += cached
         kind = "session" if req.conv < args.sessions else "chat"
         result.flops[kind] += args.cost.flops(cached, len(prompt) - cached)
+        if isinstance(pc, PrefixCache):  # what hot still holds of sessions that ended
+            ended = [h for c, h in histories.items() if c < args.sessions and last[c] <= i]
+            result.ended_held += sum(map(pc.match, ended)) / len(trace)
     if isinstance(pc, PrefixCache):
-        result.evictions = pc.stats()["hot"]["num_evictions"]
+        result.evictions += pc.stats()["hot"]["num_evictions"]
     pc.close()
-    result.prefill_s = -1.0 if args.synthetic else result.prefill_s
-    result.wall_s = time.perf_counter() - began
-    return result
+    result.wall_s += time.perf_counter() - began
 
 
 def summary(r: Result, reference: Result) -> dict[str, str]:
@@ -185,17 +203,11 @@ def summary(r: Result, reference: Result) -> dict[str, str]:
         "vs lru": f"{total / ref - 1:+6.1%}" if ref else "-",
         "sessions GFLOP": f"{r.flops['session'] / 1e9:7.2f}",
         "chats GFLOP": f"{r.flops['chat'] / 1e9:7.2f}",
-        "prefill s": f"{r.prefill_s:6.2f}" if r.prefill_s >= 0 else "-",
-        "evictions": f"{r.evictions:,}",
+        "prefill s": "-" if r.synthetic else f"{r.prefill_s:6.2f}",
+        "evictions": "-" if r.name == MLX else f"{r.evictions:,}",
+        "ended-session tokens held": "-" if r.name == MLX else f"{r.ended_held / r.seeds:,.0f}",
         "wall": f"{r.wall_s:5.1f} s",
     }
-
-
-def print_table(rows: list[dict[str, str]]) -> None:
-    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
-    print("  ".join(k.ljust(w) for k, w in widths.items()))
-    for row in rows:
-        print("  ".join(row[k].ljust(w) for k, w in widths.items()))
 
 
 def describe(args, model, systems, trace) -> None:
@@ -208,7 +220,8 @@ def describe(args, model, systems, trace) -> None:
     kv = sum(c.nbytes for c in _probe(model)) // 256  # KVCache holds steps of 256
     longest = max(lengths[s] for s in range(args.sessions)) if args.sessions else 0
     print(
-        f"trace: {len(trace)} requests; {args.sessions} sessions x {args.session_turns} turns "
+        f"trace{' (1st of ' + str(args.seeds) + ')' if args.seeds > 1 else ''}: "
+        f"{len(trace)} requests; {args.sessions} sessions x {args.session_turns} turns "
         f"(final histories up to {longest:,} tokens), {args.chats} chats on {args.systems} "
         f"system prompts of {args.system_tokens}; block size {args.block_size}; "
         f"all final sequences {sum(lengths.values()) * kv / MiB:.1f} MiB of K/V ({kv} B/token)"
@@ -234,20 +247,22 @@ def main() -> None:
     heads = {"num_attention_heads": args.heads, "num_key_value_heads": 2, "head_dim": 32}
     model = build_model("llama", seed=args.seed, num_hidden_layers=args.layers, **width, **heads)
     args.cost = RecomputeCost.of(model, _probe(model))
-    systems, trace = make_trace(args)
-    describe(args, model, systems, trace)
+    traces = [make_trace(args, seed) for seed in range(args.seed, args.seed + args.seeds)]
+    describe(args, model, *traces[0])
     base = CacheConfig(block_size=args.block_size, hot_cache_only=True, restore_headroom=0)
     rows = []
     for budget in args.budget:
-        made = [
-            (p, lambda p=p, b=budget: PrefixCache(model, base.replace(hot_max_bytes=b, eviction=p)))
+        made: list[tuple[str, Callable[[], Any]]] = [
+            (p, partial(PrefixCache, model, base.replace(hot_max_bytes=budget, eviction=p)))
             for p in ("lru", "cost")
         ]
         if args.mlx_lru:
-            made.append(("mlx-lm LRU", lambda b=budget: MlxLRU(model, b)))
+            made.append((MLX, partial(MlxLRU, model, budget)))
         reference = None
         for name, make in made:
-            result = run(name, budget, make(), model, systems, trace, args)
+            result = Result(name, budget, seeds=args.seeds, synthetic=args.synthetic)
+            for systems, trace in traces:
+                run(result, make(), model, systems, trace, args)
             reference = reference or result
             rows.append(summary(result, reference))
             print(" | ".join(f"{k} {v.strip()}" for k, v in rows[-1].items()), flush=True)

@@ -7,6 +7,8 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
+With a cost (``eviction="cost"``), the victim among the least recently used
+leaves is the one of least credit (credit.py).
 Not thread-safe by itself: the manager holds its lock around every call.
 """
 
@@ -21,10 +23,10 @@ from ..blocks import Block
 from ..host import host_bytes
 from ..pins import Pins
 from .base import BlockListener, ListsChildren, Tier, TierReader
+from .credit import CostHook, Credits
 from .hot_reader import HotReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
-CostHook = Callable[[Block], float]  # FLOPs to recompute the block (costs.py)
 _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
@@ -44,7 +46,6 @@ class HotTier(ListsChildren, Tier):
         cost: CostHook | None = None,
     ):
         self.max_bytes = max_bytes
-        self.cost = cost
         self.pins = pins if pins is not None else Pins()
         self.listener: BlockListener | None = None
         self.on_evict = on_evict
@@ -58,6 +59,7 @@ class HotTier(ListsChildren, Tier):
         self._dirty: set[bytes] = set()
         # host bytes of a block's arrays, made on its first restore
         self._views: dict[bytes, tuple[Block, dict[str, np.ndarray]]] = {}
+        self.credits = Credits(cost) if cost is not None else None  # cost-aware eviction
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -125,6 +127,8 @@ class HotTier(ListsChildren, Tier):
         for key in reversed(list(keys)):
             if key in self._lru:
                 self._lru.move_to_end(key)
+                if self.credits is not None:
+                    self.credits.used(key)
 
     def put(self, block: Block, *, dirty: bool = False, at_cold_end: bool = False) -> bool:
         """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
@@ -136,11 +140,13 @@ class HotTier(ListsChildren, Tier):
         first to go, so a chain larger than the budget keeps its root-most part.
         """
         if block.key in self._lru:
-            self._lru.move_to_end(block.key)
+            self.touch([block.key])
             return True
         if block.nbytes > self.max_bytes:
             return False
         self._lru[block.key] = block
+        if self.credits is not None:
+            self.credits.added(block, first_to_go=at_cold_end)
         if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
         self._children.setdefault(block.parent, {})[block.key] = None
@@ -151,16 +157,18 @@ class HotTier(ListsChildren, Tier):
             self._dirty.add(block.key)
         if self.listener is not None:
             self.listener.stored(self.name, [block])
-        self.evict_to(self.max_bytes)
+        self.evict_to(self.max_bytes, keep=block.key)
         return True
 
-    def evict_to(self, max_bytes: int) -> int:
-        """Evict LRU leaves until at most ``max_bytes`` are held; returns how many."""
+    def evict_to(self, max_bytes: int, *, keep: bytes | None = None) -> int:
+        """Evict LRU leaves until at most ``max_bytes`` are held; returns how many.
+        ``keep``: a block just put, evicted only when no other leaf can go (its
+        chain's later blocks would have no parent to go under)."""
         num = 0
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
-            leaf = self._victim()
+            leaf = self._victim(keep)
             if leaf is None:  # every leaf is pinned
                 break
             self._evict(leaf)
@@ -179,18 +187,16 @@ class HotTier(ListsChildren, Tier):
                 num += 1
         return num
 
-    def _victim(self) -> bytes | None:
+    def _victim(self, keep: bytes | None = None) -> bytes | None:
         """The leaf to evict (never a pinned one), or None.
 
-        Without a cost, the least recently used leaf. With one, among the
-        least recently used leaves the one of least utility: its recency rank
-        plus what it saves per byte (recompute FLOPs), each scaled to [0, 1]
-        (the Marconi paper's recency + FLOP efficiency): a deep block of a long
-        history outlives a shallow one of the same age. Pinned leaves met on
-        the way move to the recent end, so the next scan does not walk them again.
+        Without a cost, the least recently used leaf. With one, among the least
+        recently used leaves the one of least credit (credit.py). Pinned leaves
+        met on the way move to the recent end, so the next scan does not walk
+        them again.
         """
         met, found = [], []
-        want = 1 if self.cost is None else _CANDIDATES
+        want = 1 if self.credits is None else _CANDIDATES
         for key in self._lru:
             if self._children.get(key):
                 continue
@@ -202,12 +208,10 @@ class HotTier(ListsChildren, Tier):
                 break
         for key in met:
             self._lru.move_to_end(key)
-        if len(found) < 2 or self.cost is None:
+        if not found or self.credits is None:
             return found[0] if found else None
-        worth = [self.cost(self._lru[k]) / max(1, self._lru[k].nbytes) for k in found]
-        top = max(worth) or 1.0
-        utility = [i / len(found) + w / top for i, w in enumerate(worth)]
-        return found[utility.index(min(utility))]
+        others = [k for k in found if k != keep]
+        return self.credits.victim(others or found)
 
     def _shed_one(self) -> bool:
         """Drop the snapshot of the oldest block inside a chain that has one."""
@@ -250,6 +254,8 @@ class HotTier(ListsChildren, Tier):
         if block is None:
             return None
         self._views.pop(key, None)
+        if self.credits is not None:
+            self.credits.removed(key)
         self.nbytes -= block.nbytes
         self._dirty.discard(key)
         self._sheddable.pop(key, None)
