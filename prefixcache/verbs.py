@@ -28,7 +28,7 @@ class ControlVerbs:
 
     ``pin``, ``unpin``, ``end_session``, ``trim_hot``, and its tiers (``hot``,
     ``ssd``). It uses the cache's ``controls``, ``tiers``, ``config``,
-    ``_lock``, ``_root`` and ``_check_open``.
+    ``layout``, ``lookup``, ``_lock``, ``_root`` and ``_check_open``.
     """
 
     config: CacheConfig
