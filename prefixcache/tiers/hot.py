@@ -17,14 +17,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
-import numpy as np
-
 from ..blocks import Block
-from ..host import host_bytes
 from ..pins import Pins
 from .base import BlockListener, ListsChildren, Tier, TierReader
 from .credit import CostHook, Credits
-from .hot_reader import HotReader
+from .hot_reader import HostViews, HotReader
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
@@ -57,8 +54,7 @@ class HotTier(ListsChildren, Tier):
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
-        # host bytes of a block's arrays, made on its first restore
-        self._views: dict[bytes, tuple[Block, dict[str, np.ndarray]]] = {}
+        self.views = HostViews()  # what restores copy from (hot_reader.py)
         self.credits = Credits(cost) if cost is not None else None  # cost-aware eviction
 
     def __len__(self) -> int:
@@ -99,7 +95,7 @@ class HotTier(ListsChildren, Tier):
         return [self._lru[k] for k in kids] if kids else []
 
     def reader(self, keys: Sequence[bytes]) -> TierReader:
-        return HotReader(self, keys)
+        return HotReader(self._lru, self.views, keys)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.pop(key) is not None for key in keys)
@@ -237,23 +233,11 @@ class HotTier(ListsChildren, Tier):
         if block is not None and self.on_evict is not None:
             self.on_evict(block, dirty)
 
-    def host_views(self, key: bytes) -> dict[str, np.ndarray]:
-        """Host bytes of block ``key``'s 4-axis arrays (made once, kept while it is
-        held): what a restore copies from, without a view per array per restore."""
-        block = self._lru[key]
-        made = self._views.get(key)
-        if made is None or made[0] is not block:  # new, or the block was replaced
-            made = self._views[key] = (
-                block,
-                {n: host_bytes(a) for n, a in block.arrays.items() if a.ndim == 4},
-            )
-        return made[1]
-
     def pop(self, key: bytes) -> Block | None:
         block = self._lru.pop(key, None)
         if block is None:
             return None
-        self._views.pop(key, None)
+        self.views.forget(key)
         if self.credits is not None:
             self.credits.removed(key)
         self.nbytes -= block.nbytes
