@@ -230,7 +230,8 @@ def _reserve_first(
     plan: Plan,
     first: tuple[int, Mapping[str, Placed]] | None,
 ) -> None:
-    """Allocate the buffers of the first streamed block's layers from its header."""
+    """Allocate the buffers of the first streamed block's layers from its header,
+    in one evaluation, and open them before any reader starts."""
     if first is None:
         return
     index, specs = first
@@ -238,8 +239,11 @@ def _reserve_first(
     tokens = len(plan.entries[index].tokens) // TOKEN_BYTES
     specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
-    for i in users[index]:
-        builders[i].reserve(index, layers.get(i, {}))
+    reserved = {i: builders[i].reserve(index, layers.get(i, {})) for i in users[index]}
+    mx.eval(list(reserved.values()))  # every buffer at once
+    for i, arrays in reserved.items():
+        if arrays:
+            builders[i].buffers()  # opens them for the readers (``destination``)
 
 
 def _add_block(

@@ -266,7 +266,9 @@ def test_builders_give_a_run_region_only_for_full_blocks():
     builder = KVBuilder(KVCache(), 40, 256, 8)
     shape = (1, 2, 8, 4)
     spec = Placed(None, mx.bfloat16, shape)
-    builder.reserve(0, {"keys": spec, "values": spec})
+    mx.eval(builder.reserve(0, {"keys": spec, "values": spec}))
+    assert builder.destination(1, "keys", mx.bfloat16, shape) is None  # not open yet
+    builder.buffers()  # opens the reserved buffers
     one = builder.destination(1, "keys", mx.bfloat16, shape)
     three = builder.destination(1, "keys", mx.bfloat16, shape, 3)
     assert one.shape == (1, 2, 8, 8) and three.shape == (1, 2, 24, 8)

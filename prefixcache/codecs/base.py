@@ -119,7 +119,8 @@ class Builder(ABC):
     def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
         """Allocate (unwritten) the buffers block ``index``'s streamed tensors go into,
         given the tensors or their dtypes and shapes (``Placed``). Returns what to
-        evaluate; [] when this builder allocates nothing ahead."""
+        evaluate (the restore evaluates every builder's at once, then ``buffers``
+        opens them for ``destination``); [] when this builder allocates nothing ahead."""
         return []
 
     def destination(

@@ -71,19 +71,21 @@ class TokenBuffer:
 
     def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
         """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write
-        in place from then on: readers may read later tensors straight into it.
+        in place once ``materialize`` opens it: readers may then read later tensors
+        straight into it.
 
         ``x`` is a HostArray or the dtype and shape of one (a ``Placed``). The
         memory is left unwritten (a restore writes every byte once: the blocks,
-        then ``finish`` the rest). Returns the new buffer; [] when there is
-        nothing to allocate.
+        then ``finish`` the rest). Returns the new buffer, for the caller to
+        evaluate with others' (one wake of MLX's stream, not one per buffer);
+        [] when there is nothing to allocate.
         """
-        if not isinstance(x, HostArray | Placed) or self.array is not None or self._pending:
+        if not isinstance(x, HostArray | Placed) or self._host is not None or self._pending:
             return []
-        if len(x.shape) != 4:
-            return []  # _write reports it
-        self._open(_new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype))
-        return [self.array]
+        if len(x.shape) != 4 or self._fresh is not None:
+            return []  # _write reports a bad shape
+        self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+        return [self._fresh]
 
     def destination(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """Where a streamed tensor of ``dtype`` and ``shape`` for tokens from
@@ -115,6 +117,9 @@ class TokenBuffer:
         every byte, at memcpy speed (MLX's concatenate writes into fresh small
         pages, several times slower on the CPU).
         """
+        if self._host is None and self._fresh is not None and not self._pending:
+            fresh, self._fresh = self._fresh, None  # reserved: open it
+            self._open(fresh)
         if not self._pending:
             return self.array
         if self._host is None:
@@ -178,8 +183,9 @@ class TokenBuffer:
     def _write(self, start: int, x: HostArray | mx.array) -> None:
         if len(x.shape) != 4:
             raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-        if self._host is None and not self.reserve(x):
-            self.materialize()  # hot segments queued before: copied in first
+        if self._host is None:
+            self.reserve(x)
+            self.materialize()  # opens it; hot segments queued before are copied in first
         if not self._fits(start, x.dtype, x.shape):
             raise LayoutMismatchError(
                 f"block tensor {x.dtype}{tuple(x.shape)} at token {start} does not fit "
@@ -190,7 +196,7 @@ class TokenBuffer:
 
     def _open(self, array: mx.array) -> None:
         """Make ``array`` the buffer, written in place through its host view from now on."""
-        mx.eval(array)
+        mx.eval(array)  # cheap when the caller evaluated it with others
         self.array, self._dtype, self._dims = array, array.dtype, tuple(array.shape)
         self._host = host_view(array)
         advise_huge(self._host)
