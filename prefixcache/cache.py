@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import mlx.nn as nn
 
+from . import quiet
 from .capture import cut_blocks
 from .checkpoint_verbs import CheckpointVerbs, nonempty
 from .config import CacheConfig
@@ -89,6 +90,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         Returns:
             (cache list for the model, number of tokens it holds)
         """
+        quiet.open_window(self.config.background_quiet_ms / 1000)  # its prefill follows
         if shared:
             return fetch_shared(self, tokens, extra=extra)
         data = nonempty(tokens)

@@ -67,6 +67,10 @@ class CacheConfig:
         queue_full: ``drop`` (count and skip) or ``inline`` (write on the
             caller's thread) when the queue is full.
         promote: copy SSD hits into the hot tier when it has room.
+        background_quiet_ms: after each fetch, the background writers and
+            promotions start nothing new for this long (the request's prefill
+            runs then), unless a flush waits or a queue is over half full;
+            0: they never wait (quiet.py).
         kv_bits: KV quantization bits (as mlx-lm's ``kv_bits``), or None.
         kv_group_size: KV quantization group size.
         quantized_kv_start: cache length from which mlx-lm quantizes.
@@ -139,6 +143,7 @@ class CacheConfig:
     write_queue_bytes: int = 512 << 20
     queue_full: QueueFullPolicy = "drop"
     promote: bool = True
+    background_quiet_ms: int = 50
     kv_bits: int | None = None
     kv_group_size: int = 64
     quantized_kv_start: int = 0
@@ -209,6 +214,7 @@ class CacheConfig:
             "checkpoint_tail",
             "ssd_write_budget",
             "warm_bytes",
+            "background_quiet_ms",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -22,6 +22,9 @@ buffers: one copy) hands them here to be loaded again and kept above
 (``TierStack.promote``: hot while it has room, evicting nothing; ssd for a remote
 hit), so the request does not pay a second copy and an MLX array per tensor
 (on the CPU at block 16, 4-5x the restore itself). Counted as promotions.
+A promotion starts once the fetch's quiet window closes (quiet.py): its reads
+and copies would otherwise run beside that request's prefill. A prefetch
+starts at once: it is for a request still waiting.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+from . import quiet
 from .stats import Stats
 from .tiers.base import ChainEntry, Tier
 from .tiers.hot import HotTier
@@ -80,6 +85,7 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(threading.Lock())
         self._pending = 0  # jobs submitted and not finished
+        self._joining = threading.Event()  # a join waits: promotions skip the quiet window
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` (called under the lock); returns how many blocks it holds."""
@@ -112,8 +118,12 @@ class Prefetcher:
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every job submitted so far is done (call without the lock);
         False if ``timeout`` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        self._joining.set()
+        try:
+            with self._idle:
+                return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        finally:
+            self._joining.clear()
 
     def close(self) -> None:
         """Stop the thread after the block it is loading (call without the lock)."""
@@ -139,6 +149,10 @@ class Prefetcher:
                     self._idle.notify_all()
 
     def _do(self, job: Job) -> None:
+        while job.promote and (left := quiet.remaining()) > 0:
+            if job.cancelled or self._joining.is_set():
+                break
+            time.sleep(min(left, 0.01))  # what ends the wait early is seen within 10 ms
         for tier in dict.fromkeys(t for _, t, _ in job.blocks):
             mine = [(i, n) for i, t, n in job.blocks if t is tier]
             reader = tier.reader(job.keys)

@@ -230,8 +230,7 @@ def _reserve_first(
     plan: Plan,
     first: tuple[int, Mapping[str, Placed]] | None,
 ) -> None:
-    """Allocate the buffers of the first streamed block's layers from its header,
-    in one evaluation, and open them before any reader starts."""
+    """Allocate (one evaluation) and open the first streamed block's buffers."""
     if first is None:
         return
     index, specs = first
@@ -240,10 +239,9 @@ def _reserve_first(
     specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
     reserved = {i: builders[i].reserve(index, layers.get(i, {})) for i in users[index]}
-    mx.eval(list(reserved.values()))  # every buffer at once
-    for i, arrays in reserved.items():
-        if arrays:
-            builders[i].buffers()  # opens them for the readers (``destination``)
+    mx.eval(list(reserved.values()))  # every buffer at once, then open for the readers
+    for i in (i for i, arrays in reserved.items() if arrays):
+        builders[i].buffers()
 
 
 def _add_block(
@@ -264,7 +262,9 @@ def _add_block(
         builder = builders[layer]
         part = layers.get(layer, {})
         if not builder.takes_host:
-            part = {n: _to_mx(a) for n, a in part.items()}
+            part = {
+                n: a.to_mx() if isinstance(a, HostArray | Placed) else a for n, a in part.items()
+            }
         try:
             builder.add(index, part)
         except (LayoutMismatchError, KeyError) as err:
@@ -294,10 +294,6 @@ def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
         return builders[layer].destination(index, rest, dtype, shape, count)
 
     return place
-
-
-def _to_mx(a: Any) -> Any:
-    return a.to_mx() if isinstance(a, HostArray | Placed) else a
 
 
 def _reason(err: Exception) -> MissReason:

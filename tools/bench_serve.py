@@ -218,8 +218,8 @@ def print_table(rows: list[dict[str, str]]) -> None:
         print("  ".join(row[k].ljust(w) for k, w in widths.items()))
 
 
-def main() -> None:
-    args = setup_arg_parser().parse_args()
+def bench_model(args: argparse.Namespace):
+    """The trace's model (a 4-layer llama of width ``--hidden``); sets ``args.cost``."""
     width = {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden}
     heads = {
         "num_attention_heads": args.hidden // 32,
@@ -227,6 +227,12 @@ def main() -> None:
     }
     model = build_model("llama", seed=args.seed, num_hidden_layers=4, head_dim=32, **width, **heads)
     args.cost = RecomputeCost.of(model, make_prompt_cache(model))
+    return model
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    model = bench_model(args)
     systems, trace = make_trace(args)
     print(
         f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "

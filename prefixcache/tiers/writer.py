@@ -6,6 +6,8 @@ that does the file and index I/O and runs no MLX computation. A queued block
 stays visible through :meth:`Writer.pending` until its batch is written and
 indexed, so there is no window in which a just-queued block is unreadable.
 Failures are counted, logged once and re-raised by :meth:`Writer.close`.
+The thread starts nothing while a fetch's quiet window is open (quiet.py)
+unless it is urgent: a flush waits, or the queue is over half full.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .. import quiet
 from ..blocks import Block
 from ..host import Tensor
 
@@ -82,6 +85,7 @@ class Writer:
         self._num_in = 0  # items ever queued
         self._num_out = 0  # items ever finished (written, skipped or failed)
         self._requested = 0  # housekeeping rounds asked for (wake / flush)
+        self._flushing = 0  # the last round a flush waits for: urgent until done
         self._done = 0  # last round finished
         self._stop = False
         self._failure: BaseException | None = None
@@ -134,6 +138,7 @@ class Writer:
         with self._cond:
             self._requested += 1
             round_, target = self._requested, self._num_in
+            self._flushing = round_
             self._cond.notify_all()
             while (self._done < round_ or self._num_out < target) and self._thread.is_alive():
                 self._cond.wait()
@@ -182,6 +187,7 @@ class Writer:
                 if self._stop and not self._queue:
                     return
                 has_work = bool(self._queue)
+                self._wait_quiet()
             if has_work and self._hold is not None:
                 self._hold.wait()
             with self._cond:
@@ -203,6 +209,14 @@ class Writer:
                 self._num_out += len(batch)
                 self._done = max(self._done, round_)
                 self._cond.notify_all()
+
+    def _wait_quiet(self) -> None:
+        """While a fetch's quiet window is open, wait (under ``_cond``) unless a
+        flush waits, the writer stops, or the queue is over half full."""
+        while (left := quiet.remaining()) > 0:
+            if self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes:
+                return
+            self._cond.wait(left)
 
     def _take(self) -> list[WriteItem]:
         """The next batch, left in the queue (still pending) until it is written."""
