@@ -100,8 +100,8 @@ def advise_huge(host: np.ndarray) -> None:
     """
     global _libc
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or os.environ.get("PREFIXCACHE_HUGE_PAGES", "1") == "0":
-        return
+    if host.nbytes < _HUGE or advice is None or os.environ.get("PREFIXCACHE_HUGE_PAGES") == "0":
+        return  # (the size first: numpy's ``ctypes.data`` costs ~10 us)
     start = -(-host.ctypes.data // _HUGE) * _HUGE
     end = (host.ctypes.data + host.nbytes) // _HUGE * _HUGE
     if end <= start:

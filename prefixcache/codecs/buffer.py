@@ -142,18 +142,20 @@ class TokenBuffer:
         self._pending.clear()
         run: list[np.ndarray] = []
         first = end = 0
-        for start, x, view in [*pending, (None, None, None)]:
+        dtype = self._dtype
+        for start, x, view in pending:
             if run and start != end:
                 self._copy_run(run, first, end)
                 run = []
-            if start is None:
-                break
             if not run:
                 first = start
-            if len(x.shape) != 4 or x.dtype != self.array.dtype:
-                raise LayoutMismatchError(f"block tensor {x.dtype}{tuple(x.shape)} does not fit")
+            shape = x.shape
+            if len(shape) != 4 or x.dtype != dtype:
+                raise LayoutMismatchError(f"block tensor {x.dtype}{tuple(shape)} does not fit")
             run.append(host_bytes(x) if view is None else view)
-            end = start + x.shape[2]
+            end = start + shape[2]
+        if run:
+            self._copy_run(run, first, end)
 
     def _copy_run(self, run: list[np.ndarray], start: int, end: int) -> None:
         """Segments (host bytes) of tokens ``[start, end)``, in order, into the buffer."""
