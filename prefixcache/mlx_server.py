@@ -181,9 +181,10 @@ class TieredPromptCache(CacheLifecycle):
 
         Blocks are shared between sequences, so there is no per-sequence unit
         to drop: ``n_sequences=0`` empties the hot tier, other counts keep it.
-        The blocks of the request last fetched go first: it is in flight, its
-        cache holds them too, and its insert at the end keeps them again (as
-        mlx-lm's LRU drops the entry a request was copied from).
+        The blocks of the request last fetched go first where its insert at the
+        end puts them back into hot (``PrefixCache.trim_hot``'s ``first``): it is
+        in flight and its cache holds them too (as mlx-lm's LRU drops the entry a
+        request was copied from).
         """
         limit = None if n_bytes is None else max(0, n_bytes)
         if n_sequences is not None and n_sequences <= 0:

@@ -117,9 +117,11 @@ class ControlVerbs:
 
         ``first``: the tokens of a request in flight whose cache will be stored
         when it ends. Its restored chain is held twice meanwhile (in hot and in
-        the request's cache), so its blocks go first, deepest first, where every
-        layer can be cut back (the store makes each of them again from the
-        cache); then the eviction policy's own choice.
+        the request's cache), so its blocks go first, deepest first, where the
+        store puts each of them back into hot from the cache: every layer can be
+        cut back, and no lower tier holds them (with one, they spill there, the
+        store skips them as stored, and the request's next turn reads them back:
+        the policy's own choice keeps them hot instead); then the policy's choice.
         """
         limit = max(0, max_bytes)
         with self._lock:
@@ -127,7 +129,7 @@ class ControlVerbs:
             hot = self.tiers.hot
             if hot.nbytes <= limit:
                 return 0
-            if first and not self.layout.checkpointed:
+            if first and not self.layout.checkpointed and not self.tiers.lower:
                 # the blocks its fetch restored: the plan again (metadata only)
                 plan = self.lookup.plan(token_bytes(first), self._root(extra))
                 num = hot.evict_chain(reversed(plan.keys), limit)

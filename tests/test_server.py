@@ -396,6 +396,30 @@ def test_trim_to_evicts_the_request_in_flight_first(llama, in_flight):
         assert cached == len(history) and out == serve_batched(ref, llama, nxt)[0]
 
 
+def test_with_a_lower_tier_the_request_in_flight_stays_hot(llama, tmp_path):
+    """With an SSD tier, evicting the in-flight chain would only move it to disk:
+    the store skips it as stored and the next turn reads it back. So the trim keeps
+    it hot (the older conversation spills, still restorable) and the next turn is
+    served from hot alone, exactly."""
+    config = HOT.replace(hot_cache_only=False, ssd_dir=str(tmp_path))
+    ref = NoCache()
+    with TieredPromptCache(lambda key: llama, config) as tiered:
+        old, new = prompt(1, 64), prompt(2, 64)
+        old = old + serve_batched(tiered, llama, old)[0]
+        new = new + serve_batched(tiered, llama, new)[0]
+        pc = tiered._cache
+        turn = [*new, *prompt(3, 16)]
+        out, cached = serve_batched(TrimAfterFetch(tiered, tiered.nbytes // 2), llama, turn)
+        assert cached == len(new)
+        history = turn + out
+        ssd_hits = pc.stats()["ssd_block_hits"]
+        nxt = [*history, *prompt(4, 16)]
+        out, cached = serve_batched(tiered, llama, nxt)
+        assert cached == len(history) and out == serve_batched(ref, llama, nxt)[0]
+        assert pc.stats()["ssd_block_hits"] == ssd_hits  # every block from hot
+        assert pc.match([*old, 7]) == len(old)  # spilled, not lost
+
+
 def test_a_checkpointed_layout_trims_by_its_policy_alone():
     """Where a layer cannot be cut back (recurrent state), a store cannot make the
     in-flight chain's checkpoints again: ``first`` changes nothing."""
