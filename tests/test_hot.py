@@ -161,10 +161,10 @@ def float_index(b: Block) -> float:
 
 
 def test_cost_aware_eviction_ages_out_a_deep_chain_nobody_uses():
-    """GreedyDual-Size credits: a deep history outlives newer shallow prompts for a
-    while, but the floor rises with every eviction, so once unused long enough it
-    goes (a rank + worth rule kept it for good); the same chain, touched now and
-    then, stays. Control: LRU evicts it at the first eviction."""
+    """Credits on a byte clock: a deep history outlives newer shallow prompts for a
+    while (its extra life), but the clock moves with every store, so once unused
+    long enough it goes (a rank + worth rule kept it for good); the same chain,
+    touched now and then, stays. Control: LRU evicts it at the first eviction."""
 
     def run(cost, touch_every: int | None) -> int | None:
         gone: list[bytes] = []

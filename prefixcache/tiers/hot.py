@@ -55,7 +55,9 @@ class HotTier(ListsChildren, Tier):
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
-        self.credits = Credits(cost) if cost is not None else None  # cost-aware eviction
+        self.credits = (  # cost-aware eviction
+            Credits(cost, lambda: self.nbytes) if cost is not None else None
+        )
 
     def __len__(self) -> int:
         return len(self._lru)
