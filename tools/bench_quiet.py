@@ -14,6 +14,7 @@ token.
 
     python tools/bench_quiet.py
     python tools/bench_quiet.py --budget 8M --rounds 3
+    python tools/bench_quiet.py --write-policy write_through
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--budget", type=parse_bytes, default=5 * MiB, help="RAM budget (trim_to)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quiet-ms", type=int, default=CacheConfig().background_quiet_ms)
+    p.add_argument("--write-policy", choices=["write_back", "write_through"], default="write_back")
     args = p.parse_args()
     bargs = bench_serve.setup_arg_parser().parse_args(["--budget", str(args.budget)])
     model = bench_model(bargs)
@@ -44,8 +46,13 @@ def main() -> None:
     busy = _watch_writer()
     windows: list[tuple[float, float, int]] = []
     bench_serve.serve = _timed(bench_serve.serve, windows)
-    base = CacheConfig(block_size=bargs.block_size, restore_headroom=0)
-    print(f"trace: {len(trace)} requests, budget {args.budget / MiB:.1f} MiB, block 32")
+    base = CacheConfig(
+        block_size=bargs.block_size, restore_headroom=0, write_policy=args.write_policy
+    )
+    print(
+        f"trace: {len(trace)} requests, budget {args.budget / MiB:.1f} MiB, block 32, "
+        f"{args.write_policy}"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
