@@ -2,9 +2,9 @@
 
 A fetch is followed by its request's prefill. A background batch run beside it
 (payload files, fsyncs and index commits; a promotion's reads and copies)
-takes cores and the GIL from that prefill: on a 2-core CPU, one SSD write batch
-in the window slowed the prefill about as much as the batch took
-(tools/bench_quiet.py). So each fetch opens a short window in which the
+takes cores and the GIL from that prefill: on a 2-core CPU a prefill beside
+one such thread took 1.2-1.45x as long (tools/bench_contention.py; the serving
+trace: tools/bench_quiet.py). So each fetch opens a short window in which the
 writers (writer.py) and promotion (prefetch.py) start nothing new unless it is
 urgent (a flush, a queue over half full). The window is the process's, not a
 cache's: the cores and the GIL are.
