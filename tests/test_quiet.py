@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
-from conftest import prefill, prompt, tiny_model
-from mlx_lm.models.cache import make_prompt_cache
+from conftest import prompt, tiny_model
+from test_promote import BLOCK, on_ssd_only
 from test_writer import Sink, item
 
 from prefixcache import CacheConfig, PrefixCache, quiet
@@ -91,17 +91,6 @@ def test_a_queue_over_half_full_writes_inside_the_window(writer):
     assert sink.wrote.wait(10)
 
 
-BLOCK = 16
-
-
-def ssd_only(pc: PrefixCache, model, tokens) -> None:
-    cache = make_prompt_cache(model)
-    prefill(model, tokens, cache, step=BLOCK)
-    pc.store(tokens, cache)
-    pc.flush()
-    pc.trim_hot(0)
-
-
 @pytest.mark.parametrize("quiet_ms", [int(LONG * 1000), 0], ids=["window", "no_window"])
 def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
     """An SSD hit's promotion waits while the window its fetch opened is open; with
@@ -115,7 +104,7 @@ def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
         background_quiet_ms=quiet_ms,
     )
     with PrefixCache(model, config, model_id="tiny") as pc:
-        ssd_only(pc, model, tokens)
+        on_ssd_only(pc, model, tokens)
         _, n = pc.fetch([*tokens, 5])
         assert n == len(tokens)
         if quiet_ms:  # still waiting for the window: hot still empty

@@ -371,6 +371,12 @@ class TrimAfterFetch:
         self.tiered.insert_cache(model_key, tokens, prompt_cache, cache_type=cache_type)
 
 
+def two_conversations(tiered: TieredPromptCache, llama) -> tuple[list[int], list[int]]:
+    """An older and a newer conversation served once each: their histories."""
+    old, new = prompt(1, 64), prompt(2, 64)
+    return old + serve_batched(tiered, llama, old)[0], new + serve_batched(tiered, llama, new)[0]
+
+
 @pytest.mark.parametrize("in_flight", [True, False], ids=["in_flight_first", "control"])
 def test_trim_to_evicts_the_request_in_flight_first(llama, in_flight):
     """The chain a request was just restored from is held twice (hot and its cache)
@@ -379,9 +385,7 @@ def test_trim_to_evicts_the_request_in_flight_first(llama, in_flight):
     control (a trim with no request in flight) evicts the older conversation."""
     ref = NoCache()
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
-        old, new = prompt(1, 64), prompt(2, 64)
-        old = old + serve_batched(tiered, llama, old)[0]
-        new = new + serve_batched(tiered, llama, new)[0]
+        old, new = two_conversations(tiered, llama)
         pc = tiered._cache
         assert pc.match([*old, 7]) == len(old)
         turn = [*new, *prompt(3, 16)]
@@ -404,9 +408,7 @@ def test_with_a_lower_tier_the_request_in_flight_stays_hot(llama, tmp_path):
     config = HOT.replace(hot_cache_only=False, ssd_dir=str(tmp_path))
     ref = NoCache()
     with TieredPromptCache(lambda key: llama, config) as tiered:
-        old, new = prompt(1, 64), prompt(2, 64)
-        old = old + serve_batched(tiered, llama, old)[0]
-        new = new + serve_batched(tiered, llama, new)[0]
+        old, new = two_conversations(tiered, llama)
         pc = tiered._cache
         turn = [*new, *prompt(3, 16)]
         out, cached = serve_batched(TrimAfterFetch(tiered, tiered.nbytes // 2), llama, turn)
