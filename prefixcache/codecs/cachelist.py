@@ -91,6 +91,9 @@ class CacheListBuilder(Builder):
             if index in needed:
                 builder.add(index, by_sub.get(j, {}))
 
+    def allocate(self) -> list[mx.array]:
+        return [a for builder, _ in self.parts for a in builder.allocate()]
+
     def buffers(self) -> list[mx.array]:
         return [b for builder, _ in self.parts for b in builder.buffers()]
 
