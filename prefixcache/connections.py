@@ -8,10 +8,25 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .config import CacheConfig
+
+class TrustSettings(Protocol):
+    """The settings ``check_remote_trust`` reads (CacheConfig's, read-only)."""
+
+    @property
+    def remote_url(self) -> str | None: ...
+    @property
+    def remote_secret(self) -> str | None: ...
+    @property
+    def remote_secret_file(self) -> str | None: ...
+    @property
+    def remote_tls_ca(self) -> str | None: ...
+    @property
+    def remote_tls_cert(self) -> str | None: ...
+    @property
+    def remote_tls_key(self) -> str | None: ...
+
 
 REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 MIN_SECRET_CHARS = 16
@@ -45,7 +60,7 @@ def check_events(url: str | None) -> None:
         raise ValueError(f"events_url must start with one of {EVENT_SCHEMES}, got {url!r}")
 
 
-def check_remote_trust(config: CacheConfig) -> None:
+def check_remote_trust(config: TrustSettings) -> None:
     """The secret and TLS settings: well-formed, files that exist, TLS only with ``rediss``."""
     secret = config.remote_secret
     if secret is not None:

@@ -37,27 +37,37 @@ exposed).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
 from ...host import Place, Placed, StreamedBlock
 from ..base import TierReader
-from .index import decode_or_none
+from ..writer import Writer
+from .index import SsdIndex, decode_or_none
 from .payload import read_header
 from .read_into import Job
 from .readers import Readers
 
-if TYPE_CHECKING:  # the tier creates its readers: no import at run time
-    from .tier import SsdTier
 
+class StreamSource(Protocol):
+    """What a reader uses of its tier (SsdTier, which creates the readers: the
+    reader names only these, so it imports nothing above it)."""
+
+    index: SsdIndex
+    writer: Writer
+
+    def payload_file(self, key: bytes) -> str: ...
+    def load(self, key: bytes) -> Block | None: ...
+    def note_load(self, key: bytes, nbytes: int) -> None: ...
+    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
     def read_error(self, key: bytes, error: OSError) -> None: ...
 
 
 class SsdReader(TierReader):
     """The blocks of one restore that the SSD tier holds, streamed in chain order."""
 
-    def __init__(self, tier: SsdTier, keys: Sequence[bytes]):
+    def __init__(self, tier: StreamSource, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: list[int] = []
@@ -98,7 +108,7 @@ class SsdReader(TierReader):
 
 
 def stream(
-    tier: SsdTier, keys: Sequence[bytes], place: Place | None = None
+    tier: StreamSource, keys: Sequence[bytes], place: Place | None = None
 ) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
@@ -125,7 +135,7 @@ def stream(
         readers.stop()
 
 
-def _jobs(tier: SsdTier, keys: Sequence[bytes]) -> list[Job]:
+def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
     queued for the writer gets none (it is served from the queue)."""
     raws = tier.index.get_many(keys)
@@ -138,7 +148,7 @@ def _jobs(tier: SsdTier, keys: Sequence[bytes]) -> list[Job]:
 
 
 def _result(
-    tier: SsdTier, job: Job, result: StreamedBlock | BaseException | None
+    tier: StreamSource, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
     """What the caller gets for ``job`` (runs on the caller's thread)."""
     if result is None:  # nothing read: queued, absent, or a bad entry
