@@ -85,7 +85,7 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(threading.Lock())
         self._pending = 0  # jobs submitted and not finished
-        self._joining = threading.Event()  # a join waits: promotions skip the quiet window
+        self._joins = 0  # joins waiting (under ``_idle``): promotions skip the quiet window
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` (called under the lock); returns how many blocks it holds."""
@@ -118,12 +118,12 @@ class Prefetcher:
     def join(self, timeout: float | None = None) -> bool:
         """Wait until every job submitted so far is done (call without the lock);
         False if ``timeout`` passed first."""
-        self._joining.set()
-        try:
-            with self._idle:
+        with self._idle:
+            self._joins += 1
+            try:
                 return self._idle.wait_for(lambda: self._pending == 0, timeout)
-        finally:
-            self._joining.clear()
+            finally:
+                self._joins -= 1
 
     def close(self) -> None:
         """Stop the thread after the block it is loading (call without the lock)."""
@@ -150,7 +150,7 @@ class Prefetcher:
 
     def _do(self, job: Job) -> None:
         while job.promote and (left := quiet.remaining()) > 0:
-            if job.cancelled or self._joining.is_set():
+            if job.cancelled or self._joins:
                 break
             time.sleep(min(left, 0.01))  # what ends the wait early is seen within 10 ms
         for tier in dict.fromkeys(t for _, t, _ in job.blocks):
