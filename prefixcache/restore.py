@@ -1,19 +1,15 @@
 """Restore: rebuild a :class:`~prefixcache.lookup.Plan` into caches at their final length.
 
-Every layer gets ONE preallocated buffer (cached length plus headroom, rounded
-up to mlx-lm's 256-token step; buffers of hot blocks allocated in one evaluation)
-filled block by block, so the suffix prefill writes in place. Each block is
-loaded from the tier the plan names (:class:`ChainLoad`). Hot blocks are used as they are;
-the other tiers' readers stream theirs: the buffers are allocated, unwritten,
-from the first streamed block's header (else that block's copy allocates
-them), and the SSD reader's threads read every tensor straight into the
-buffer it belongs to (``place``: one copy from the page cache, no read
-buffer), so the peak is the restored cache (plus one block when the first
-block had to allocate). Tensors without such a destination come as
-HostArrays (views of a read buffer): builders that take them copy the bytes
-in; the others get MLX arrays of them. Lower-tier blocks worth promoting are
-listed as they pass (``Restored.promote``): the cache loads them again into
-the tiers above on its background thread, so the request pays for one copy.
+Every layer gets ONE buffer (cached length plus headroom, in mlx-lm's 256-token
+steps) filled block by block, so the suffix prefill writes in place. Each block
+comes from the tier the plan names (:class:`ChainLoad`). Hot blocks' buffers are
+allocated in one evaluation and copied into (``Copies``: on a few threads when
+large). Lower tiers stream theirs: the buffers are allocated, unwritten, from the
+first streamed block's header, and the SSD reader's threads read each tensor
+straight into its buffer (``place``: one copy from the page cache); tensors
+without a destination come as HostArrays (views of a read buffer). Lower-tier
+blocks worth promoting are listed (``Restored.promote``): the cache's background
+thread loads them into the tiers above, so the request pays for one copy.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import split_layers
 from .codecs import Builder, Codec, codec_for, round_up
+from .copies import Copies
 from .errors import LayoutMismatchError, MissReason, Shortfall
 from .hashing import TOKEN_BYTES
 from .host import HostArray, Place, Placed
@@ -154,10 +151,8 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
 
     Args:
         fresh: empty caches from make_prompt_cache (quantized where due).
-        loader: loads the plan's blocks; stopped before the buffers are let go,
-            whether the rebuild succeeds or not.
-        capacity: buffer length in tokens.
-        block_size: tokens per block.
+        loader: loads the plan's blocks; stopped (success or not) before the buffers go.
+        capacity, block_size: buffer length and block length, in tokens.
 
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
@@ -184,6 +179,10 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
     finally:
         loader.stop()
     mx.eval([b.allocate() for b in builders])  # every buffer still to make, at once
+    copies = Copies()  # the hot blocks' copies: on a few threads when large
+    for b in builders:
+        b.queue_copies(copies)
+    copies.wait()
     caches = [b.finish() for b in builders]
     mx.eval([c.state for c in caches])
     return caches

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import numpy as np
 
+from ..copies import Copies
 from ..errors import MissReason
 
 STEP = 256  # mlx-lm's KV buffer growth step
@@ -109,6 +110,13 @@ class Builder(ABC):
         names under ``prefix``. Returns False, taking nothing, where it cannot (then
         each block comes through ``add``). A fast path: one copy per buffer."""
         return False
+
+    def queue_copies(self, copies: Copies) -> None:
+        """Open the buffers of the blocks held in memory (after ``allocate`` was
+        evaluated) and hand their copies to ``copies``, which runs them, perhaps
+        on other threads; ``finish`` once it has waited. Builders that copy in
+        ``finish`` hand nothing."""
+        return None
 
     def allocate(self) -> list[mx.array]:
         """The buffers still to allocate for the blocks added so far, lazily: the

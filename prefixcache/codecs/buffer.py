@@ -16,10 +16,12 @@ written once.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
+from ..copies import Copies
 from ..errors import LayoutMismatchError
 from ..host import HostArray, Placed, host_bytes, host_view
 from ..restore_buffers import advise_huge, empty
@@ -39,6 +41,7 @@ class TokenBuffer:
         self._dtype: mx.Dtype | None = None
         self._dims = (0, 0, 0, 0)
         self._fresh: mx.array | None = None  # allocated ahead (``allocate``), not yet opened
+        self._zeroed = False  # the headroom (tokens past ``_end``) is zeroed
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -117,11 +120,30 @@ class TokenBuffer:
         every byte, at memcpy speed (MLX's concatenate writes into fresh small
         pages, several times slower on the CPU).
         """
+        for run, first, end in self._open_runs():
+            self._copy_run(run, first, end)
+        return self.array
+
+    def queue_copies(self, copies: Copies) -> None:
+        """Open the buffer and hand the queued segments' copies to ``copies``
+        (checked here; they run numpy only, on any thread). ``finish`` once
+        ``copies`` has waited for them."""
+        for run, first, end in self._open_runs():
+            nbytes = sum(v.nbytes for v in run)
+            copies.add(nbytes, partial(self._copy_run, run, first, end), len(run))
+        if self._host is not None and self._end < self.capacity and not self._zeroed:
+            self._zeroed = True
+            tail = self._host[:, :, self._end :, :]
+            copies.add(tail.nbytes, partial(tail.fill, 0))
+
+    def _open_runs(self) -> list[tuple[list[np.ndarray], int, int]]:
+        """Open the buffer (reserved, or new for the queued segments) and take the
+        queued segments as runs to copy: (host bytes in order, first token, end)."""
         if self._host is None and self._fresh is not None and not self._pending:
             fresh, self._fresh = self._fresh, None  # reserved: open it
             self._open(fresh)
         if not self._pending:
-            return self.array
+            return []
         if self._host is None:
             x = self._pending[0][1]
             if len(x.shape) != 4:
@@ -132,20 +154,20 @@ class TokenBuffer:
                 if fresh is not None
                 else _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
             )
-        self._copy_pending()
-        return self.array
+        return self._runs()
 
-    def _copy_pending(self) -> None:
-        """Copy the queued in-memory segments into the host view, joined where they
-        follow each other (one numpy call for a whole chain)."""
+    def _runs(self) -> list[tuple[list[np.ndarray], int, int]]:
+        """The queued in-memory segments, checked, as runs of consecutive ones (one
+        numpy call each: one for a whole chain)."""
         pending = sorted(self._pending, key=lambda p: p[0])
         self._pending.clear()
+        runs: list[tuple[list[np.ndarray], int, int]] = []
         run: list[np.ndarray] = []
         first = end = 0
         dtype = self._dtype
         for start, x, view in pending:
             if run and start != end:
-                self._copy_run(run, first, end)
+                runs.append((run, first, end))
                 run = []
             if not run:
                 first = start
@@ -155,12 +177,14 @@ class TokenBuffer:
             run.append(host_bytes(x) if view is None else view)
             end = start + shape[2]
         if run:
-            self._copy_run(run, first, end)
+            runs.append((run, first, end))
+        for _, first, end in runs:
+            if not 0 <= first <= end <= self.capacity:
+                raise LayoutMismatchError(f"tokens [{first}, {end}) outside {self.capacity}")
+        return runs
 
     def _copy_run(self, run: list[np.ndarray], start: int, end: int) -> None:
         """Segments (host bytes) of tokens ``[start, end)``, in order, into the buffer."""
-        if not 0 <= start <= end <= self.capacity:
-            raise LayoutMismatchError(f"tokens [{start}, {end}) outside {self.capacity}")
         out = self._host[:, :, start:end, :]
         try:
             np.concatenate(run, axis=2, out=out) if len(run) > 1 else np.copyto(out, run[0])
@@ -170,7 +194,8 @@ class TokenBuffer:
     def finish(self) -> mx.array | None:
         """The buffer, with the tokens no block wrote (the headroom) zeroed."""
         array = self.materialize()
-        if self._host is not None and self._end < self.capacity:
+        if self._host is not None and self._end < self.capacity and not self._zeroed:
+            self._zeroed = True
             self._host[:, :, self._end :, :] = 0
         return array
 

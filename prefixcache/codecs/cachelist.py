@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..blocks import join_layers, split_layers
+from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
 from .base import Builder, Codec, Has, Payload
 from .registry import codec_for
@@ -93,6 +94,10 @@ class CacheListBuilder(Builder):
 
     def allocate(self) -> list[mx.array]:
         return [a for builder, _ in self.parts for a in builder.allocate()]
+
+    def queue_copies(self, copies: Copies) -> None:
+        for builder, _ in self.parts:
+            builder.queue_copies(copies)
 
     def buffers(self) -> list[mx.array]:
         return [b for builder, _ in self.parts for b in builder.buffers()]

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
 from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
@@ -119,6 +120,10 @@ class KVBuilder(Builder):
 
     def allocate(self) -> list[mx.array]:
         return self.keys.allocate() + self.values.allocate()
+
+    def queue_copies(self, copies: Copies) -> None:
+        self.keys.queue_copies(copies)
+        self.values.queue_copies(copies)
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

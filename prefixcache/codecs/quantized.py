@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
+from ..copies import Copies
 from ..errors import LayoutMismatchError
 from ..host import HostArray
 from .base import Builder, Codec, Resident, run_shape
@@ -116,6 +117,11 @@ class QuantizedBuilder(Builder):
 
     def allocate(self) -> list[mx.array]:
         return [a for bufs in self.parts.values() for b in bufs for a in b.allocate()]
+
+    def queue_copies(self, copies: Copies) -> None:
+        for bufs in self.parts.values():
+            for b in bufs:
+                b.queue_copies(copies)
 
     def buffers(self) -> list[mx.array]:
         out = (b.materialize() for bufs in self.parts.values() for b in bufs)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
+from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
 from .base import Builder, Codec, Payload, num_blocks, owned_tokens
 from .buffer import TokenBuffer
@@ -198,6 +199,10 @@ class RotatingBuilder(Builder):
 
     def allocate(self) -> list[mx.array]:
         return self.keys.allocate() + self.values.allocate()
+
+    def queue_copies(self, copies: Copies) -> None:
+        self.keys.queue_copies(copies)
+        self.values.queue_copies(copies)
 
     def buffers(self) -> list[mx.array]:
         return [b for b in (self.keys.materialize(), self.values.materialize()) if b is not None]

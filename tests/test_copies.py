@@ -1,0 +1,138 @@
+"""A restore's copies on a few threads (copies.py): large restores of large pieces
+copy on the pool, small ones on the caller's thread, and either gives the bytes
+that were stored."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import tiny_model
+from mlx_lm.models.cache import KVCache
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.codecs.buffer import TokenBuffer
+from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
+
+MiB = 1 << 20
+
+
+def _names(copies: Copies, jobs: int, nbytes: int, pieces: int = 1) -> set[str]:
+    """Thread names the ``jobs`` ran on, each said to copy ``nbytes`` in ``pieces``."""
+    seen: set[str] = set()
+    lock = threading.Lock()
+
+    def job() -> None:
+        with lock:
+            seen.add(threading.current_thread().name)
+
+    for _ in range(jobs):
+        copies.add(nbytes, job, pieces)
+    copies.wait()
+    return seen
+
+
+def test_large_copies_run_on_the_pool_and_small_ones_on_the_caller(monkeypatch):
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
+    big = _names(Copies(), 8, PARALLEL_BYTES // 2)
+    assert any(n.startswith("prefixcache-copy") for n in big), big
+    assert "MainThread" not in big or len(big) > 1
+    # the controls: too few bytes, too many small pieces, one thread asked for
+    assert _names(Copies(), 8, PARALLEL_BYTES // 64) == {"MainThread"}
+    small_pieces = PARALLEL_BYTES // 2 // (MIN_PIECE // 4)
+    assert _names(Copies(), 8, PARALLEL_BYTES // 2, small_pieces) == {"MainThread"}
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "1")
+    assert _names(Copies(), 8, PARALLEL_BYTES // 2) == {"MainThread"}
+
+
+def test_wait_raises_a_jobs_error_after_every_job_ended(monkeypatch):
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
+    copies, done, gate = Copies(), [], threading.Event()
+
+    def slow() -> None:
+        gate.wait(5)
+        done.append(1)
+
+    def bad() -> None:
+        gate.set()
+        raise ValueError("bad piece")
+
+    copies.add(PARALLEL_BYTES, slow)
+    copies.add(PARALLEL_BYTES, bad)
+    copies.add(PARALLEL_BYTES, slow)
+    with pytest.raises(ValueError, match="bad piece"):
+        copies.wait()
+    assert done == [1, 1]
+
+
+@pytest.mark.parametrize("raw", ["0", "two"])
+def test_a_bad_thread_count_is_named(monkeypatch, raw):
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", raw)
+    with pytest.raises(ValueError, match=f"PREFIXCACHE_COPY_THREADS.*{raw}"):
+        Copies()
+
+
+@pytest.fixture
+def keep_freed_buffers():
+    """Let MLX keep freed buffers for reuse (its CPU default keeps only a little)."""
+    old = mx.set_cache_limit(1 << 30)
+    mx.clear_cache()
+    yield
+    mx.set_cache_limit(old)
+    mx.clear_cache()
+
+
+@pytest.mark.parametrize("threads", ["2", "1"])
+def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, keep_freed_buffers, threads):
+    """2 layers x 8 kv heads x 128 dims, bf16, 2048 tokens at block 256: 16 MiB in
+    512 KiB pieces, copied on the pool (threads=2: seen on its threads) or on the
+    caller (the control). Every restored byte equals the stored one, the headroom
+    is zero, and a changed byte is seen (the comparison can fail)."""
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", threads)
+    seen: set[str] = set()
+    copy_run = TokenBuffer._copy_run
+
+    def watched(self, run, start, end):
+        seen.add(threading.current_thread().name)
+        return copy_run(self, run, start, end)
+
+    monkeypatch.setattr(TokenBuffer, "_copy_run", watched)
+    model = tiny_model(
+        dtype=mx.bfloat16,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    tokens = np.random.default_rng(0).integers(0, 512, 2048).tolist()
+    stored = []
+    for _ in range(2):
+        c = KVCache()
+        shape = (1, 8, 2048, 128)
+        c.update_and_fetch(
+            mx.random.normal(shape).astype(mx.bfloat16), mx.random.normal(shape).astype(mx.bfloat16)
+        )
+        stored.append(c)
+    mx.eval([c.state for c in stored])
+    config = CacheConfig(block_size=256, hot_cache_only=True, hot_max_bytes=1 << 30)
+    with PrefixCache(model, config, model_id="copies") as pc:
+        pc.store(tokens, stored)
+        # freed buffers of the restore's size, full of a pattern: the restore gets them
+        junk = [mx.full((1, 8, 2560, 128), 0x5A5A, mx.uint16) for _ in range(4)]
+        mx.eval(junk)
+        del junk
+        cache, num = pc.fetch([*tokens, 1])
+    assert num == 2048
+    on_pool = any(n.startswith("prefixcache-copy") for n in seen)
+    assert on_pool == (threads == "2"), seen
+    for got, want in zip(cache, stored, strict=True):
+        assert got.offset == 2048 and got.keys.shape[2] > 2048
+        for a, b in ((got.keys, want.keys), (got.values, want.values)):
+            host = np.array(a.view(mx.uint16))
+            assert np.array_equal(host[:, :, :2048], np.array(b.view(mx.uint16)))
+            assert not host[:, :, 2048:].any()  # the headroom, over dirty memory
+    flipped = np.array(cache[1].values.view(mx.uint16))
+    flipped[0, 7, 2047, 127] ^= 1
+    assert not np.array_equal(flipped[:, :, :2048], np.array(stored[1].values.view(mx.uint16)))
