@@ -51,6 +51,12 @@ class Shortfall(Exception):
         self.index = index
         self.reason = reason
 
+    @classmethod
+    def of(cls, index: int, err: Exception) -> Shortfall:
+        """Block ``index`` unusable because of ``err`` (a payload a builder refused)."""
+        reason = err.reason if isinstance(err, LayoutMismatchError) else MissReason.LAYOUT_MISMATCH
+        return cls(index, reason)
+
 
 class PayloadError(ValueError):
     """A payload file is malformed, truncated or fails its checksum."""

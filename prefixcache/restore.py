@@ -203,24 +203,21 @@ def _add_resident(
     builders: list[Builder], users: dict[int, list[int]], order: list[int], loader: ChainLoad
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
-    can (``Builder.add_resident``: one copy per buffer), else one at a time."""
+    can (``Builder.add_resident``: one copy per buffer), else one at a time (each
+    block's payload split by layer once, when first needed)."""
     blocks = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
     layers: dict[int, list[int]] = {}
     for index in order:
         for layer in users[index]:
             layers.setdefault(layer, []).append(index)
+    split: dict[int, dict[int, dict[str, Any]]] = {}
     for layer, indices in layers.items():
-        builder = builders[layer]
-        if builder.add_resident(indices, [blocks[i] for i in indices], f"{layer}."):
+        if builders[layer].add_resident(indices, [blocks[i] for i in indices], f"{layer}."):
             continue
-        for index in indices:
-            _add_block([builder], {index: [0]}, index, _layer(blocks[index][0], layer), True)
-
-
-def _layer(arrays: Mapping[str, Any], layer: int) -> dict[str, Any]:
-    """Layer ``layer``'s part of a flat payload, under ``"0."`` (one builder's view)."""
-    prefix = f"{layer}."
-    return {"0." + n[len(prefix) :]: a for n, a in arrays.items() if n.startswith(prefix)}
+        for i in indices:
+            if i not in split:
+                split[i] = split_layers(blocks[i][0])
+        builders[layer].add_each(indices, [split[i].get(layer, {}) for i in indices])
 
 
 def _reserve_first(
@@ -267,7 +264,7 @@ def _add_block(
         try:
             builder.add(index, part)
         except (LayoutMismatchError, KeyError) as err:
-            raise Shortfall(index, _reason(err)) from err
+            raise Shortfall.of(index, err) from err
     if streamed:
         mx.eval([b.buffers() for b in builders])
 
@@ -293,7 +290,3 @@ def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
         return builders[layer].destination(index, rest, dtype, shape, count)
 
     return place
-
-
-def _reason(err: Exception) -> MissReason:
-    return err.reason if isinstance(err, LayoutMismatchError) else MissReason.LAYOUT_MISMATCH

@@ -1,7 +1,8 @@
 """A small restore's fixed cost: a 1024-token hot restore of bench_hybrid's models.
 
 The two hybrid models of ``tools/bench_hybrid.py`` (gemma3-like 5:1 sliding
-windows, qwen3-next-like 3:1 gated delta net), block 64: the prompt is stored
+windows, qwen3-next-like 3:1 gated delta net) and a falcon-h1-like one of 24
+layers (each a CacheList of a mamba state and attention K/V), block 64: the prompt is stored
 through ``pc.prefill`` in a hot-only cache, then fetched ``--repeat`` times
 (until its arrays are evaluated). At a few MiB the restore's bytes cost little:
 what is left is the per-request work (lookup, buffers, per-layer copies).
@@ -29,7 +30,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=30)
     args = p.parse_args()
-    for name, (arch, overrides) in MODELS.items():
+    models = {**MODELS, "falcon-h1 24 layers": ("falcon_h1", {"num_hidden_layers": 24})}
+    for name, (arch, overrides) in models.items():
         model = build_model(arch, **overrides)
         prompt = tokens(0, args.tokens)
         config = CacheConfig(block_size=64, hot_cache_only=True, hot_max_bytes=8 << 30)

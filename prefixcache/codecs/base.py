@@ -24,12 +24,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..copies import Copies
-from ..errors import MissReason
+from ..errors import LayoutMismatchError, MissReason, Shortfall
 
 STEP = 256  # mlx-lm's KV buffer growth step
 
 Has = Callable[[str], bool]  # is a payload name (without the layer prefix) stored?
-# a block held in memory: its flat payload, and the host bytes of its 4-axis arrays
+# a block held in memory: its payload, and the host bytes of its 4-axis arrays
 Resident = tuple[Mapping[str, mx.array], Mapping[str, np.ndarray]]
 Payload = Callable[[int], "Has | None"]  # chain index -> its stored names; None: unknown
 
@@ -106,10 +106,23 @@ class Builder(ABC):
 
     def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
         """Take several blocks held in memory at once (the hot tier's, in chain
-        order): each a flat payload and the host bytes of its arrays, this layer's
-        names under ``prefix``. Returns False, taking nothing, where it cannot (then
-        each block comes through ``add``). A fast path: one copy per buffer."""
+        order): each a payload and the host bytes of its arrays, this builder's
+        names under ``prefix``. Returns False, taking nothing, where it
+        cannot (then each block comes through ``add``). A fast path: one copy per
+        buffer."""
         return False
+
+    def add_each(self, indices: Sequence[int], payloads: Sequence[dict[str, Any]]) -> None:
+        """``add`` each block in turn.
+
+        Raises:
+            Shortfall: a block's payload is unusable (the restore is shortened).
+        """
+        for index, arrays in zip(indices, payloads, strict=True):
+            try:
+                self.add(index, arrays)
+            except (LayoutMismatchError, KeyError) as err:
+                raise Shortfall.of(index, err) from err
 
     def queue_copies(self, copies: Copies) -> None:
         """Open the buffers of the blocks held in memory (after ``allocate`` was

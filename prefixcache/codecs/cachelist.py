@@ -17,7 +17,7 @@ from mlx_lm.models.cache import CacheList
 from ..blocks import join_layers, split_layers
 from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Has, Payload
+from .base import Builder, Codec, Has, Payload, Resident
 from .registry import codec_for
 
 
@@ -91,6 +91,24 @@ class CacheListBuilder(Builder):
         for j, (builder, needed) in enumerate(self.parts):
             if index in needed:
                 builder.add(index, by_sub.get(j, {}))
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        """Each part takes the blocks it needs together where it can, else one at a
+        time (so a part that took them is not fed twice)."""
+        for j, (builder, needed) in enumerate(self.parts):
+            mine = [k for k, index in enumerate(indices) if index in needed]
+            if not mine:
+                continue
+            sub = f"{prefix}{j}."
+            taken = [indices[k] for k in mine]
+            if builder.add_resident(taken, [blocks[k] for k in mine], sub):
+                continue
+            start = len(sub)
+            payloads = [
+                {n[start:]: a for n, a in blocks[k][0].items() if n.startswith(sub)} for k in mine
+            ]
+            builder.add_each(taken, payloads)
+        return True
 
     def allocate(self) -> list[mx.array]:
         return [a for builder, _ in self.parts for a in builder.allocate()]
