@@ -86,6 +86,16 @@ def store_fetch_in_threads(pc, users, caches, rounds: int) -> None:
 
 
 @pytest.fixture
+def keep_freed_buffers():
+    """Let MLX keep freed buffers for reuse (its CPU default keeps only a little)."""
+    old = mx.set_cache_limit(1 << 30)
+    mx.clear_cache()
+    yield
+    mx.set_cache_limit(old)
+    mx.clear_cache()
+
+
+@pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server on a loopback port, stopped after the test."""
     from redis_server import RedisServer

@@ -74,16 +74,6 @@ def test_a_bad_thread_count_is_named(monkeypatch, raw):
         Copies()
 
 
-@pytest.fixture
-def keep_freed_buffers():
-    """Let MLX keep freed buffers for reuse (its CPU default keeps only a little)."""
-    old = mx.set_cache_limit(1 << 30)
-    mx.clear_cache()
-    yield
-    mx.set_cache_limit(old)
-    mx.clear_cache()
-
-
 @pytest.mark.parametrize("threads", ["2", "1"])
 def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, keep_freed_buffers, threads):
     """2 layers x 8 kv heads x 128 dims, bf16, 2048 tokens at block 256: 16 MiB in

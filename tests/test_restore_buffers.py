@@ -26,16 +26,6 @@ def rss() -> int:
     raise AssertionError("no VmRSS")
 
 
-@pytest.fixture
-def keep_freed_buffers():
-    """Let MLX keep freed buffers for reuse (its CPU default keeps only a little)."""
-    old = mx.set_cache_limit(1 << 30)
-    mx.clear_cache()
-    yield
-    mx.set_cache_limit(old)
-    mx.clear_cache()
-
-
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32, mx.uint32, mx.int8])
 def test_empty_has_the_shape_and_dtype_and_takes_writes(dtype):
     a = restore_buffers.empty((1, 3, 5, 7), dtype)
