@@ -75,7 +75,8 @@ class CacheConfig:
         kv_group_size: KV quantization group size.
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
-            the prompt, so decoding does not re-allocate at once; 0: the buffer
+            the prompt, so decoding does not re-allocate at once (left
+            unwritten: mlx-lm reads a cache only below its offset); 0: the buffer
             holds the restored tokens only (``prefixcache serve``: mlx-lm's batch
             copies a restored cache into its batch at once).
         snapshot_interval: during prefill, a restore point every N blocks: a

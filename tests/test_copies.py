@@ -75,11 +75,11 @@ def test_a_bad_thread_count_is_named(monkeypatch, raw):
 
 
 @pytest.mark.parametrize("threads", ["2", "1"])
-def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, keep_freed_buffers, threads):
+def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, threads):
     """2 layers x 8 kv heads x 128 dims, bf16, 2048 tokens at block 256: 16 MiB in
     512 KiB pieces, copied on the pool (threads=2: seen on its threads) or on the
-    caller (the control). Every restored byte equals the stored one, the headroom
-    is zero, and a changed byte is seen (the comparison can fail)."""
+    caller (the control). Every restored byte equals the stored one, and a
+    changed byte is seen (the comparison can fail)."""
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", threads)
     seen: set[str] = set()
     copy_run = TokenBuffer._copy_run
@@ -109,10 +109,6 @@ def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, keep_freed_buff
     config = CacheConfig(block_size=256, hot_cache_only=True, hot_max_bytes=1 << 30)
     with PrefixCache(model, config, model_id="copies") as pc:
         pc.store(tokens, stored)
-        # freed buffers of the restore's size, full of a pattern: the restore gets them
-        junk = [mx.full((1, 8, 2560, 128), 0x5A5A, mx.uint16) for _ in range(4)]
-        mx.eval(junk)
-        del junk
         cache, num = pc.fetch([*tokens, 1])
     assert num == 2048
     on_pool = any(n.startswith("prefixcache-copy") for n in seen)
@@ -122,7 +118,6 @@ def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, keep_freed_buff
         for a, b in ((got.keys, want.keys), (got.values, want.values)):
             host = np.array(a.view(mx.uint16))
             assert np.array_equal(host[:, :, :2048], np.array(b.view(mx.uint16)))
-            assert not host[:, :, 2048:].any()  # the headroom, over dirty memory
     flipped = np.array(cache[1].values.view(mx.uint16))
     flipped[0, 7, 2047, 127] ^= 1
     assert not np.array_equal(flipped[:, :, :2048], np.array(stored[1].values.view(mx.uint16)))

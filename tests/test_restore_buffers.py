@@ -1,5 +1,5 @@
-"""restore_buffers.empty: restore buffers MLX allocates without writing, and TokenBuffer's
-zeroing of what no block wrote."""
+"""restore_buffers.empty: restore buffers MLX allocates without writing; a restore's
+headroom left so changes no logit."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import live_logits, max_diff, prefill, prompt, tiny_model
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
-from prefixcache import restore_buffers
-from prefixcache.codecs.buffer import TokenBuffer
-from prefixcache.host import HostArray
+from prefixcache import CacheConfig, PrefixCache, restore_buffers
 
 MiB = 1 << 20
 
@@ -75,26 +76,58 @@ def test_empty_keeps_a_reused_buffers_bytes(keep_freed_buffers):
     assert np.all(np.asarray(a) == 7)
 
 
-def test_finish_zeroes_the_headroom_of_a_reused_buffer(keep_freed_buffers):
-    """Blocks fill tokens [0, 8); the rest of a buffer that held old bytes is zero
-    after finish(), and only after it (the control: materialize() still shows them)."""
-    # 2 MiB: above the size a restore takes zeros for (small buffers are not reused)
-    capacity, rows = 4096, (1, 2, 4, 128)
-    old = mx.full((1, 2, capacity, 128), 0x5A5A, mx.uint16).view(mx.bfloat16)
-    mx.eval(old)
-    del old
-    rng = np.random.default_rng(0)
-    parts = [rng.integers(1, 1 << 15, rows, dtype=np.uint16) for _ in range(2)]
-    buf = TokenBuffer(capacity)
-    for i, p in enumerate(parts):
-        arr = HostArray(p.reshape(-1).view(np.uint8), mx.bfloat16, p.shape)
-        buf.reserve(arr)
-        buf.add(4 * i, arr)
-    before = np.array(buf.materialize().view(mx.uint16))
-    assert np.all(before[:, :, 8:] == 0x5A5A)  # the control: old bytes until finish
-    out = np.array(buf.finish().view(mx.uint16))
-    np.testing.assert_array_equal(out[:, :, :8], np.concatenate(parts, axis=2))
-    assert not out[:, :, 8:].any()
+WIDE = {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128}
+NAN_BITS = 0x7FC00000  # a float32 NaN
+
+
+def _dirty_buffers(shape: tuple[int, ...], count: int) -> None:
+    """Leave ``count`` freed buffers of ``shape`` (float32) full of NaN in MLX's cache."""
+    junk = [mx.full(shape, NAN_BITS, mx.uint32) for _ in range(count)]
+    mx.eval(junk)
+    del junk
+
+
+def _greedy(model, cache, tokens: list[int], kv) -> tuple[list[int], mx.array]:
+    quant = {} if kv is None else dict(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
+    steps = generate_step(
+        mx.array(tokens), model, prompt_cache=cache, prefill_step_size=32, max_tokens=6, **quant
+    )
+    out = list(steps)
+    return [int(t) for t, _ in out], mx.stack([lp for _, lp in out])
+
+
+@pytest.mark.parametrize("kv", [None, (8, 32, 180)], ids=["plain", "quantized-later"])
+def test_unwritten_headroom_over_nan_memory_changes_no_logit(keep_freed_buffers, kv):
+    """The headroom is left unwritten: restore buffers (2 MiB each: unwritten, not
+    zeros) take freed memory full of NaN, and their headroom shows it. Continuing
+    the prompt (past ``quantized_kv_start``, where mlx-lm quantizes the whole
+    buffer) and generating from restored caches give the live run's logits bit
+    for bit. The control: a cache that reads one headroom row (its offset one too
+    far) gives other logits, so a read of the headroom would be seen."""
+    model = tiny_model(num_hidden_layers=2, **WIDE)
+    shared = prompt(1, 160)
+    a, b = shared + prompt(2, 30), shared + prompt(3, 40)
+    with PrefixCache(model, CacheConfig(block_size=32, hot_cache_only=True), model_id="t") as pc:
+        stored = make_prompt_cache(model)
+        prefill(model, a, stored, step=32)
+        pc.store(a, stored)
+        del stored
+        _dirty_buffers((1, 8, 512, 128), 12)  # 200 tokens + 256 of headroom -> 512
+        (cache, num), (gen, _), (peek, _) = pc.fetch(b), pc.fetch(b), pc.fetch(b)
+    assert num == 160
+    for c in (cache, gen, peek):
+        assert c[0].keys.shape[2] == 512
+        assert np.isnan(np.array(c[0].keys[..., 160:, :])).any()  # dirty: the test tests
+    live = live_logits(model, b, num, step=32, kv=kv)
+    assert max_diff(prefill(model, b[num:], cache, step=32, kv=kv), live) == 0.0
+    live_cache = make_prompt_cache(model)
+    prefill(model, b[:num], live_cache, step=32)
+    got, want = _greedy(model, gen, b[num:], kv), _greedy(model, live_cache, b[num:], kv)
+    assert got[0] == want[0] and max_diff(got[1], want[1]) == 0.0
+    for c in peek:  # the control: one headroom row read as a token
+        c.offset += 1
+    diff = max_diff(prefill(model, b[num + 1 :], peek, step=32, kv=kv), live)
+    assert diff != 0.0, diff
 
 
 def _thp_mode() -> str | None:

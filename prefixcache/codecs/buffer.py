@@ -7,10 +7,12 @@ changes. Segments of blocks in memory (hot) are queued and copied in together
 concatenate on the CPU writes several times slower into fresh small pages).
 Blocks streamed from SSD need the buffer at once (``reserve``): the stream
 reads later blocks straight into it (``destination``; they arrive as
-``Placed``), and a HostArray is copied in at once. ``finish`` zeroes what no
-block wrote (the headroom). The result is a single buffer of final length
-plus headroom that the next prefill writes into in place; every byte is
-written once.
+``Placed``), and a HostArray is copied in at once. The result is a single
+buffer of final length plus headroom that the next prefill writes into in
+place. The headroom is left unwritten (its fresh pages are not even faulted
+in): mlx-lm reads a cache only below its offset (``update_and_fetch``,
+``state``, a batch's ``merge``; ``to_quantized`` quantizes each token's row on
+its own), and each token's row is written before the offset passes it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ class TokenBuffer:
         self.array: mx.array | None = None
         # (first token, array, its host bytes if known): in-memory segments to copy
         self._pending: list[tuple[int, mx.array, np.ndarray | None]] = []
-        self._end = 0  # tokens [0, _end) are covered by what was added
         # Byte view of ``array`` once it is written in place; set once, never reset
         # (reader threads hold destinations into it).
         self._host: np.ndarray | None = None
@@ -41,7 +42,6 @@ class TokenBuffer:
         self._dtype: mx.Dtype | None = None
         self._dims = (0, 0, 0, 0)
         self._fresh: mx.array | None = None  # allocated ahead (``allocate``), not yet opened
-        self._zeroed = False  # the headroom (tokens past ``_end``) is zeroed
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -52,9 +52,7 @@ class TokenBuffer:
         if type(x) is Placed:  # the common case of a streamed restore: checks only
             if not self._fits(start, x.dtype, x.shape):
                 raise LayoutMismatchError(f"placed tensor {x.dtype}{x.shape} is not in this buffer")
-            self._end = max(self._end, start + x.shape[2])
             return
-        self._end = max(self._end, start + x.shape[2]) if len(x.shape) == 4 else self._end
         if isinstance(x, HostArray) or self._host is not None:
             self._write(start, x)
         else:
@@ -68,9 +66,6 @@ class TokenBuffer:
                 self._write(start, x)
             return
         self._pending += segments
-        if segments:
-            last = max(segments, key=lambda s: s[0])
-            self._end = max(self._end, last[0] + last[1].shape[2])
 
     def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
         """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write
@@ -131,10 +126,6 @@ class TokenBuffer:
         for run, first, end in self._open_runs():
             nbytes = sum(v.nbytes for v in run)
             copies.add(nbytes, partial(self._copy_run, run, first, end), len(run))
-        if self._host is not None and self._end < self.capacity and not self._zeroed:
-            self._zeroed = True
-            tail = self._host[:, :, self._end :, :]
-            copies.add(tail.nbytes, partial(tail.fill, 0))
 
     def _open_runs(self) -> list[tuple[list[np.ndarray], int, int]]:
         """Open the buffer (reserved, or new for the queued segments) and take the
@@ -192,12 +183,8 @@ class TokenBuffer:
             raise LayoutMismatchError(f"block tensors do not fit the buffer: {err}") from None
 
     def finish(self) -> mx.array | None:
-        """The buffer, with the tokens no block wrote (the headroom) zeroed."""
-        array = self.materialize()
-        if self._host is not None and self._end < self.capacity and not self._zeroed:
-            self._zeroed = True
-            self._host[:, :, self._end :, :] = 0
-        return array
+        """The buffer; the tokens no block wrote (the headroom) are left unwritten."""
+        return self.materialize()
 
     def _fits(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``dtype`` and ``shape`` fits the buffer at ``start``
