@@ -16,9 +16,10 @@ returns; ``wait`` returns once every job has ended, the first error raised.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from .pools import SharedPool
 
 PARALLEL_BYTES = 4 << 20  # below, one thread: a wake costs ~50 us, 4 MiB copies ~0.5 ms
 # Below, one thread: numpy holds the GIL between the pieces it copies (~2 us each),
@@ -39,16 +40,14 @@ def _threads() -> int:
     return n
 
 
-_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[int, SharedPool] = {}  # by thread count
 
 
 def _shared_pool(threads: int) -> ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="prefixcache-copy")
-        return _pool
+    pool = _pools.get(threads)
+    if pool is None:
+        pool = _pools.setdefault(threads, SharedPool(threads, "prefixcache-copy"))
+    return pool.get()
 
 
 class Copies:

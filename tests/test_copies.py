@@ -4,7 +4,10 @@ that were stored."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +68,32 @@ def test_wait_raises_a_jobs_error_after_every_job_ended(monkeypatch):
     with pytest.raises(ValueError, match="bad piece"):
         copies.wait()
     assert done == [1, 1]
+
+
+def test_a_forked_child_copies_on_a_pool_of_its_own(monkeypatch):
+    """The parent's pool threads do not survive a fork: a child that copied through
+    the parent's executor would wait forever. It makes its own pool (exit 0 within
+    the deadline, its jobs seen on its pool's threads)."""
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
+    assert any(n.startswith("prefixcache-copy") for n in _names(Copies(), 8, PARALLEL_BYTES))
+    pid = os.fork()
+    if pid == 0:  # the child: numpy and threads only, no MLX
+        code = 3
+        try:
+            names = _names(Copies(), 8, PARALLEL_BYTES)
+            code = 0 if any(n.startswith("prefixcache-copy") for n in names) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copies did not finish in 30 s")
 
 
 @pytest.mark.parametrize("raw", ["0", "two"])

@@ -25,13 +25,13 @@ from __future__ import annotations
 import queue
 import threading
 from bisect import bisect_right
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from ...errors import PayloadError
 from ...host import MX_DTYPES, HostArray, Place, Placed, contiguous
+from ...pools import SharedPool
 from .format import (
     PART_BYTES,
     PART_HEAD_BYTES,
@@ -135,7 +135,7 @@ def _receive_signed(
     thread while the next slice arrives, verified, and only then copied into place."""
     staged = _staging(size)
     slices: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-    mac = _MACS.submit(_mac, part_hasher(names.seal, meta.key, n, meta.num_parts), slices)
+    mac = _MACS.get().submit(_mac, part_hasher(names.seal, meta.key, n, meta.num_parts), slices)
     try:
         for done in range(0, size, _SLICE):
             view = staged[done : min(size, done + _SLICE)]
@@ -152,7 +152,7 @@ def _receive_signed(
 
 # HMAC-SHA256 releases the GIL on large updates: a MAC thread hashes one slice
 # while the reader's thread receives the next (one per part being received)
-_MACS = ThreadPoolExecutor(4, thread_name_prefix="prefixcache-remote-mac")
+_MACS = SharedPool(4, "prefixcache-remote-mac")
 
 
 def _mac(hasher: Hasher, slices: queue.SimpleQueue[memoryview | None]) -> bytes:
