@@ -96,15 +96,21 @@ def _greedy(model, cache, tokens: list[int], kv) -> tuple[list[int], mx.array]:
     return [int(t) for t, _ in out], mx.stack([lp for _, lp in out])
 
 
-@pytest.mark.parametrize("kv", [None, (8, 32, 180)], ids=["plain", "quantized-later"])
-def test_unwritten_headroom_over_nan_memory_changes_no_logit(keep_freed_buffers, kv):
+@pytest.mark.parametrize(
+    "arch, kv",
+    [("llama", None), ("llama", (8, 32, 180)), ("gemma3_text", None)],
+    ids=["plain", "quantized-later", "sliding-window"],
+)
+def test_unwritten_headroom_over_nan_memory_changes_no_logit(keep_freed_buffers, arch, kv):
     """The headroom is left unwritten: restore buffers (2 MiB each: unwritten, not
     zeros) take freed memory full of NaN, and their headroom shows it. Continuing
     the prompt (past ``quantized_kv_start``, where mlx-lm quantizes the whole
-    buffer) and generating from restored caches give the live run's logits bit
-    for bit. The control: a cache that reads one headroom row (its offset one too
-    far) gives other logits, so a read of the headroom would be seen."""
-    model = tiny_model(num_hidden_layers=2, **WIDE)
+    buffer; a sliding window's buffer too) and generating from restored caches
+    give the live run's logits bit for bit. The control: a cache that reads one
+    headroom row (its offset one too far) gives other logits, so a read of the
+    headroom would be seen."""
+    window = {"sliding_window": 512} if arch == "gemma3_text" else {}  # 512: a 2 MiB buffer
+    model = tiny_model(arch, num_hidden_layers=2, **WIDE, **window)
     shared = prompt(1, 160)
     a, b = shared + prompt(2, 30), shared + prompt(3, 40)
     with PrefixCache(model, CacheConfig(block_size=32, hot_cache_only=True), model_id="t") as pc:
