@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 
 import mlx.core as mx
 import pytest
@@ -21,6 +22,7 @@ from prefixcache import mlx_fit
 from prefixcache.cli import serve, setup_arg_parser
 from prefixcache.config import CacheConfig
 from prefixcache.mlx_fit import MlxLmVersionError, ModelPair
+from prefixcache.mlx_prefetch import QueuedPrefetch
 from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiny import build_model
 
@@ -436,3 +438,43 @@ def test_a_checkpointed_layout_trims_by_its_policy_alone():
             tiered._cache.trim_hot(tiered.nbytes // 2, first=[*b, 5] if first else None)
             left.append(sorted(block.key for block in tiered._cache.hot))
     assert left[0] == left[1]
+
+
+class Provider:
+    """What QueuedPrefetch reads of mlx-lm's ModelProvider: the loaded model, its key
+    and tokenizer (here the requests are their prompts' tokens already)."""
+
+    def __init__(self, model):
+        self.model, self.model_key, self.tokenizer = model, KEY, object()
+
+
+def prompt_of(tokenizer, request, args):
+    return (list(request),)
+
+
+def test_a_request_taken_at_once_is_not_prefetched_one_left_waiting_is(tmp_path, llama):
+    """The generation thread takes the first request within the pickup time: no
+    prefetch starts (promotions and reads beside its own fetch only cost it). The
+    second is left waiting (the control): its blocks, on SSD only, are prefetched
+    into hot, then restored from there."""
+    config = CacheConfig(block_size=16, ssd_dir=str(tmp_path), promote=False)
+    with TieredPromptCache(lambda key: llama, config) as tiered:
+        history = prompt(1, 64)
+        history += serve_batched(tiered, llama, history)[0]
+        tiered.trim_to(n_bytes=0)  # the conversation lives on SSD only
+        tiered._cache.flush()
+        queued = QueuedPrefetch(prompt_of, tiered, pickup=0.05)
+        taken = [*history, *prompt(2, 8)]
+        queued(Provider(llama), taken, None, None)
+        queued.picked(taken)
+        time.sleep(0.3)
+        assert tiered.stats()["prefetched_blocks"] == 0
+        waiting = [*history, *prompt(3, 8)]
+        queued(Provider(llama), waiting, None, None)
+        deadline = time.monotonic() + 10
+        while tiered.stats()["prefetched_blocks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tiered._cache.flush()
+        assert tiered.stats()["prefetched_blocks"] > 0
+        _, cached = serve_batched(tiered, llama, waiting)
+        assert cached >= 64 and tiered.stats()["prefetch_hits"] > 0

@@ -12,7 +12,8 @@ saved to a directory and served by real ``prefixcache serve`` processes:
    conversation at once (``--clients`` threads, streamed: time to first token),
    then stops (the SSD tier's files are dropped from the page cache before
    each round); rounds alternate prefetch on (the default) and off
-   (``PREFIXCACHE_PREFETCH_BYTES=0``), ``--rounds`` of each. ``--path
+   (``PREFIXCACHE_PREFETCH_BYTES=0``), ``--rounds`` of each, which goes first
+   alternating too. ``--path
    sequential`` sends the requests with a ``seed`` (mlx-lm's sequential path:
    each waits for the generation before it, the case prefetch is for);
    ``batched`` lets mlx-lm's batch take them (it fetches each as it arrives, so
@@ -21,7 +22,9 @@ saved to a directory and served by real ``prefixcache serve`` processes:
 
 ``--tier ssd`` keeps the prefixes on the SSD tier; ``--tier remote`` on a Redis
 server the tool starts (``--hot-cache-only``: hot and remote only). Prints the
-TTFT median and p90 of each mode and their ratios.
+TTFT median and p90 of each mode, their ratios, and the blocks each mode's
+servers prefetched (their ``/metrics``: with nothing queued there should be
+none; ``idle on`` and ``idle off`` then run the same code).
 
     python tools/bench_prefetch.py --tier ssd
     python tools/bench_prefetch.py --tier remote
@@ -38,10 +41,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from benchlib import drop_caches
-from reuselib.servers import Server
+from reuselib.servers import Server, free_port
 
 from prefixcache.tiny import save_model
 
@@ -89,9 +93,20 @@ def serve(args, model: Path, work: Path, prefetch: bool, redis_url: str | None) 
     else:
         argv += ["--hot-cache-only", "--remote-url", redis_url]
     env = {"PREFIXCACHE_PREFETCH_BYTES": "256M" if prefetch else "0"}
-    server = Server("ours", argv, work / "server.log", env=env)
+    metrics = free_port()
+    server = Server("ours", [*argv, "--metrics-port", str(metrics)], work / "server.log", env=env)
+    server.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     server.wait_ready()
     return server
+
+
+def prefetched(server: Server) -> int:
+    """Blocks the server's prefetch has promoted so far (its Prometheus counter)."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("prefixcache_prefetched_blocks_total "):
+                return int(float(line.split()[1]))
+    return 0
 
 
 def concurrent(server: Server, requests: list[list[dict[str, str]]], **body) -> list[float]:
@@ -149,10 +164,14 @@ def main() -> None:
     _report(args, results)
 
 
+MODES = ("on", "off", "idle on", "idle off")
+BLOCKS: dict[str, int] = dict.fromkeys(MODES, 0)  # prefetched blocks, from the servers
+
+
 def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {m: [] for m in ("on", "off", "idle on", "idle off")}
-    for _ in range(args.rounds):
-        for prefetch in (True, False):
+    results: dict[str, list[float]] = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for prefetch in (True, False) if r % 2 == 0 else (False, True):  # order alternates
             turns = [[*h, {"role": "user", "content": text(rng, 8)}] for h in history]
             body = {"max_tokens": args.max_tokens}
             if args.path == "sequential":
@@ -160,11 +179,13 @@ def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
             _cold(work, url)
             server = serve(args, model, work, prefetch, url)
             results["on" if prefetch else "off"] += concurrent(server, turns, **body)
+            BLOCKS["on" if prefetch else "off"] += prefetched(server)
             server.stop()
             _cold(work, url)
             server = serve(args, model, work, prefetch, url)
             mode = "idle on" if prefetch else "idle off"
             results[mode] += [server.first_token(t, **body) for t in turns]  # nothing queued
+            BLOCKS[mode] += prefetched(server)
             server.stop()
     return results
 
@@ -199,10 +220,10 @@ def _report(args, results: dict[str, list[float]]) -> None:
     by = {m: (p50, p90) for m, _, p50, p90 in rows}
     where = f"prefixes on {args.tier}, {args.path} path"
     print(f"\n{args.clients} concurrent clients, {where}, load {os.getloadavg()}")
-    print("| mode | requests | TTFT p50 ms | TTFT p90 ms |")
-    print("|---|---|---|---|")
+    print("| mode | requests | TTFT p50 ms | TTFT p90 ms | blocks prefetched |")
+    print("|---|---|---|---|---|")
     for mode, n, p50, p90 in rows:
-        print(f"| {mode} | {n} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} |")
+        print(f"| {mode} | {n} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {BLOCKS[mode]} |")
     on, off, ion, ioff = by["on"], by["off"], by["idle on"], by["idle off"]
     print(f"\nconcurrent: prefetch / none p50 {on[0] / off[0]:.2f}, p90 {on[1] / off[1]:.2f}")
     print(f"idle: prefetch / none p50 {ion[0] / ioff[0]:.2f}, p90 {ion[1] / ioff[1]:.2f}")

@@ -111,11 +111,12 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             options = _asked.options  # set by the handler on this thread
             with self._options_lock:
                 self._options[id(request)] = options  # the request lives until answered
-            # while it waits in mlx-lm's queue, its cached prefix moves into hot
+            # if it waits in mlx-lm's queue, its cached prefix moves into hot meanwhile
             self._prefetch(self.model_provider, request, generation_args, options.extra)
             return super().generate(request, generation_args, progress_callback)
 
         def _tokenize(self, tokenizer: Any, request: Any, args: Any):
+            self._prefetch.picked(request)  # taken: no prefetch if none has started
             out = super()._tokenize(tokenizer, request, args)
             with self._options_lock:
                 options = self._options.pop(id(request), DEFAULT)
