@@ -18,6 +18,7 @@ its own), and each token's row is written before the offset passes it.
 from __future__ import annotations
 
 import math
+import operator
 from functools import partial
 
 import mlx.core as mx
@@ -150,7 +151,7 @@ class TokenBuffer:
     def _runs(self) -> list[tuple[list[np.ndarray], int, int]]:
         """The queued in-memory segments, checked, as runs of consecutive ones (one
         numpy call each: one for a whole chain)."""
-        pending = sorted(self._pending, key=lambda p: p[0])
+        pending = sorted(self._pending, key=_first)  # queued in order: one pass
         self._pending.clear()
         runs: list[tuple[list[np.ndarray], int, int]] = []
         run: list[np.ndarray] = []
@@ -162,11 +163,14 @@ class TokenBuffer:
                 run = []
             if not run:
                 first = start
-            shape = x.shape
-            if len(shape) != 4 or x.dtype != dtype:
-                raise LayoutMismatchError(f"block tensor {x.dtype}{tuple(shape)} does not fit")
-            run.append(host_bytes(x) if view is None else view)
-            end = start + shape[2]
+            if x.dtype != dtype:
+                raise LayoutMismatchError(f"block tensor {x.dtype} does not fit {dtype}")
+            if view is None:
+                if len(x.shape) != 4:
+                    raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
+                view = host_bytes(x)
+            run.append(view)  # host bytes (B, heads, tokens, dim bytes): numpy's shape is cheap
+            end = start + view.shape[2]
         if run:
             runs.append((run, first, end))
         for _, first, end in runs:
@@ -215,6 +219,8 @@ class TokenBuffer:
         self._host = host_view(array)
         advise_huge(self._host)
 
+
+_first = operator.itemgetter(0)  # a queued segment's first token
 
 _SMALL = 1 << 20  # bytes: below, zeros from MLX's buffer cache beat an unwritten buffer
 
