@@ -27,10 +27,13 @@ PARALLEL_BYTES = 4 << 20  # below, one thread: a wake costs ~50 us, 4 MiB copies
 MIN_PIECE = 256 << 10
 
 
+_CORES = min(4, os.cpu_count() or 1)  # read once: each os.cpu_count() reads /sys
+
+
 def _threads() -> int:
     raw = os.environ.get("PREFIXCACHE_COPY_THREADS")
     if raw is None:
-        return min(4, os.cpu_count() or 1)
+        return _CORES
     try:
         n = int(raw)
     except ValueError:
