@@ -3,11 +3,11 @@
 A hot restore costs its copies: every byte of the chain into the new buffers,
 whose fresh pages fault in as they are written. numpy releases the GIL while
 it copies, so a few threads copy (and fault in) at once: on this project's
-2-core VM a 128 MiB restore took about half the time of one thread's copies
-(tools/bench_blocks.py, ``PREFIXCACHE_COPY_THREADS=1`` for one thread).
-Small restores, and restores of small pieces (blocks of a few KiB per layer),
-stay on the caller's thread: there the threads wait for a wake or for the
-GIL longer than they copy.
+2-core VM a 128 MiB restore at block 256 took 21-24 ms against 25.6-26.3 ms on
+one thread (tools/bench_blocks.py, ``PREFIXCACHE_COPY_THREADS=1`` for one
+thread; two threads copy there only 1.2-1.3x as fast as one). Small restores,
+and restores of small pieces (blocks of a few KiB per layer), stay on the
+caller's thread: at blocks 32 and 64 two threads were no faster there.
 
 Jobs run numpy only (no MLX), on buffers the restore owns alone until it
 returns; ``wait`` returns once every job has ended, the first error raised.
@@ -21,9 +21,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .pools import SharedPool
 
-PARALLEL_BYTES = 4 << 20  # below, one thread: a wake costs ~50 us, 4 MiB copies ~0.5 ms
-# Below, one thread: numpy holds the GIL between the pieces it copies (~2 us each),
-# so threads copying many small pieces (small blocks) mostly wait for each other.
+PARALLEL_BYTES = 4 << 20  # below, one thread: waking others costs more than it saves
+# Below, one thread: numpy holds the GIL between the pieces it copies, so threads
+# copying many small pieces (small blocks) mostly wait for each other.
 MIN_PIECE = 256 << 10
 
 

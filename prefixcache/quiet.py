@@ -34,7 +34,7 @@ def remaining() -> float:
 
 
 def close_window() -> None:
-    """Close the window now (tests; a process that stops serving)."""
+    """Close the window now (tests)."""
     global _until
     with _lock:
         _until = 0.0

@@ -41,7 +41,7 @@ def test_large_copies_run_on_the_pool_and_small_ones_on_the_caller(monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
     big = _names(Copies(), 8, PARALLEL_BYTES // 2)
     assert any(n.startswith("prefixcache-copy") for n in big), big
-    assert "MainThread" not in big or len(big) > 1
+    assert "MainThread" not in big, big  # held jobs go to the pool once over the bar
     # the controls: too few bytes, too many small pieces, one thread asked for
     assert _names(Copies(), 8, PARALLEL_BYTES // 64) == {"MainThread"}
     small_pieces = PARALLEL_BYTES // 2 // (MIN_PIECE // 4)

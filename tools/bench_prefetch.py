@@ -156,20 +156,21 @@ def main() -> None:
                 h.append({"role": "user", "content": text(rng, 8)})
                 server.first_token(h)
             server.stop()
-            results = _rounds(args, rng, model, work, url, history)
+            results, blocks = _rounds(args, rng, model, work, url, history)
         finally:
             if redis is not None:
                 redis[0].terminate()
                 redis[0].wait(timeout=10)
-    _report(args, results)
+    _report(args, results, blocks)
 
 
 MODES = ("on", "off", "idle on", "idle off")
-BLOCKS: dict[str, int] = dict.fromkeys(MODES, 0)  # prefetched blocks, from the servers
 
 
-def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
+def _rounds(args, rng, model, work, url, history) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each mode's times to first token, and the blocks its servers prefetched."""
     results: dict[str, list[float]] = {m: [] for m in MODES}
+    blocks = dict.fromkeys(MODES, 0)
     for r in range(args.rounds):
         for prefetch in (True, False) if r % 2 == 0 else (False, True):  # order alternates
             turns = [[*h, {"role": "user", "content": text(rng, 8)}] for h in history]
@@ -179,15 +180,15 @@ def _rounds(args, rng, model, work, url, history) -> dict[str, list[float]]:
             _cold(work, url)
             server = serve(args, model, work, prefetch, url)
             results["on" if prefetch else "off"] += concurrent(server, turns, **body)
-            BLOCKS["on" if prefetch else "off"] += prefetched(server)
+            blocks["on" if prefetch else "off"] += prefetched(server)
             server.stop()
             _cold(work, url)
             server = serve(args, model, work, prefetch, url)
             mode = "idle on" if prefetch else "idle off"
             results[mode] += [server.first_token(t, **body) for t in turns]  # nothing queued
-            BLOCKS[mode] += prefetched(server)
+            blocks[mode] += prefetched(server)
             server.stop()
-    return results
+    return results, blocks
 
 
 def _cold(work: Path, redis_url: str | None) -> None:
@@ -209,7 +210,7 @@ def _redis(work: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"unix://{sock}"
 
 
-def _report(args, results: dict[str, list[float]]) -> None:
+def _report(args, results: dict[str, list[float]], blocks: dict[str, int]) -> None:
     rows = []
     for mode, times in results.items():
         p50 = statistics.median(times)
@@ -223,7 +224,7 @@ def _report(args, results: dict[str, list[float]]) -> None:
     print("| mode | requests | TTFT p50 ms | TTFT p90 ms | blocks prefetched |")
     print("|---|---|---|---|---|")
     for mode, n, p50, p90 in rows:
-        print(f"| {mode} | {n} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {BLOCKS[mode]} |")
+        print(f"| {mode} | {n} | {p50 * 1e3:.0f} | {p90 * 1e3:.0f} | {blocks[mode]} |")
     on, off, ion, ioff = by["on"], by["off"], by["idle on"], by["idle off"]
     print(f"\nconcurrent: prefetch / none p50 {on[0] / off[0]:.2f}, p90 {on[1] / off[1]:.2f}")
     print(f"idle: prefetch / none p50 {ion[0] / ioff[0]:.2f}, p90 {ion[1] / ioff[1]:.2f}")

@@ -74,8 +74,8 @@ class TokenBuffer:
         straight into it.
 
         ``x`` is a HostArray or the dtype and shape of one (a ``Placed``). The
-        memory is left unwritten (a restore writes every byte once: the blocks,
-        then ``finish`` the rest). Returns the new buffer, for the caller to
+        memory is left unwritten (the blocks write their tokens once; the
+        headroom stays unwritten). Returns the new buffer, for the caller to
         evaluate with others' (one wake of MLX's stream, not one per buffer);
         [] when there is nothing to allocate.
         """
