@@ -33,7 +33,7 @@ from mlx_lm.models.cache import (
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.capture import chunk_ends
-from prefixcache.codecs import codec_for, round_up
+from prefixcache.codecs import buffer, codec_for, round_up
 
 BLOCK = 16
 STEP = 16  # one block per chunk: every boundary gets its recurrent snapshot
@@ -132,8 +132,11 @@ def swap_stateful(cache, other) -> int:
     return swapped or len(cache)
 
 
-@pytest.fixture(params=["hot", "ssd", "remote"])
-def tier(request):
+@pytest.fixture(params=["hot", "hot-allocated", "ssd", "remote"])
+def tier(request, monkeypatch):
+    if request.param == "hot-allocated":  # every buffer made as a large restore's:
+        monkeypatch.setattr(buffer, "_SMALL", 0)  # allocated by MLX, written in place
+        return "hot"
     return request.param
 
 

@@ -99,8 +99,11 @@ class TokenBuffer:
 
     def allocate(self) -> list[mx.array]:
         """The buffer the queued segments will be copied into, created (lazily) for
-        the caller to evaluate with others; [] if there is none to make."""
+        the caller to evaluate with others; [] if there is none to make (or it is
+        small: ``finish`` builds it)."""
         if self._host is not None or self._fresh is not None or not self._pending:
+            return []
+        if self._small():
             return []
         x = self._pending[0][1]
         if len(x.shape) != 4:
@@ -124,6 +127,8 @@ class TokenBuffer:
         """Open the buffer and hand the queued segments' copies to ``copies``
         (checked here; they run numpy only, on any thread). ``finish`` once
         ``copies`` has waited for them."""
+        if self._small():
+            return  # ``finish`` copies it
         for run, first, end in self._open_runs():
             nbytes = sum(v.nbytes for v in run)
             copies.add(nbytes, partial(self._copy_run, run, first, end), len(run))
@@ -188,7 +193,39 @@ class TokenBuffer:
 
     def finish(self) -> mx.array | None:
         """The buffer; the tokens no block wrote (the headroom) are left unwritten."""
+        if self._small():
+            return self._build_small()
         return self.materialize()
+
+    def _small(self) -> bool:
+        """Whether the buffer is still to make, for queued in-memory segments only,
+        and smaller than ``_SMALL``: ``finish`` builds it in host memory."""
+        if self._host is not None or self._fresh is not None or not self._pending:
+            return False
+        x = self._pending[0][1]
+        if len(x.shape) != 4:
+            return False  # _open_runs reports it
+        b, h, _, d = x.shape
+        return b * h * self.capacity * d * x.dtype.size < _SMALL
+
+    def _build_small(self) -> mx.array:
+        """The queued segments copied into host memory, then into a new MLX array in
+        one constructor copy: a small restore's cost is per call, and MLX's
+        allocate-then-write (an evaluation per buffer batch, a host view) costs more
+        than copying its few KiB twice. Its view as ``dtype`` is evaluated with the
+        restored cache."""
+        x = self._pending[0][1]
+        b, h, _, d = x.shape
+        self._dtype, self._dims = x.dtype, (b, h, self.capacity, d)
+        host = np.empty((b, h, self.capacity, d * x.dtype.size), np.uint8)  # headroom unwritten
+        self._host = host
+        try:
+            for run, first, end in self._runs():
+                self._copy_run(run, first, end)
+        finally:
+            self._host = None
+        self.array = mx.array(host).view(x.dtype)
+        return self.array
 
     def _fits(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> bool:
         """Whether a tensor of ``dtype`` and ``shape`` fits the buffer at ``start``
