@@ -22,6 +22,7 @@ import mlx.nn as nn
 from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import UnsupportedCacheError
+from .mlx_deferred import DEFERRED_TYPES, Deferred, DeferredInserts
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
 from .mlx_lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
 from .mlx_lifecycle import CacheLifecycle
@@ -73,6 +74,7 @@ class TieredPromptCache(CacheLifecycle):
         self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
         self.requests = Requests()  # per-request options (request_options.py)
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
+        self._deferred = DeferredInserts()  # inserts before a first token (mlx_deferred.py)
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
@@ -87,6 +89,7 @@ class TieredPromptCache(CacheLifecycle):
         text = text_prefix(tokens)
         with self._lock:
             self._last = None
+            self._store_deferred(tokens if model == self._key else None)
             cache = self._open(model)
             if cache is None or not text:
                 return None, tokens
@@ -105,8 +108,10 @@ class TieredPromptCache(CacheLifecycle):
     def checkpoints(self, model: ModelKey, tokens: Sequence[int], num_cached: int = 0) -> list[int]:
         """Where the server's prefill of ``tokens`` should stop so the cache keeps state
         there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
-        text = text_prefix(list(tokens))
+        tokens = list(tokens)
+        text = text_prefix(tokens)
         with self._lock:
+            self._store_deferred(tokens if model == self._key else None)
             cache = self._open(model)
             if cache is None or not text:
                 return []
@@ -151,30 +156,50 @@ class TieredPromptCache(CacheLifecycle):
 
         ``cache_type`` (system / user / assistant) is accepted for the
         interface: blocks are shared, and eviction already drops leaves (the
-        conversation tails) before the prefixes they extend.
+        conversation tails) before the prefixes they extend. A "system" or
+        "user" insert comes before the request's first token: it is stored at
+        the adapter's next call from the generation thread (mlx_deferred.py).
         """
         with self._lock:
-            cache = self._open(model)
-            text = text_prefix(tokens)
-            if cache is None or not text:
-                return
-            opts = self.requests.for_insert(tokens)
-            if opts is None:
+            tokens = list(tokens)
+            options = self.requests.for_insert(tokens)  # the final insert closes the request
+            if options is None:
                 self.num_unattributed += 1
                 return
-            try:
-                held = held_tokens(text, prompt_cache)
-                keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
-                cache.store(held, prompt_cache, **keep)
-                if opts.pin_tokens and len(held) >= opts.pin_tokens:
-                    cache.pin(held[: opts.pin_tokens], extra=opts.extra)
-            except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
-                # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
-                self.num_rejected += 1
-                level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
-                log.log(level, "prefixcache: %s cache not stored: %s", cache_type, err)
-            except _STORAGE_ERRORS as err:
-                self._storage_error("insert", err)
+            item = Deferred(model, tokens, list(prompt_cache), cache_type, options)
+            if model == self._key and cache_type in DEFERRED_TYPES:
+                for now in self._deferred.add(item):
+                    self._store(now)
+                return
+            self._store_deferred()  # first: they hold a prefix of a request's last insert
+            self._store(item)
+
+    def _store_deferred(self, tokens: list[int] | None = None) -> None:
+        """Store the deferred inserts (``DeferredInserts.take``: all, or those a
+        fetch of ``tokens`` could use); those of a model no longer open are dropped."""
+        for item in self._deferred.take(tokens, self.config.block_size):
+            if item.model == self._key:
+                self._store(item)
+
+    def _store(self, item: Deferred) -> None:
+        cache = self._open(item.model)
+        text = text_prefix(item.tokens)
+        if cache is None or not text:
+            return
+        opts = item.options
+        try:
+            held = held_tokens(text, item.cache)
+            keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
+            cache.store(held, item.cache, **keep)
+            if opts.pin_tokens and len(held) >= opts.pin_tokens:
+                cache.pin(held[: opts.pin_tokens], extra=opts.extra)
+        except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError
+            # Raising here would kill mlx-lm's generation thread: refuse the insert instead.
+            self.num_rejected += 1
+            level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
+            log.log(level, "prefixcache: %s cache not stored: %s", item.cache_type, err)
+        except _STORAGE_ERRORS as err:
+            self._storage_error("insert", err)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
@@ -254,8 +279,10 @@ class TieredPromptCache(CacheLifecycle):
             return self._cache.end_session(session)
 
     def close(self) -> None:
-        """Flush and close the open PrefixCache; logs its counters."""
+        """Store the deferred inserts, flush and close the open PrefixCache; logs its
+        counters."""
         with self._lock:
+            self._store_deferred()
             self._close_current()
             self._key, self._opened = None, False
 

@@ -1,0 +1,79 @@
+"""Inserts mlx-lm makes before a request's first token, stored after it.
+
+mlx-lm's server (batch path) inserts a request's cache at the end of its
+system segment and of its prompt but the last token (cache types "system" and
+"user"), both before the first token is sampled. Storing cuts and copies the
+new blocks: about 1 ms a request on bench_serve's model, more for a long new
+prompt, all of it time to first token. So the adapter only starts evaluating
+such a cache (its arrays then stop holding the batch's buffers, which the
+next decode step would otherwise copy) and stores it at its next call from the
+generation thread: the request's final insert, a fetch or a checkpoint query
+that could use it, or close. mlx-lm's own cache stores its entries
+unevaluated, and pays for them later too. Keeping the cache is safe: mlx-lm
+extracts it from its batch for the insert and does not use it again (a live
+cache, which a prefill goes on writing, is inserted as "assistant": at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .mlx_fit import ModelKey
+from .request_options import RequestOptions
+
+DEFERRED_TYPES = frozenset({"system", "user"})
+MAX_DEFERRED = 16  # beyond, the oldest is stored at once (requests that never end)
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """One insert to store: its model key, tokens, cache, type and request options."""
+
+    model: ModelKey
+    tokens: list[int]
+    cache: list[Any]
+    cache_type: str
+    options: RequestOptions | None
+
+
+class DeferredInserts:
+    """The inserts waiting for their request's next call (not thread-safe: the
+    adapter's lock)."""
+
+    def __init__(self) -> None:
+        self._items: list[Deferred] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, item: Deferred) -> list[Deferred]:
+        """Keep ``item`` (its arrays' evaluation started); returns what must be
+        stored now to stay within ``MAX_DEFERRED``."""
+        arrays = [a for _, a in tree_flatten([c.state for c in item.cache])]
+        mx.async_eval([a for a in arrays if isinstance(a, mx.array)])
+        self._items.append(item)
+        over = len(self._items) - MAX_DEFERRED
+        if over <= 0:
+            return []
+        out, self._items = self._items[:over], self._items[over:]
+        return out
+
+    def take(self, tokens: Sequence[int] | None = None, block_size: int = 0) -> list[Deferred]:
+        """Remove and return every insert (``tokens`` None), or those whose first
+        block (their tokens, if fewer) ``tokens`` shares: a fetch of ``tokens``
+        could restore from them."""
+        if tokens is None:
+            out, self._items = self._items, []
+            return out
+        out, keep = [], []
+        for item in self._items:
+            n = min(block_size, len(item.tokens))
+            shares = n > 0 and list(tokens[:n]) == item.tokens[:n]
+            (out if shares else keep).append(item)
+        self._items = keep
+        return out
