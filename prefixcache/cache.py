@@ -60,6 +60,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
         self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
+        self._last_keys: tuple[bytes, bytes, list[bytes]] | None = None  # (prompt, root, restored)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
         cost = self.layout.block_cost if self.config.eviction == "cost" else None
@@ -100,6 +101,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
             self._last_shared = (data, root, got.shared)
+            self._last_keys = (data, root, got.keys)
             self.controls.used(got.keys)
             self.prefetcher.used(got.keys)
             if got.promote:  # loaded again into the tiers above, off this request's path

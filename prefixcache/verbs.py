@@ -28,7 +28,7 @@ class ControlVerbs:
 
     ``pin``, ``unpin``, ``end_session``, ``trim_hot``, and its tiers (``hot``,
     ``ssd``). It uses the cache's ``controls``, ``tiers``, ``config``,
-    ``layout``, ``lookup``, ``_lock``, ``_root`` and ``_check_open``.
+    ``layout``, ``lookup``, ``_lock``, ``_last_keys``, ``_root`` and ``_check_open``.
     """
 
     config: CacheConfig
@@ -37,6 +37,7 @@ class ControlVerbs:
     layout: ModelLayout
     lookup: Lookup
     _lock: AbstractContextManager[object]
+    _last_keys: tuple[bytes, bytes, list[bytes]] | None  # the last fetch's (prompt, root, keys)
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes: ...
 
@@ -130,9 +131,11 @@ class ControlVerbs:
             if hot.nbytes <= limit:
                 return 0
             if first and not self.layout.checkpointed and not self.tiers.lower:
-                # the blocks its fetch restored: the plan again (metadata only)
-                plan = self.lookup.plan(token_bytes(first), self._root(extra))
-                num = hot.evict_chain(reversed(plan.keys), limit)
+                data, root = token_bytes(first), self._root(extra)
+                last = self._last_keys  # the blocks its fetch restored, else the plan again
+                same = last is not None and last[0] == data and last[1] == root
+                keys = last[2] if same else self.lookup.plan(data, root).keys
+                num = hot.evict_chain(reversed(keys), limit)
             return num + hot.evict_to(limit)
 
     def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
