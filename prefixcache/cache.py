@@ -248,8 +248,10 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             self.tiers.replace(cut.upgraded)
             if tail is not None:
                 self.tiers.place_tail(tail, persist=persist, continues=continues)
+            stored = [*cut.new, *([tail] if tail else [])]
+            self.hot.prepare_views([*stored, *cut.upgraded])
             walked = [*keys, *tail_keys(root, keys, data, bs)]
-            self.controls.stored(session, persist, [*cut.new, *([tail] if tail else [])], walked)
+            self.controls.stored(session, persist, stored, walked)
             if not self.layout.keeps_state:  # else a tail's end state is its own
                 for block in [*cut.new[-1:], *([tail] if tail else [])]:
                     self.hot.drop_superseded(block)

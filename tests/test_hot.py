@@ -1,10 +1,14 @@
 """Hot tier: byte bound, leaves-first eviction, dirty tracking, against a plain model."""
 
 import mlx.core as mx
+import numpy as np
+from conftest import prefill, prompt, tiny_model
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from mlx_lm.models.cache import make_prompt_cache
 
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
 from prefixcache.tiers.hot import HotTier
 
@@ -183,3 +187,22 @@ def test_cost_aware_eviction_ages_out_a_deep_chain_nobody_uses():
     assert aged is not None and aged > 10  # it outlived many newer prompts, then aged out
     assert run(by_depth, 5) is None  # used now and then: kept
     assert run(None, None) == 2  # control: LRU takes it at the first eviction
+
+
+def test_a_store_makes_the_host_views_a_restore_copies_from():
+    """Made on the storing thread for each block the store keeps hot (off the next
+    fetch's path), equal to the blocks' bytes, and let go with the block."""
+    model = tiny_model("llama")
+    tokens = prompt(1, 64)
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    with PrefixCache(model, CacheConfig(block_size=16, hot_cache_only=True), model_id="t") as pc:
+        pc.store(tokens, cache)
+        made = pc.hot.views._made
+        assert set(made) == set(pc.hot._lru) and len(made) == 4
+        block, views = made[next(iter(made))]
+        for name, view in views.items():
+            want = np.asarray(memoryview(block.arrays[name]).cast("B"))
+            assert np.array_equal(view.reshape(-1), want)
+        pc.trim_hot(0)
+        assert not made

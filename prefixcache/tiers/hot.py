@@ -128,6 +128,14 @@ class HotTier(ListsChildren, Tier):
                 if self.credits is not None:
                     self.credits.used(key)
 
+    def prepare_views(self, blocks: Iterable[Block]) -> None:
+        """Make now, on the storing thread, the host views a restore of ``blocks``
+        copies from (those still held here): off the path of the fetch that first
+        restores them (in a server, the next request's time to first token)."""
+        for block in blocks:
+            if self._lru.get(block.key) is block:
+                self.views.of(block)
+
     def put(self, block: Block, *, dirty: bool = False, at_cold_end: bool = False) -> bool:
         """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
 
