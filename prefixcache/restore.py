@@ -146,6 +146,9 @@ class ChainLoad:
         return reader
 
 
+Checked = tuple[frozenset[str], tuple[int, ...]]  # a placed block's names and layers
+
+
 def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: int) -> list[Any]:
     """Fill every layer of ``fresh`` from the blocks of ``loader``'s plan.
 
@@ -157,13 +160,8 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
     Raises:
         Shortfall: a block (or a layer's part of it) is unusable.
     """
-    plan = loader.plan
-    codecs = [codec_for(c) for c in fresh]
-    num_tokens = plan.num_tokens
-    builders = [
-        codec.builder(cache, num_tokens, capacity, block_size)
-        for codec, cache in zip(codecs, fresh, strict=True)
-    ]
+    plan, num_tokens, codecs = loader.plan, loader.plan.num_tokens, [codec_for(c) for c in fresh]
+    builders = [codec_for(f).builder(f, num_tokens, capacity, block_size) for f in fresh]
     users = _users(codecs, fresh, num_tokens, block_size)
     if users and max(users) >= len(plan.entries):
         raise ValueError(f"{num_tokens} tokens need block {max(users)} of {len(plan.entries)}")
@@ -174,8 +172,9 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         else:
             _reserve_first(builders, users, plan, loader.first_specs(order) if order else None)
             loader.start(order, _placer(builders, users))
+            checked: set[Checked] = set()
             for index in order:
-                _add_block(builders, users, index, *loader.payload(index))
+                _add_block(builders, users, index, *loader.payload(index), checked)
     finally:
         loader.stop()
     mx.eval([b.allocate() for b in builders])  # every buffer still to make, at once
@@ -246,17 +245,24 @@ def _add_block(
     index: int,
     arrays: Mapping[str, Any],
     resident: bool,
+    checked: set[Checked],
 ) -> None:
-    """Hand block ``index``'s payload to the builders of the layers that use it."""
-    layers = split_layers(arrays)
+    """Hand block ``index``'s payload to the builders of the layers that use it. A
+    block read wholly into place with an earlier one's names and layers (``checked``)
+    needs nothing more where ``add`` only checks names (``placed_checks_only``)."""
+    mine = users[index]
     # a block read wholly into place by host-taking builders leaves no MLX work
     placed = all(type(a) is Placed for a in arrays.values())
-    streamed = not resident and not (placed and all(builders[i].takes_host for i in users[index]))
+    only_checks = placed and all(builders[i].placed_checks_only for i in mine)
+    seen = (frozenset(arrays), tuple(mine)) if only_checks else None
+    if seen in checked:
+        return
+    layers = split_layers(arrays)
+    streamed = not resident and not (placed and all(builders[i].takes_host for i in mine))
     if streamed:  # allocate every layer's buffer (unwritten) before the copies
-        mx.async_eval([builders[i].reserve(index, layers.get(i, {})) for i in users[index]])
-    for layer in users[index]:
-        builder = builders[layer]
-        part = layers.get(layer, {})
+        mx.async_eval([builders[i].reserve(index, layers.get(i, {})) for i in mine])
+    for layer in mine:
+        builder, part = builders[layer], layers.get(layer, {})
         if not builder.takes_host:
             part = {
                 n: a.to_mx() if isinstance(a, HostArray | Placed) else a for n, a in part.items()
@@ -267,6 +273,8 @@ def _add_block(
             raise Shortfall.of(index, err) from err
     if streamed:
         mx.eval([b.buffers() for b in builders])
+    if seen is not None:
+        checked.add(seen)
 
 
 def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:

@@ -336,3 +336,28 @@ def ssd_runs_jobs(pc, keys, hot_at) -> list[Job]:
     from prefixcache.tiers.ssd.stream import _jobs
 
     return _jobs(pc.ssd, [k for i, k in enumerate(keys) if i not in hot_at])
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["checked-once", "control"])
+def test_placed_blocks_of_one_layout_are_checked_once_per_restore(tmp_path, monkeypatch, once):
+    """A block read wholly into place with the names of an earlier one skips the
+    builders' checks (``placed_checks_only``); the restore stays exact. The control
+    checks every block and gives the same logits."""
+    monkeypatch.setattr(KVBuilder, "placed_checks_only", once)
+    calls = []
+    real = KVBuilder.add
+    monkeypatch.setattr(KVBuilder, "add", lambda self, i, a: calls.append(i) or real(self, i, a))
+    model = tiny_model("llama", num_hidden_layers=2)
+    tokens = prompt(30, 64)
+    config = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    with PrefixCache(model, config, model_id="t") as pc:
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache)
+        pc.store(tokens, cache)
+        pc.flush()
+        restored, num = pc.fetch([*tokens, 1])
+    assert num == 64
+    assert calls == ([0, 0] if once else [i for i in range(4) for _ in range(2)])
+    rest = prompt(31, 8)
+    got = prefill(model, rest, restored)
+    assert max_diff(got, live_logits(model, [*tokens, *rest], 64)) == 0.0

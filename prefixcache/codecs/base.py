@@ -83,9 +83,13 @@ class Builder(ABC):
     Attributes:
         takes_host: ``add`` accepts HostArray / Placed tensors as the SSD stream
             gives them (copied or already in place); else it gets MLX arrays.
+        placed_checks_only: ``add`` of tensors all ``Placed`` (each where this
+            builder's ``destination`` put it) only checks which names the
+            payload has: a later block with the same names needs no ``add``.
     """
 
     takes_host: ClassVar[bool] = False
+    placed_checks_only: ClassVar[bool] = False
 
     @abstractmethod
     def add(self, index: int, arrays: dict[str, Any]) -> None:

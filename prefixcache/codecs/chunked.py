@@ -82,6 +82,7 @@ class ChunkedBuilder(KVBuilder):
     """One buffer starting at the first needed block (the new ``start_position``)."""
 
     missing = CHUNK
+    placed_checks_only = False  # a block trimmed in front is judged by its values
 
     def __init__(self, fresh: ChunkedKVCache, num_tokens: int, capacity: int, block_size: int):
         first = first_block(fresh, num_tokens, block_size) * block_size

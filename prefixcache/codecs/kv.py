@@ -73,6 +73,7 @@ class KVBuilder(Builder):
     """
 
     takes_host = True  # TokenBuffer takes streamed HostArrays and Placed tensors
+    placed_checks_only = True  # a Placed tensor's add checks its names and fit only
     missing = MissReason.LAYOUT_MISMATCH
 
     def __init__(
