@@ -38,7 +38,7 @@ class Deferred:
     tokens: list[int]
     cache: list[Any]
     cache_type: str
-    options: RequestOptions | None
+    options: RequestOptions
 
 
 class DeferredInserts:
