@@ -8,10 +8,11 @@ prompt, all of it time to first token. So the adapter only starts evaluating
 such a cache (its arrays then stop holding the batch's buffers, which the
 next decode step would otherwise copy) and stores it at its next call from the
 generation thread: the request's final insert, a fetch or a checkpoint query
-that could use it, or close. mlx-lm's own cache stores its entries
-unevaluated, and pays for them later too. Keeping the cache is safe: mlx-lm
-extracts it from its batch for the insert and does not use it again (a live
-cache, which a prefill goes on writing, is inserted as "assistant": at once).
+that could use it, or close (``MAX_DEFERRED`` and ``MAX_DEFERRED_BYTES`` bound
+what waits). mlx-lm's own cache stores its entries unevaluated, and pays for
+them later too. Keeping the cache is safe: mlx-lm extracts it from its batch for
+the insert and does not use it again (a live cache, which a prefill goes on
+writing, is inserted as "assistant": at once).
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from .mlx_fit import ModelKey
 from .request_options import RequestOptions
 
 DEFERRED_TYPES = frozenset({"system", "user"})
-MAX_DEFERRED = 16  # beyond, the oldest is stored at once (requests that never end)
+# At most this many inserts, and bytes of their caches, wait; beyond, an insert is
+# stored at once. Each waiting cache is a copy of its request's whole K/V held until
+# the request ends: a long prompt's (where storing costs little against its
+# prefill) must not double its memory for the whole reply.
+MAX_DEFERRED = 16
+MAX_DEFERRED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,34 +52,34 @@ class DeferredInserts:
     adapter's lock)."""
 
     def __init__(self) -> None:
-        self._items: list[Deferred] = []
+        self._items: list[tuple[Deferred, int]] = []  # (insert, its cache's bytes)
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, item: Deferred) -> list[Deferred]:
-        """Keep ``item`` (its arrays' evaluation started); returns what must be
-        stored now to stay within ``MAX_DEFERRED``."""
+    def add(self, item: Deferred) -> bool:
+        """Keep ``item`` (its arrays' evaluation started); False, keeping nothing,
+        past ``MAX_DEFERRED`` or ``MAX_DEFERRED_BYTES``: store it now."""
         arrays = [a for _, a in tree_flatten([c.state for c in item.cache])]
-        mx.async_eval([a for a in arrays if isinstance(a, mx.array)])
-        self._items.append(item)
-        over = len(self._items) - MAX_DEFERRED
-        if over <= 0:
-            return []
-        out, self._items = self._items[:over], self._items[over:]
-        return out
+        arrays = [a for a in arrays if isinstance(a, mx.array)]
+        nbytes = sum(a.nbytes for a in arrays)  # from the shapes: nothing is evaluated
+        if len(self._items) >= MAX_DEFERRED or self.nbytes + nbytes > MAX_DEFERRED_BYTES:
+            return False
+        mx.async_eval(arrays)
+        self._items.append((item, nbytes))
+        self.nbytes += nbytes
+        return True
 
     def take(self, tokens: Sequence[int] | None = None, block_size: int = 0) -> list[Deferred]:
         """Remove and return every insert (``tokens`` None), or those whose first
         block (their tokens, if fewer) ``tokens`` shares: a fetch of ``tokens``
         could restore from them."""
-        if tokens is None:
-            out, self._items = self._items, []
-            return out
         out, keep = [], []
-        for item in self._items:
+        for item, nbytes in self._items:
             n = min(block_size, len(item.tokens))
-            shares = n > 0 and list(tokens[:n]) == item.tokens[:n]
-            (out if shares else keep).append(item)
+            shares = tokens is None or (n > 0 and list(tokens[:n]) == item.tokens[:n])
+            (out if shares else keep).append((item, nbytes))
         self._items = keep
-        return out
+        self.nbytes = sum(nbytes for _, nbytes in keep)
+        return [item for item, _ in out]

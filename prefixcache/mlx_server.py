@@ -168,8 +168,8 @@ class TieredPromptCache(CacheLifecycle):
                 return
             item = Deferred(model, tokens, list(prompt_cache), cache_type, options)
             if model == self._key and cache_type in DEFERRED_TYPES:
-                for now in self._deferred.add(item):
-                    self._store(now)
+                if not self._deferred.add(item):  # too many or too large to wait
+                    self._store(item)
                 return
             self._store_deferred()  # first: they hold a prefix of a request's last insert
             self._store(item)

@@ -5,8 +5,10 @@ them: system and user segments, a cache extracted at each segment's end."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from conftest import prefill, prompt
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -122,18 +124,32 @@ def test_a_deferred_insert_is_stored_for_a_fetch_that_can_use_it_or_at_close(lla
         assert len(rest) <= 8  # b's full blocks at least, from the SSD tier
 
 
-def test_requests_that_never_end_keep_at_most_max_deferred(llama, monkeypatch):
-    monkeypatch.setattr(mlx_deferred, "MAX_DEFERRED", 2)
+@pytest.mark.parametrize("bound", ["count", "bytes"])
+def test_an_insert_past_the_bounds_is_stored_at_once(llama, monkeypatch, bound):
+    if bound == "count":
+        monkeypatch.setattr(mlx_deferred, "MAX_DEFERRED", 2)
+    else:  # two of these caches fit, a third does not
+        monkeypatch.setattr(mlx_deferred, "MAX_DEFERRED_BYTES", 2 * state_bytes(llama, 32))
+    prompts = [prompt(20 + seed, 32) for seed in range(3)]
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
         tiered.fetch_nearest_cache(KEY, prompt(9, 20))
-        for seed in range(3):
-            tokens = prompt(20 + seed, 32)
+        for tokens in prompts:
             cache = make_prompt_cache(llama)
             prefill(llama, tokens, cache)
             tiered.insert_cache(KEY, tokens, cache, cache_type="user")
-        assert len(tiered._deferred) == 2 and len(tiered) == 2  # the oldest's two blocks
-        _, rest = tiered.fetch_nearest_cache(KEY, [*prompt(20, 32), 1])
+        assert len(tiered._deferred) == 2 and len(tiered) == 2  # the third's two blocks
+        assert tiered._cache.match([*prompts[2], 1]) == 32
+        assert tiered._cache.match([*prompts[0], 1]) == 0  # still waiting
+        _, rest = tiered.fetch_nearest_cache(KEY, [*prompts[0], 1])
         assert len(rest) == 1
+
+
+def state_bytes(model, n: int) -> int:
+    """Bytes of the arrays of a cache holding ``n`` prefilled tokens (its buffers)."""
+    cache = make_prompt_cache(model)
+    prefill(model, prompt(1, n), cache)
+    leaves = tree_flatten([c.state for c in cache])
+    return sum(a.nbytes for _, a in leaves if isinstance(a, mx.array))
 
 
 @pytest.mark.parametrize("cache_type", ["system", "user"])
