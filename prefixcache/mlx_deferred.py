@@ -61,8 +61,8 @@ class DeferredInserts:
     def add(self, item: Deferred) -> bool:
         """Keep ``item`` (its arrays' evaluation started); False, keeping nothing,
         past ``MAX_DEFERRED`` or ``MAX_DEFERRED_BYTES``: store it now."""
-        arrays = [a for _, a in tree_flatten([c.state for c in item.cache])]
-        arrays = [a for a in arrays if isinstance(a, mx.array)]
+        leaves = tree_flatten([c.state for c in item.cache])  # KVCache's holds its offset
+        arrays = [a for _, a in leaves if isinstance(a, mx.array)]
         nbytes = sum(a.nbytes for a in arrays)  # from the shapes: nothing is evaluated
         if len(self._items) >= MAX_DEFERRED or self.nbytes + nbytes > MAX_DEFERRED_BYTES:
             return False

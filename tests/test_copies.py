@@ -16,7 +16,7 @@ from conftest import tiny_model
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.codecs.buffer import TokenBuffer
+from prefixcache.codecs import buffer
 from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
 
 MiB = 1 << 20
@@ -111,13 +111,13 @@ def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, threads):
     changed byte is seen (the comparison can fail)."""
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", threads)
     seen: set[str] = set()
-    copy_run = TokenBuffer._copy_run
+    copy_run = buffer._copy_run
 
-    def watched(self, run, start, end):
+    def watched(host, run, start, end):
         seen.add(threading.current_thread().name)
-        return copy_run(self, run, start, end)
+        return copy_run(host, run, start, end)
 
-    monkeypatch.setattr(TokenBuffer, "_copy_run", watched)
+    monkeypatch.setattr(buffer, "_copy_run", watched)
     model = tiny_model(
         dtype=mx.bfloat16,
         num_hidden_layers=2,

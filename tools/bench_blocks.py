@@ -39,7 +39,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from benchlib import evict, shaped_model, synthetic_cache
+from benchlib import evict, read_into_fresh, shaped_model, synthetic_cache
 
 from prefixcache import CacheConfig, PrefixCache
 
@@ -82,9 +82,7 @@ def memcpy(source: np.ndarray) -> Clock:
 
 def file_read(path: str, nbytes: int) -> Clock:
     with Clock() as clock:
-        out = np.empty(nbytes, dtype=np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(out))
+        out = read_into_fresh(path, nbytes)
     del out
     return clock
 

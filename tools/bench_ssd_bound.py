@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 import xxhash
+from benchlib import read_fresh, read_into_fresh
 
 MiB = 1 << 20
 RUN_BYTES = 4 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
@@ -134,13 +135,6 @@ def direct_restore(paths: list[str], args, bs: int, threads: int) -> list[np.nda
     return bufs
 
 
-def read_file(path: str) -> np.ndarray:
-    out = np.empty(os.path.getsize(path), np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        f.readinto(memoryview(out))
-    return out
-
-
 def timed(fn) -> tuple[float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
@@ -149,7 +143,7 @@ def timed(fn) -> tuple[float, float]:
 
 def measure(ref: str, paths: list[str], args, bs: int) -> str:
     """One table row: the file read, and each restore at its best thread count."""
-    ways = {"file": lambda: read_file(ref)}
+    ways = {"file": lambda: read_into_fresh(ref, os.path.getsize(ref))}
     for n in args.threads:
         ways[f"scratch{n}"] = lambda n=n: scratch_restore(paths, args, bs, n)
         ways[f"direct{n}"] = lambda n=n: direct_restore(paths, args, bs, n)
@@ -205,8 +199,7 @@ def main() -> None:
                 f.write(os.urandom(MiB))
         for bs in args.block_sizes:
             paths = write_chain(work, args, bs)
-            for path in [ref, *paths]:  # into the page cache
-                read_file(path)
+            read_fresh([ref, *paths])  # into the page cache
             got = scratch_restore(paths, args, bs, 2), direct_restore(paths, args, bs, 2)
             if not all(np.array_equal(a, b) for a, b in zip(*got, strict=True)):
                 raise AssertionError("the two restores placed different bytes")

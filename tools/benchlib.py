@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from prefixcache.tiny import build_model
@@ -90,6 +91,15 @@ def read_reused(paths: list[str], buf: bytearray) -> None:
         with open(path, "rb", buffering=0) as f:
             while f.readinto(view):
                 pass
+
+
+def read_into_fresh(path: str, nbytes: int) -> np.ndarray:
+    """ONE file read into ONE fresh buffer of ``nbytes`` (``readinto``): the SSD
+    restore targets' reference (issue 19)."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        f.readinto(memoryview(out))
+    return out
 
 
 def read_fresh(paths: list[str]) -> None:

@@ -120,7 +120,7 @@ class TokenBuffer:
         pages, several times slower on the CPU).
         """
         for run, first, end in self._open_runs():
-            self._copy_run(run, first, end)
+            _copy_run(self._host, run, first, end)
         return self.array
 
     def queue_copies(self, copies: Copies) -> None:
@@ -131,7 +131,7 @@ class TokenBuffer:
             return  # ``finish`` copies it
         for run, first, end in self._open_runs():
             nbytes = sum(v.nbytes for v in run)
-            copies.add(nbytes, partial(self._copy_run, run, first, end), len(run))
+            copies.add(nbytes, partial(_copy_run, self._host, run, first, end), len(run))
 
     def _open_runs(self) -> list[tuple[list[np.ndarray], int, int]]:
         """Open the buffer (reserved, or new for the queued segments) and take the
@@ -183,14 +183,6 @@ class TokenBuffer:
                 raise LayoutMismatchError(f"tokens [{first}, {end}) outside {self.capacity}")
         return runs
 
-    def _copy_run(self, run: list[np.ndarray], start: int, end: int) -> None:
-        """Segments (host bytes) of tokens ``[start, end)``, in order, into the buffer."""
-        out = self._host[:, :, start:end, :]
-        try:
-            np.concatenate(run, axis=2, out=out) if len(run) > 1 else np.copyto(out, run[0])
-        except ValueError as err:  # another head count or head size
-            raise LayoutMismatchError(f"block tensors do not fit the buffer: {err}") from None
-
     def finish(self) -> mx.array | None:
         """The buffer; the tokens no block wrote (the headroom) are left unwritten."""
         if self._small():
@@ -218,12 +210,8 @@ class TokenBuffer:
         b, h, _, d = x.shape
         self._dtype, self._dims = x.dtype, (b, h, self.capacity, d)
         host = np.empty((b, h, self.capacity, d * x.dtype.size), np.uint8)  # headroom unwritten
-        self._host = host
-        try:
-            for run, first, end in self._runs():
-                self._copy_run(run, first, end)
-        finally:
-            self._host = None
+        for run, first, end in self._runs():
+            _copy_run(host, run, first, end)
         self.array = mx.array(host).view(x.dtype)
         return self.array
 
@@ -257,9 +245,21 @@ class TokenBuffer:
         advise_huge(self._host)
 
 
+def _copy_run(host: np.ndarray, run: list[np.ndarray], start: int, end: int) -> None:
+    """Segments (host bytes) of tokens ``[start, end)``, in order, into ``host`` (a
+    buffer's bytes: (B, heads, capacity, dim bytes))."""
+    out = host[:, :, start:end, :]
+    try:
+        np.concatenate(run, axis=2, out=out) if len(run) > 1 else np.copyto(out, run[0])
+    except ValueError as err:  # another head count or head size
+        raise LayoutMismatchError(f"block tensors do not fit the buffer: {err}") from None
+
+
 _first = operator.itemgetter(0)  # a queued segment's first token
 
-_SMALL = 1 << 20  # bytes: below, zeros from MLX's buffer cache beat an unwritten buffer
+# bytes: below, a buffer of hot blocks is built in host memory (``_build_small``), and
+# one a stream reads into is zeros from MLX's buffer cache, not an unwritten one
+_SMALL = 1 << 20
 
 
 def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
