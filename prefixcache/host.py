@@ -11,6 +11,7 @@ names map to MLX dtypes here.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,22 +100,41 @@ class HostArray:
         return out
 
 
-@dataclass(frozen=True, slots=True)
 class Placed:
     """A tensor the stream already read into the destination its builder gave.
 
     ``region`` is that destination (a ``Place`` region, valid while the restore
     buffer is); None where only the dtype and shape are meant (a header's
-    tensors, before anything is read).
+    tensors, before anything is read). A run of blocks placed together gives
+    each block its token range of the run's region (``tokens``): the slice is
+    made only when asked for, since a restore mostly checks the dtype and shape.
     """
 
-    region: np.ndarray | None
-    dtype: mx.Dtype
-    shape: tuple[int, ...]
+    __slots__ = ("_region", "_tokens", "dtype", "shape")
+
+    def __init__(
+        self,
+        region: np.ndarray | None,
+        dtype: mx.Dtype,
+        shape: tuple[int, ...],
+        tokens: tuple[int, int] | None = None,
+    ):
+        self._region, self._tokens, self.dtype, self.shape = region, tokens, dtype, shape
+
+    @property
+    def region(self) -> np.ndarray | None:
+        if self._tokens is not None and self._region is not None:
+            lo, hi = self._tokens
+            self._region, self._tokens = self._region[:, :, lo:hi], None
+        return self._region
+
+    def __repr__(self) -> str:
+        return f"Placed({self.dtype}, {self.shape})"
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.region is None else self.region.nbytes
+        region = self.region
+        return 0 if region is None else region.nbytes
 
     def to_mx(self, *, evaluate: bool = True) -> mx.array:
         """An MLX array owning a copy of the bytes (evaluated unless told not to)."""
@@ -125,6 +145,29 @@ class Placed:
         if evaluate:
             mx.eval(out)
         return out
+
+
+class PlacedRun(Mapping[str, Placed]):
+    """A block's tensors, every one placed by its run's copies (one copy per tensor
+    for a run of blocks): ``run`` maps each name to a Placed of the run's region
+    and the block's shape, ``tokens`` is the block's range of that region. The
+    block's own Placed tensors are made only when looked at: a restore mostly
+    needs the names alone."""
+
+    __slots__ = ("_run", "_tokens")
+
+    def __init__(self, run: dict[str, Placed], tokens: tuple[int, int]):
+        self._run, self._tokens = run, tokens
+
+    def __getitem__(self, name: str) -> Placed:
+        whole = self._run[name]
+        return Placed(whole.region, whole.dtype, whole.shape, self._tokens)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._run)
+
+    def __len__(self) -> int:
+        return len(self._run)
 
 
 def host_bytes(x: mx.array) -> np.ndarray:
@@ -182,7 +225,7 @@ def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
 class StreamedBlock(BlockHeader):
     """A verified block whose arrays are views into the stream's read buffer."""
 
-    arrays: dict[str, HostArray | Placed]
+    arrays: Mapping[str, HostArray | Placed]
     nbytes: int
 
     def to_block(self) -> Block:

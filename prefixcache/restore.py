@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import split_layers
@@ -27,8 +26,9 @@ from .codecs import Builder, Codec, codec_for, round_up
 from .copies import Copies
 from .errors import LayoutMismatchError, MissReason, Shortfall
 from .hashing import TOKEN_BYTES
-from .host import HostArray, Place, Placed
+from .host import HostArray, Place, Placed, PlacedRun
 from .lookup import Lookup, Plan
+from .placing import placer
 from .tiers.base import Tier, TierReader
 from .tiers.stack import TierStack
 
@@ -171,7 +171,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
             _add_resident(builders, users, order, loader)
         else:
             _reserve_first(builders, users, plan, loader.first_specs(order) if order else None)
-            loader.start(order, _placer(builders, users))
+            loader.start(order, placer(builders, users))
             checked: set[Checked] = set()
             for index in order:
                 _add_block(builders, users, index, *loader.payload(index), checked)
@@ -252,7 +252,7 @@ def _add_block(
     needs nothing more where ``add`` only checks names (``placed_checks_only``)."""
     mine = users[index]
     # a block read wholly into place by host-taking builders leaves no MLX work
-    placed = all(type(a) is Placed for a in arrays.values())
+    placed = type(arrays) is PlacedRun or all(type(a) is Placed for a in arrays.values())
     only_checks = placed and all(builders[i].placed_checks_only for i in mine)
     seen = (frozenset(arrays), tuple(mine)) if only_checks else None
     if seen in checked:
@@ -275,26 +275,3 @@ def _add_block(
         mx.eval([b.buffers() for b in builders])
     if seen is not None:
         checked.add(seen)
-
-
-def _placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
-    """(chain index, flat payload name, dtype, shape, count) -> where a reader thread
-    may write that tensor (of ``count`` blocks), or None. Only for layers that use
-    each of the blocks, and only once their builder's buffer exists
-    (``destination``); runs no MLX."""
-    wanted = {index: set(layers) for index, layers in users.items()}
-    layers: dict[str, tuple[int, str]] = {}  # payload name -> (layer, its name there)
-
-    def place(
-        index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
-    ) -> np.ndarray | None:
-        route = layers.get(name)
-        if route is None:
-            head, _, rest = name.partition(".")
-            route = layers[name] = (int(head), rest) if head.isdigit() else (-1, rest)
-        layer, rest = route
-        if any(layer not in wanted.get(i, ()) for i in range(index, index + count)):
-            return None
-        return builders[layer].destination(index, rest, dtype, shape, count)
-
-    return place

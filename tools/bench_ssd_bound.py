@@ -11,7 +11,7 @@ must do on this machine, warm (page cache), for the same 128 MiB chain as
   scratch  per block file: open, one read of the whole file into a reused
            scratch buffer, one xxh3 of it, then each of its tensors copied into
            its place in fresh (1, heads, tokens, dim) buffers (one numpy copy
-           per tensor and run of consecutive blocks, up to 4 MiB a run): the
+           per tensor and run of consecutive blocks, up to 8 MiB a run): the
            checksum is known before a byte is placed
   direct   per block file: one ``preadv`` straight into place (an iovec per
            tensor and head: bs x dim x 2 bytes each) and one xxh3 streamed over
@@ -43,7 +43,7 @@ import xxhash
 from benchlib import read_fresh, read_into_fresh
 
 MiB = 1 << 20
-RUN_BYTES = 4 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
+RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
 HEADER = 4096  # bytes before the tensors (a safetensors header's size, order of magnitude)
 
 

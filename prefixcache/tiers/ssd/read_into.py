@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +83,7 @@ class Buffers:
         return lent
 
 
-def streamed(job: Job, arrays: dict[str, HostArray | Placed]) -> StreamedBlock:
+def streamed(job: Job, arrays: Mapping[str, HostArray | Placed]) -> StreamedBlock:
     meta = job.meta
     assert meta is not None
     return StreamedBlock(

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed
+from ...host import MX_DTYPES, HostArray, Place, Placed, PlacedRun
 from .files import open_payload
 from .payload import header_length, parse_header
 from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
@@ -41,12 +41,13 @@ _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # (block 64) took 63-73 ms read whole against 75-83 straight into place.
 SMALL_READ = 2 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
-# Fewer, longer copies (one per tensor and run, not per block) pay for a scratch
-# buffer beyond the CPU's L2. Fetching 128 MiB on 2 cores, three readers, runs of
-# 2 / 4 / 8 MiB: block 16 87 / 83 / 67 ms, block 32 70 / 54 / 52 ms; earlier, on a
-# busier machine with two readers, 4 MiB runs beat 8 and 16. A reader's scratch
-# holds one run.
-RUN_BYTES = 4 << 20
+# Fewer, longer copies (one per tensor and run, not per block) and fewer calls per
+# run pay for a scratch buffer beyond the CPU's L2. Warm fetch of 128 MiB on 2
+# cores, two readers, runs of 2 / 4 / 8 / 16 MiB (tools/bench_blocks.py' chain,
+# alternated in one process): block 16 59 / 44 / 39 / 40 ms, block 32 - / 43 / 39
+# / 39, block 64 - / 37 / 34 / 34; cold (three readers) 4 and 8 MiB were alike.
+# A reader's scratch holds one run.
+RUN_BYTES = 8 << 20
 
 
 def plan_runs(jobs: Sequence[Job]) -> list[range]:
@@ -90,9 +91,13 @@ class _File:
     spans: tuple[Span, ...]
 
 
-def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
+def read_run(
+    jobs: Sequence[Job], bufs: Buffers, place: Place | None, *, willneed: bool = True
+) -> Iterator[Outcome]:
     """The blocks of a run of small files (``plan_runs``), in order: each a
     (lent loose buffer or None, block) or the error that makes it a miss.
+    ``willneed``: ask the run's files into the page cache at once (pointless
+    when they are there already, and a system call each).
 
     Raises:
         Stopped: the stream closed while a block waited for the loose buffer.
@@ -102,7 +107,7 @@ def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterato
     size = first.file_bytes
     scratch = bufs.scratch(len(jobs) * size + 1)
     files: list[_File | PayloadError | OSError] = []
-    with _opened(jobs) as fds:
+    with _opened(jobs, willneed) as fds:
         for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
             try:  # slot k, plus the next slot's first byte (read over by the next file)
                 if isinstance(fd, BaseException):
@@ -114,25 +119,27 @@ def read_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterato
     arrays: list[dict[str, HostArray | Placed]] = [{} for _ in files]
     loose: list[list[tuple[str, Span]]] = [[] for _ in files]
     same = all(f.spans == good[0].spans and f.base == good[0].base for f in good)
+    whole: dict[str, Placed] = {}
     if len(good) == len(files) and same:
-        _place_run(good, scratch[: len(files) * size], place, arrays, loose)
+        whole = _place_run(good, scratch[: len(files) * size], place, arrays, loose)
     else:
         for k, f in enumerate(files):
             if isinstance(f, _File):
                 _place_block(f, place, arrays[k], loose[k])
-    for f, placed, rest in zip(files, arrays, loose, strict=True):
+    for j, (f, placed, rest) in enumerate(zip(files, arrays, loose, strict=True)):
         if not isinstance(f, _File):
             yield None, f
             continue
+        block = _run_part(whole, j, f, placed)
         lent = None
         if rest:
             lent = _loose(f, rest, bufs, placed)
-            placed = {name: placed[name] for name, *_ in f.spans}  # in file order
-        yield lent, streamed(f.job, placed)
+            block = {name: placed[name] for name, *_ in f.spans}  # in file order
+        yield lent, streamed(f.job, block)
 
 
 @contextlib.contextmanager
-def _opened(jobs: Sequence[Job]) -> Iterator[list[int | PayloadError | OSError]]:
+def _opened(jobs: Sequence[Job], willneed: bool) -> Iterator[list[int | PayloadError | OSError]]:
     """The run's files opened (or why not), each asked into the page cache at once:
     read cold, the run's reads are in flight together, not one after another."""
     fds: list[int | PayloadError | OSError] = []
@@ -143,7 +150,7 @@ def _opened(jobs: Sequence[Job]) -> Iterator[list[int | PayloadError | OSError]]
             except (PayloadError, OSError) as e:
                 fds.append(e)
                 continue
-            if _WILLNEED is not None:
+            if willneed and _WILLNEED is not None:
                 os.posix_fadvise(fd, 0, 0, _WILLNEED)
         yield fds
     finally:
@@ -177,12 +184,14 @@ def _place_run(
     place: Place | None,
     arrays: list[dict[str, HostArray | Placed]],
     loose: list[list[tuple[str, Span]]],
-) -> None:
+) -> dict[str, Placed]:
     """Place the tensors of files of one layout: one copy per tensor for all of
-    them where the run has a region (4-axis tensors, several blocks), else block
-    by block."""
+    them where the run has a region (4-axis tensors, several full blocks; returned:
+    name -> a Placed of the run's region and the block's shape), else block by
+    block (into ``arrays`` or ``loose``)."""
     k, first, base = len(files), files[0], files[0].base
     rows = scratch.reshape(k, -1)  # file j's bytes in row j
+    whole: dict[str, Placed] = {}
     for span in first.spans:
         name, dtype, shape, start, end = span
         dt = MX_DTYPES[dtype]
@@ -197,8 +206,23 @@ def _place_run(
         dest = _view(region, (b, h, k, n, width))
         src = _view(rows[:, base + start : base + end], (k, b, h, n, width))
         np.copyto(dest, src.transpose(1, 2, 0, 3, 4))
-        for j in range(k):
-            arrays[j][name] = Placed(region[:, :, j * n : (j + 1) * n], dt, shape)
+        whole[name] = Placed(region, dt, shape)
+    return whole
+
+
+def _run_part(
+    whole: dict[str, Placed], j: int, f: _File, placed: dict[str, HostArray | Placed]
+) -> Mapping[str, HostArray | Placed]:
+    """Block ``j`` of a run's tensors: a PlacedRun when the run's copies placed
+    all of them, else its Placed parts of ``whole`` added to ``placed``."""
+    if not whole:
+        return placed
+    n = next(iter(whole.values())).shape[2]  # run_shape: every one a full block
+    if len(whole) == len(f.spans):
+        return PlacedRun(whole, (j * n, (j + 1) * n))
+    for name, p in whole.items():
+        placed[name] = Placed(p.region, p.dtype, p.shape, (j * n, (j + 1) * n))
+    return placed
 
 
 def _place_block(
