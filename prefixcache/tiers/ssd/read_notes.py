@@ -38,11 +38,18 @@ class SsdReadNotes:
         log("SSD tier %s: cannot read block %s: %s", self.path, key.hex(), error)
 
     def note_load(self, key: bytes, nbytes: int) -> None:
-        """Count a served payload read (also the stream's) and touch it for the LRU."""
-        self._counts.add("num_loads")
+        """Count a served payload read and touch it for the LRU."""
+        self.note_loads([key], nbytes)
+
+    def note_loads(self, keys: Sequence[bytes], nbytes: int) -> None:
+        """Count served payload reads (``nbytes`` in all; a stream's, at its end)
+        and touch them for the LRU."""
+        if not keys:
+            return
+        self._counts.add("num_loads", len(keys))
         self._counts.add("load_bytes", nbytes)
         with self._lock:
-            self._touches.add(key)
+            self._touches.update(keys)
 
     def quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""

@@ -8,6 +8,7 @@ places by read_into.py, is a run of its own), dealt to the readers in turn.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -17,15 +18,21 @@ import mlx.core as mx
 import numpy as np
 
 from ...host import Place, StreamedBlock
-from .prime import SLICE, Primer
+from .prime import SLICE, Primer, cached
 from .read_into import Buffers, Job, Outcome, Stopped, read_large
 from .runs import plan_runs, read_run, small
 
-# Reader threads, one per core, three at least and four at most: each is mostly in
-# the kernel or in numpy copying (GIL released). On 2 cores (tools/bench_blocks.py,
-# 128 MiB): cold, block 16, three readers took 117-128 ms, two 148-150, four
-# 125-133 (a run's reads wait on the disk); warm, two to four were alike.
-_READERS = min(4, max(3, os.cpu_count() or 2))
+# Reader threads. Warm (the files in the page cache) each is mostly copying,
+# one per core: a third on 2 cores only contends for the GIL and the cores
+# (tools/bench_blocks.py, 128 MiB on 2 cores: block 16, 2 readers 45 ms, 3 readers
+# 49-53; block 64, 37 against 40). Cold, a reader's reads wait on the disk and
+# more readers keep more in flight: three at least, four at most (block 16: 2
+# readers 99-104 ms, 3 readers 84; block 64: 104 against 95-98).
+_CORES = os.cpu_count() or 2
+_WARM_READERS = max(2, min(4, _CORES))
+_COLD_READERS = min(4, max(3, _CORES))
+# Files probed for being in the page cache, spread over the chain.
+_PROBES = 3
 
 
 # Seconds between asks for a destination still being allocated.
@@ -35,24 +42,31 @@ _PLACE_POLL = 0.0005
 class Readers:
     """Reader threads that read and verify the jobs' payload files in parallel.
 
-    Run ``r`` of the jobs goes to reader ``r % n``, which hands over each job's
-    outcome in order. A block read wholly into its places lends nothing: the
-    reader goes straight on, however far ahead of the caller. Tensors without
-    a place go into the reader's ONE reused loose buffer, lent to the caller
-    with the block (its HostArrays are views of it): the reader's next such
-    read waits until it is given back (``Buffers``).
+    Each reader takes the next run nobody has taken yet (so the readers end
+    together, whatever share of the cores each gets) and hands over its jobs'
+    outcomes in order, on the run's own queue. A block read wholly into its
+    places lends nothing: the reader goes straight on, however far ahead of
+    the caller. Tensors without a place go into the reader's ONE reused loose
+    buffer, lent to the caller with the block (its HostArrays are views of
+    it): the reader's next such read waits until it is given back
+    (``Buffers``).
     """
 
     def __init__(self, jobs: list[Job], place: Place | None):
         self.jobs = jobs
         self.runs = plan_runs(jobs)
-        self.n = n = min(_READERS, len(self.runs)) or 1
-        self._owner = [r % n for r, run in enumerate(self.runs) for _ in run]
-        self._free: list[queue.SimpleQueue[np.ndarray | None]] = []
-        self._done: list[queue.SimpleQueue[tuple[np.ndarray | None, object]]] = []
-        for _ in range(n):
-            self._free.append(queue.SimpleQueue())
-            self._done.append(queue.SimpleQueue())
+        self.warm = _warm(jobs)
+        self.n = n = min(_WARM_READERS if self.warm else _COLD_READERS, len(self.runs)) or 1
+        self._run_of = [r for r, run in enumerate(self.runs) for _ in run]
+        self._next_run = itertools.count()  # next() is atomic: each run goes to one reader
+        self._free: list[queue.SimpleQueue[np.ndarray | None]] = [
+            queue.SimpleQueue() for _ in range(n)
+        ]
+        # per run: (the reader that read it, its outcome), per job in order
+        self._done: list[queue.SimpleQueue[tuple[int, tuple[np.ndarray | None, object]]]] = [
+            queue.SimpleQueue() for _ in self.runs
+        ]
+        self._lender: dict[int, int] = {}  # job -> the reader whose loose buffer it holds
         self._stopped = threading.Event()
         self.first_taken = threading.Event()  # the caller has the first block: places exist
         # the first job's read triggers the allocation: it must not wait for it
@@ -70,14 +84,16 @@ class Readers:
             t.start()
 
     def take(self, i: int) -> tuple[np.ndarray | None, StreamedBlock | BaseException | None]:
-        buf, result = self._done[self._owner[i]].get()
+        k, (buf, result) = self._done[self._run_of[i]].get()
         if isinstance(result, _Crash):
             raise RuntimeError("SSD stream reader failed") from result.error
+        if buf is not None:
+            self._lender[i] = k
         return buf, result  # type: ignore[return-value]
 
     def give_back(self, i: int, buf: np.ndarray | None) -> None:
         if buf is not None:
-            self._free[self._owner[i]].put(buf)
+            self._free[self._lender.pop(i)].put(buf)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -91,16 +107,18 @@ class Readers:
 
     def _run(self, k: int) -> None:
         bufs = Buffers(self._free[k])
+        r = 0
         try:
-            for run in self.runs[k :: self.n]:
+            while (r := next(self._next_run)) < len(self.runs):
                 if self._stopped.is_set():
                     return
-                for outcome in self._outcomes(run, bufs):
-                    self._done[k].put(outcome)
+                done = self._done[r]
+                for outcome in self._outcomes(self.runs[r], bufs):
+                    done.put((k, outcome))
         except Stopped:
             return
         except BaseException as e:  # a bug: hand it to the caller instead of hanging it
-            self._done[k].put((None, _Crash(e)))
+            self._done[r].put((k, (None, _Crash(e))))
 
     def _outcomes(self, run: range, bufs: Buffers) -> Iterator[Outcome | tuple[None, None]]:
         jobs = self.jobs[run.start : run.stop]
@@ -108,9 +126,20 @@ class Readers:
         if jobs[0].meta is None:  # queued, absent or a bad entry: the caller sees to it
             yield None, None
         elif small(jobs[0]):
-            yield from read_run(jobs, bufs, place)
+            yield from read_run(jobs, bufs, place, willneed=not self.warm)
         else:
             yield read_large(jobs[0], bufs, place)
+
+
+def _warm(jobs: list[Job]) -> bool:
+    """Whether the chain's files are in the page cache, judged by a few of them
+    spread over the chain (False where the kernel cannot be asked)."""
+    files = [(j.path, j.meta.file_bytes) for j in jobs if j.meta is not None]
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    step = max(len(files) - 1, 0) / (_PROBES - 1)
+    probes = dict.fromkeys(files[round(k * step)] for k in range(_PROBES)) if files else {}
+    return all(cached(path, size) for path, size in probes)
 
 
 def _patient(place: Place, primer: Primer, stopped: threading.Event) -> Place:

@@ -59,7 +59,7 @@ class StreamSource(Protocol):
 
     def payload_file(self, key: bytes) -> str: ...
     def load(self, key: bytes) -> Block | None: ...
-    def note_load(self, key: bytes, nbytes: int) -> None: ...
+    def note_loads(self, keys: Sequence[bytes], nbytes: int) -> None: ...
     def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
     def read_error(self, key: bytes, error: OSError) -> None: ...
 
@@ -122,17 +122,24 @@ def stream(
     """
     jobs = _jobs(tier, keys)
     readers = Readers(jobs, place)
+    served: list[bytes] = []  # read by the readers: counted once, at the end
+    nbytes = 0
     try:
         for i, job in enumerate(jobs):
             buf, result = readers.take(i)
             try:
-                yield _result(tier, job, result)
+                block = _result(tier, job, result)
+                if block is not None and block is result:
+                    served.append(job.key)
+                    nbytes += block.nbytes
+                yield block
             finally:
                 readers.give_back(i, buf)
                 if not i:
                     readers.first_taken.set()
     finally:
         readers.stop()
+        tier.note_loads(served, nbytes)
 
 
 def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
@@ -150,7 +157,8 @@ def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
 def _result(
     tier: StreamSource, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
-    """What the caller gets for ``job`` (runs on the caller's thread)."""
+    """What the caller gets for ``job`` (runs on the caller's thread); a block
+    read by the readers is counted by the stream."""
     if result is None:  # nothing read: queued, absent, or a bad entry
         return tier.load(job.key)  # the queue first; quarantines a bad entry
     if isinstance(result, PayloadError | FileNotFoundError):
@@ -161,5 +169,4 @@ def _result(
         return None
     if isinstance(result, BaseException):
         raise result
-    tier.note_load(job.key, result.nbytes)
     return result
