@@ -22,10 +22,7 @@ def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
     may write that tensor (of ``count`` blocks), or None. Only for layers that use
     each of the blocks, and only once their builder's buffer exists
     (``destination``); runs no MLX."""
-    needs: dict[int, set[int]] = {}  # layer -> the blocks it uses
-    for index, mine in users.items():
-        for layer in mine:
-            needs.setdefault(layer, set()).add(index)
+    needs: dict[int, set[int]] = {}  # layer -> the blocks it uses (made when first asked)
     layers: dict[str, tuple[int, str]] = {}  # payload name -> (layer, its name there)
 
     def place(
@@ -36,7 +33,10 @@ def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
             head, _, rest = name.partition(".")
             route = layers[name] = (int(head), rest) if head.isdigit() else (-1, rest)
         layer, rest = route
-        if not needs.get(layer, set()).issuperset(range(index, index + count)):
+        mine = needs.get(layer)
+        if mine is None:  # on a reader thread, not in the restore's start
+            mine = needs[layer] = {i for i, using in users.items() if layer in using}
+        if not mine.issuperset(range(index, index + count)):
             return None
         return builders[layer].destination(index, rest, dtype, shape, count)
 

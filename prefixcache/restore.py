@@ -190,11 +190,19 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
 def _users(
     codecs: Sequence[Codec], fresh: Sequence[Any], num_tokens: int, block_size: int
 ) -> dict[int, list[int]]:
-    """Chain index -> the layers that need that block."""
-    users: dict[int, list[int]] = {}
+    """Chain index -> the layers that need that block (layers needing the same
+    blocks, e.g. every K/V layer, are added together)."""
+    alike: dict[Sequence[int], list[int]] = {}
     for layer, (codec, cache) in enumerate(zip(codecs, fresh, strict=True)):
-        for index in codec.blocks_needed(cache, num_tokens, block_size):
-            users.setdefault(index, []).append(layer)
+        needed = codec.blocks_needed(cache, num_tokens, block_size)
+        alike.setdefault(needed if isinstance(needed, range) else tuple(needed), []).append(layer)
+    users: dict[int, list[int]] = {}
+    for needed, layers in alike.items():
+        for index in needed:
+            users.setdefault(index, []).extend(layers)
+    if len(alike) > 1:
+        for layers in users.values():
+            layers.sort()
     return users
 
 
