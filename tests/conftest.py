@@ -11,6 +11,8 @@ import pytest
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from prefixcache.config import CacheConfig
+from prefixcache.tiers.ssd.tier import SsdTier
 from prefixcache.tiny import build_model
 
 # head_dim 32 so kv_group_size 32 divides it; one kv head exercises the
@@ -103,3 +105,14 @@ def redis_server(tmp_path):
     server = RedisServer(str(tmp_path))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def tier(tmp_path):
+    """An SSD tier in a temp dir (1 GiB cap, no free-space floor); a module may
+    define its own ``tier``."""
+    t = SsdTier(
+        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
+    )
+    yield t
+    t.close()

@@ -11,23 +11,12 @@ from ssd_child import LAYOUT, check_block
 from test_ssd_runs import assert_in_place, path_of
 from test_ssd_stream import chain_dest, flip_byte, placed_into, stored
 
-from prefixcache import CacheConfig
 from prefixcache.host import Placed, PlacedRun
 from prefixcache.tiers.ssd import readers
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.prime import cached
 from prefixcache.tiers.ssd.stream import stream
-from prefixcache.tiers.ssd.tier import SsdTier
-
-
-@pytest.fixture
-def tier(tmp_path):
-    t = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
-    )
-    yield t
-    t.close()
 
 
 def test_a_reader_stuck_on_a_run_leaves_the_later_runs_to_the_others(tier, monkeypatch):

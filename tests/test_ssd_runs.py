@@ -31,15 +31,6 @@ from prefixcache.tiers.ssd.stream import stream
 from prefixcache.tiers.ssd.tier import SsdTier
 
 
-@pytest.fixture
-def tier(tmp_path):
-    t = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
-    )
-    yield t
-    t.close()
-
-
 @pytest.fixture(params=["runs", "large"])
 def path_kind(request, monkeypatch):
     """Every payload through the small-file runs, or through the direct large-file read."""

@@ -35,15 +35,6 @@ from prefixcache.tiers.ssd.stream import stream
 from prefixcache.tiers.ssd.tier import SsdTier
 
 
-@pytest.fixture
-def tier(tmp_path):
-    t = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
-    )
-    yield t
-    t.close()
-
-
 def stored(tier: SsdTier, seed: int, n: int) -> list[bytes]:
     for i in range(n):
         assert tier.put(make_block(seed, i))
