@@ -39,21 +39,23 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from benchlib import evict, read_into_fresh, shaped_model, synthetic_cache
+from benchlib import (
+    add_chain_args,
+    evict,
+    read_into_fresh,
+    shaped_model,
+    synthetic_cache,
+    tier_config,
+)
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import PrefixCache
 
 MiB = 1 << 20
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 256])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=5)
+    add_chain_args(p, [16, 32, 64, 256], 5)
     p.add_argument("--dir", default=None, help="parent directory of the SSD tiers")
     p.add_argument("--tiers", nargs="+", default=["hot", "ssd"], choices=["hot", "ssd"])
     p.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold"])
@@ -97,19 +99,6 @@ def fetch(pc: PrefixCache, probe: list[int]) -> Clock:
     return clock
 
 
-def config(args, block_size: int, tier: str, root: str) -> CacheConfig:
-    if tier == "hot":
-        return CacheConfig(block_size=block_size, hot_cache_only=True, hot_max_bytes=64 << 30)
-    return CacheConfig(
-        block_size=block_size,
-        hot_max_bytes=1,
-        promote=False,
-        ssd_dir=os.path.join(root, f"ssd{block_size}"),
-        ssd_min_free_bytes=0,
-        write_queue_bytes=1 << 30,
-    )
-
-
 def payload_files(ssd_dir: str) -> list[str]:
     blocks = os.path.join(ssd_dir, "blocks")
     return [os.path.join(d, f) for d, _, files in os.walk(blocks) for f in files]
@@ -118,7 +107,7 @@ def payload_files(ssd_dir: str) -> list[str]:
 def run(args, model, tier: str, mode: str, block_size: int, root: str) -> dict[str, object]:
     tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
     probe = [*tokens, 1]
-    cfg = config(args, block_size, tier, root)
+    cfg = tier_config(tier, block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
         cache = synthetic_cache(args, args.tokens)
         pc.store(tokens, cache)

@@ -24,9 +24,9 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from benchlib import shaped_model, synthetic_cache
+from benchlib import add_chain_args, shaped_model, synthetic_cache, tier_config
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import PrefixCache
 
 
 def spin(stop: threading.Event) -> None:
@@ -55,26 +55,13 @@ def timed_fetches(pc: PrefixCache, probe: list[int], repeat: int, busy: bool) ->
     return statistics.median(times) * 1e3
 
 
-def config(tier: str, block_size: int, root: str) -> CacheConfig:
-    if tier == "hot":
-        return CacheConfig(block_size=block_size, hot_cache_only=True, hot_max_bytes=64 << 30)
-    return CacheConfig(
-        block_size=block_size,
-        hot_max_bytes=1,
-        promote=False,
-        ssd_dir=root,
-        ssd_min_free_bytes=0,
-        write_queue_bytes=1 << 30,
-    )
-
-
 def measure(model, args, tier: str, block_size: int, tokens: list[int], default: float):
     """Alone and busy, at the default switch interval and at ``args.interval``."""
     probe = [*tokens, 1]
     row = []
     with (
         tempfile.TemporaryDirectory() as root,
-        PrefixCache(model, config(tier, block_size, root), model_id="bench") as pc,
+        PrefixCache(model, tier_config(tier, block_size, root), model_id="bench") as pc,
     ):
         cache = synthetic_cache(args, args.tokens)
         pc.store(tokens, cache)
@@ -92,13 +79,8 @@ def measure(model, args, tier: str, block_size: int, tokens: list[int], default:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256])
+    add_chain_args(p, [16, 256], 3)
     p.add_argument("--interval", type=float, default=0.0002, help="seconds, the other setting")
-    p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     model = shaped_model(args)
     tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()

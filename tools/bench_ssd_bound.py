@@ -40,7 +40,7 @@ import time
 
 import numpy as np
 import xxhash
-from benchlib import read_fresh, read_into_fresh
+from benchlib import add_chain_args, read_fresh, read_into_fresh
 
 MiB = 1 << 20
 RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
@@ -172,12 +172,7 @@ def measure(ref: str, paths: list[str], args, bs: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 256])
-    p.add_argument("--repeat", type=int, default=7)
+    add_chain_args(p, [16, 32, 64, 256], 7)
     cores = os.cpu_count() or 2
     p.add_argument("--threads", type=int, nargs="+", default=[cores, cores + 1])
     p.add_argument("--dir", default=None)

@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
-from benchlib import shaped_model, synthetic_cache
+from benchlib import add_chain_args, shaped_model, synthetic_cache, tier_config
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import PrefixCache
 from prefixcache import restore as restore_module
 from prefixcache.lookup import Lookup
 from prefixcache.tiers.ssd import readers as readers_module
@@ -49,12 +49,7 @@ PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64, 256])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=9)
+    add_chain_args(p, [16, 32, 64, 256], 9)
     p.add_argument("--dir", default=None)
     return p
 
@@ -136,14 +131,7 @@ def file_read(path: str, nbytes: int) -> tuple[float, float]:
 def run(args, model, block_size: int, root: str) -> dict[str, object]:
     tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
     probe = [*tokens, 1]
-    cfg = CacheConfig(
-        block_size=block_size,
-        hot_max_bytes=1,
-        promote=False,
-        ssd_dir=os.path.join(root, f"ssd{block_size}"),
-        ssd_min_free_bytes=0,
-        write_queue_bytes=1 << 30,
-    )
+    cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
         cache = synthetic_cache(args, args.tokens)
         pc.store(tokens, cache)

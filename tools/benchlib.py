@@ -1,4 +1,5 @@
-"""Pieces the benchmarks share: a model-shaped cache, page-cache dropping and readahead, RSS.
+"""Pieces the benchmarks share: the chain's shape and tiers, a model-shaped cache,
+page-cache dropping and readahead, RSS.
 
 Imported by the scripts beside it (``python tools/bench_*.py`` puts tools/ on
 sys.path).
@@ -12,7 +13,34 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from prefixcache import CacheConfig
 from prefixcache.tiny import build_model
+
+
+def add_chain_args(p, block_sizes: list[int], repeat: int) -> None:
+    """The chain's shape (default: 8 layers, 8 kv heads, head_dim 128, bf16: 32 KiB
+    per token, 4096 tokens = 128 MiB), its block sizes and the rounds."""
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=block_sizes)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--repeat", type=int, default=repeat)
+
+
+def tier_config(tier: str, block_size: int, ssd_dir: str) -> CacheConfig:
+    """A cache that holds the chain only in ``tier``: hot (hot-only, no cap) or ssd
+    (hot kept empty, no promotion, the whole chain queued for the writer at once)."""
+    if tier == "hot":
+        return CacheConfig(block_size=block_size, hot_cache_only=True, hot_max_bytes=64 << 30)
+    return CacheConfig(
+        block_size=block_size,
+        hot_max_bytes=1,
+        promote=False,
+        ssd_dir=ssd_dir,
+        ssd_min_free_bytes=0,
+        write_queue_bytes=1 << 30,
+    )
 
 
 def shaped_model(args):
