@@ -126,3 +126,25 @@ def test_served_blocks_are_counted_when_the_stream_ends(tier):
     out = list(stream(tier, keys))
     assert out[3] is None and sum(b is not None for b in out) == 5
     assert tier.stats()["num_loads"] - after["num_loads"] == 5
+
+
+def test_a_tensor_placed_block_by_block_beside_run_copies_keeps_file_order(tier):
+    """One tensor gets no region for a run (only block by block): the run's other
+    tensors still go in with one copy each, and every block comes as Placed
+    tensors in file order, each where it belongs."""
+    keys = stored(tier, 35, 9)
+    dest = chain_dest(9)
+    place = placed_into(dest, skip=set(), names=set(LAYOUT))
+
+    def no_run_for_one(index, name, dtype, shape, count=1):
+        if name == "1.keys" and count > 1:
+            return None
+        return place(index, name, dtype, shape, count)
+
+    blocks = list(stream(tier, keys, no_run_for_one))
+    for i, block in enumerate(blocks[1:], start=1):
+        assert type(block.arrays) is not PlacedRun
+        assert list(block.arrays) == list(LAYOUT)
+        assert all(type(a) is Placed for a in block.arrays.values())
+        check_block(block.to_block())
+        assert_in_place(dest, keys[i], i, set(LAYOUT))

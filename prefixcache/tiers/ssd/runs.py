@@ -222,7 +222,7 @@ def _run_part(
         return PlacedRun(whole, (j * n, (j + 1) * n))
     for name, p in whole.items():
         placed[name] = Placed(p.region, p.dtype, p.shape, (j * n, (j + 1) * n))
-    return placed
+    return {name: placed[name] for name, *_ in f.spans if name in placed}  # in file order
 
 
 def _place_block(
