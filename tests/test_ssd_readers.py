@@ -148,3 +148,44 @@ def test_a_tensor_placed_block_by_block_beside_run_copies_keeps_file_order(tier)
         assert all(type(a) is Placed for a in block.arrays.values())
         check_block(block.to_block())
         assert_in_place(dest, keys[i], i, set(LAYOUT))
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no page-cache probe on this OS")
+def test_files_are_asked_into_the_page_cache_only_when_cold(tier, monkeypatch):
+    monkeypatch.setattr(readers, "_WARM_READERS", 2)
+    keys = stored(tier, 36, 9)
+    jobs = ssd_stream._jobs(tier, keys)
+    monkeypatch.setattr(ssd_runs, "RUN_BYTES", 2 * jobs[0].meta.file_bytes)  # five runs
+    real = os.posix_fadvise
+    asked: list[int] = []
+
+    def counting(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append(fd)
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", counting)
+    for job in jobs:
+        with open(job.path, "rb") as f:
+            f.read()
+    assert [b.index for b in stream(tier, keys)] == list(range(9))
+    assert asked == []  # warm: the files are there already
+    evict([job.path for job in jobs])
+    if cached(jobs[-1].path, jobs[-1].meta.file_bytes):
+        pytest.skip("this filesystem keeps the pages cached")
+    assert [b.index for b in stream(tier, keys)] == list(range(9))
+    assert len(asked) == 9  # cold: every file of every run
+
+
+def test_a_chain_of_a_few_runs_is_not_probed(tier, monkeypatch):
+    """As many readers as runs either way: a request's few blocks pay no probe."""
+    monkeypatch.setattr(readers, "_WARM_READERS", 2)
+    keys = stored(tier, 37, 2)
+    probed: list[str] = []
+    monkeypatch.setattr(readers, "cached", lambda path, size: probed.append(path) or True)
+    assert [b.index for b in stream(tier, keys)] == [0, 1]
+    assert probed == []
+    more = stored(tier, 38, 9)
+    monkeypatch.setattr(ssd_runs, "RUN_BYTES", tier.get_meta(more[0]).file_bytes)  # 9 runs
+    assert [b.index for b in stream(tier, more)] == list(range(9))
+    assert len(probed) == 3  # control: a longer chain is probed

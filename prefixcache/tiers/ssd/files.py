@@ -54,12 +54,9 @@ def open_payload(path: str) -> int:
         OSError: it cannot be opened now.
     """
     head, name = os.path.split(path)
-    try:  # parent_fd, inline: a restore opens hundreds of files
-        dfd = os.open(head, _DIR_FLAGS)
-        try:
+    try:
+        with parent_fd(head) as dfd:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=dfd)
-        finally:
-            os.close(dfd)
     except OSError as e:
         raise _refused(e, path) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -57,7 +57,9 @@ class Readers:
     def __init__(self, jobs: list[Job], place: Place | None):
         self.jobs = jobs
         self.runs = plan_runs(jobs)
-        self.warm = _warm(jobs)
+        # a chain of a few runs gets as many readers either way: no probe (a request's
+        # few blocks are its common case), its files asked into the page cache as cold
+        self.warm = len(self.runs) > _WARM_READERS and _warm(jobs)
         self.n = n = min(_WARM_READERS if self.warm else _COLD_READERS, len(self.runs)) or 1
         self._run_of = [r for r, run in enumerate(self.runs) for _ in run]
         self._next_run = itertools.count()  # next() is atomic: each run goes to one reader
