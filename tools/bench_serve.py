@@ -32,7 +32,11 @@ token (median, p90, and summed: the time spent recomputing what was not
 cached), peak bytes the cache held in RAM, the cached share of the
 first request of each conversation resumed after the restart, and whether the
 generated tokens equal mlx-lm LRU's. Timings are of a 2-core CPU shared with
-whatever else runs: compare systems within one run.
+whatever else runs: compare systems within one run. Each budget replays the
+trace ``--rounds`` times per system, in the systems' order then in reverse
+(ABBA: a drift of the machine's speed, and whichever system runs first after a
+warm-up, weigh on all alike); the TTFTs are pooled over rounds and the
+"p50 / LRU" column divides each system's median by mlx-lm LRU's.
 
     python tools/bench_serve.py
     python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
@@ -80,6 +84,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
     p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds", type=int, default=2, help="replays per system and budget, order alternated"
+    )
     return p
 
 
@@ -191,7 +198,26 @@ def _close(cache: Any) -> None:
         cache.close()
 
 
-def summary(r: Result, reference: Result) -> dict[str, str]:
+def pooled(rounds: list[Result]) -> Result:
+    """One system's rounds as one result: TTFTs and counts summed over rounds;
+    the replies are the first round's (RuntimeError if another's differ)."""
+    out = Result(rounds[0].name, rounds[0].budget, outputs=rounds[0].outputs)
+    for r in rounds:
+        if r.outputs != out.outputs:
+            raise RuntimeError(f"{r.name}: replies differ between rounds")
+        out.prompt_tokens += r.prompt_tokens
+        out.cached_tokens += r.cached_tokens
+        out.ttfts += r.ttfts
+        out.peak_bytes = max(out.peak_bytes, r.peak_bytes)
+        out.resumed_prompt += r.resumed_prompt
+        out.resumed_cached += r.resumed_cached
+        out.seconds += r.seconds
+        out.recompute_flops += r.recompute_flops
+    return out
+
+
+def summary(r: Result, reference: Result, rounds: int = 1) -> dict[str, str]:
+    """A table row; counts per replay (``rounds`` pooled in ``r``)."""
     p50 = statistics.median(r.ttfts)
     p90 = statistics.quantiles(r.ttfts, n=10)[-1]
     resumed = r.resumed_cached / r.resumed_prompt if r.resumed_prompt else 0.0
@@ -199,15 +225,16 @@ def summary(r: Result, reference: Result) -> dict[str, str]:
         "budget": f"{r.budget / MiB:.1f} MiB",
         "system": r.name,
         "cached/prompt": f"{r.cached_tokens / r.prompt_tokens:6.1%}",
-        "prefill tokens": f"{r.prompt_tokens - r.cached_tokens:,}",
+        "prefill tokens": f"{(r.prompt_tokens - r.cached_tokens) // rounds:,}",
         "TTFT p50": f"{p50 * 1e3:7.1f} ms",
+        "p50 / LRU": f"{p50 / statistics.median(reference.ttfts):5.2f}",
         "TTFT p90": f"{p90 * 1e3:7.1f} ms",
-        "TTFT sum": f"{sum(r.ttfts):6.2f} s",
-        "recompute GFLOP": f"{r.recompute_flops / 1e9:7.1f}",
+        "TTFT sum": f"{sum(r.ttfts) / rounds:6.2f} s",
+        "recompute GFLOP": f"{r.recompute_flops / 1e9 / rounds:7.1f}",
         "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
         "after restart": f"{resumed:6.1%}",
         "same tokens": "ref" if r is reference else str(r.outputs == reference.outputs),
-        "wall": f"{r.seconds:5.1f} s",
+        "wall": f"{r.seconds / rounds:5.1f} s",
     }
 
 
@@ -240,6 +267,16 @@ def main() -> None:
         f"{args.active} active, restart after request {len(trace) // 2}; "
         f"block size {args.block_size}"
     )
+    # MLX's first calls (allocations, kernels) are not any system's cost
+    run(
+        "warm-up",
+        args.budget[0],
+        lambda: LRUPromptCache(max_size=1 << 20),
+        model,
+        systems,
+        trace[:4],
+        args,
+    )
     results = []
     # as ``prefixcache serve`` sets it: restore_headroom 0 (the batch path copies at once),
     # hot_max_bytes its default (the budget is --prompt-cache-bytes: trim_to)
@@ -247,27 +284,41 @@ def main() -> None:
     lru = hot.replace(eviction="lru")
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budget:
-            ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
             strict = hot.replace(hot_max_bytes=budget)
             strict_lru = strict.replace(eviction="lru")
+
+            def ssd(r: int, budget: int = budget) -> CacheConfig:  # a fresh tier each round
+                return hot.replace(
+                    hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}-{r}"
+                )
+
             systems_run = [
-                ("mlx-lm LRU", lambda: LRUPromptCache(max_size=1 << 20)),
-                ("ours hot-only", lambda: TieredPromptCache(lambda key: model, hot)),
-                ("hot-only LRU", lambda: TieredPromptCache(lambda key: model, lru)),
-                ("ours + SSD", lambda ssd=ssd: TieredPromptCache(lambda key: model, ssd)),
-                ("LRU strict", lambda b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
-                ("ours strict", lambda cfg=strict: TieredPromptCache(lambda key: model, cfg)),
-                ("strict LRU", lambda cfg=strict_lru: TieredPromptCache(lambda key: model, cfg)),
+                ("mlx-lm LRU", lambda r: LRUPromptCache(max_size=1 << 20)),
+                ("ours hot-only", lambda r: TieredPromptCache(lambda key: model, hot)),
+                ("hot-only LRU", lambda r: TieredPromptCache(lambda key: model, lru)),
+                ("ours + SSD", lambda r: TieredPromptCache(lambda key: model, ssd(r))),
+                ("LRU strict", lambda r, b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
+                ("ours strict", lambda r, c=strict: TieredPromptCache(lambda key: model, c)),
+                ("strict LRU", lambda r, c=strict_lru: TieredPromptCache(lambda key: model, c)),
             ]
-            reference = None
-            for name, make_cache in systems_run:
-                result = run(name, budget, make_cache, model, systems, trace, args)
-                reference = reference or result
+            rounds: dict[str, list[Result]] = {name: [] for name, _ in systems_run}
+            for r in range(args.rounds):
+                for name, make in systems_run if r % 2 == 0 else systems_run[::-1]:
+                    result = run(
+                        name, budget, lambda m=make, r=r: m(r), model, systems, trace, args
+                    )
+                    rounds[name].append(result)
+                    p50 = statistics.median(result.ttfts) * 1e3
+                    print(
+                        f"budget {budget / MiB:.1f} MiB round {r} {name}: TTFT p50 {p50:.1f} ms",
+                        flush=True,
+                    )
+            reference = pooled(rounds["mlx-lm LRU"])
+            for name, _ in systems_run:
+                result = reference if name == "mlx-lm LRU" else pooled(rounds[name])
                 results.append((result, reference))
-                row = summary(result, reference)
-                print(" | ".join(f"{k} {v.strip()}" for k, v in row.items()), flush=True)
     print()
-    print_table([summary(r, ref) for r, ref in results])
+    print_table([summary(r, ref, args.rounds) for r, ref in results])
 
 
 if __name__ == "__main__":
