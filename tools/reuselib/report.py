@@ -6,22 +6,33 @@ sequential and probe phases, and a sequential replay of every other request
 any server sent (the concurrent phase's, and those whose history differs from
 the reference's because a server replied otherwise earlier). The cache-less
 server's own concurrent replies are compared too: what batching alone changes.
+Each server is judged against the cache-less server of its kind
+(``systems.REFERENCE_OF``): vllm-mlx against vllm-mlx without a prefix cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .systems import REFERENCE, REFERENCE_OF
 from .trace import PHASES, PROBES, Chat, Record
 
 
-def build_reference(records: Mapping[str, Sequence[Record]], chat: Chat) -> dict[str, str]:
-    """request key -> the cache-less server's sequential reply (``records["none"]`` first)."""
-    ref = {r.key: r.reply for r in records["none"] if r.phase != "conc" and not r.error}
-    for system_records in records.values():
-        for r in system_records:
+def build_reference(
+    records: Mapping[str, Sequence[Record]],
+    chat: Chat,
+    reference: str = REFERENCE,
+    served: Collection[str] = (),
+) -> dict[str, str]:
+    """request key -> the cache-less server ``reference``'s sequential reply
+    (``records[reference]`` first, ``chat`` asks it the rest), for every request
+    of the servers ``served`` (default: all)."""
+    ref = {r.key: r.reply for r in records[reference] if r.phase != "conc" and not r.error}
+    for name in served or records:
+        for r in records[name]:
             if r.key not in ref:
                 reply = chat(json.loads(r.key))
                 if not reply.error:
@@ -120,9 +131,9 @@ def _cached(p: Phase) -> str:
 
 def summary_line(s: Summary) -> str:
     if s.failure and not s.total.num_requests:
-        return f"{s.arch:12} {s.system:7} FAILED: {s.failure}"
+        return f"{s.arch:12} {s.system:13} FAILED: {s.failure}"
     return (
-        f"{s.arch:12} {s.system:7} cached seq {s.seq.cached_tokens}/{s.seq.prompt_tokens} "
+        f"{s.arch:12} {s.system:13} cached seq {s.seq.cached_tokens}/{s.seq.prompt_tokens} "
         f"conc {s.conc.cached_tokens}/{s.conc.prompt_tokens} total {_cached(s.total)} | differ "
         f"seq {s.seq.num_differ}/{s.seq.num_requests} conc {s.conc.num_differ}/"
         f"{s.conc.num_requests} probes {s.probe.num_differ}/{s.probe.num_requests} | conc "
@@ -139,33 +150,39 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def headline_table(summaries: Sequence[Summary]) -> str:
-    """Per arch: cached tokens summed (seq + conc), mlx-lm against ours, replies against ref."""
+    """Per arch: cached tokens summed (seq + conc) of each caching server, ours against
+    each peer, replies against each one's reference (the servers in the order they ran)."""
     by_arch: dict[str, dict[str, Summary]] = {}
     for s in summaries:
         by_arch.setdefault(s.arch, {})[s.system] = s
+    names = list(dict.fromkeys(s.system for s in summaries))
+    caching = [n for n in names if REFERENCE_OF[n] != n]
+    peers = [n for n in caching if n != "ours"] if "ours" in names else []
     rows = []
     for arch, systems in by_arch.items():
-        mlx, ours, none = (systems[k].total for k in ("mlx-lm", "ours", "none"))
-        ratio = f"{ours.cached_tokens / mlx.cached_tokens:.2f}" if mlx.cached_tokens else "-"
+        total = {n: systems[n].total for n in names}
         rows.append(
             [
                 arch,
-                _cached(mlx),
-                _cached(ours),
-                ratio,
-                f"{mlx.prompt_tokens} / {ours.prompt_tokens}",
-                f"{mlx.num_differ} / {ours.num_differ} / {none.num_differ} of {mlx.num_requests}",
+                *(_cached(total[n]) for n in caching),
+                *(_ratio(total["ours"], total[p]) for p in peers),
+                " / ".join(str(total[n].prompt_tokens) for n in caching),
+                " / ".join(str(total[n].num_differ) for n in names)
+                + f" of {total[names[0]].num_requests}",
             ]
         )
     header = (
         "arch",
-        "mlx-lm cached",
-        "ours cached",
-        "ours / mlx-lm",
-        "prompt tokens (mlx-lm / ours)",
-        "replies != ref (mlx-lm / ours / none)",
+        *(f"{n} cached" for n in caching),
+        *(f"ours / {p}" for p in peers),
+        f"prompt tokens ({' / '.join(caching)})",
+        f"replies != ref ({' / '.join(names)})",
     )
     return _table(header, rows)
+
+
+def _ratio(ours: Phase, peer: Phase) -> str:
+    return f"{ours.cached_tokens / peer.cached_tokens:.2f}" if peer.cached_tokens else "-"
 
 
 def detail_table(summaries: Sequence[Summary]) -> str:
@@ -197,3 +214,45 @@ def detail_table(summaries: Sequence[Summary]) -> str:
         "errors",
     )
     return _table(header, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ArchResult:
+    """One arch's run: every server's summary and records, and what else was counted."""
+
+    arch: str
+    summaries: tuple[Summary, ...]
+    records: dict[str, list[Record]]
+    num_replays: dict[str, int]  # per reference: requests it answered after the trace
+    ours_stats: dict[str, int]
+    seconds: float
+    # vllm-mlx's replies against mlx-lm's cache-less server (not its own): text decoding
+    # and mlx-lm 0.31 against 0.32, beside what its cache changes
+    vllm_mlx_vs_none: Summary | None = None
+
+
+def arch_line(result: ArchResult) -> str:
+    """The arch's time, the references' replays, ours's counters, vllm-mlx against none."""
+    replays = ", ".join(f"{k} {v}" for k, v in result.num_replays.items())
+    stats = " ".join(f"{k}={v}" for k, v in result.ours_stats.items())
+    line = f"{result.arch}: {result.seconds:.0f} s, reference replays {replays or '-'}"
+    if cross := result.vllm_mlx_vs_none:
+        line += (
+            f"; vllm-mlx replies != none's (mlx-lm's cache-less replies): seq "
+            f"{cross.seq.num_differ}/{cross.seq.num_requests} conc {cross.conc.num_differ}/"
+            f"{cross.conc.num_requests} probes {cross.probe.num_differ}/{cross.probe.num_requests}"
+        )
+    return line + (f"; ours at close: {stats}" if stats else "")
+
+
+def json_result(result: ArchResult) -> dict[str, object]:
+    """The arch's result for ``--json``: every request and summary."""
+    cross = result.vllm_mlx_vs_none
+    return {
+        "seconds": result.seconds,
+        "num_reference_replays": result.num_replays,
+        "ours_close_stats": result.ours_stats,
+        "vllm_mlx_vs_none": cross and dataclasses.asdict(cross),
+        "summaries": [dataclasses.asdict(s) for s in result.summaries],
+        "records": {k: [dataclasses.asdict(r) for r in v] for k, v in result.records.items()},
+    }

@@ -1,33 +1,27 @@
-"""The three servers compared, as real subprocesses on free loopback ports.
+"""A server subprocess on a free loopback port, and the chat client that drives it.
 
-``mlx-lm``  plain ``mlx_lm.server`` (its LRUPromptCache, default settings)
-``ours``    ``prefixcache serve`` with the hot and SSD tiers (SSD in a temp dir)
-``none``    ``mlx_lm.server --prompt-cache-size 0``: every insert is evicted at
-            once (``len > max_size`` after each insert), so nothing is ever
-            fetched and every reply is computed from the whole prompt. The
-            reference. (``--prompt-cache-bytes 0`` would not do: mlx-lm applies
-            it by ``trim_to`` only after the next request's fetch, and never on
-            its sequential path.)
+``Server`` speaks the OpenAI chat API as mlx-lm's server does (``prefixcache
+serve`` wraps it); a server that differs declares it by overriding the two hooks
+``request_fields`` and ``cached_tokens`` (tools/reuselib/vllm_mlx.py). Which
+servers a benchmark compares, and how each is started: tools/reuselib/systems.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-SYSTEMS = ("mlx-lm", "ours", "none")
-START_TIMEOUT = 120.0  # seconds: three servers start at once on a shared 2-core machine
+START_TIMEOUT = 120.0  # seconds: up to five servers start at once on a shared 2-core machine
 REQUEST_TIMEOUT = 300.0
 
 
@@ -42,31 +36,33 @@ class Reply:
     error: str = ""
 
 
+def carries_output(chunk: Mapping[str, Any]) -> bool:
+    """Whether a streamed chat chunk shows a generated token: its delta holds anything
+    besides ``role`` (content, reasoning, tool calls), or it ends the reply.
+
+    mlx-lm's server writes a chunk only once it has text, reasoning or tool calls,
+    and a last one with ``finish_reason`` (the reply may be one EOS): each of its
+    chunks counts. vllm-mlx's first ``{"role": "assistant"}`` and its empty
+    ``{}`` deltas do not.
+
+    >>> carries_output({"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]})
+    False
+    >>> carries_output({"choices": [{"delta": {"content": "Q"}, "finish_reason": None}]})
+    True
+    >>> carries_output({"choices": [{"delta": {"role": "assistant"}, "finish_reason": "stop"}]})
+    True
+    """
+    if not chunk.get("choices"):
+        return False
+    choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    return any(v for k, v in delta.items() if k != "role") or bool(choice.get("finish_reason"))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def system_argv(
-    system: str, model: Path, workdir: Path, block_size: int, mlx_lm_args: Sequence[str] = ()
-) -> list[str]:
-    """The command line that starts ``system`` on ``model`` (host and port added later).
-
-    ``mlx_lm_args`` go to the plain mlx-lm server only (e.g. a larger ``--prompt-cache-size``).
-    """
-    plain = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model)]
-    if system == "mlx-lm":
-        return [*plain, *mlx_lm_args]
-    if system == "none":
-        return [*plain, "--prompt-cache-size", "0"]
-    if system == "ours":
-        ssd = workdir / "ssd"
-        return [
-            *(sys.executable, "-m", "prefixcache", "serve", "--model", str(model)),
-            *("--ssd-dir", str(ssd), "--block-size", str(block_size)),
-        ]
-    raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
 class Server:
@@ -104,14 +100,37 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not ready in {timeout:g}s: {self.tail()}")
 
-    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Reply:
-        """One greedy chat completion; a failed request is a Reply with ``error`` set."""
-        body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens}
-        request = urllib.request.Request(
+    def request_fields(self) -> dict[str, object]:
+        """Fields every request to this server carries besides the chat's own.
+
+        None here: mlx-lm's server needs no ``model`` field (it falls back to its
+        ``--model``), so none is sent and its requests stay as they were.
+        """
+        return {}
+
+    def cached_tokens(self, usage: Mapping[str, Any], log_offset: int) -> int:
+        """Prompt tokens this server reused for the request whose reply carried ``usage``.
+
+        Here: ``usage.prompt_tokens_details.cached_tokens`` (mlx-lm's server, 0 when
+        absent). ``log_offset`` is the log's size in bytes when the request was
+        sent, for a server that says it only in its log.
+
+        Raises:
+            LookupError: the count cannot be found (the reply is kept as an error).
+        """
+        return usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    def _request(self, body: dict[str, object]) -> urllib.request.Request:
+        return urllib.request.Request(
             self.url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
+            data=json.dumps({**self.request_fields(), **body}).encode(),
             headers={"Content-Type": "application/json"},
         )
+
+    def chat(self, messages: list[dict[str, str]], max_tokens: int) -> Reply:
+        """One greedy chat completion; a failed request is a Reply with ``error`` set."""
+        request = self._request({"messages": messages, "temperature": 0, "max_tokens": max_tokens})
+        log_offset = self.log.stat().st_size
         start = time.perf_counter()
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
@@ -119,13 +138,14 @@ class Server:
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
             alive = "" if self.proc.poll() is None else f" (exited {self.proc.returncode})"
             return Reply("", 0, 0, time.perf_counter() - start, f"{err}{alive}")
+        seconds = time.perf_counter() - start
+        text = data["choices"][0]["message"]["content"] or ""
         usage = data["usage"]
-        return Reply(
-            data["choices"][0]["message"]["content"] or "",
-            usage["prompt_tokens"],
-            usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            time.perf_counter() - start,
-        )
+        try:
+            cached = self.cached_tokens(usage, log_offset)
+        except LookupError as err:
+            return Reply(text, usage["prompt_tokens"], 0, seconds, str(err))
+        return Reply(text, usage["prompt_tokens"], cached, seconds)
 
     def first_token(
         self, messages: list[dict[str, str]], max_tokens: int = 4, **extra: object
@@ -134,30 +154,22 @@ class Server:
         (the rest of the reply is read and dropped); ``extra``: more request fields
         (a ``seed`` sends it down mlx-lm's sequential path).
 
+        The first token is the first chunk that carries output (see ``carries_output``):
+        vllm-mlx streams a ``{"role": "assistant"}`` chunk before it prefills.
+
         Raises:
             RuntimeError: the request failed (with the server's log tail).
         """
-        body = {
-            "messages": messages,
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "stream": True,
-            **extra,
-        }
-        request = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
+        body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens}
+        request = self._request({**body, "stream": True, **extra})
         start = time.perf_counter()
         first = None
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
                 for line in reply:
-                    if first is None and line.startswith(b"data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices") and chunk["choices"][0].get("delta"):
-                            first = time.perf_counter() - start
+                    is_data = first is None and line.startswith(b"data: {")
+                    if is_data and carries_output(json.loads(line[6:])):
+                        first = time.perf_counter() - start
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
             raise RuntimeError(f"{self.name}: {err}: {self.tail()}") from None
         if first is None:
@@ -184,26 +196,3 @@ class Server:
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def start_servers(
-    model: Path, workdir: Path, block_size: int, mlx_lm_args: Sequence[str] = ()
-) -> dict[str, Server]:
-    """Start every system on ``model`` side by side and wait until each is ready.
-
-    Raises:
-        RuntimeError: a server exited or did not answer (the others are stopped).
-    """
-    shutil.rmtree(workdir / "ssd", ignore_errors=True)  # a kept --workdir: start cold
-    servers: dict[str, Server] = {}
-    try:
-        for system in SYSTEMS:
-            argv = system_argv(system, model, workdir, block_size, mlx_lm_args)
-            servers[system] = Server(system, argv, workdir / f"{system}.log")
-        for server in servers.values():
-            server.wait_ready()
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
-    return servers
