@@ -24,8 +24,8 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
   strict LRU     the same with eviction="lru"
 
 "recompute GFLOP" sums the FLOPs of the prompt tokens each system prefilled
-(prefixcache/costs.py: weights plus attention over the tokens before each),
-the work its evictions left to redo, free of timing noise.
+(prefixcache/costs.py: weights plus attention over the tokens before each), the
+work its evictions left to redo, free of timing noise.
 
 Per system: cached / prompt tokens, prefill tokens computed, time to first
 token (median, p90, and summed: the time spent recomputing what was not
@@ -50,8 +50,10 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from benchlib import arrivals, chat_model_shape
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
@@ -103,17 +105,8 @@ def make_trace(args: argparse.Namespace) -> tuple[list[list[int]], list[Turn]]:
     rng = random.Random(args.seed)
     tokens = lambda n: [rng.randrange(1, 500) for _ in range(n)]  # noqa: E731
     systems = [tokens(args.system_tokens) for _ in range(args.systems)]
-    pending, active, done = list(range(args.conversations)), [], [0] * args.conversations
-    trace = []
-    while pending or active:
-        while len(active) < args.active and pending:
-            active.append(pending.pop(0))
-        conv = rng.choice(active)
-        trace.append(Turn(conv, done[conv], conv % args.systems, tokens(args.user_tokens)))
-        done[conv] += 1
-        if done[conv] == args.turns:
-            active.remove(conv)
-    return systems, trace
+    order = arrivals(rng, args.conversations, args.turns, args.active)  # lazy: same draws
+    return systems, [Turn(c, t, c % args.systems, tokens(args.user_tokens)) for c, t in order]
 
 
 @dataclass(slots=True)
@@ -247,12 +240,7 @@ def print_table(rows: list[dict[str, str]]) -> None:
 
 def bench_model(args: argparse.Namespace):
     """The trace's model (a 4-layer llama of width ``--hidden``); sets ``args.cost``."""
-    width = {"hidden_size": args.hidden, "intermediate_size": 2 * args.hidden}
-    heads = {
-        "num_attention_heads": args.hidden // 32,
-        "num_key_value_heads": max(1, args.hidden // 64),
-    }
-    model = build_model("llama", seed=args.seed, num_hidden_layers=4, head_dim=32, **width, **heads)
+    model = build_model("llama", seed=args.seed, **chat_model_shape(args.hidden))
     args.cost = RecomputeCost.of(model, make_prompt_cache(model))
     return model
 
@@ -261,22 +249,12 @@ def main() -> None:
     args = setup_arg_parser().parse_args()
     model = bench_model(args)
     systems, trace = make_trace(args)
-    print(
-        f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
-        f"requests), {args.systems} system prompts of {args.system_tokens} tokens, "
-        f"{args.active} active, restart after request {len(trace) // 2}; "
-        f"block size {args.block_size}"
-    )
+    print(f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
+          f"requests), {args.systems} system prompts of {args.system_tokens} tokens, "
+          f"{args.active} active, restart after request {len(trace) // 2}; "
+          f"block size {args.block_size}", flush=True)  # fmt: skip
     # MLX's first calls (allocations, kernels) are not any system's cost
-    run(
-        "warm-up",
-        args.budget[0],
-        lambda: LRUPromptCache(max_size=1 << 20),
-        model,
-        systems,
-        trace[:4],
-        args,
-    )
+    run("warm-up", 0, lambda: LRUPromptCache(max_size=1 << 20), model, systems, trace[:4], args)
     results = []
     # as ``prefixcache serve`` sets it: restore_headroom 0 (the batch path copies at once),
     # hot_max_bytes its default (the budget is --prompt-cache-bytes: trim_to)
@@ -287,16 +265,17 @@ def main() -> None:
             strict = hot.replace(hot_max_bytes=budget)
             strict_lru = strict.replace(eviction="lru")
 
-            def ssd(r: int, budget: int = budget) -> CacheConfig:  # a fresh tier each round
-                return hot.replace(
-                    hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}-{r}"
-                )
-
             systems_run = [
                 ("mlx-lm LRU", lambda r: LRUPromptCache(max_size=1 << 20)),
                 ("ours hot-only", lambda r: TieredPromptCache(lambda key: model, hot)),
                 ("hot-only LRU", lambda r: TieredPromptCache(lambda key: model, lru)),
-                ("ours + SSD", lambda r: TieredPromptCache(lambda key: model, ssd(r))),
+                (
+                    "ours + SSD",
+                    lambda r, b=budget: TieredPromptCache(
+                        lambda key: model,
+                        hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{b}-{r}"),
+                    ),
+                ),  # fresh
                 ("LRU strict", lambda r, b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
                 ("ours strict", lambda r, c=strict: TieredPromptCache(lambda key: model, c)),
                 ("strict LRU", lambda r, c=strict_lru: TieredPromptCache(lambda key: model, c)),
@@ -304,15 +283,10 @@ def main() -> None:
             rounds: dict[str, list[Result]] = {name: [] for name, _ in systems_run}
             for r in range(args.rounds):
                 for name, make in systems_run if r % 2 == 0 else systems_run[::-1]:
-                    result = run(
-                        name, budget, lambda m=make, r=r: m(r), model, systems, trace, args
-                    )
+                    result = run(name, budget, partial(make, r), model, systems, trace, args)
                     rounds[name].append(result)
                     p50 = statistics.median(result.ttfts) * 1e3
-                    print(
-                        f"budget {budget / MiB:.1f} MiB round {r} {name}: TTFT p50 {p50:.1f} ms",
-                        flush=True,
-                    )
+                    print(f"{budget / MiB:.1f} MiB round {r} {name}: TTFT p50 {p50:.1f} ms")
             reference = pooled(rounds["mlx-lm LRU"])
             for name, _ in systems_run:
                 result = reference if name == "mlx-lm LRU" else pooled(rounds[name])

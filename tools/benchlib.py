@@ -8,6 +8,8 @@ sys.path).
 from __future__ import annotations
 
 import os
+import random
+from collections.abc import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -147,3 +149,30 @@ def _status(field: str) -> int:
 
 def rss() -> int:
     return _status("VmRSS:")
+
+
+def arrivals(rng: random.Random, conversations: int, turns: int, active: int) -> Iterator[tuple]:
+    """(conversation, turn) in arrival order: ``active`` conversations at once, the next
+    turn of a random one each time (bench_serve's and bench_serve_http's trace). Lazy:
+    the caller's draws from ``rng`` between two arrivals are part of the trace."""
+    pending, current, done = list(range(conversations)), [], [0] * conversations
+    while pending or current:
+        while len(current) < active and pending:
+            current.append(pending.pop(0))
+        conv = rng.choice(current)
+        yield conv, done[conv]
+        done[conv] += 1
+        if done[conv] == turns:
+            current.remove(conv)
+
+
+def chat_model_shape(hidden: int) -> dict[str, int]:
+    """bench_serve's llama: 4 layers of width ``hidden``, head_dim 32."""
+    return {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": hidden // 32,
+        "num_key_value_heads": max(1, hidden // 64),
+    }
