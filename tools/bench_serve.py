@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ def run(name: str, budget: int, make_cache, model, systems, trace, args) -> Resu
     return result
 
 
+def _round(cfg: CacheConfig, r: int) -> CacheConfig:
+    return cfg.replace(ssd_dir=f"{cfg.ssd_dir}-{r}")  # a fresh SSD tier each round
+
+
 def _close(cache: Any) -> None:
     if isinstance(cache, TieredPromptCache):
         cache.close()
@@ -247,12 +252,13 @@ def bench_model(args: argparse.Namespace):
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each round's line as it ends
     model = bench_model(args)
     systems, trace = make_trace(args)
     print(f"trace: {args.conversations} conversations x {args.turns} turns ({len(trace)} "
           f"requests), {args.systems} system prompts of {args.system_tokens} tokens, "
           f"{args.active} active, restart after request {len(trace) // 2}; "
-          f"block size {args.block_size}", flush=True)  # fmt: skip
+          f"block size {args.block_size}")  # fmt: skip
     # MLX's first calls (allocations, kernels) are not any system's cost
     run("warm-up", 0, lambda: LRUPromptCache(max_size=1 << 20), model, systems, trace[:4], args)
     results = []
@@ -264,18 +270,12 @@ def main() -> None:
         for budget in args.budget:
             strict = hot.replace(hot_max_bytes=budget)
             strict_lru = strict.replace(eviction="lru")
-
+            ssd = hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{budget}")
             systems_run = [
                 ("mlx-lm LRU", lambda r: LRUPromptCache(max_size=1 << 20)),
                 ("ours hot-only", lambda r: TieredPromptCache(lambda key: model, hot)),
                 ("hot-only LRU", lambda r: TieredPromptCache(lambda key: model, lru)),
-                (
-                    "ours + SSD",
-                    lambda r, b=budget: TieredPromptCache(
-                        lambda key: model,
-                        hot.replace(hot_cache_only=False, ssd_dir=f"{args.ssd_dir or tmp}/{b}-{r}"),
-                    ),
-                ),  # fresh
+                ("ours + SSD", lambda r, c=ssd: TieredPromptCache(lambda key: model, _round(c, r))),
                 ("LRU strict", lambda r, b=budget: LRUPromptCache(max_size=1 << 20, max_bytes=b)),
                 ("ours strict", lambda r, c=strict: TieredPromptCache(lambda key: model, c)),
                 ("strict LRU", lambda r, c=strict_lru: TieredPromptCache(lambda key: model, c)),

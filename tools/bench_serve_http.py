@@ -1,0 +1,224 @@
+"""bench_serve's multi-turn chats through real servers, from outside: time to first
+token at equal RAM against plain ``mlx_lm.server`` and vllm-mlx.
+
+The same trace as ``bench_serve.py`` (conversations over a few shared system
+prompts, growing histories, a window of active conversations interleaved at
+random; one request at a time, streamed, greedy) goes to each system as a real
+subprocess on a saved copy of bench_serve's model (a 4-layer random-weight llama
+of width ``--hidden``, with the tiny tokenizer). Each (system, round) starts a
+fresh server alone on the machine (no two run at once: the timings compare),
+replays the whole trace and stops; rounds alternate the systems' order (ABBA).
+Systems, each held to ``--budget`` bytes of cache in RAM:
+
+  mlx-lm          ``mlx_lm.server --prompt-cache-bytes B`` (its LRUPromptCache)
+  ours hot-only   ``prefixcache serve --hot-cache-only --prompt-cache-bytes B``
+  ours + SSD      ``prefixcache serve --prompt-cache-bytes B`` with an SSD tier
+  vllm-mlx        ``vllm-mlx serve --continuous-batching --cache-memory-mb B``
+                  in its own venv (``make vllm-mlx``); skipped, and said so,
+                  when the venv is missing
+
+Per system: TTFT median and p90 (pooled over rounds; a request's TTFT is from
+sending it to the first streamed content), their ratios to mlx-lm's, the
+cached share of prompt tokens (the servers' ``usage``; vllm-mlx's cached tokens
+from its log) and whether its replies equal mlx-lm's (as the history holds them:
+without surrounding blanks and U+FFFD, which the servers stream differently).
+
+    python tools/bench_serve_http.py
+    python tools/bench_serve_http.py --budget 3M 8M --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchlib import arrivals, chat_model_shape
+from reuselib import vllm_mlx
+from reuselib.servers import REQUEST_TIMEOUT, Server, carries_output
+from reuselib.trace import Text
+
+from prefixcache.config import parse_bytes
+from prefixcache.tiny import save_model
+
+MiB = 1 << 20
+SYSTEMS = ("mlx-lm", "ours hot-only", "ours + SSD", "vllm-mlx")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--active", type=int, default=4, help="conversations interleaved at once")
+    p.add_argument("--systems", type=int, default=3, help="distinct shared system prompts")
+    p.add_argument("--system-words", type=int, default=170, help="about 384 tokens")
+    p.add_argument("--user-words", type=int, default=20, help="about 48 tokens")
+    p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
+    p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 8 * MiB])
+    p.add_argument("--block-size", type=int, default=32, help="ours")
+    p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
+    p.add_argument("--rounds", type=int, default=2, help="replays per system, order alternated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    conv: int
+    turn: int
+    system: int
+
+
+def make_trace(args: argparse.Namespace) -> list[Turn]:
+    """Turns in arrival order (bench_serve's rule: a random pick among the active)."""
+    order = arrivals(random.Random(args.seed), args.conversations, args.turns, args.active)
+    return [Turn(c, t, c % args.systems) for c, t in order]
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    budget: int
+    ttfts: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    replies: list[str] = field(default_factory=list)
+
+
+def start(system: str, model: Path, workdir: Path, budget: int, args) -> Server:
+    """A fresh server of ``system`` (not yet ready) holding ``budget`` bytes of cache."""
+    if system == "vllm-mlx":
+        return vllm_mlx.VllmMlxServer(system, model, workdir, max(1, budget // MiB))
+    ours = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model)]
+    ours += ["--block-size", str(args.block_size), "--prompt-cache-bytes", str(budget)]
+    argv = {
+        "mlx-lm": [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+                   "--prompt-cache-bytes", str(budget)],
+        "ours hot-only": [*ours, "--hot-cache-only"],
+        "ours + SSD": [*ours, "--ssd-dir", str(workdir / "ssd")],
+    }[system]  # fmt: skip
+    return Server(system, argv, workdir / "server.log")
+
+
+def stream_chat(server: Server, messages: list[dict[str, str]], max_tokens: int):
+    """(seconds to the first streamed output, the reply, prompt tokens, cached tokens)
+    of one greedy streamed chat completion."""
+    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **server.request_fields()}  # fmt: skip
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    log_offset = server.log.stat().st_size
+    start = time.perf_counter()
+    first, parts, usage = None, [], {}
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
+        for line in reply:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and carries_output(chunk):
+                first = time.perf_counter() - start
+            usage = chunk.get("usage") or usage
+            parts += [(c.get("delta") or {}).get("content") or "" for c in chunk["choices"]]
+    if first is None or not usage:
+        raise RuntimeError(f"{server.name}: no output or no usage streamed: {server.tail()}")
+    cached = server.cached_tokens(usage, log_offset)
+    return first, "".join(parts), usage["prompt_tokens"], cached
+
+
+def replay(system: str, budget: int, model: Path, trace: list[Turn], text: Text, args) -> Result:
+    """One fresh server of ``system`` through the whole trace."""
+    result = Result(system, budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start(system, model, Path(tmp), budget, args)
+        try:
+            server.wait_ready()
+            histories: dict[int, list[dict[str, str]]] = {}
+            for turn in trace:
+                system_prompt = text.system(turn.system, args.system_words)
+                messages = histories.setdefault(
+                    turn.conv, [{"role": "system", "content": system_prompt}]
+                )
+                user = text.user(turn.conv, turn.turn, args.user_words)
+                messages.append({"role": "user", "content": user})
+                ttft, reply, prompt, cached = stream_chat(server, messages, args.max_tokens)
+                # the servers' streams differ in a reply's leading space and in how many
+                # U+FFFD stand for a random model's broken UTF-8: without both, the same
+                # tokens make the same next prompt
+                reply = reply.replace("\ufffd", "").strip()
+                messages.append({"role": "assistant", "content": reply})
+                result.ttfts.append(ttft)
+                result.replies.append(reply)
+                result.prompt_tokens += prompt
+                result.cached_tokens += cached
+        finally:
+            server.stop()
+    return result
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    systems = [s for s in args.only if s != "vllm-mlx" or vllm_mlx.available()]
+    if "vllm-mlx" in args.only and "vllm-mlx" not in systems:
+        print(f"vllm-mlx SKIPPED: no {vllm_mlx.PYTHON} (build it with `{vllm_mlx.BUILD}`)")
+    trace = make_trace(args)
+    text = Text(args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(
+            Path(tmp) / "model", "llama", seed=args.seed, **chat_model_shape(args.hidden)
+        )
+        print(f"trace: {len(trace)} requests; systems: {', '.join(systems)}", flush=True)
+        for budget in args.budget:
+            rounds: dict[str, list[Result]] = {s: [] for s in systems}
+            for r in range(args.rounds):
+                for system in systems if r % 2 == 0 else systems[::-1]:
+                    res = replay(system, budget, model, trace, text, args)
+                    rounds[system].append(res)
+                    print(f"{budget / MiB:.1f} MiB round {r} {system}: TTFT p50 "
+                          f"{statistics.median(res.ttfts) * 1e3:.1f} ms", flush=True)  # fmt: skip
+            rows += table_rows(budget, rounds)
+    print()
+    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
+    print("  ".join(k.ljust(w) for k, w in widths.items()))
+    for row in rows:
+        print("  ".join(row[k].ljust(w) for k, w in widths.items()))
+
+
+def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, str]]:
+    ref = rounds.get("mlx-lm")
+    ref_ttfts = [t for r in ref for t in r.ttfts] if ref else []
+    rows = []
+    for system, results in rounds.items():
+        ttfts = [t for r in results for t in r.ttfts]
+        p50, p90 = statistics.median(ttfts), statistics.quantiles(ttfts, n=10)[-1]
+        prompt = sum(r.prompt_tokens for r in results)
+        cached = sum(r.cached_tokens for r in results)
+        same = ref is not None and all(r.replies == ref[0].replies for r in results)
+        rows.append({
+            "budget": f"{budget / MiB:.1f} MiB",
+            "system": system,
+            "cached/prompt": f"{cached / prompt:6.1%}" if prompt else "-",
+            "TTFT p50": f"{p50 * 1e3:7.1f} ms",
+            "p50 / mlx-lm": f"{p50 / statistics.median(ref_ttfts):5.2f}" if ref else "-",
+            "TTFT p90": f"{p90 * 1e3:7.1f} ms",
+            "p90 / mlx-lm": (
+                f"{p90 / statistics.quantiles(ref_ttfts, n=10)[-1]:5.2f}" if ref else "-"
+            ),
+            "same replies": "ref" if system == "mlx-lm" else str(same),
+        })  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
