@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from benchlib import arrivals, chat_model_shape
+from benchlib import add_trace_args, arrivals, chat_model_shape
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
@@ -69,27 +69,11 @@ MiB = 1 << 20
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--active", type=int, default=4, help="conversations interleaved at once")
-    p.add_argument("--systems", type=int, default=3, help="distinct shared system prompts")
+    add_trace_args(p)
     p.add_argument("--system-tokens", type=int, default=384)
     p.add_argument("--user-tokens", type=int, default=48)
-    p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
-    p.add_argument(
-        "--budget",
-        type=parse_bytes,
-        nargs="+",
-        default=[3 * MiB, 5 * MiB, 8 * MiB],
-        help="RAM budgets",
-    )
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
+    p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB, 8 * MiB])
     p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--rounds", type=int, default=2, help="replays per system and budget, order alternated"
-    )
     return p
 
 

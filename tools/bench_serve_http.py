@@ -40,7 +40,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib import arrivals, chat_model_shape
+from benchlib import add_trace_args, arrivals, chat_model_shape
 from reuselib import vllm_mlx
 from reuselib.servers import REQUEST_TIMEOUT, Server, carries_output
 from reuselib.trace import Text
@@ -54,33 +54,18 @@ SYSTEMS = ("mlx-lm", "ours hot-only", "ours + SSD", "vllm-mlx")
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--conversations", type=int, default=16)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--active", type=int, default=4, help="conversations interleaved at once")
-    p.add_argument("--systems", type=int, default=3, help="distinct shared system prompts")
+    add_trace_args(p)
     p.add_argument("--system-words", type=int, default=170, help="about 384 tokens")
     p.add_argument("--user-words", type=int, default=20, help="about 48 tokens")
-    p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
     p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 8 * MiB])
-    p.add_argument("--block-size", type=int, default=32, help="ours")
-    p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
-    p.add_argument("--rounds", type=int, default=2, help="replays per system, order alternated")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     return p
 
 
-@dataclass(frozen=True, slots=True)
-class Turn:
-    conv: int
-    turn: int
-    system: int
-
-
-def make_trace(args: argparse.Namespace) -> list[Turn]:
-    """Turns in arrival order (bench_serve's rule: a random pick among the active)."""
-    order = arrivals(random.Random(args.seed), args.conversations, args.turns, args.active)
-    return [Turn(c, t, c % args.systems) for c, t in order]
+def make_trace(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(conversation, turn) in arrival order: bench_serve's (its system prompt is
+    conversation % ``--systems``)."""
+    return list(arrivals(random.Random(args.seed), args.conversations, args.turns, args.active))
 
 
 @dataclass(slots=True)
@@ -136,20 +121,22 @@ def stream_chat(server: Server, messages: list[dict[str, str]], max_tokens: int)
     return first, "".join(parts), usage["prompt_tokens"], cached
 
 
-def replay(system: str, budget: int, model: Path, trace: list[Turn], text: Text, args) -> Result:
-    """One fresh server of ``system`` through the whole trace."""
+def replay(
+    system: str, budget: int, model: Path, trace: list[tuple[int, int]], text: Text, args
+) -> Result:
+    """One fresh server of ``system`` through the whole trace (``make_trace``)."""
     result = Result(system, budget)
     with tempfile.TemporaryDirectory() as tmp:
         server = start(system, model, Path(tmp), budget, args)
         try:
             server.wait_ready()
             histories: dict[int, list[dict[str, str]]] = {}
-            for turn in trace:
-                system_prompt = text.system(turn.system, args.system_words)
+            for conv, turn in trace:
+                system_prompt = text.system(conv % args.systems, args.system_words)
                 messages = histories.setdefault(
-                    turn.conv, [{"role": "system", "content": system_prompt}]
+                    conv, [{"role": "system", "content": system_prompt}]
                 )
-                user = text.user(turn.conv, turn.turn, args.user_words)
+                user = text.user(conv, turn, args.user_words)
                 messages.append({"role": "user", "content": user})
                 ttft, reply, prompt, cached = stream_chat(server, messages, args.max_tokens)
                 # the servers' streams differ in a reply's leading space and in how many

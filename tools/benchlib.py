@@ -166,6 +166,19 @@ def arrivals(rng: random.Random, conversations: int, turns: int, active: int) ->
             current.remove(conv)
 
 
+def add_trace_args(p) -> None:
+    """bench_serve's trace and model, and the rounds (also bench_serve_http's)."""
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--active", type=int, default=4, help="conversations interleaved at once")
+    p.add_argument("--systems", type=int, default=3, help="distinct shared system prompts")
+    p.add_argument("--max-tokens", type=int, default=8, help="generated per turn")
+    p.add_argument("--block-size", type=int, default=32, help="ours")
+    p.add_argument("--hidden", type=int, default=128, help="model width (4 layers, head_dim 32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="replays per system, order alternated")
+
+
 def chat_model_shape(hidden: int) -> dict[str, int]:
     """bench_serve's llama: 4 layers of width ``hidden``, head_dim 32."""
     return {
