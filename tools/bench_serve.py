@@ -36,7 +36,8 @@ whatever else runs: compare systems within one run. Each budget replays the
 trace ``--rounds`` times per system, in the systems' order then in reverse
 (ABBA: a drift of the machine's speed, and whichever system runs first after a
 warm-up, weigh on all alike); the TTFTs are pooled over rounds and the
-"p50 / LRU" column divides each system's median by mlx-lm LRU's.
+"p50 / LRU" column divides each system's median by mlx-lm LRU's. "fetch p50":
+the median time of ``fetch_nearest_cache`` (part of the TTFT).
 
     python tools/bench_serve.py
     python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
@@ -101,6 +102,7 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
+    fetches: list[float] = field(default_factory=list)  # fetch_nearest_cache, per request
     peak_bytes: int = 0
     resumed_prompt: int = 0  # first request of each conversation resumed after the restart
     resumed_cached: int = 0
@@ -113,6 +115,7 @@ def serve(cache: Any, gen: BatchGenerator, prompt: list[int], sys_end: int, args
     """One request, as mlx-lm's server batch path runs it; returns (tokens, cached)."""
     start = time.perf_counter()
     restored, rest = cache.fetch_nearest_cache(KEY, prompt)
+    result.fetches.append(time.perf_counter() - start)
     num_cached = len(prompt) - len(rest)
     segments = [prompt[num_cached:sys_end], prompt[max(sys_end, num_cached) :]]
     types = [t for s, t in zip(segments, ("system", "user"), strict=True) if s][::-1]
@@ -190,6 +193,7 @@ def pooled(rounds: list[Result]) -> Result:
         out.prompt_tokens += r.prompt_tokens
         out.cached_tokens += r.cached_tokens
         out.ttfts += r.ttfts
+        out.fetches += r.fetches
         out.peak_bytes = max(out.peak_bytes, r.peak_bytes)
         out.resumed_prompt += r.resumed_prompt
         out.resumed_cached += r.resumed_cached
@@ -211,6 +215,7 @@ def summary(r: Result, reference: Result, rounds: int = 1) -> dict[str, str]:
         "TTFT p50": f"{p50 * 1e3:7.1f} ms",
         "p50 / LRU": f"{p50 / statistics.median(reference.ttfts):5.2f}",
         "TTFT p90": f"{p90 * 1e3:7.1f} ms",
+        "fetch p50": f"{statistics.median(r.fetches) * 1e3:5.2f} ms",
         "TTFT sum": f"{sum(r.ttfts) / rounds:6.2f} s",
         "recompute GFLOP": f"{r.recompute_flops / 1e9 / rounds:7.1f}",
         "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
