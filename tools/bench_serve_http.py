@@ -3,11 +3,13 @@ token at equal RAM against plain ``mlx_lm.server`` and vllm-mlx.
 
 The same trace as ``bench_serve.py`` (conversations over a few shared system
 prompts, growing histories, a window of active conversations interleaved at
-random; one request at a time, streamed, greedy) goes to each system as a real
-subprocess on a saved copy of bench_serve's model (a 4-layer random-weight llama
-of width ``--hidden``, with the tiny tokenizer). Each (system, round) starts a
-fresh server alone on the machine (no two run at once: the timings compare),
-replays the whole trace and stops; rounds alternate the systems' order (ABBA).
+random, a restart in the middle; one request at a time, streamed, greedy) goes
+to each system as a real subprocess on a saved copy of bench_serve's model (a
+4-layer random-weight llama of width ``--hidden``, with the tiny tokenizer).
+Each (system, round) starts a fresh server alone on the machine (no two run at
+once: the timings compare), replays the whole trace, stopping it (SIGTERM) and
+starting it again on the same directory halfway, and stops; rounds alternate
+the systems' order (ABBA).
 Systems, each held to ``--budget`` bytes of cache in RAM:
 
   mlx-lm          ``mlx_lm.server --prompt-cache-bytes B`` (its LRUPromptCache)
@@ -20,8 +22,10 @@ Systems, each held to ``--budget`` bytes of cache in RAM:
 Per system: TTFT median and p90 (pooled over rounds; a request's TTFT is from
 sending it to the first streamed content), their ratios to mlx-lm's, the
 cached share of prompt tokens (the servers' ``usage``; vllm-mlx's cached tokens
-from its log) and whether its replies equal mlx-lm's (as the history holds them:
-without surrounding blanks and U+FFFD, which the servers stream differently).
+from its log), the cached share of the first request of each conversation
+resumed after the restart, and whether its replies equal mlx-lm's (as the
+history holds them: without surrounding blanks and U+FFFD, which the servers
+stream differently).
 
     python tools/bench_serve_http.py
     python tools/bench_serve_http.py --budget 3M 8M --rounds 2
@@ -76,12 +80,15 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     replies: list[str] = field(default_factory=list)
+    resumed_prompt: int = 0  # first request of each conversation resumed after the restart
+    resumed_cached: int = 0
 
 
-def start(system: str, model: Path, workdir: Path, budget: int, args) -> Server:
-    """A fresh server of ``system`` (not yet ready) holding ``budget`` bytes of cache."""
+def start(system: str, model: Path, workdir: Path, budget: int, args, keep: bool) -> Server:
+    """A server of ``system`` (not yet ready) holding ``budget`` bytes of cache; ``keep``:
+    a restart, on what the last one left in ``workdir`` (SSD tier, vllm-mlx's saved cache)."""
     if system == "vllm-mlx":
-        return vllm_mlx.VllmMlxServer(system, model, workdir, max(1, budget // MiB))
+        return vllm_mlx.VllmMlxServer(system, model, workdir, max(1, budget // MiB), keep=keep)
     ours = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model)]
     ours += ["--block-size", str(args.block_size), "--prompt-cache-bytes", str(budget)]
     argv = {
@@ -124,14 +131,21 @@ def stream_chat(server: Server, messages: list[dict[str, str]], max_tokens: int)
 def replay(
     system: str, budget: int, model: Path, trace: list[tuple[int, int]], text: Text, args
 ) -> Result:
-    """One fresh server of ``system`` through the whole trace (``make_trace``)."""
+    """A fresh server of ``system`` through the whole trace (``make_trace``), restarted
+    halfway (stopped by SIGTERM, started again on the same directory)."""
     result = Result(system, budget)
+    restart_at, resumed = len(trace) // 2, set()
     with tempfile.TemporaryDirectory() as tmp:
-        server = start(system, model, Path(tmp), budget, args)
+        server = start(system, model, Path(tmp), budget, args, keep=False)
         try:
             server.wait_ready()
             histories: dict[int, list[dict[str, str]]] = {}
-            for conv, turn in trace:
+            for i, (conv, turn) in enumerate(trace):
+                if i == restart_at:
+                    server.stop()
+                    server = start(system, model, Path(tmp), budget, args, keep=True)
+                    server.wait_ready()
+                    resumed = set(histories)
                 system_prompt = text.system(conv % args.systems, args.system_words)
                 messages = histories.setdefault(
                     conv, [{"role": "system", "content": system_prompt}]
@@ -148,6 +162,10 @@ def replay(
                 result.replies.append(reply)
                 result.prompt_tokens += prompt
                 result.cached_tokens += cached
+                if conv in resumed:
+                    resumed.discard(conv)
+                    result.resumed_prompt += prompt
+                    result.resumed_cached += cached
         finally:
             server.stop()
     return result
@@ -192,6 +210,7 @@ def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, s
         prompt = sum(r.prompt_tokens for r in results)
         cached = sum(r.cached_tokens for r in results)
         same = ref is not None and all(r.replies == ref[0].replies for r in results)
+        resumed = sum(r.resumed_cached for r in results) / sum(r.resumed_prompt for r in results)
         rows.append({
             "budget": f"{budget / MiB:.1f} MiB",
             "system": system,
@@ -202,6 +221,7 @@ def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, s
             "p90 / mlx-lm": (
                 f"{p90 / statistics.quantiles(ref_ttfts, n=10)[-1]:5.2f}" if ref else "-"
             ),
+            "after restart": f"{resumed:6.1%}",
             "same replies": "ref" if system == "mlx-lm" else str(same),
         })  # fmt: skip
     return rows

@@ -140,12 +140,16 @@ class ScheduleLog:
 
 class VllmMlxServer(Server):
     """vllm-mlx serving ``model`` (``cache_mb``: see ``argv``), its log in
-    ``workdir / f"{name}.log"``, its HOME ``workdir / f"{name}-home"`` (emptied first)."""
+    ``workdir / f"{name}.log"``, its HOME ``workdir / f"{name}-home"`` (emptied
+    first unless ``keep``: the prefix cache it saved at its last exit is loaded)."""
 
-    def __init__(self, name: str, model: Path, workdir: Path, cache_mb: int | None):
+    def __init__(
+        self, name: str, model: Path, workdir: Path, cache_mb: int | None, *, keep: bool = False
+    ):
         home = workdir / f"{name}-home"
-        shutil.rmtree(home, ignore_errors=True)  # a kept --workdir: start cold
-        home.mkdir(parents=True)
+        if not keep:  # a kept --workdir: start cold (``keep``: a restart, with what it saved)
+            shutil.rmtree(home, ignore_errors=True)
+        home.mkdir(parents=True, exist_ok=True)
         self.model = str(model)
         log = workdir / f"{name}.log"
         # the model is a local directory: nothing to ask the Hub
