@@ -34,19 +34,16 @@ stream differently).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchlib import add_trace_args, arrivals, chat_model_shape
 from reuselib import vllm_mlx
-from reuselib.servers import REQUEST_TIMEOUT, Server, carries_output
+from reuselib.servers import Server
 from reuselib.trace import Text
 
 from prefixcache.config import parse_bytes
@@ -100,34 +97,6 @@ def start(system: str, model: Path, workdir: Path, budget: int, args, keep: bool
     return Server(system, argv, workdir / "server.log")
 
 
-def stream_chat(server: Server, messages: list[dict[str, str]], max_tokens: int):
-    """(seconds to the first streamed output, the reply, prompt tokens, cached tokens)
-    of one greedy streamed chat completion."""
-    body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **server.request_fields()}  # fmt: skip
-    request = urllib.request.Request(
-        server.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    log_offset = server.log.stat().st_size
-    start = time.perf_counter()
-    first, parts, usage = None, [], {}
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
-        for line in reply:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and carries_output(chunk):
-                first = time.perf_counter() - start
-            usage = chunk.get("usage") or usage
-            parts += [(c.get("delta") or {}).get("content") or "" for c in chunk["choices"]]
-    if first is None or not usage:
-        raise RuntimeError(f"{server.name}: no output or no usage streamed: {server.tail()}")
-    cached = server.cached_tokens(usage, log_offset)
-    return first, "".join(parts), usage["prompt_tokens"], cached
-
-
 def replay(
     system: str, budget: int, model: Path, trace: list[tuple[int, int]], text: Text, args
 ) -> Result:
@@ -152,20 +121,20 @@ def replay(
                 )
                 user = text.user(conv, turn, args.user_words)
                 messages.append({"role": "user", "content": user})
-                ttft, reply, prompt, cached = stream_chat(server, messages, args.max_tokens)
+                got = server.stream(messages, args.max_tokens, usage=True)
                 # the servers' streams differ in a reply's leading space and in how many
                 # U+FFFD stand for a random model's broken UTF-8: without both, the same
                 # tokens make the same next prompt
-                reply = reply.replace("\ufffd", "").strip()
+                reply = got.text.replace("\ufffd", "").strip()
                 messages.append({"role": "assistant", "content": reply})
-                result.ttfts.append(ttft)
+                result.ttfts.append(got.first)
                 result.replies.append(reply)
-                result.prompt_tokens += prompt
-                result.cached_tokens += cached
+                result.prompt_tokens += got.prompt_tokens
+                result.cached_tokens += got.cached_tokens
                 if conv in resumed:
                     resumed.discard(conv)
-                    result.resumed_prompt += prompt
-                    result.resumed_cached += cached
+                    result.resumed_prompt += got.prompt_tokens
+                    result.resumed_cached += got.cached_tokens
         finally:
             server.stop()
     return result

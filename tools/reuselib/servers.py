@@ -36,6 +36,17 @@ class Reply:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed chat completion: seconds to its first token, its text, and its
+    prompt and cached tokens (0 unless asked for)."""
+
+    first: float
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
 def carries_output(chunk: Mapping[str, Any]) -> bool:
     """Whether a streamed chat chunk shows a generated token: its delta holds anything
     besides ``role`` (content, reasoning, tool calls), or it ends the reply.
@@ -154,27 +165,51 @@ class Server:
         (the rest of the reply is read and dropped); ``extra``: more request fields
         (a ``seed`` sends it down mlx-lm's sequential path).
 
+        Raises:
+            RuntimeError: the request failed (with the server's log tail).
+        """
+        return self.stream(messages, max_tokens, **extra).first
+
+    def stream(
+        self, messages: list[dict[str, str]], max_tokens: int, *, usage: bool = False, **extra
+    ) -> Streamed:
+        """One greedy streamed chat completion: seconds to its first token, its text
+        and, with ``usage`` (asked for with ``stream_options``), its token counts.
+
         The first token is the first chunk that carries output (see ``carries_output``):
         vllm-mlx streams a ``{"role": "assistant"}`` chunk before it prefills.
 
         Raises:
-            RuntimeError: the request failed (with the server's log tail).
+            RuntimeError: the request failed, streamed no token, or (``usage``) no
+                counts (with the server's log tail).
+            LookupError: the server's cached tokens cannot be found (``cached_tokens``).
         """
         body = {"messages": messages, "temperature": 0, "max_tokens": max_tokens}
+        if usage:
+            extra = {**extra, "stream_options": {"include_usage": True}}
         request = self._request({**body, "stream": True, **extra})
+        log_offset = self.log.stat().st_size
         start = time.perf_counter()
-        first = None
+        first, parts, counts = None, [], {}
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as reply:
                 for line in reply:
-                    is_data = first is None and line.startswith(b"data: {")
-                    if is_data and carries_output(json.loads(line[6:])):
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if first is None and carries_output(chunk):
                         first = time.perf_counter() - start
+                    counts = chunk.get("usage") or counts
+                    choices = chunk.get("choices") or ()
+                    parts += [(c.get("delta") or {}).get("content") or "" for c in choices]
         except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError) as err:
             raise RuntimeError(f"{self.name}: {err}: {self.tail()}") from None
-        if first is None:
-            raise RuntimeError(f"{self.name}: no token streamed: {self.tail()}")
-        return first
+        if first is None or (usage and not counts):
+            raise RuntimeError(f"{self.name}: no token or no usage streamed: {self.tail()}")
+        if not usage:
+            return Streamed(first, "".join(parts), 0, 0)
+        cached = self.cached_tokens(counts, log_offset)
+        return Streamed(first, "".join(parts), counts["prompt_tokens"], cached)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -1,0 +1,60 @@
+"""bench_serve_http in short: real servers through a tiny trace with its restart.
+
+Plain mlx_lm.server and prefixcache serve with an SSD tier, each restarted
+halfway: both give the same replies and report cached tokens (read from the
+stream's usage); after the restart ours restores each resumed conversation from
+its SSD tier, while mlx-lm, which keeps nothing across a restart, restores
+only the few template tokens the conversations share (the control: each
+conversation has a system prompt of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+
+import bench_serve_http
+from benchlib import chat_model_shape
+from reuselib.trace import Text
+
+from prefixcache.tiny import save_model
+
+ARGS = shlex.split(
+    "--conversations 2 --turns 3 --active 2 --systems 2 --max-tokens 4 "
+    "--system-words 60 --user-words 6 --hidden 64 --budget 8M"
+)
+
+
+@pytest.fixture(scope="module")
+def results():
+    args = bench_serve_http.setup_arg_parser().parse_args(ARGS)
+    trace = bench_serve_http.make_trace(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "model", "llama", **chat_model_shape(args.hidden))
+        return {
+            system: bench_serve_http.replay(system, 8 << 20, model, trace, Text(0), args)
+            for system in ("mlx-lm", "ours + SSD")
+        }
+
+
+def test_both_answer_alike_and_report_cached_tokens(results):
+    plain, ours = results["mlx-lm"], results["ours + SSD"]
+    assert len(plain.ttfts) == len(ours.ttfts) == 6
+    assert plain.replies == ours.replies
+    assert plain.prompt_tokens == ours.prompt_tokens > 0
+    assert ours.cached_tokens > 0
+
+
+def test_only_the_ssd_tier_survives_the_restart(results):
+    plain, ours = results["mlx-lm"], results["ours + SSD"]
+    assert plain.resumed_prompt == ours.resumed_prompt > 0
+    # mlx-lm finds only what the conversations' chat templates share (a few tokens)
+    assert plain.resumed_cached < 0.1 * plain.resumed_prompt
+    assert ours.resumed_cached > 0.5 * ours.resumed_prompt
