@@ -25,6 +25,7 @@ from .stats import Stats
 from .stats_types import CacheStats
 from .tiers import lower_tiers
 from .tiers.base import Tier
+from .tiers.recent import Kept, kept_views
 from .tiers.stack import TierStack
 from .verbs import ControlVerbs
 
@@ -138,6 +139,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        hand_over: bool = False,
     ) -> int:
         """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
         and the tail (the tokens after the last full block), with every layer's
@@ -148,14 +150,19 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         of a conversation then resumes from there on every layout.
         ``session`` tags the blocks only this session holds (``end_session``
         drops them); ``persist=False`` keeps them hot only, never written to a
-        lower tier (docs/operating.md).
+        lower tier (docs/operating.md). ``hand_over=True``: the caller is done
+        with ``cache`` (mlx-lm's server at insert); with ``restore_headroom=0``
+        the hot tier may keep views of its arrays while it has room, and a
+        fetch they hold gets them without a copy (tiers/recent.py).
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        return self._store(tokens, cache, extra, session=session, persist=persist)
+        return self._store(
+            tokens, cache, extra, session=session, persist=persist, hand_over=hand_over
+        )
 
     def stats(self) -> CacheStats:
         """Counters and each tier's figures (docs/stats.md); after ``close``, as
@@ -221,6 +228,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         *,
         session: str | None,
         persist: bool,
+        hand_over: bool = False,
     ) -> int:
         data = token_bytes(tokens)
         check_session(session)
@@ -252,11 +260,19 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             self.hot.prepare_views([*stored, *cut.upgraded])
             walked = [*keys, *tail_keys(root, keys, data, bs)]
             self.controls.stored(session, persist, stored, walked)
+            if hand_over and not self.config.restore_headroom:
+                self._keep_whole(root, data, walked, cache)
             if not self.layout.keeps_state:  # else a tail's end state is its own
                 for block in [*cut.new[-1:], *([tail] if tail else [])]:
                     self.hot.drop_superseded(block)
             self._stats.num_stores += 1
             return len(cut.new)
+
+    def _keep_whole(self, root: bytes, data: bytes, keys: list[bytes], cache: Sequence[Any]):
+        """Keep ``cache``'s arrays whole in hot (tiers/recent.py), where its layers allow."""
+        views, nbytes = kept_views(cache, len(data) // TOKEN_BYTES)
+        if views:
+            self.hot.keep_recent(Kept(root, data, frozenset(keys), views, nbytes))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -61,6 +61,13 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         reason = reason or plan.reason
         if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
             return Restored(make_prompt_cache(layout.model), 0, reason, shared, [], [])
+        if not headroom and tiers.hot.recent and all(t is tiers.hot for t in plan.tiers):
+            # a sequence kept whole holds it: views of its arrays, no copy (tiers/recent.py)
+            prefix = data[: plan.num_tokens * TOKEN_BYTES]
+            cache = tiers.hot.recent.restore(root, prefix, layout.fresh(plan.num_tokens))
+            if cache is not None:
+                tiers.touch_chain(plan.keys)
+                return Restored(cache, plan.num_tokens, reason, shared, plan.keys, [])
         loader = ChainLoad(tiers, plan)
         # a block cut back is copied whole: the buffers hold every block. With headroom,
         # room for the prompt's rest and the reply in mlx-lm's steps; without, the
@@ -90,7 +97,7 @@ class ChainLoad:
         self.keys = plan.keys
         self.promote: list[tuple[int, Tier, int]] = []
         hot = tiers.hot
-        self._room = hot.max_bytes - hot.nbytes if tiers.config.promote else 0
+        self._room = hot.room if tiers.config.promote else 0
         self._readers: dict[Tier, TierReader] = {}
 
     def first_specs(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:

@@ -22,6 +22,9 @@ class HotStats(TypedDict):
     num_evictions: int
     num_shed_snapshots: int
     pinned_bytes: int
+    num_recent: int
+    recent_bytes: int
+    num_recent_hits: int
 
 
 class SsdStats(TypedDict):

@@ -107,7 +107,7 @@ class WarmStart:
             with self.lock:
                 if entry.key in hot:
                     continue
-                if hot.nbytes + entry.nbytes > hot.max_bytes:
+                if entry.nbytes > hot.room:
                     return False
             loaded = tier.reader([entry.key]).load(0)
             if loaded is None:
@@ -116,7 +116,7 @@ class WarmStart:
             mx.eval(block.arrays)  # built on this thread: evaluated here
             with self.lock:
                 has_parent = block.parent == block.root or block.parent in hot
-                room = hot.nbytes + block.nbytes <= hot.max_bytes
+                room = block.nbytes <= hot.room
                 if entry.key not in hot and has_parent and room:
                     hot.put(block, at_cold_end=True)
                     self.num_blocks += 1

@@ -8,7 +8,8 @@ child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
 With a cost (``eviction="cost"``), the victim among the least recently used
-leaves is the one of least credit (credit.py).
+leaves is the one of least credit (credit.py). Sequences kept whole
+(recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the manager holds its lock around every call.
 """
 
@@ -22,13 +23,14 @@ from ..pins import Pins
 from .base import BlockListener, ListsChildren, Tier, TierReader
 from .credit import CostHook, Credits
 from .hot_reader import HostViews, HotReader
+from .recent import KeepsRecent, RecentSequences
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
-class HotTier(ListsChildren, Tier):
+class HotTier(ListsChildren, KeepsRecent, Tier):
     """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
 
     name = "hot"
@@ -55,6 +57,7 @@ class HotTier(ListsChildren, Tier):
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
+        self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
         self.credits = (  # cost-aware eviction
             Credits(cost, lambda: self.nbytes) if cost is not None else None
         )
@@ -118,6 +121,9 @@ class HotTier(ListsChildren, Tier):
             "max_bytes": self.max_bytes,
             "num_evictions": self.num_evictions,
             "num_shed_snapshots": self.num_shed,
+            "num_recent": len(self.recent),
+            "recent_bytes": self.recent.nbytes,
+            "num_recent_hits": self.recent.num_hits,
         }
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -171,6 +177,7 @@ class HotTier(ListsChildren, Tier):
         ``keep``: a block just put, evicted only when no other leaf can go (its
         chain's later blocks would have no parent to go under)."""
         num = 0
+        self.drop_recent(max_bytes)
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
@@ -185,6 +192,7 @@ class HotTier(ListsChildren, Tier):
         """Evict ``keys`` (a chain, deepest first) while over ``max_bytes``, each while
         a leaf and not pinned; keys hot does not hold (a prompt's tail) are passed."""
         num = 0
+        self.drop_recent(max_bytes)
         for key in keys:
             if self.nbytes <= max_bytes or self._children.get(key) or self.pins.holds(key):
                 break
@@ -248,6 +256,7 @@ class HotTier(ListsChildren, Tier):
         if block is None:
             return None
         self.views.forget(key)
+        self.nbytes -= self.recent.forget(key)
         if self.credits is not None:
             self.credits.removed(key)
         self.nbytes -= block.nbytes

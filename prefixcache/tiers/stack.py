@@ -113,13 +113,13 @@ class TierStack:
     def promotable(self, owner: Tier, nbytes: int) -> bool:
         """Whether a block of ``owner`` is worth loading to promote (hot has room, or a
         lower tier above ``owner`` keeps it too)."""
-        return self.hot.nbytes + nbytes <= self.hot.max_bytes or bool(self.above(owner))
+        return nbytes <= self.hot.room or bool(self.above(owner))
 
     def promote(self, owner: Tier, block: Block) -> None:
         """Keep a lower-tier hit in the tiers above ``owner``: hot while it has room
         (nothing is evicted for it), and e.g. ssd for a remote hit."""
         promoted = False
-        if block.key not in self.hot and self.hot.nbytes + block.nbytes <= self.hot.max_bytes:
+        if block.key not in self.hot and block.nbytes <= self.hot.room:
             promoted = self.hot.put(block)
         for tier in self.above(owner):
             promoted = tier.put(block) or promoted
