@@ -23,6 +23,10 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
   ours strict    hot-only with hot_max_bytes=budget: enforced at every insert too
   strict LRU     the same with eviction="lru"
 
+At 16 MiB the budget leaves room: ours keeps the sequences mlx-lm's server
+hands over whole beside their blocks (tiers/recent.py), and a fetch of one
+gets views of its arrays, as mlx-lm's own cache hands over its entry's.
+
 "recompute GFLOP" sums the FLOPs of the prompt tokens each system prefilled
 (prefixcache/costs.py: weights plus attention over the tokens before each), the
 work its evictions left to redo, free of timing noise.
@@ -73,7 +77,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_trace_args(p)
     p.add_argument("--system-tokens", type=int, default=384)
     p.add_argument("--user-tokens", type=int, default=48)
-    p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB, 8 * MiB])
+    p.add_argument(
+        "--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB, 8 * MiB, 16 * MiB]
+    )
     p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
     return p
 
