@@ -65,6 +65,17 @@ def test_threads_few_hundred_ops(tmp_path):
     assert result.ops == 400 and result.checked > 0
 
 
+def test_threads_handing_caches_over(tmp_path):
+    setup = threads.ThreadSetup(
+        threads=4, ops=100, quiesce_every=50, hand_over=True, hot_bytes=160 * threads.BLOCK_BYTES
+    )
+    result = threads.run(setup, str(tmp_path))
+    assert_clean(result)
+    assert result.ops == 400 and result.checked > 0
+    hits = int(result.notes.rsplit("fetches from kept sequences ", 1)[1])
+    assert hits > 0  # views of kept sequences were fetched, written into and checked
+
+
 def test_processes_share_a_directory(tmp_path):
     """Known finding (docs/reliability.md): ``verify`` beside servers can report a
     block evicted meanwhile as "payload file is missing" (eviction unlinks the

@@ -19,7 +19,10 @@ import time
 from soaklib import corrupt, crash, diskfull, memory, procs, threads
 from soaklib.common import Result, Workload, make_prompts
 
-SCENARIOS = ("crash", "corrupt", "threads", "procs", "diskfull", "memory")
+# room in hot for the blocks (about 128 blocks) and a few sequences kept whole, which
+# come and go: a prefilled cache holds 256 tokens a buffer, 16 blocks of bytes
+KEPT = {"hot_bytes": 160 * threads.BLOCK_BYTES}
+SCENARIOS = ("crash", "corrupt", "threads", "kept", "procs", "diskfull", "memory")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -31,6 +34,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--corruptions", type=int, default=1000, help="corrupt: damaged blocks")
     p.add_argument("--threads", type=int, default=8, help="threads: threads")
     p.add_argument("--thread-ops", type=int, default=10_000, help="threads: ops per thread")
+    p.add_argument("--kept-ops", type=int, default=2_000, help="kept: ops per thread")
     p.add_argument("--procs", type=int, default=4, help="procs: server processes")
     p.add_argument("--proc-ops", type=int, default=500, help="procs: ops per process")
     p.add_argument("--requests", type=int, default=10_000, help="memory: requests per curve")
@@ -46,6 +50,11 @@ def run_one(name: str, args: argparse.Namespace) -> Result:
         return corrupt.run(setup, args.dir)
     if name == "threads":
         setup = threads.ThreadSetup(threads=args.threads, ops=args.thread_ops, seed=args.seed)
+        return threads.run(setup, args.dir)
+    if name == "kept":  # threads storing as a server does: caches handed over, kept whole
+        setup = threads.ThreadSetup(
+            threads=args.threads, ops=args.kept_ops, seed=args.seed, hand_over=True, **KEPT
+        )
         return threads.run(setup, args.dir)
     if name == "procs":
         setup = procs.ProcSetup(procs=args.procs, ops=args.proc_ops, seed=args.seed)

@@ -7,6 +7,11 @@ hot tier's bytes are checked after every op. Every ``quiesce_every`` ops the
 threads meet at a barrier: one flushes and the payload bytes on disk are
 measured exactly (and must equal the tier's own count); meanwhile a sampler
 thread measures them continuously (a walk that skips files changed during it).
+
+``hand_over`` (the "kept" scenario) runs it as a server does: stores hand their
+caches over (``restore_headroom=0``: kept whole in hot, tiers/recent.py), and
+every fetched cache is prefilled to its prompt's end, checked by its logits,
+and stored handed over in turn, so fetches get views that are written into.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ThreadSetup:
     ssd_bytes: int = 40 * BLOCK_BYTES
     logits_every: int = 50
     quiesce_every: int = 500
+    hand_over: bool = False  # stores hand their caches over (kept whole in hot)
 
 
 class _Run:
@@ -55,15 +61,17 @@ class _Run:
         if roll < 0.45:
             cache, n = pc.fetch(work.prompts[i])
             ok = work.same_kv(i, cache, n)
-            if k % self.setup.logits_every == 0:
+            if self.setup.hand_over or k % self.setup.logits_every == 0:
                 with self.model_lock:
-                    ok = work.exact(i, cache, n) and ok
+                    ok = work.exact(i, cache, n) and ok  # prefills it to the prompt's end
+                if self.setup.hand_over and ok:
+                    pc.store(work.prompts[i], cache, hand_over=True)  # as the server does
             tally.checked += n > 0
             if not ok:
                 tally.wrong += 1
                 tally.findings.append(f"wrong restore of prompt {i} ({n} tokens)")
         elif roll < 0.8:
-            pc.store(work.prompts[i], work.reference(i)[1])
+            pc.store(work.prompts[i], work.reference(i)[1], hand_over=self.setup.hand_over)
         else:
             n = pc.match(work.prompts[i])
             if not 0 <= n < len(work.prompts[i]):  # partial blocks: any length below the prompt
@@ -116,8 +124,9 @@ def run(setup: ThreadSetup, base_dir: str | None = None) -> Result:
     for i in range(len(work.prompts)):
         work.reference(i)  # computed before the threads start
     with tempfile.TemporaryDirectory(dir=base_dir, prefix="soak-threads-") as tmp:
+        kept = {"restore_headroom": 0} if setup.hand_over else {}
         pc = open_cache(
-            work.model, tmp, hot_max_bytes=setup.hot_bytes, ssd_max_bytes=setup.ssd_bytes
+            work.model, tmp, hot_max_bytes=setup.hot_bytes, ssd_max_bytes=setup.ssd_bytes, **kept
         )
         state = _Run(setup, work, pc, tmp)
         threads = [threading.Thread(target=state.worker, args=(t,)) for t in range(setup.threads)]
@@ -145,4 +154,6 @@ def run(setup: ThreadSetup, base_dir: str | None = None) -> Result:
         f"{ssd['num_evictions']}, max sampled on disk {state.max_sampled} B "
         f"<= cap {setup.ssd_bytes} B"
     )
-    return tally.result("threads", start, notes)
+    if setup.hand_over:
+        notes += f"; fetches from kept sequences {stats['hot']['num_recent_hits']}"
+    return tally.result("kept" if setup.hand_over else "threads", start, notes)
