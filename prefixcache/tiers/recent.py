@@ -99,12 +99,6 @@ class RecentSequences:
             return 0
         return sum(self._drop(n) for n, s in list(self._items.items()) if key in s.keys)
 
-    def clear(self) -> int:
-        freed = self.nbytes
-        self._items.clear()
-        self.nbytes = 0
-        return freed
-
     def restore(self, root: bytes, prefix: bytes, fresh: list[Any]) -> list[Any] | None:
         """``fresh`` caches holding views of the most recent kept sequence that starts
         with ``prefix`` (token bytes), or None: none does, or a layer of ``fresh``
