@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from . import quiet
 from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import UnsupportedCacheError
@@ -171,6 +172,8 @@ class TieredPromptCache(CacheLifecycle):
                 if not self._deferred.add(item):  # too many or too large to wait
                     self._store(item)
                 return
+            # the request ended and the next one's fetch follows: its writes wait
+            quiet.open_window(self.config.background_quiet_ms / 1000)
             self._store_deferred()  # first: they hold a prefix of a request's last insert
             self._store(item)
 

@@ -6,8 +6,10 @@ takes cores and the GIL from that prefill: on a 2-core CPU a prefill beside
 one such thread took 1.2-1.45x as long (tools/bench_contention.py; the serving
 trace: tools/bench_quiet.py). So each fetch opens a short window in which the
 writers (writer.py) and promotion (prefetch.py) start nothing new unless it is
-urgent (a flush, a queue over half full). The window is the process's, not a
-cache's: the cores and the GIL are.
+urgent (a flush, a queue over half full). The server adapter opens it at a
+request's last insert too: the next request's fetch follows at once, and a
+batch the writer started on that insert's blocks would run beside its
+prefill. The window is the process's, not a cache's: the cores and the GIL are.
 """
 
 from __future__ import annotations

@@ -9,11 +9,13 @@ import threading
 import time
 
 import pytest
-from conftest import prompt, tiny_model
+from conftest import prefill, prompt, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
 from test_promote import BLOCK, on_ssd_only
 from test_writer import Sink, item
 
 from prefixcache import CacheConfig, PrefixCache, quiet
+from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiers.writer import Writer
 
 LONG = 30.0  # seconds: no test waits for it
@@ -127,3 +129,35 @@ def promoted(pc: PrefixCache, *, within: float) -> bool:
                 return True
         time.sleep(0.01)
     return False
+
+
+@pytest.mark.parametrize("quiet_ms", [3000, 0], ids=["window", "no_window"])
+def test_the_server_s_last_insert_of_a_request_holds_its_writes(tmp_path, quiet_ms):
+    """mlx-lm's server inserts a request's cache when it ends, and the next request's
+    fetch follows at once: the adapter opens the window there, so the writer does
+    not start on that insert's blocks beside the next prefill (here a 3 s window,
+    which closes by itself). The control (``background_quiet_ms=0``) writes them
+    at once."""
+    model = tiny_model("llama")
+    tokens = prompt(2, 4 * BLOCK)
+    config = CacheConfig(
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path),
+        write_policy="write_through",
+        background_quiet_ms=quiet_ms,
+    )
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    with TieredPromptCache(lambda k: model, config) as tiered:
+        start = time.monotonic()
+        tiered.insert_cache(("/models/tiny", None, None), tokens, cache)
+        ssd = tiered._cache.ssd
+        if quiet_ms:
+            time.sleep(0.3)
+            assert quiet.remaining() > 0
+            assert ssd.stats()["num_writes"] == 0  # held while the window is open
+        while ssd.stats()["num_writes"] < 4 and time.monotonic() < start + 15:
+            time.sleep(0.01)
+        assert ssd.stats()["num_writes"] == 4
+        took = time.monotonic() - start
+        assert took >= 2.5 if quiet_ms else took < 2.5
