@@ -99,12 +99,7 @@ def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
     ``background_quiet_ms=0`` (the control) it runs at once. A flush does not wait."""
     model = tiny_model("llama")
     tokens = prompt(1, 4 * BLOCK)
-    config = CacheConfig(
-        block_size=BLOCK,
-        ssd_dir=str(tmp_path),
-        write_policy="write_through",
-        background_quiet_ms=quiet_ms,
-    )
+    config = write_through(tmp_path, quiet_ms)
     with PrefixCache(model, config, model_id="tiny") as pc:
         on_ssd_only(pc, model, tokens)
         _, n = pc.fetch([*tokens, 5])
@@ -117,6 +112,15 @@ def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
         else:  # no flush: the prefetch thread promotes on its own
             assert promoted(pc, within=10)
         assert len(pc.hot) == 4 and pc.stats()["num_promotions"] == 4
+
+
+def write_through(ssd_dir, quiet_ms: int) -> CacheConfig:
+    return CacheConfig(
+        block_size=BLOCK,
+        ssd_dir=str(ssd_dir),
+        write_policy="write_through",
+        background_quiet_ms=quiet_ms,
+    )
 
 
 def promoted(pc: PrefixCache, *, within: float) -> bool:
@@ -140,12 +144,7 @@ def test_the_server_s_last_insert_of_a_request_holds_its_writes(tmp_path, quiet_
     at once."""
     model = tiny_model("llama")
     tokens = prompt(2, 4 * BLOCK)
-    config = CacheConfig(
-        block_size=BLOCK,
-        ssd_dir=str(tmp_path),
-        write_policy="write_through",
-        background_quiet_ms=quiet_ms,
-    )
+    config = write_through(tmp_path, quiet_ms)
     cache = make_prompt_cache(model)
     prefill(model, tokens, cache)
     with TieredPromptCache(lambda k: model, config) as tiered:
