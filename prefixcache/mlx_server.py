@@ -193,7 +193,8 @@ class TieredPromptCache(CacheLifecycle):
         try:
             held = held_tokens(text, item.cache)
             keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
-            cache.store(held, item.cache, hand_over=True, **keep)  # mlx-lm is done with it
+            # mlx-lm is done with the cache; a shared fetch never reads kept sequences
+            cache.store(held, item.cache, hand_over=not self.shared, **keep)
             if opts.pin_tokens and len(held) >= opts.pin_tokens:
                 cache.pin(held[: opts.pin_tokens], extra=opts.extra)
         except (ValueError, UnsupportedCacheError) as err:  # includes LayoutMismatchError

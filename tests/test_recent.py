@@ -154,4 +154,11 @@ def test_server_inserts_are_kept_and_fetched_exact(llama, serve):
         stats = tiered.stats()["hot"]
     assert ours == cold
     assert stats["num_recent_hits"] >= 2 and sum(cached) > 0
-    assert KEY  # the server tests' model key: the same requests
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
+def test_a_shared_prefix_server_keeps_no_sequence(llama, shared):
+    tokens = prompt(13, 48)
+    with TieredPromptCache(lambda key: llama, HOT, shared=shared) as tiered:
+        tiered.insert_cache(KEY, tokens, filled(llama, tokens))
+        assert tiered.stats()["hot"]["num_recent"] == (0 if shared else 1)  # shared reads none
