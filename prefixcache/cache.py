@@ -25,7 +25,7 @@ from .stats import Stats
 from .stats_types import CacheStats
 from .tiers import lower_tiers
 from .tiers.base import Tier
-from .tiers.recent import Kept, kept_views
+from .tiers.recent import Kept, kept_views, whole_bytes
 from .tiers.stack import TierStack
 from .verbs import ControlVerbs
 
@@ -269,9 +269,11 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             return len(cut.new)
 
     def _keep_whole(self, root: bytes, data: bytes, keys: list[bytes], cache: Sequence[Any]):
-        """Keep ``cache``'s arrays whole in hot (tiers/recent.py), where its layers allow."""
-        views, nbytes = kept_views(cache, len(data) // TOKEN_BYTES)
-        if views:
+        """Keep ``cache``'s arrays whole in hot (tiers/recent.py), where its layers allow
+        and the blocks leave room."""
+        nbytes = whole_bytes(cache)
+        if nbytes is not None and nbytes <= self.hot.room:
+            views = kept_views(cache, len(data) // TOKEN_BYTES)
             self.hot.keep_recent(Kept(root, data, frozenset(keys), views, nbytes))
 
     def _check_open(self) -> None:

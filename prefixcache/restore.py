@@ -61,10 +61,11 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         reason = reason or plan.reason
         if not plan.num_tokens:  # a miss: the cache as mlx-lm makes it
             return Restored(make_prompt_cache(layout.model), 0, reason, shared, [], [])
+        fresh = layout.fresh(plan.num_tokens)
         if not headroom and tiers.hot.recent and all(t is tiers.hot for t in plan.tiers):
             # a sequence kept whole holds it: views of its arrays, no copy (tiers/recent.py)
             prefix = data[: plan.num_tokens * TOKEN_BYTES]
-            cache = tiers.hot.recent.restore(root, prefix, layout.fresh(plan.num_tokens))
+            cache = tiers.hot.recent.restore(root, prefix, fresh)  # None: ``fresh`` untouched
             if cache is not None:
                 tiers.touch_chain(plan.keys)
                 return Restored(cache, plan.num_tokens, reason, shared, plan.keys, [])
@@ -75,7 +76,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
         whole = len(plan.entries) * bs
         capacity = round_up(max(len(data) // TOKEN_BYTES + headroom, whole)) if headroom else whole
         try:
-            cache = rebuild(layout.fresh(plan.num_tokens), loader, capacity=capacity, block_size=bs)
+            cache = rebuild(fresh, loader, capacity=capacity, block_size=bs)
         except Shortfall as short:
             exclude.add(plan.entries[short.index].key)
             reason = reason or short.reason

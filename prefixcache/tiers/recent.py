@@ -46,14 +46,19 @@ class Kept:
     nbytes: int
 
 
-def kept_views(cache: Sequence[Any], num_tokens: int) -> tuple[tuple[tuple[Any, Any], ...], int]:
-    """(per layer views of the first ``num_tokens`` keys and values, bytes of the
-    buffers they hold), or ((), 0) when a layer is not a plain KVCache."""
+def whole_bytes(cache: Sequence[Any]) -> int | None:
+    """Bytes of the buffers ``cache``'s views would hold, or None when a layer is
+    not a plain KVCache holding tokens."""
     if not all(type(c) is KVCache and c.keys is not None for c in cache):
-        return (), 0
+        return None
+    return sum(c.keys.nbytes + c.values.nbytes for c in cache)
+
+
+def kept_views(cache: Sequence[Any], num_tokens: int) -> tuple[tuple[Any, Any], ...]:
+    """Per layer views of the first ``num_tokens`` keys and values (plain KVCaches)."""
     views = tuple((c.keys[..., :num_tokens, :], c.values[..., :num_tokens, :]) for c in cache)
     mx.eval(views)  # views: no copy, and no graph of the caller's kept alive
-    return views, sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    return views
 
 
 class RecentSequences:
@@ -68,9 +73,6 @@ class RecentSequences:
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def __contains__(self, item: object) -> bool:
-        return any(s is item for s in self._items.values())
 
     def covered(self, root: bytes, data: bytes) -> bool:
         """Whether a kept sequence starts with ``data`` (under ``root``)."""
@@ -143,14 +145,13 @@ class KeepsRecent:
         """Bytes blocks may still take without evicting a block (kept sequences go first)."""
         return self.max_bytes - self.nbytes + self.recent.nbytes
 
-    def keep_recent(self, item: Kept) -> bool:
-        """Keep a sequence whole (recent.py) in the room blocks leave; never evicts a
-        block for it. False when a kept one starts with it or there is no room."""
-        if self.recent.covered(item.root, item.data):
-            return False
-        self.nbytes += item.nbytes - self.recent.add(item)
-        self.drop_recent(self.max_bytes)
-        return item in self.recent
+    def keep_recent(self, item: Kept) -> None:
+        """Keep a sequence whole (recent.py) unless a kept one starts with it. The
+        caller checks it fits the room blocks leave (``room``): it evicts no block,
+        only older kept sequences where they no longer fit beside it."""
+        if not self.recent.covered(item.root, item.data):
+            self.nbytes += item.nbytes - self.recent.add(item)
+            self.drop_recent(self.max_bytes)
 
     def drop_recent(self, max_bytes: int) -> None:
         """Drop kept sequences, least recently used first, until at most ``max_bytes``
