@@ -42,6 +42,7 @@ import numpy as np
 from benchlib import (
     add_chain_args,
     evict,
+    minor_faults,
     read_into_fresh,
     shaped_model,
     synthetic_cache,
@@ -63,15 +64,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 class Clock:
-    """Wall time and this process's CPU time (all its threads) of a block of code."""
+    """Wall time, this process's CPU time (all its threads) and page faults of a
+    block of code."""
 
     def __enter__(self) -> Clock:
         self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.faults = minor_faults()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self.wall
         self.cpu = time.process_time() - self.cpu
+        self.faults = minor_faults() - self.faults
 
 
 def memcpy(source: np.ndarray) -> Clock:
@@ -134,7 +138,7 @@ def run(args, model, tier: str, mode: str, block_size: int, root: str) -> dict[s
             return fetch(pc, probe)
 
         fetch(pc, probe)  # warm: the page cache, MLX's first allocations
-        ratios, fixed, fetch_ms, ref_ms, cpu_ratios = [], [], [], [], []
+        ratios, fixed, fetch_ms, ref_ms, cpu_ratios, faults = [], [], [], [], [], []
         for i in range(args.repeat):
             if i % 2:
                 took, ref = restore(), reference()
@@ -145,6 +149,7 @@ def run(args, model, tier: str, mode: str, block_size: int, root: str) -> dict[s
             fetch_ms.append(took.wall * 1e3)
             ref_ms.append(ref.wall * 1e3)
             cpu_ratios.append(took.cpu / max(ref.cpu, 1e-6))
+            faults.append((took.faults, ref.faults))
         os.remove(path)
     return {
         "tier": tier,
@@ -159,6 +164,8 @@ def run(args, model, tier: str, mode: str, block_size: int, root: str) -> dict[s
         "hi": max(ratios),
         "over_ms": statistics.median(fixed),
         "cpu_ratio": statistics.median(cpu_ratios),
+        "faults": statistics.median(f for f, _ in faults),
+        "ref_faults": statistics.median(r for _, r in faults),
     }
 
 
@@ -176,18 +183,21 @@ def main() -> None:
                     print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
     print()
     head = ["tier", "mode", "block", "blocks", "MiB", "fetch ms", "ref ms", "fetch / ref"]
-    print("| " + " | ".join([*head, "range", "over ms", "cpu / ref cpu"]) + " |")
-    print("|---" * (len(head) + 3) + "|")
+    print("| " + " | ".join([*head, "range", "over ms", "cpu / ref cpu", "faults / ref"]) + " |")
+    print("|---" * (len(head) + 4) + "|")
     for r in rows:
         print(
             f"| {r['tier']} | {r['mode']} | {r['block']} | {r['blocks']} | {r['mib']:.0f} "
             f"| {r['fetch_ms']:.1f} | {r['ref_ms']:.1f} | {r['ratio']:.2f} "
-            f"| {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} | {r['cpu_ratio']:.2f} |"
+            f"| {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} | {r['cpu_ratio']:.2f} "
+            f"| {r['faults']:.0f} / {r['ref_faults']:.0f} |"
         )
     end = os.getloadavg()
     print(
         "\nreference: hot = one memcpy into one fresh buffer; ssd = one file read into one;"
-        " over = fetch minus reference (medians)."
+        " over = fetch minus reference (medians); faults: page faults of each"
+        " (a fresh 2 MiB huge page is one, a fresh 4 KiB page one; pages malloc"
+        " recycled none), the medians."
         f"\nload average (1 min) at start {load[0]:.2f}, at end {end[0]:.2f}"
         f" on {os.cpu_count()} cores."
     )

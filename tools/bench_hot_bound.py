@@ -11,19 +11,27 @@ chain as ``tools/bench_blocks.py`` (8 layers, 8 KV heads, head_dim 128, bf16):
 
   memcpy   the reference: the chain's bytes copied into ONE fresh buffer
            (numpy ``empty`` + ``copyto``), as bench_blocks measures it
-  gather   per layer and K/V: a fresh buffer and ONE ``np.concatenate`` of the
-           blocks' arrays into it (numpy copies the pieces, releasing the GIL)
+  gather   per layer and K/V: a fresh buffer made as a restore makes its own
+           (``restore_buffers.empty``, huge pages asked for), and ONE
+           ``np.concatenate`` of the blocks' arrays into it (numpy copies the
+           pieces, releasing the GIL)
   gather2  the same, the buffers split between two threads
 
-Rounds run the three back to back in rotating order; medians of per-round
-times and ratios. The gathers' buffers come from numpy (8 MiB each, recycled by
-malloc between rounds); a restore's come from MLX with huge pages asked for, so
-``fetch`` can beat the one-thread column (bench_blocks: 40-43 ms at block 16).
+Rounds run the ways back to back in rotating order; medians of per-round
+times and ratios, and of each way's page faults. malloc hands freed pages
+back to the next allocation of a like size (MLX's buffers too), and a buffer
+of recycled pages costs far less to fill than fresh ones (128 MiB on two
+threads: 14 ms with 17 faults, against 24-30 ms with about a thousand), so
+the faults tell which way wrote fresh memory in a run.
 "best / target": per round, the faster gather over 1.2 x memcpy + 1 ms (the
 issue's target); over 1 would show the target out of reach at that block size
 whatever runs around the copies.
 
-    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15]
+With ``--fetch``, ``PrefixCache.fetch`` of a hot-only cache holding a chain of
+the same shape and block size joins the same rounds: the fetch against the
+memcpy, the target and the faster gather, measured in one run.
+
+    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15] [--fetch]
 """
 
 from __future__ import annotations
@@ -34,8 +42,13 @@ import threading
 import time
 from functools import partial
 
+import mlx.core as mx
 import numpy as np
-from benchlib import add_chain_args
+from benchlib import add_chain_args, minor_faults, shaped_model, synthetic_cache, tier_config
+
+from prefixcache import PrefixCache
+from prefixcache.host import host_view
+from prefixcache.restore_buffers import advise_huge, empty
 
 MiB = 1 << 20
 
@@ -51,13 +64,25 @@ def blocks(args, bs: int) -> list[list[np.ndarray]]:
     ]
 
 
-def gather(parts: list[list[np.ndarray]], out: list[np.ndarray | None], which: range) -> None:
+def gather(parts: list[list[np.ndarray]], out: list[np.ndarray], which: range) -> None:
     for i in which:
-        first = parts[i][0]
-        dest = np.empty((1, first.shape[1], sum(p.shape[2] for p in parts[i]), first.shape[3]),
-                        first.dtype)  # fmt: skip
-        np.concatenate(parts[i], axis=2, out=dest)
-        out[i] = dest
+        np.concatenate(parts[i], axis=2, out=out[i])
+
+
+def fresh(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """A buffer per layer and K/V, made as a restore makes its own (an unwritten MLX
+    array, huge pages asked for: ``restore_buffers``; the allocation is timed, as a
+    fetch pays it): numpy's ``empty`` would hand back the pages malloc kept from
+    the round before, which a restore's new buffers never are."""
+    shapes = [(1, p[0].shape[1], sum(b.shape[2] for b in p), p[0].shape[3]) for p in parts]
+    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for shape in shapes]
+    mx.eval(arrays)
+    out = []
+    for a in arrays:
+        host = host_view(a)
+        advise_huge(host)
+        out.append(host.view(np.uint16))  # the view keeps the MLX array (its memory) alive
+    return out
 
 
 def memcpy(source: np.ndarray) -> None:
@@ -66,8 +91,8 @@ def memcpy(source: np.ndarray) -> None:
 
 
 def gather_on(parts: list[list[np.ndarray]], threads: int) -> None:
-    """Every buffer gathered, the buffers dealt among ``threads`` threads."""
-    out: list[np.ndarray | None] = [None] * len(parts)
+    """Every buffer made, then gathered, the buffers dealt among ``threads`` threads."""
+    out = fresh(parts)
     others = [
         threading.Thread(target=gather, args=(parts, out, range(k, len(parts), threads)))
         for k in range(1, threads)
@@ -79,20 +104,41 @@ def gather_on(parts: list[list[np.ndarray]], threads: int) -> None:
         t.join()
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn) -> tuple[float, int]:
+    """(seconds, page faults) of ``fn()``."""
+    faults, start = minor_faults(), time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, minor_faults() - faults
+
+
+def fetch_way(args, bs: int):
+    """A hot-only cache holding a chain of the benchmark's shape, and a function
+    fetching it (the cache is closed when the row is done)."""
+    tokens = np.random.default_rng(bs).integers(0, 512, args.tokens).tolist()
+    probe = [*tokens, 1]
+    pc = PrefixCache(args.model, tier_config("hot", bs, ""))
+    pc.store(tokens, synthetic_cache(args, args.tokens))
+
+    def fetch() -> None:
+        cache, num = pc.fetch(probe)
+        mx.eval([c.state for c in cache])
+        if num != args.tokens:
+            raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
+
+    return pc, fetch
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chain_args(p, [16, 32, 64, 256], 15)
+    p.add_argument("--fetch", action="store_true", help="time PrefixCache.fetch in the rounds")
     args = p.parse_args()
+    args.model = shaped_model(args) if args.fetch else None
     nbytes = 2 * args.layers * args.kv_heads * args.tokens * args.head_dim * 2
     source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     print(f"chain: {args.tokens} tokens, {nbytes / MiB:.0f} MiB; medians of {args.repeat} rounds")
-    print("block  memcpy ms  gather ms  gather2 ms  gather / memcpy  best / target")
+    extra = "  fetch ms  fetch / memcpy  fetch / target  fetch / best gather" if args.fetch else ""
+    print("block  memcpy ms  gather ms  gather2 ms  gather / memcpy  best / target" + extra)
     for bs in args.block_sizes:
         parts = blocks(args, bs)
 
@@ -101,12 +147,21 @@ def main() -> None:
             ("gather", partial(gather_on, parts, 1)),
             ("gather2", partial(gather_on, parts, 2)),
         ]
+        pc, fetch = fetch_way(args, bs) if args.fetch else (None, None)
+        if fetch is not None:
+            fns.append(("fetch", fetch))
         runs: dict[str, list[float]] = {name: [] for name, _ in fns}
-        for r in range(args.repeat + 1):
-            for name, fn in fns[r % 3 :] + fns[: r % 3]:
-                took = timed(fn)
-                if r:  # the first round warms up
-                    runs[name].append(took)
+        faults: dict[str, list[int]] = {name: [] for name, _ in fns}
+        try:
+            for r in range(args.repeat + 1):
+                for name, fn in fns[r % len(fns) :] + fns[: r % len(fns)]:
+                    took, faulted = timed(fn)
+                    if r:  # the first round warms up
+                        runs[name].append(took)
+                        faults[name].append(faulted)
+        finally:
+            if pc is not None:
+                pc.close()
         ref = [statistics.median(runs[k]) * 1e3 for k in runs]
         best = statistics.median(
             min(g, h) / (1.2 * m + 1e-3)
@@ -115,7 +170,18 @@ def main() -> None:
         ratio = statistics.median(
             g / m for m, g in zip(runs["memcpy"], runs["gather"], strict=True)
         )
-        print(f"{bs:5d}  {ref[0]:9.1f}  {ref[1]:9.1f}  {ref[2]:10.1f}  {ratio:15.2f}  {best:13.2f}")
+        row = f"{bs:5d}  {ref[0]:9.1f}  {ref[1]:9.1f}  {ref[2]:10.1f}  {ratio:15.2f}  {best:13.2f}"
+        if fetch is not None:
+            ways = (runs["fetch"], runs["memcpy"], runs["gather"], runs["gather2"])
+            per_round = list(zip(*ways, strict=True))
+            over_copy = statistics.median(f / m for f, m, _, _ in per_round)
+            over_target = statistics.median(f / (1.2 * m + 1e-3) for f, m, _, _ in per_round)
+            over_gather = statistics.median(f / min(g, h) for f, _, g, h in per_round)
+            row += f"  {ref[3]:8.1f}  {over_copy:13.2f}  {over_target:14.2f}  {over_gather:19.2f}"
+        print(row, flush=True)
+        print("       page faults (medians): " + ", ".join(
+            f"{k} {statistics.median(v):.0f}" for k, v in faults.items()
+        ))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ must do on this machine, warm (page cache), for the same 128 MiB chain as
            tensor and head: bs x dim x 2 bytes each) and one xxh3 streamed over
            the placed rows: one copy, but a hash update per row
 
+With ``--fetch``, a fourth way joins the same rounds: ``PrefixCache.fetch`` of a
+chain of the same shape and block size from the SSD tier (hot kept empty, no
+promotion: ``benchlib.tier_config``), so the table also gives the fetch
+against the file and against the faster of the two restores above, measured in
+one run (the file read's time moves between runs on this VM, 19-32 ms).
+
 Both restores run on ``--threads`` threads (default: the cores, and one more),
 each a contiguous share of the blocks; the best of the thread counts is kept.
 A block's rows are strided in mlx-lm's (B, heads, tokens, dim) layout, so a
@@ -26,7 +32,7 @@ could be read as a few runs. Medians of per-round ratios (each round runs the
 three back to back, in rotating order), with the CPU time of each (this
 process, every thread).
 
-    python tools/bench_ssd_bound.py [--block-sizes 16 32 64 256] [--repeat 7]
+    python tools/bench_ssd_bound.py [--block-sizes 16 32 64 256] [--repeat 7] [--fetch]
 """
 
 from __future__ import annotations
@@ -38,9 +44,21 @@ import tempfile
 import threading
 import time
 
+import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import add_chain_args, read_fresh, read_into_fresh
+from benchlib import (
+    add_chain_args,
+    read_fresh,
+    read_into_fresh,
+    shaped_model,
+    synthetic_cache,
+    tier_config,
+)
+
+from prefixcache import PrefixCache
+from prefixcache.host import host_view
+from prefixcache.restore_buffers import advise_huge, empty
 
 MiB = 1 << 20
 RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
@@ -62,8 +80,20 @@ def write_chain(work: str, args, bs: int) -> list[str]:
 
 
 def fresh_buffers(args) -> list[np.ndarray]:
+    """One buffer per layer and K/V, made as a fetch makes its own (an unwritten MLX
+    array, huge pages asked for: ``restore_buffers``), so the bound and the fetch
+    write the same kind of fresh memory. numpy's ``empty`` would hand back pages
+    malloc kept from the round before, or not, depending on what the process
+    freed earlier (16-42 ms for the same restore across runs here)."""
     shape = (1, args.kv_heads, args.tokens, args.head_dim)
-    return [np.empty(shape, np.uint16) for _ in range(2 * args.layers)]
+    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for _ in range(2 * args.layers)]
+    mx.eval(arrays)
+    bufs = []
+    for a in arrays:
+        host = host_view(a)
+        advise_huge(host)
+        bufs.append(host.view(np.uint16))  # the view keeps the MLX array (its memory) alive
+    return bufs
 
 
 def share(n: int, threads: int) -> list[range]:
@@ -141,9 +171,31 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(ref: str, paths: list[str], args, bs: int) -> str:
-    """One table row: the file read, and each restore at its best thread count."""
+def fetch_way(work: str, args, bs: int):
+    """A cache holding a chain of the benchmark's shape on its SSD tier only, and a
+    function fetching it (the cache is closed when the row is done)."""
+    tokens = np.random.default_rng(bs).integers(0, 512, args.tokens).tolist()
+    probe = [*tokens, 1]
+    pc = PrefixCache(args.model, tier_config("ssd", bs, os.path.join(work, f"ssd{bs}")))
+    pc.store(tokens, synthetic_cache(args, args.tokens))
+    pc.flush()
+
+    def fetch() -> None:
+        cache, num = pc.fetch(probe)
+        mx.eval([c.state for c in cache])
+        if num != args.tokens:
+            raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
+
+    fetch()  # MLX's first allocations
+    return pc, fetch
+
+
+def measure(ref: str, paths: list[str], args, bs: int, fetch=None) -> str:
+    """One table row: the file read, each restore at its best thread count, and
+    prefixcache's fetch when given."""
     ways = {"file": lambda: read_into_fresh(ref, os.path.getsize(ref))}
+    if fetch is not None:
+        ways["fetch"] = fetch
     for n in args.threads:
         ways[f"scratch{n}"] = lambda n=n: scratch_restore(paths, args, bs, n)
         ways[f"direct{n}"] = lambda n=n: direct_restore(paths, args, bs, n)
@@ -163,10 +215,18 @@ def measure(ref: str, paths: list[str], args, bs: int) -> str:
         for k in (s, d)
     }
     cpu = {k: statistics.median(cpus[k]) / statistics.median(cpus["file"]) for k in (s, d)}
-    return (
+    row = (
         f"| {bs} | {len(paths)} | {med['file']:.1f} | {med[s]:.1f} ({s[7:]} threads) "
         f"| {med[d]:.1f} ({d[6:]} threads) | {ratio[s]:.2f} | {ratio[d]:.2f} "
         f"| {min(ratio.values()):.2f} | {cpu[s]:.2f} | {cpu[d]:.2f} |"
+    )
+    if fetch is None:
+        return row
+    per_round = zip(walls["fetch"], walls["file"], walls[s], walls[d], strict=True)
+    over_file, over_best = zip(*((w / f, w / min(a, b)) for w, f, a, b in per_round), strict=True)
+    return (
+        f"{row} {med['fetch']:.1f} | {statistics.median(over_file):.2f} "
+        f"| {statistics.median(over_best):.2f} |"
     )
 
 
@@ -176,17 +236,21 @@ def main() -> None:
     cores = os.cpu_count() or 2
     p.add_argument("--threads", type=int, nargs="+", default=[cores, cores + 1])
     p.add_argument("--dir", default=None)
+    p.add_argument("--fetch", action="store_true", help="time PrefixCache.fetch in the rounds")
     args = p.parse_args()
+    args.model = shaped_model(args) if args.fetch else None
     nbytes = 2 * args.layers * args.kv_heads * args.tokens * args.head_dim * 2
     print(
         f"{nbytes / MiB:.0f} MiB chain, warm; threads {args.threads}; load average "
         f"{os.getloadavg()[0]:.2f} on {cores} cores"
     )
-    print(
+    head = (
         "| block | files | file ms | scratch ms | direct ms | scratch / file | direct / file "
         "| best / file | cpu: scratch / file | cpu: direct / file |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    extra = " fetch ms | fetch / file | fetch / best restore |" if args.fetch else ""
+    print(head + extra)
+    print("|---" * (10 + 3 * args.fetch) + "|")
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         ref = os.path.join(work, "one")
         with open(ref, "wb") as f:
@@ -199,12 +263,17 @@ def main() -> None:
             if not all(np.array_equal(a, b) for a, b in zip(*got, strict=True)):
                 raise AssertionError("the two restores placed different bytes")
             del got
-            print(measure(ref, paths, args, bs), flush=True)
+            pc, fetch = fetch_way(work, args, bs) if args.fetch else (None, None)
+            try:
+                print(measure(ref, paths, args, bs, fetch), flush=True)
+            finally:
+                if pc is not None:
+                    pc.close()
             for path in paths:
                 os.remove(path)
     print(
-        "targets: restore <= 1.5x file (issue 19). Restores here use numpy buffers "
-        "(huge pages possible), so MLX's buffers can only cost more."
+        "targets: restore <= 1.5x file (issue 19). The restores write fresh pages (huge "
+        "pages asked for), as a fetch's new buffers are."
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -149,6 +150,12 @@ def _status(field: str) -> int:
 
 def rss() -> int:
     return _status("VmRSS:")
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken without I/O (fresh or recycled memory
+    shows here: a fresh 4 KiB page costs one, a huge page one per 2 MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def arrivals(rng: random.Random, conversations: int, turns: int, active: int) -> Iterator[tuple]:
