@@ -1,13 +1,21 @@
-"""A restore's copies, spread over a few threads once they are large.
+"""A restore's copies, run by the caller's thread and a few pool threads together.
 
-A hot restore costs its copies: every byte of the chain into the new buffers,
-whose fresh pages fault in as they are written. numpy releases the GIL while
-it copies, so a few threads copy (and fault in) at once: on this project's
-2-core VM a 128 MiB restore at block 256 took 21-24 ms against 25.6-26.3 ms on
-one thread (tools/bench_blocks.py, ``PREFIXCACHE_COPY_THREADS=1`` for one
-thread; two threads copy there only 1.2-1.3x as fast as one). Small restores,
-and restores of small pieces (blocks of a few KiB per layer), stay on the
-caller's thread: at blocks 32 and 64 two threads were no faster there.
+A hot restore costs its copies: every byte of the chain into the new buffers.
+numpy releases the GIL while it copies a piece, but takes it back between
+pieces (a buffer's copy is one call over every block's rows). Until session 14
+the caller queued the jobs on a pool and waited: two pool threads were no
+faster than one for blocks of up to 64 tokens on this project's 2-core VM
+(tools/bench_blocks.py, sessions 11-12), so small pieces stayed on one thread.
+Now the caller's thread copies too, each thread taking the next job nobody has
+taken: on that VM a 128 MiB chain restores 1.4-1.6x as fast as on one thread at
+blocks 32-256 (``bench_blocks --tiers hot``: block 32 19-21 against 28-30 ms,
+block 64 17-18 against 26-27, block 256 14-15 against 22-24), and at block 16
+28-31 against 38-41 ms in most runs (``bench_hot_bound --fetch``), as slow as
+one thread in others. Fixed shares, one per thread, were as fast most of the
+time but twice as slow as one thread for seconds at a time (a thread held
+back, its share waited for); taking jobs as they come, a held-back thread
+costs at most what one thread would. ``PREFIXCACHE_COPY_THREADS=1`` keeps the
+copies on the caller's thread.
 
 Jobs run numpy only (no MLX), on buffers the restore owns alone until it
 returns; ``wait`` returns once every job has ended, the first error raised.
@@ -15,19 +23,18 @@ returns; ``wait`` returns once every job has ended, the first error raised.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from .pools import SharedPool
 
 PARALLEL_BYTES = 4 << 20  # below, one thread: waking others costs more than it saves
-# Below, one thread: numpy holds the GIL between the pieces it copies, so threads
-# copying many small pieces (small blocks) mostly wait for each other.
-MIN_PIECE = 256 << 10
-
 
 _CORES = min(4, os.cpu_count() or 1)  # read once: each os.cpu_count() reads /sys
+
+Job = Callable[[], None]
 
 
 def _threads() -> int:
@@ -54,40 +61,43 @@ def _shared_pool(threads: int) -> ThreadPoolExecutor:
 
 
 class Copies:
-    """Copy jobs of one restore: held on the caller's thread until they add up to
-    ``PARALLEL_BYTES``, then run on the shared pool as they come."""
+    """Copy jobs of one restore, run by ``wait``: on the caller's thread, joined by
+    pool threads once they add up to ``PARALLEL_BYTES``."""
 
     def __init__(self) -> None:
         self._threads = _threads()
-        self._held: list[Callable[[], None]] = []
+        self._jobs: list[Job] = []
         self._bytes = 0
-        self._pieces = 0
-        self._futures: list[Future] = []
 
-    def add(self, nbytes: int, job: Callable[[], None], pieces: int = 1) -> None:
-        """Run ``job`` (``nbytes`` in ``pieces`` numpy copies) on the pool, or hold
-        it for ``wait``."""
+    def add(self, nbytes: int, job: Job) -> None:
+        """Queue ``job`` (a numpy copy of ``nbytes``) for ``wait``."""
+        self._jobs.append(job)
         self._bytes += nbytes
-        self._pieces += pieces
-        self._held.append(job)
-        big = self._bytes >= PARALLEL_BYTES and self._bytes >= MIN_PIECE * self._pieces
-        if self._threads > 1 and big:
-            pool = _shared_pool(self._threads)
-            self._futures += [pool.submit(j) for j in self._held]
-            self._held.clear()
 
     def wait(self) -> None:
-        """Run what is held, wait for every job; raise the first error."""
-        error: BaseException | None = None
-        for job in self._held:
-            try:
-                job()
-            except Exception as err:  # the pool's jobs still write: wait for them first
-                error = error or err
-        self._held.clear()
-        for future in self._futures:
-            err = future.exception()
-            error = error or err
-        self._futures.clear()
+        """Run every job, wait for them all; raise the first error."""
+        jobs, self._jobs = self._jobs, []
+        threads = self._threads if self._bytes >= PARALLEL_BYTES else 1
+        self._bytes = 0
+        helpers = min(threads, len(jobs)) - 1
+        turns = itertools.count()  # next() is atomic: each job is taken once
+        futures = [_shared_pool(helpers).submit(_take, jobs, turns) for _ in range(helpers)]
+        error = None
+        try:
+            error = _take(jobs, turns)
+        finally:  # every job ends before anything is raised
+            errors = [future.result() for future in futures]
+        error = error or next((e for e in errors if e is not None), None)
         if error is not None:
             raise error
+
+
+def _take(jobs: list[Job], turns: Iterator[int]) -> BaseException | None:
+    """Run the next job nobody has taken until none is left; the first error, or None."""
+    error: BaseException | None = None
+    while (i := next(turns)) < len(jobs):
+        try:
+            jobs[i]()
+        except Exception as err:  # the other jobs still run: the buffers are whole or unused
+            error = error or err
+    return error

@@ -1,6 +1,6 @@
-"""A restore's copies on a few threads (copies.py): large restores of large pieces
-copy on the pool, small ones on the caller's thread, and either gives the bytes
-that were stored."""
+"""A restore's copies on a few threads (copies.py): a large restore's copies are
+taken by the caller's thread and the pool's together, each job once, a small
+one's stay on the caller's thread, and either gives the bytes that were stored."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -17,37 +18,47 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs import buffer
-from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
+from prefixcache.copies import PARALLEL_BYTES, Copies
 
 MiB = 1 << 20
 
 
-def _names(copies: Copies, jobs: int, nbytes: int, pieces: int = 1) -> set[str]:
-    """Thread names the ``jobs`` ran on, each said to copy ``nbytes`` in ``pieces``."""
-    seen: set[str] = set()
+def _names(copies: Copies, jobs: int, nbytes: int, meet: int = 1, timeout: float = 5) -> set[str]:
+    """Thread names the ``jobs`` ran on, each said to copy ``nbytes`` (each job once,
+    checked). ``meet``: that many threads must take a job, each holding its first
+    until all have one (else the barrier breaks and ``wait`` raises), so a caller
+    quick enough to take every job alone cannot hide the pool."""
+    seen: dict[str, int] = {}
+    ran: list[int] = []
     lock = threading.Lock()
+    meeting = threading.Barrier(meet, timeout=timeout)
 
-    def job() -> None:
+    def job(i: int) -> None:
         with lock:
-            seen.add(threading.current_thread().name)
+            name = threading.current_thread().name
+            first = name not in seen
+            seen[name] = seen.get(name, 0) + 1
+            ran.append(i)
+        if first and meet > 1:
+            meeting.wait()
 
-    for _ in range(jobs):
-        copies.add(nbytes, job, pieces)
+    for i in range(jobs):
+        copies.add(nbytes, partial(job, i))
     copies.wait()
-    return seen
+    assert sorted(ran) == list(range(jobs))  # every job, once
+    return set(seen)
 
 
-def test_large_copies_run_on_the_pool_and_small_ones_on_the_caller(monkeypatch):
+def test_large_copies_run_on_the_caller_and_the_pool(monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
-    big = _names(Copies(), 8, PARALLEL_BYTES // 2)
-    assert any(n.startswith("prefixcache-copy") for n in big), big
-    assert "MainThread" not in big, big  # held jobs go to the pool once over the bar
-    # the controls: too few bytes, too many small pieces, one thread asked for
+    names = _names(Copies(), 8, PARALLEL_BYTES // 2, meet=2)
+    assert "MainThread" in names and any(n.startswith("prefixcache-copy") for n in names)
+    # the controls: too few bytes, one thread asked for (a meeting would break there)
     assert _names(Copies(), 8, PARALLEL_BYTES // 64) == {"MainThread"}
-    small_pieces = PARALLEL_BYTES // 2 // (MIN_PIECE // 4)
-    assert _names(Copies(), 8, PARALLEL_BYTES // 2, small_pieces) == {"MainThread"}
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "1")
     assert _names(Copies(), 8, PARALLEL_BYTES // 2) == {"MainThread"}
+    with pytest.raises(threading.BrokenBarrierError):
+        _names(Copies(), 8, PARALLEL_BYTES // 2, meet=2, timeout=0.3)
 
 
 def test_wait_raises_a_jobs_error_after_every_job_ended(monkeypatch):
@@ -75,12 +86,12 @@ def test_a_forked_child_copies_on_a_pool_of_its_own(monkeypatch):
     the parent's executor would wait forever. It makes its own pool (exit 0 within
     the deadline, its jobs seen on its pool's threads)."""
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
-    assert any(n.startswith("prefixcache-copy") for n in _names(Copies(), 8, PARALLEL_BYTES))
+    assert any(n.startswith("prefixcache-copy") for n in _names(Copies(), 8, PARALLEL_BYTES, 2))
     pid = os.fork()
     if pid == 0:  # the child: numpy and threads only, no MLX
         code = 3
         try:
-            names = _names(Copies(), 8, PARALLEL_BYTES)
+            names = _names(Copies(), 8, PARALLEL_BYTES, 2)
             code = 0 if any(n.startswith("prefixcache-copy") for n in names) else 1
         finally:
             os._exit(code)
@@ -106,15 +117,20 @@ def test_a_bad_thread_count_is_named(monkeypatch, raw):
 @pytest.mark.parametrize("threads", ["2", "1"])
 def test_a_large_hot_restore_gives_the_stored_bytes(monkeypatch, threads):
     """2 layers x 8 kv heads x 128 dims, bf16, 2048 tokens at block 256: 16 MiB in
-    512 KiB pieces, copied on the pool (threads=2: seen on its threads) or on the
-    caller (the control). Every restored byte equals the stored one, and a
-    changed byte is seen (the comparison can fail)."""
+    512 KiB pieces, copied by the caller and the pool (threads=2: each holds its
+    first copy until the other has one, so both are seen) or by the caller alone
+    (the control). Every restored byte equals the stored one, and a changed byte
+    is seen (the comparison can fail)."""
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", threads)
     seen: set[str] = set()
     copy_run = buffer._copy_run
+    meeting = threading.Barrier(int(threads), timeout=5)
 
     def watched(host, run, start, end):
-        seen.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        if name not in seen:
+            seen.add(name)
+            meeting.wait()
         return copy_run(host, run, start, end)
 
     monkeypatch.setattr(buffer, "_copy_run", watched)

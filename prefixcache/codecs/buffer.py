@@ -131,7 +131,7 @@ class TokenBuffer:
             return  # ``finish`` copies it
         for run, first, end in self._open_runs():
             nbytes = sum(v.nbytes for v in run)
-            copies.add(nbytes, partial(_copy_run, self._host, run, first, end), len(run))
+            copies.add(nbytes, partial(_copy_run, self._host, run, first, end))
 
     def _open_runs(self) -> list[tuple[list[np.ndarray], int, int]]:
         """Open the buffer (reserved, or new for the queued segments) and take the
