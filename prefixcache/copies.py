@@ -14,8 +14,8 @@ block 64 17-18 against 26-27, block 256 14-15 against 22-24), and at block 16
 one thread in others. Fixed shares, one per thread, were as fast most of the
 time but twice as slow as one thread for seconds at a time (a thread held
 back, its share waited for); taking jobs as they come, a held-back thread
-costs at most what one thread would. ``PREFIXCACHE_COPY_THREADS=1`` keeps the
-copies on the caller's thread.
+costs at most what one thread would. Pieces under ``MIN_PIECE`` on average
+stay on the caller's thread. ``PREFIXCACHE_COPY_THREADS=1`` keeps them all there.
 
 Jobs run numpy only (no MLX), on buffers the restore owns alone until it
 returns; ``wait`` returns once every job has ended, the first error raised.
@@ -31,6 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from .pools import SharedPool
 
 PARALLEL_BYTES = 4 << 20  # below, one thread: waking others costs more than it saves
+# Below, on average, one thread: two threads gained nothing on pieces of 4 and 16
+# KiB (a 24-layer model of 2 KV heads x 64 dims at blocks 16 and 64: 50-55 / 22-23
+# ms on one thread, 54-59 / 23 on two), and 1.3x at 32 KiB in most runs.
+MIN_PIECE = 32 << 10
 
 _CORES = min(4, os.cpu_count() or 1)  # read once: each os.cpu_count() reads /sys
 
@@ -62,23 +66,27 @@ def _shared_pool(threads: int) -> ThreadPoolExecutor:
 
 class Copies:
     """Copy jobs of one restore, run by ``wait``: on the caller's thread, joined by
-    pool threads once they add up to ``PARALLEL_BYTES``."""
+    pool threads once they add up to ``PARALLEL_BYTES`` in pieces of ``MIN_PIECE``
+    on average."""
 
     def __init__(self) -> None:
         self._threads = _threads()
         self._jobs: list[Job] = []
         self._bytes = 0
+        self._pieces = 0
 
-    def add(self, nbytes: int, job: Job) -> None:
-        """Queue ``job`` (a numpy copy of ``nbytes``) for ``wait``."""
+    def add(self, nbytes: int, job: Job, pieces: int = 1) -> None:
+        """Queue ``job`` (``nbytes`` copied from ``pieces`` arrays) for ``wait``."""
         self._jobs.append(job)
         self._bytes += nbytes
+        self._pieces += pieces
 
     def wait(self) -> None:
         """Run every job, wait for them all; raise the first error."""
         jobs, self._jobs = self._jobs, []
-        threads = self._threads if self._bytes >= PARALLEL_BYTES else 1
-        self._bytes = 0
+        big = self._bytes >= PARALLEL_BYTES and self._bytes >= MIN_PIECE * self._pieces
+        threads = self._threads if big else 1
+        self._bytes = self._pieces = 0
         helpers = min(threads, len(jobs)) - 1
         turns = itertools.count()  # next() is atomic: each job is taken once
         futures = [_shared_pool(helpers).submit(_take, jobs, turns) for _ in range(helpers)]

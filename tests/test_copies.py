@@ -18,16 +18,18 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs import buffer
-from prefixcache.copies import PARALLEL_BYTES, Copies
+from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
 
 MiB = 1 << 20
 
 
-def _names(copies: Copies, jobs: int, nbytes: int, meet: int = 1, timeout: float = 5) -> set[str]:
-    """Thread names the ``jobs`` ran on, each said to copy ``nbytes`` (each job once,
-    checked). ``meet``: that many threads must take a job, each holding its first
-    until all have one (else the barrier breaks and ``wait`` raises), so a caller
-    quick enough to take every job alone cannot hide the pool."""
+def _names(
+    copies: Copies, jobs: int, nbytes: int, meet: int = 1, timeout: float = 5, pieces: int = 1
+) -> set[str]:
+    """Thread names the ``jobs`` ran on, each said to copy ``nbytes`` from ``pieces``
+    arrays (each job once, checked). ``meet``: that many threads must take a job,
+    each holding its first until all have one (else the barrier breaks and ``wait``
+    raises), so a caller quick enough to take every job alone cannot hide the pool."""
     seen: dict[str, int] = {}
     ran: list[int] = []
     lock = threading.Lock()
@@ -43,7 +45,7 @@ def _names(copies: Copies, jobs: int, nbytes: int, meet: int = 1, timeout: float
             meeting.wait()
 
     for i in range(jobs):
-        copies.add(nbytes, partial(job, i))
+        copies.add(nbytes, partial(job, i), pieces)
     copies.wait()
     assert sorted(ran) == list(range(jobs))  # every job, once
     return set(seen)
@@ -53,8 +55,11 @@ def test_large_copies_run_on_the_caller_and_the_pool(monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
     names = _names(Copies(), 8, PARALLEL_BYTES // 2, meet=2)
     assert "MainThread" in names and any(n.startswith("prefixcache-copy") for n in names)
-    # the controls: too few bytes, one thread asked for (a meeting would break there)
+    # the controls: too few bytes, too small pieces, one thread asked for (a meeting
+    # would break there)
     assert _names(Copies(), 8, PARALLEL_BYTES // 64) == {"MainThread"}
+    small = PARALLEL_BYTES // 2 // (MIN_PIECE // 2)  # pieces of half MIN_PIECE
+    assert _names(Copies(), 8, PARALLEL_BYTES // 2, pieces=small) == {"MainThread"}
     monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "1")
     assert _names(Copies(), 8, PARALLEL_BYTES // 2) == {"MainThread"}
     with pytest.raises(threading.BrokenBarrierError):

@@ -130,8 +130,8 @@ class TokenBuffer:
         if self._small():
             return  # ``finish`` copies it
         for run, first, end in self._open_runs():
-            nbytes = sum(v.nbytes for v in run)
-            copies.add(nbytes, partial(_copy_run, self._host, run, first, end))
+            nbytes = (end - first) * (self._host.nbytes // self.capacity)  # bytes per token
+            copies.add(nbytes, partial(_copy_run, self._host, run, first, end), len(run))
 
     def _open_runs(self) -> list[tuple[list[np.ndarray], int, int]]:
         """Open the buffer (reserved, or new for the queued segments) and take the
@@ -168,9 +168,9 @@ class TokenBuffer:
                 run = []
             if not run:
                 first = start
-            if x.dtype != dtype:
-                raise LayoutMismatchError(f"block tensor {x.dtype} does not fit {dtype}")
-            if view is None:
+            if view is None:  # a hot block's view comes checked: the tier holds one layout
+                if x.dtype != dtype:
+                    raise LayoutMismatchError(f"block tensor {x.dtype} does not fit {dtype}")
                 if len(x.shape) != 4:
                     raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
                 view = host_bytes(x)

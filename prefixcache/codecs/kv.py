@@ -95,14 +95,16 @@ class KVBuilder(Builder):
 
     def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
         keys, values = prefix + "keys", prefix + "values"
-        if not all(keys in arrays and keys in views for arrays, views in blocks):
-            return False  # e.g. a chunked block trimmed in front: one at a time
         bs, first = self.block_size, self.first
-        at = [i * bs - first for i in indices]
-        self.keys.add_run([(p, a[keys], v[keys]) for p, (a, v) in zip(at, blocks, strict=True)])
-        self.values.add_run(
-            [(p, a[values], v[values]) for p, (a, v) in zip(at, blocks, strict=True)]
-        )
+        ks, vs = [], []
+        try:
+            for i, (a, v) in zip(indices, blocks, strict=True):
+                ks.append((i * bs - first, a[keys], v[keys]))
+                vs.append((i * bs - first, a[values], v[values]))
+        except KeyError:
+            return False  # e.g. a chunked block trimmed in front: one at a time
+        self.keys.add_run(ks)
+        self.values.add_run(vs)
         return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
