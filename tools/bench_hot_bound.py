@@ -44,11 +44,16 @@ from functools import partial
 
 import mlx.core as mx
 import numpy as np
-from benchlib import add_chain_args, minor_faults, shaped_model, synthetic_cache, tier_config
+from benchlib import (
+    add_chain_args,
+    minor_faults,
+    restore_like_buffers,
+    shaped_model,
+    synthetic_cache,
+    tier_config,
+)
 
 from prefixcache import PrefixCache
-from prefixcache.host import host_view
-from prefixcache.restore_buffers import advise_huge, empty
 
 MiB = 1 << 20
 
@@ -70,19 +75,11 @@ def gather(parts: list[list[np.ndarray]], out: list[np.ndarray], which: range) -
 
 
 def fresh(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
-    """A buffer per layer and K/V, made as a restore makes its own (an unwritten MLX
-    array, huge pages asked for: ``restore_buffers``; the allocation is timed, as a
-    fetch pays it): numpy's ``empty`` would hand back the pages malloc kept from
-    the round before, which a restore's new buffers never are."""
-    shapes = [(1, p[0].shape[1], sum(b.shape[2] for b in p), p[0].shape[3]) for p in parts]
-    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for shape in shapes]
-    mx.eval(arrays)
-    out = []
-    for a in arrays:
-        host = host_view(a)
-        advise_huge(host)
-        out.append(host.view(np.uint16))  # the view keeps the MLX array (its memory) alive
-    return out
+    """A buffer per layer and K/V, made as a restore makes its own (the allocation is
+    timed, as a fetch pays it)."""
+    return restore_like_buffers(
+        [(1, p[0].shape[1], sum(b.shape[2] for b in p), p[0].shape[3]) for p in parts]
+    )
 
 
 def memcpy(source: np.ndarray) -> None:

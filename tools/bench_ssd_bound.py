@@ -51,14 +51,13 @@ from benchlib import (
     add_chain_args,
     read_fresh,
     read_into_fresh,
+    restore_like_buffers,
     shaped_model,
     synthetic_cache,
     tier_config,
 )
 
 from prefixcache import PrefixCache
-from prefixcache.host import host_view
-from prefixcache.restore_buffers import advise_huge, empty
 
 MiB = 1 << 20
 RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
@@ -80,20 +79,12 @@ def write_chain(work: str, args, bs: int) -> list[str]:
 
 
 def fresh_buffers(args) -> list[np.ndarray]:
-    """One buffer per layer and K/V, made as a fetch makes its own (an unwritten MLX
-    array, huge pages asked for: ``restore_buffers``), so the bound and the fetch
-    write the same kind of fresh memory. numpy's ``empty`` would hand back pages
-    malloc kept from the round before, or not, depending on what the process
-    freed earlier (16-42 ms for the same restore across runs here)."""
+    """One buffer per layer and K/V, made as a fetch makes its own: numpy's
+    ``empty`` would hand back pages malloc kept from the round before, or not,
+    depending on what the process freed earlier (16-42 ms for the same restore
+    across runs here)."""
     shape = (1, args.kv_heads, args.tokens, args.head_dim)
-    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for _ in range(2 * args.layers)]
-    mx.eval(arrays)
-    bufs = []
-    for a in arrays:
-        host = host_view(a)
-        advise_huge(host)
-        bufs.append(host.view(np.uint16))  # the view keeps the MLX array (its memory) alive
-    return bufs
+    return restore_like_buffers([shape] * (2 * args.layers))
 
 
 def share(n: int, threads: int) -> list[range]:
@@ -272,8 +263,8 @@ def main() -> None:
             for path in paths:
                 os.remove(path)
     print(
-        "targets: restore <= 1.5x file (issue 19). The restores write fresh pages (huge "
-        "pages asked for), as a fetch's new buffers are."
+        "targets: restore <= 1.5x file (issue 19). The restores' buffers are made as a "
+        "fetch makes its own (benchlib.restore_like_buffers)."
     )
 
 

@@ -17,6 +17,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig
+from prefixcache.host import host_view
+from prefixcache.restore_buffers import advise_huge, empty
 from prefixcache.tiny import build_model
 
 
@@ -150,6 +152,22 @@ def _status(field: str) -> int:
 
 def rss() -> int:
     return _status("VmRSS:")
+
+
+def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """uint16 views of new buffers made as a restore makes its own (unwritten MLX
+    arrays, huge pages asked for: ``restore_buffers``), so a bound and a fetch
+    write the same kind of memory: fresh pages, or pages malloc kept from an
+    earlier free, whichever the process's allocator hands both. Each view keeps
+    its MLX array (its memory) alive."""
+    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for shape in shapes]
+    mx.eval(arrays)
+    out = []
+    for a in arrays:
+        host = host_view(a)
+        advise_huge(host)
+        out.append(host.view(np.uint16))
+    return out
 
 
 def minor_faults() -> int:
