@@ -8,6 +8,8 @@ import pytest
 
 from prefixcache.codecs import buffer
 from prefixcache.codecs.buffer import TokenBuffer
+from prefixcache.copies import Copies
+from prefixcache.errors import LayoutMismatchError
 from prefixcache.host import host_bytes
 
 SEG = (1, 2, 16, 8)  # (B, heads, block tokens, head dim)
@@ -47,3 +49,45 @@ def test_negative_control_segments_at_swapped_tokens_differ(dtype):
     starts[1], starts[3] = starts[3], starts[1]
     out = built(parts, starts, 96)
     assert not mx.array_equal(out[:, :, : 5 * n, :], mx.concatenate(parts, axis=2)).item()
+
+
+def _from_views(capacity: int, runs: list[tuple[int, int, list[mx.array]]]) -> mx.array:
+    buf = TokenBuffer(capacity)
+    for start, end, parts in runs:
+        buf.add_views(start, end, parts[0], [host_bytes(x) for x in parts])
+    copies = Copies()
+    mx.eval(buf.allocate())
+    buf.queue_copies(copies)
+    copies.wait()
+    out = buf.finish()
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("capacity", [96, 1 << 16])  # built in host memory, and a large one
+def test_a_run_of_views_holds_what_its_segments_hold(capacity):
+    """``add_views`` (one entry for a run of hot segments) gives the segments'
+    bytes at their tokens, with a short last segment (a chain's partial tail) and
+    another run after it. Controls: two segments swapped give other bytes; a
+    short segment mid-run (the span as a builder computes it: whole blocks but
+    the last) does not fill its span and is refused."""
+    parts = segments(mx.bfloat16, 6)
+    tail = parts[4][:, :, :5, :]  # 5 tokens
+    mx.eval(tail)
+    n = SEG[2]
+    first = [*parts[:4], tail]
+    out = _from_views(capacity, [(0, 4 * n + 5, first), (4 * n + 5, 5 * n + 5, parts[5:])])
+    want = mx.concatenate([*first, parts[5]], axis=2)
+    assert mx.array_equal(out[:, :, : 5 * n + 5, :], want).item()
+    swapped = _from_views(capacity, [(0, 4 * n + 5, [parts[1], parts[0], *first[2:]])])
+    assert not mx.array_equal(swapped[:, :, : 4 * n + 5, :], want[:, :, : 4 * n + 5]).item()
+    short_mid = [*parts[:3], tail, parts[3]]
+    with pytest.raises(LayoutMismatchError):
+        _from_views(capacity, [(0, 4 * n + short_mid[-1].shape[2], short_mid)])
+
+
+def test_a_run_of_views_outside_the_buffer_is_refused():
+    parts = segments(mx.float32, 2)
+    buf = TokenBuffer(16)
+    with pytest.raises(LayoutMismatchError, match="outside 16"):
+        buf.add_views(0, 32, parts[0], [host_bytes(x) for x in parts])

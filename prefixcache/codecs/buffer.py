@@ -68,6 +68,17 @@ class TokenBuffer:
             return
         self._pending += segments
 
+    def add_views(self, start: int, end: int, like: mx.array, views: list[np.ndarray]) -> None:
+        """Queue consecutive hot segments' host bytes, filling tokens ``[start, end)``
+        (``like``: the first one's array): one entry where ``add_run`` takes one per
+        segment. numpy's copy checks that they fill exactly that span."""
+        if not 0 <= start <= end <= self.capacity:
+            raise LayoutMismatchError(f"tokens [{start}, {end}) outside {self.capacity}")
+        if self._host is not None:
+            _copy_run(self._host, views, start, end)
+            return
+        self._pending.append((start, like, _Views(views, end)))
+
     def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
         """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write
         in place once ``materialize`` opens it: readers may then read later tensors
@@ -168,6 +179,10 @@ class TokenBuffer:
                 run = []
             if not run:
                 first = start
+            if type(view) is _Views:  # a run of hot segments (``add_views``)
+                run += view.views
+                end = view.end
+                continue
             if view is None:  # a hot block's view comes checked: the tier holds one layout
                 if x.dtype != dtype:
                     raise LayoutMismatchError(f"block tensor {x.dtype} does not fit {dtype}")
@@ -256,6 +271,15 @@ def _copy_run(host: np.ndarray, run: list[np.ndarray], start: int, end: int) -> 
         np.concatenate(run, axis=2, out=out) if len(run) > 1 else np.copyto(out, run[0])
     except ValueError as err:  # another head count or head size
         raise LayoutMismatchError(f"block tensors do not fit the buffer: {err}") from None
+
+
+class _Views:
+    """Host bytes of consecutive hot segments queued together, and their end token."""
+
+    __slots__ = ("end", "views")
+
+    def __init__(self, views: list[np.ndarray], end: int):
+        self.views, self.end = views, end
 
 
 _first = operator.itemgetter(0)  # a queued segment's first token
