@@ -91,3 +91,17 @@ def test_a_run_of_views_outside_the_buffer_is_refused():
     buf = TokenBuffer(16)
     with pytest.raises(LayoutMismatchError, match="outside 16"):
         buf.add_views(0, 32, parts[0], [host_bytes(x) for x in parts])
+
+
+def test_a_run_of_views_into_an_open_buffer():
+    """A buffer already opened (a first run materialized) takes a later run of
+    views too: both runs' bytes at their tokens."""
+    parts = segments(mx.float32, 4)
+    n = SEG[2]
+    buf = TokenBuffer(1 << 16)
+    buf.add_views(0, 2 * n, parts[0], [host_bytes(x) for x in parts[:2]])
+    buf.materialize()  # opens the buffer and copies the first run
+    buf.add_views(2 * n, 4 * n, parts[2], [host_bytes(x) for x in parts[2:]])
+    out = buf.finish()
+    mx.eval(out)
+    assert mx.array_equal(out[:, :, : 4 * n, :], mx.concatenate(parts, axis=2)).item()

@@ -74,10 +74,7 @@ class TokenBuffer:
         segment. numpy's copy checks that they fill exactly that span."""
         if not 0 <= start <= end <= self.capacity:
             raise LayoutMismatchError(f"tokens [{start}, {end}) outside {self.capacity}")
-        if self._host is not None:
-            _copy_run(self._host, views, start, end)
-            return
-        self._pending.append((start, like, _Views(views, end)))
+        self._pending.append((start, like, _Views(views, end)))  # an open buffer too
 
     def reserve(self, x: mx.array | HostArray | Placed | None) -> list[mx.array]:
         """Allocate (lazily) the buffer a first streamed ``x`` goes into, and write

@@ -94,24 +94,20 @@ class KVBuilder(Builder):
         self.values.add(pos, arrays["values"])
 
     def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        if indices[-1] - indices[0] != len(indices) - 1:
+            return False  # not one run (a layer's blocks are a range): one at a time
         keys, values = prefix + "keys", prefix + "values"
-        bs, first = self.block_size, self.first
         try:
             arrays = [(a[keys], a[values]) for a, _ in blocks]  # the payload holds them
             ks = [v[keys] for _, v in blocks]
             vs = [v[values] for _, v in blocks]
         except KeyError:
             return False  # e.g. a chunked block trimmed in front: one at a time
-        like = arrays[0]
-        start = indices[0] * bs - first
-        if indices[-1] - indices[0] == len(indices) - 1:  # consecutive: one run
-            # every block but a chain's last is whole: a shorter one fails numpy's copy
-            self.keys.add_views(start, start + (len(ks) - 1) * bs + ks[-1].shape[2], like[0], ks)
-            self.values.add_views(start, start + (len(vs) - 1) * bs + vs[-1].shape[2], like[1], vs)
-            return True
-        at = [i * bs - first for i in indices]
-        self.keys.add_run([(p, a[0], v) for p, a, v in zip(at, arrays, ks, strict=True)])
-        self.values.add_run([(p, a[1], v) for p, a, v in zip(at, arrays, vs, strict=True)])
+        bs = self.block_size
+        start = indices[0] * bs - self.first
+        # every block but a chain's last is whole: a shorter one fails numpy's copy
+        self.keys.add_views(start, start + (len(ks) - 1) * bs + ks[-1].shape[2], arrays[0][0], ks)
+        self.values.add_views(start, start + (len(vs) - 1) * bs + vs[-1].shape[2], arrays[0][1], vs)
         return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
