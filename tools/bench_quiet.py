@@ -25,8 +25,10 @@ import tempfile
 import time
 
 import bench_serve
-from bench_serve import MiB, bench_model, make_trace, print_table, run
+import serve_replay
+from bench_serve import MiB, bench_model, make_trace, print_table
 from mlx_lm.models.cache import LRUPromptCache
+from serve_replay import run
 
 from prefixcache.config import CacheConfig, parse_bytes
 from prefixcache.mlx_server import TieredPromptCache
@@ -45,7 +47,7 @@ def main() -> None:
     systems, trace = make_trace(bargs)
     busy = _watch_writer()
     windows: list[tuple[float, float, int]] = []
-    bench_serve.serve = _timed(bench_serve.serve, windows)
+    serve_replay.serve = _timed(serve_replay.serve, windows)
     base = CacheConfig(
         block_size=bargs.block_size, restore_headroom=0, write_policy=args.write_policy
     )

@@ -40,10 +40,17 @@ whatever else runs: compare systems within one run. Each budget replays the
 trace ``--rounds`` times per system, in the systems' order then in reverse
 (ABBA: a drift of the machine's speed, and whichever system runs first after a
 warm-up, weigh on all alike); the TTFTs are pooled over rounds and the
-"p50 / LRU" column divides each system's median by mlx-lm LRU's. "fetch p50":
-the median time of ``fetch_nearest_cache`` (part of the TTFT).
+"p50 / LRU" column divides each system's median by mlx-lm LRU's. "paired": the
+median over requests of each request's TTFT over mlx-lm LRU's for the same
+request of the same round. With ``--lockstep`` the systems take the trace
+request by request instead (the first to serve each request rotating), so a
+drift of the machine's speed falls on every system's copy of a request alike;
+each request of ours is followed by a flush of its SSD writes (outside the
+timings, so none lands in another system's), which the one-after-another
+replays charge to ours' own next requests. "fetch p50": the median time of
+``fetch_nearest_cache`` (part of the TTFT).
 
-    python tools/bench_serve.py
+    python tools/bench_serve.py [--lockstep]
     python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
 """
 
@@ -54,21 +61,19 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from operator import truediv
 
 from benchlib import add_trace_args, arrivals, chat_model_shape
-from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from serve_replay import Result, lockstep, pooled, replay, run
 
 from prefixcache.config import CacheConfig, parse_bytes
 from prefixcache.costs import RecomputeCost
 from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiny import build_model
 
-KEY = ("bench-llama", None, None)
 MiB = 1 << 20
 
 
@@ -81,6 +86,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB, 8 * MiB, 16 * MiB]
     )
     p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="replay the systems request by request (each request's first system rotating)"
+        " instead of one after another; background SSD writes are waited for after each",
+    )
     return p
 
 
@@ -101,111 +112,22 @@ def make_trace(args: argparse.Namespace) -> tuple[list[list[int]], list[Turn]]:
     return systems, [Turn(c, t, c % args.systems, tokens(args.user_tokens)) for c, t in order]
 
 
-@dataclass(slots=True)
-class Result:
-    name: str
-    budget: int
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    fetches: list[float] = field(default_factory=list)  # fetch_nearest_cache, per request
-    peak_bytes: int = 0
-    resumed_prompt: int = 0  # first request of each conversation resumed after the restart
-    resumed_cached: int = 0
-    outputs: list[list[int]] = field(default_factory=list)
-    seconds: float = 0.0
-    recompute_flops: float = 0.0  # of the tokens prefilled (costs.py: attention grows with depth)
-
-
-def serve(cache: Any, gen: BatchGenerator, prompt: list[int], sys_end: int, args, result: Result):
-    """One request, as mlx-lm's server batch path runs it; returns (tokens, cached)."""
-    start = time.perf_counter()
-    restored, rest = cache.fetch_nearest_cache(KEY, prompt)
-    result.fetches.append(time.perf_counter() - start)
-    num_cached = len(prompt) - len(rest)
-    segments = [prompt[num_cached:sys_end], prompt[max(sys_end, num_cached) :]]
-    types = [t for s, t in zip(segments, ("system", "user"), strict=True) if s][::-1]
-    gen.insert_segments(
-        segments=[[s for s in segments if s]],
-        max_tokens=[args.max_tokens],
-        caches=[restored],
-        all_tokens=[prompt[:num_cached]],
-    )
-    cache.trim_to(n_bytes=result.budget - gen.prompt_cache_nbytes)
-    out: list[int] = []
-    for _ in range(len(prompt) + args.max_tokens + 8):  # bounded: >= one token per step
-        prompt_done, generated = gen.next()
-        ends = [r.uid for r in prompt_done if r.end_of_segment and not r.end_of_prompt and types]
-        for layers, tokens in gen.extract_cache(ends).values():
-            cache.insert_cache(KEY, tokens[:], layers, cache_type=types.pop())
-            result.peak_bytes = max(result.peak_bytes, cache.nbytes)
-        for r in generated:
-            if not out:
-                result.ttfts.append(time.perf_counter() - start)
-            out.append(r.token)
-            if r.finish_reason is not None:
-                cache.insert_cache(KEY, r.all_tokens[:], r.prompt_cache, cache_type="assistant")
-                result.peak_bytes = max(result.peak_bytes, cache.nbytes)
-                return out, num_cached
-    raise RuntimeError("generation did not finish")
-
-
-def run(name: str, budget: int, make_cache, model, systems, trace, args) -> Result:
-    """Replay ``trace``; the cache and the batch generator are rebuilt halfway (restart)."""
-    result = Result(name, budget)
-    histories: dict[int, list[int]] = {}
-    restart_at, resumed = len(trace) // 2, set()
-    cache, gen = make_cache(), BatchGenerator(model)
-    began = time.perf_counter()
-    for i, turn in enumerate(trace):
-        if i == restart_at:
-            gen.close()
-            _close(cache)
-            cache, gen = make_cache(), BatchGenerator(model)
-            resumed = set(histories)
-        prompt = histories.get(turn.conv, systems[turn.system]) + turn.user
-        out, num_cached = serve(cache, gen, prompt, len(systems[turn.system]), args, result)
-        histories[turn.conv] = prompt + out
-        result.outputs.append(out)
-        result.prompt_tokens += len(prompt)
-        result.cached_tokens += num_cached
-        result.recompute_flops += args.cost.flops(num_cached, len(prompt) - num_cached)
-        if turn.conv in resumed:
-            resumed.discard(turn.conv)
-            result.resumed_prompt += len(prompt)
-            result.resumed_cached += num_cached
-    gen.close()
-    _close(cache)
-    result.seconds = time.perf_counter() - began
-    return result
+def _round_of(systems_run, r: int, budget: int, model, systems, trace, args) -> list[Result]:
+    """Round ``r`` of every system: one after another (the order reversed in odd
+    rounds), or, with ``--lockstep``, request by request."""
+    if args.lockstep:
+        names = [name for name, _ in systems_run]
+        steps = [
+            replay(name, budget, partial(make, r), model, systems, trace, args)
+            for name, make in systems_run
+        ]
+        return lockstep(names, steps, reverse=r % 2 == 1)
+    order = systems_run if r % 2 == 0 else systems_run[::-1]
+    return [run(n, budget, partial(make, r), model, systems, trace, args) for n, make in order]
 
 
 def _round(cfg: CacheConfig, r: int) -> CacheConfig:
     return cfg.replace(ssd_dir=f"{cfg.ssd_dir}-{r}")  # a fresh SSD tier each round
-
-
-def _close(cache: Any) -> None:
-    if isinstance(cache, TieredPromptCache):
-        cache.close()
-
-
-def pooled(rounds: list[Result]) -> Result:
-    """One system's rounds as one result: TTFTs and counts summed over rounds;
-    the replies are the first round's (RuntimeError if another's differ)."""
-    out = Result(rounds[0].name, rounds[0].budget, outputs=rounds[0].outputs)
-    for r in rounds:
-        if r.outputs != out.outputs:
-            raise RuntimeError(f"{r.name}: replies differ between rounds")
-        out.prompt_tokens += r.prompt_tokens
-        out.cached_tokens += r.cached_tokens
-        out.ttfts += r.ttfts
-        out.fetches += r.fetches
-        out.peak_bytes = max(out.peak_bytes, r.peak_bytes)
-        out.resumed_prompt += r.resumed_prompt
-        out.resumed_cached += r.resumed_cached
-        out.seconds += r.seconds
-        out.recompute_flops += r.recompute_flops
-    return out
 
 
 def summary(r: Result, reference: Result, rounds: int = 1) -> dict[str, str]:
@@ -220,6 +142,7 @@ def summary(r: Result, reference: Result, rounds: int = 1) -> dict[str, str]:
         "prefill tokens": f"{(r.prompt_tokens - r.cached_tokens) // rounds:,}",
         "TTFT p50": f"{p50 * 1e3:7.1f} ms",
         "p50 / LRU": f"{p50 / statistics.median(reference.ttfts):5.2f}",
+        "paired": f"{statistics.median(map(truediv, r.ttfts, reference.ttfts)):5.3f}",
         "TTFT p90": f"{p90 * 1e3:7.1f} ms",
         "fetch p50": f"{statistics.median(r.fetches) * 1e3:5.2f} ms",
         "TTFT sum": f"{sum(r.ttfts) / rounds:6.2f} s",
@@ -277,11 +200,10 @@ def main() -> None:
             ]
             rounds: dict[str, list[Result]] = {name: [] for name, _ in systems_run}
             for r in range(args.rounds):
-                for name, make in systems_run if r % 2 == 0 else systems_run[::-1]:
-                    result = run(name, budget, partial(make, r), model, systems, trace, args)
-                    rounds[name].append(result)
+                for result in _round_of(systems_run, r, budget, model, systems, trace, args):
+                    rounds[result.name].append(result)
                     p50 = statistics.median(result.ttfts) * 1e3
-                    print(f"{budget / MiB:.1f} MiB round {r} {name}: TTFT p50 {p50:.1f} ms")
+                    print(f"{budget / MiB:.1f} MiB round {r} {result.name}: TTFT p50 {p50:.1f} ms")
             reference = pooled(rounds["mlx-lm LRU"])
             for name, _ in systems_run:
                 result = reference if name == "mlx-lm LRU" else pooled(rounds[name])
