@@ -52,7 +52,7 @@ _STAND_IN = "g" * 32  # never a key's hex
 # Up to this file size one read + one copy beats mx.load's per-array reads
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).
 SMALL_PAYLOAD = 2 << 20
-_HASH_CHUNK = 1 << 20  # xxhash holds the GIL: hash in slices so callers are not stalled
+_HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
 
 
 def encode_header(tensors: list[Tensor], key: bytes) -> bytes:
@@ -91,7 +91,7 @@ def write_payload(final: str, header: bytes, tensors: list[Tensor]) -> tuple[int
                 _write_all(fd, memoryview(header))
                 for t in tensors:
                     for start in range(0, t.data.nbytes, _HASH_CHUNK):
-                        hasher.update(t.data[start : start + _HASH_CHUNK])  # holds the GIL
+                        hasher.update(t.data[start : start + _HASH_CHUNK])
                     _write_all(fd, t.data)
                 os.fsync(fd)
             finally:

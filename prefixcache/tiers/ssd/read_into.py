@@ -30,8 +30,8 @@ Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, 
 # block, or None; the block) or (None, the error that makes it a miss).
 Outcome = tuple[np.ndarray | None, StreamedBlock | PayloadError | OSError]
 
-# Read and hash in slices: each is hashed while still in the CPU cache, and
-# xxhash (which holds the GIL) never stalls the caller for long.
+# Read and hash in slices: each is hashed while still in the CPU cache. (xxhash
+# 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
 _CHUNK = 1 << 20
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 
