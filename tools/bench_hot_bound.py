@@ -31,7 +31,15 @@ With ``--fetch``, ``PrefixCache.fetch`` of a hot-only cache holding a chain of
 the same shape and block size joins the same rounds: the fetch against the
 memcpy, the target and the faster gather, measured in one run.
 
-    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15] [--fetch]
+With ``--packed``, two more ways show what a hot tier keeping each block's
+layers as ONE array, and a restore making ONE buffer for every layer, would
+cost (a storage layout the package does not have; issue 19's small-head
+models): ``packed`` one ``np.concatenate`` of the packed blocks into one
+(2 x layers, heads, tokens, dim) buffer, ``packed2`` the same split by layers
+between two threads. Rows add packed / memcpy and the faster of the two over
+the target.
+
+    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15] [--fetch] [--packed]
 """
 
 from __future__ import annotations
@@ -82,6 +90,29 @@ def fresh(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
     )
 
 
+def packed_blocks(parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """The same blocks with every layer's K/V in one array: (2 x layers, heads, bs, dim)."""
+    return [np.concatenate([p[i] for p in parts], axis=0) for i in range(len(parts[0]))]
+
+
+def gather_packed(packed: list[np.ndarray], threads: int) -> None:
+    """ONE buffer for every layer and K/V, filled by one concatenate per thread (the
+    layers split between ``threads``)."""
+    n, h, _, d = packed[0].shape
+    out = restore_like_buffers([(n, h, sum(b.shape[2] for b in packed), d)])[0]
+    cuts = [n * k // threads for k in range(threads + 1)]
+
+    def part(lo: int, hi: int) -> None:
+        np.concatenate([b[lo:hi] for b in packed], axis=2, out=out[lo:hi])
+
+    others = [threading.Thread(target=part, args=cuts[k : k + 2]) for k in range(1, threads)]
+    for t in others:
+        t.start()
+    part(cuts[0], cuts[1])
+    for t in others:
+        t.join()
+
+
 def memcpy(source: np.ndarray) -> None:
     out = np.empty_like(source)
     np.copyto(out, source)
@@ -129,6 +160,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chain_args(p, [16, 32, 64, 256], 15)
     p.add_argument("--fetch", action="store_true", help="time PrefixCache.fetch in the rounds")
+    p.add_argument("--packed", action="store_true", help="time gathers of packed blocks")
     args = p.parse_args()
     args.model = shaped_model(args) if args.fetch else None
     nbytes = 2 * args.layers * args.kv_heads * args.tokens * args.head_dim * 2
@@ -144,6 +176,9 @@ def main() -> None:
             ("gather", partial(gather_on, parts, 1)),
             ("gather2", partial(gather_on, parts, 2)),
         ]
+        if args.packed:
+            packed = packed_blocks(parts)
+            fns += [(f"packed{t}", partial(gather_packed, packed, t)) for t in (1, 2)]
         pc, fetch = fetch_way(args, bs) if args.fetch else (None, None)
         if fetch is not None:
             fns.append(("fetch", fetch))
@@ -174,7 +209,13 @@ def main() -> None:
             over_copy = statistics.median(f / m for f, m, _, _ in per_round)
             over_target = statistics.median(f / (1.2 * m + 1e-3) for f, m, _, _ in per_round)
             over_gather = statistics.median(f / min(g, h) for f, _, g, h in per_round)
-            row += f"  {ref[3]:8.1f}  {over_copy:13.2f}  {over_target:14.2f}  {over_gather:19.2f}"
+            fetch_ms = statistics.median(runs["fetch"]) * 1e3
+            row += f"  {fetch_ms:8.1f}  {over_copy:13.2f}  {over_target:14.2f}  {over_gather:19.2f}"
+        if args.packed:
+            rounds = list(zip(runs["memcpy"], runs["packed1"], runs["packed2"], strict=True))
+            packed_copy = statistics.median(p / m for m, p, _ in rounds)
+            packed_best = statistics.median(min(p, q) / (1.2 * m + 1e-3) for m, p, q in rounds)
+            row += f"  packed / memcpy {packed_copy:.2f}  best packed / target {packed_best:.2f}"
         print(row, flush=True)
         print("       page faults (medians): " + ", ".join(
             f"{k} {statistics.median(v):.0f}" for k, v in faults.items()
