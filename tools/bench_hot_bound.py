@@ -39,7 +39,8 @@ models): ``packed`` one ``np.concatenate`` of the packed blocks into one
 between two threads. Rows add packed / memcpy and the faster of the two over
 the target.
 
-    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15] [--fetch] [--packed]
+    python tools/bench_hot_bound.py [--block-sizes 16 32 64 256] [--repeat 15] [--fetch]
+        [--packed] [--mx-cache-limit 4G]
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from benchlib import (
 )
 
 from prefixcache import PrefixCache
+from prefixcache.config import parse_bytes
 
 MiB = 1 << 20
 
@@ -161,7 +163,10 @@ def main() -> None:
     add_chain_args(p, [16, 32, 64, 256], 15)
     p.add_argument("--fetch", action="store_true", help="time PrefixCache.fetch in the rounds")
     p.add_argument("--packed", action="store_true", help="time gathers of packed blocks")
+    p.add_argument("--mx-cache-limit", type=parse_bytes, help="MLX's buffer cache limit, e.g. 4G")
     args = p.parse_args()
+    if args.mx_cache_limit is not None:
+        mx.set_cache_limit(args.mx_cache_limit)
     args.model = shaped_model(args) if args.fetch else None
     nbytes = 2 * args.layers * args.kv_heads * args.tokens * args.head_dim * 2
     source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
