@@ -6,9 +6,10 @@ memory left untouched for a moment is slower to touch again: a copy between
 two buffers that stay allocated (no page fault at all) takes 1.5x as long
 after a 0.2 s sleep and up to 5x after 5 s, and runs at full speed again at
 once (session 15). No guest counter shows it (the page faults are the same),
-so it is the host's handling of idle guest memory; the tool also prints
-whether the balloon device reports free pages to the host (its feature bit 5,
-VIRTIO_BALLOON_F_REPORTING), one way a host takes memory back. So compare a
+so it comes from outside the guest; the tool also prints whether the balloon
+device reports free pages to the host (its feature bit 5,
+VIRTIO_BALLOON_F_REPORTING), one way a host takes memory back (not this: the
+kept buffer is never freed). So compare a
 fetch with its reference only within one round, after the same idle time, and
 read a process's first rounds (its memory idle since the last run) apart.
 
