@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
@@ -43,13 +44,16 @@ def _replays(lockstep: bool):
             serve_replay.replay(name, 8 << 20, make, model, systems, trace, args)
             for name, make in made
         ]
+        start = time.perf_counter()
         if lockstep:
-            return serve_replay.lockstep([name for name, _ in made], steps, reverse=False)
-        return [serve_replay.finish(s) for s in steps]
+            results = serve_replay.lockstep(steps, reverse=False)
+        else:
+            results = [serve_replay.finish(s) for s in steps]
+        return results, time.perf_counter() - start
 
 
 def test_lockstep_serves_as_the_replays_alone():
-    alone, together = _replays(False), _replays(True)
+    (alone, _), (together, wall) = _replays(False), _replays(True)
     assert [r.name for r in together] == ["mlx-lm LRU", "ours hot-only", "ours + SSD"]
     for a, t in zip(alone, together, strict=True):
         assert len(t.ttfts) == len(t.outputs) == 6
@@ -57,6 +61,9 @@ def test_lockstep_serves_as_the_replays_alone():
         assert (t.prompt_tokens, t.cached_tokens) == (a.prompt_tokens, a.cached_tokens)
     assert together[1].cached_tokens > 0  # the conversations share a system prompt
     assert together[2].cached_tokens > together[1].cached_tokens  # the SSD tier kept more
+    # each system's seconds are its own steps: together they fit in the lockstep's wall
+    assert all(t.seconds > 0 for t in together)
+    assert sum(t.seconds for t in together) <= wall
 
 
 def _recorder(log: list, name: str, steps: int):
@@ -69,11 +76,11 @@ def _recorder(log: list, name: str, steps: int):
 def test_lockstep_rotates_the_first_system():
     log: list = []
     names = ["a", "b", "c"]
-    out = serve_replay.lockstep(names, [_recorder(log, n, 3) for n in names], reverse=False)
+    out = serve_replay.lockstep([_recorder(log, n, 3) for n in names], reverse=False)
     assert out == names  # each replay's return value, in the systems' order
     firsts = [next(n for i, n in log if i == step) for step in range(3)]
     assert firsts == ["a", "b", "c"]
     assert [n for i, n in log if i == 1] == ["b", "c", "a"]
     log.clear()
-    serve_replay.lockstep(names, [_recorder(log, n, 2) for n in names], reverse=True)
+    serve_replay.lockstep([_recorder(log, n, 2) for n in names], reverse=True)
     assert [n for i, n in log if i == 0] == ["c", "b", "a"]

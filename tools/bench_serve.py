@@ -48,7 +48,8 @@ drift of the machine's speed falls on every system's copy of a request alike;
 each request of ours is followed by a flush of its SSD writes (outside the
 timings, so none lands in another system's), which the one-after-another
 replays charge to ours' own next requests. "fetch p50": the median time of
-``fetch_nearest_cache`` (part of the TTFT).
+``fetch_nearest_cache`` (part of the TTFT). "wall": a system's own replay time
+per round (in lockstep, its steps only).
 
     python tools/bench_serve.py [--lockstep]
     python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
@@ -116,12 +117,11 @@ def _round_of(systems_run, r: int, budget: int, model, systems, trace, args) -> 
     """Round ``r`` of every system: one after another (the order reversed in odd
     rounds), or, with ``--lockstep``, request by request."""
     if args.lockstep:
-        names = [name for name, _ in systems_run]
         steps = [
             replay(name, budget, partial(make, r), model, systems, trace, args)
             for name, make in systems_run
         ]
-        return lockstep(names, steps, reverse=r % 2 == 1)
+        return lockstep(steps, reverse=r % 2 == 1)
     order = systems_run if r % 2 == 0 else systems_run[::-1]
     return [run(n, budget, partial(make, r), model, systems, trace, args) for n, make in order]
 

@@ -66,12 +66,13 @@ def serve(cache: Any, gen: BatchGenerator, prompt: list[int], sys_end: int, args
 
 def replay(name: str, budget: int, make_cache, model, systems, trace, args):
     """Serve ``trace`` one request per ``next``; the cache and the batch generator are
-    rebuilt halfway (restart). Returns (StopIteration's value) the Result."""
+    rebuilt halfway (restart). Returns (StopIteration's value) the Result, whose
+    ``seconds`` count this system's own steps only (in lockstep, not the others')."""
     result = Result(name, budget)
     histories: dict[int, list[int]] = {}
     restart_at, resumed = len(trace) // 2, set()
+    step = time.perf_counter()
     cache, gen = make_cache(), BatchGenerator(model)
-    began = time.perf_counter()
     for i, turn in enumerate(trace):
         if i == restart_at:
             gen.close()
@@ -89,16 +90,16 @@ def replay(name: str, budget: int, make_cache, model, systems, trace, args):
             resumed.discard(turn.conv)
             result.resumed_prompt += len(prompt)
             result.resumed_cached += num_cached
-        if args.lockstep and isinstance(cache, TieredPromptCache):
-            paused = time.perf_counter()
+        result.seconds += time.perf_counter() - step
+        if getattr(args, "lockstep", False) and isinstance(cache, TieredPromptCache):
             inner = getattr(cache, "_cache", None)  # the open PrefixCache, if any
             if inner is not None:
                 inner.flush()  # its background writes land outside every system's timings
-            began += time.perf_counter() - paused
         yield
+        step = time.perf_counter()
     gen.close()
     _close(cache)
-    result.seconds = time.perf_counter() - began
+    result.seconds += time.perf_counter() - step
     return result
 
 
@@ -115,7 +116,7 @@ def finish(steps) -> Result:
         return stop.value
 
 
-def lockstep(names: list[str], steps: list, reverse: bool) -> list[Result]:
+def lockstep(steps: list, reverse: bool) -> list[Result]:
     """Advance every system's replay one request at a time, the first to go rotating
     with each request (so a drift of the machine's speed weighs on all alike)."""
     live = list(range(len(steps)))
@@ -130,7 +131,7 @@ def lockstep(names: list[str], steps: list, reverse: bool) -> list[Result]:
                 results[k] = stop.value
                 live.remove(k)
         i += 1
-    return [results[k] for k in range(len(names))]
+    return [results[k] for k in range(len(steps))]
 
 
 def _close(cache: Any) -> None:
