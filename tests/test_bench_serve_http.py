@@ -1,11 +1,12 @@
 """bench_serve_http in short: real servers through a tiny trace with its restart.
 
-Plain mlx_lm.server and prefixcache serve with an SSD tier, each restarted
-halfway: both give the same replies and report cached tokens (read from the
-stream's usage); after the restart ours restores each resumed conversation from
-its SSD tier, while mlx-lm, which keeps nothing across a restart, restores
-only the few template tokens the conversations share (the control: each
-conversation has a system prompt of its own).
+Plain mlx_lm.server and prefixcache serve with an SSD tier, up at once and
+taking each request in turn (``--lockstep``), each restarted halfway: both give
+the same replies and report cached tokens (read from the stream's usage); after
+the restart ours restores each resumed conversation from its SSD tier, while
+mlx-lm, which keeps nothing across a restart, restores only the few template
+tokens the conversations share (the control: each conversation has a system
+prompt of its own).
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "too
 import bench_serve_http
 from benchlib import chat_model_shape
 from reuselib.trace import Text
+from serve_replay import lockstep
 
 from prefixcache.tiny import save_model
 
 ARGS = shlex.split(
     "--conversations 2 --turns 3 --active 2 --systems 2 --max-tokens 4 "
-    "--system-words 60 --user-words 6 --hidden 64 --budget 8M"
+    "--system-words 60 --user-words 6 --hidden 64 --budget 8M --lockstep"
 )
 
 
@@ -38,10 +40,10 @@ def results():
     trace = bench_serve_http.make_trace(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = save_model(Path(tmp) / "model", "llama", **chat_model_shape(args.hidden))
-        return {
-            system: bench_serve_http.replay(system, 8 << 20, model, trace, Text(0), args)
-            for system in ("mlx-lm", "ours + SSD")
-        }
+        systems = ("mlx-lm", "ours + SSD")
+        # both servers up at once, each request to each in turn (--lockstep)
+        made = [bench_serve_http.steps(x, 8 << 20, model, trace, Text(0), args) for x in systems]
+        return dict(zip(systems, lockstep(made, reverse=True), strict=True))
 
 
 def test_both_answer_alike_and_report_cached_tokens(results):

@@ -7,9 +7,9 @@ random, a restart in the middle; one request at a time, streamed, greedy) goes
 to each system as a real subprocess on a saved copy of bench_serve's model (a
 4-layer random-weight llama of width ``--hidden``, with the tiny tokenizer).
 Each (system, round) starts a fresh server alone on the machine (no two run at
-once: the timings compare), replays the whole trace, stopping it (SIGTERM) and
-starting it again on the same directory halfway, and stops; rounds alternate
-the systems' order (ABBA).
+once, but with ``--lockstep``: below), replays the whole trace, stopping it
+(SIGTERM) and starting it again on the same directory halfway, and stops; rounds
+alternate the systems' order (ABBA).
 Systems, each held to ``--budget`` bytes of cache in RAM:
 
   mlx-lm          ``mlx_lm.server --prompt-cache-bytes B`` (its LRUPromptCache)
@@ -27,7 +27,14 @@ resumed after the restart, and whether its replies equal mlx-lm's (as the
 history holds them: without surrounding blanks and U+FFFD, which the servers
 stream differently).
 
-    python tools/bench_serve_http.py
+"paired": the median over requests of each request's TTFT over mlx-lm's for the
+same request of the same round. With ``--lockstep`` every server is up at once
+and each request goes to each in turn (the first rotating, the order reversed
+in odd rounds); after its request a server is left to settle (its CPU time
+still for 30 ms) before the next one's, so no server's background work lands
+in another's timing, and a drift of the machine's speed falls on all alike.
+
+    python tools/bench_serve_http.py [--lockstep]
     python tools/bench_serve_http.py --budget 3M 8M --rounds 2
 """
 
@@ -39,12 +46,14 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from operator import truediv
 from pathlib import Path
 
 from benchlib import add_trace_args, arrivals, chat_model_shape
 from reuselib import vllm_mlx
 from reuselib.servers import Server
 from reuselib.trace import Text
+from serve_replay import finish, lockstep
 
 from prefixcache.config import parse_bytes
 from prefixcache.tiny import save_model
@@ -60,6 +69,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-words", type=int, default=20, help="about 48 tokens")
     p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 8 * MiB])
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="every server up at once, each request sent to each in turn (the first "
+        "rotating), each server settling after its request; a 'paired' column",
+    )
     return p
 
 
@@ -102,6 +117,13 @@ def replay(
 ) -> Result:
     """A fresh server of ``system`` through the whole trace (``make_trace``), restarted
     halfway (stopped by SIGTERM, started again on the same directory)."""
+    return finish(steps(system, budget, model, trace, text, args))
+
+
+def steps(system: str, budget: int, model: Path, trace: list[tuple[int, int]], text: Text, args):
+    """``replay`` one request per ``next`` (returns the Result as StopIteration's value).
+    With ``--lockstep`` each request is followed by the server settling (its
+    background work done, outside the timings: none lands in another's)."""
     result = Result(system, budget)
     restart_at, resumed = len(trace) // 2, set()
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,6 +157,9 @@ def replay(
                     resumed.discard(conv)
                     result.resumed_prompt += got.prompt_tokens
                     result.resumed_cached += got.cached_tokens
+                if getattr(args, "lockstep", False):
+                    server.settle()
+                yield
         finally:
             server.stop()
     return result
@@ -156,10 +181,15 @@ def main() -> None:
         for budget in args.budget:
             rounds: dict[str, list[Result]] = {s: [] for s in systems}
             for r in range(args.rounds):
-                for system in systems if r % 2 == 0 else systems[::-1]:
-                    res = replay(system, budget, model, trace, text, args)
-                    rounds[system].append(res)
-                    print(f"{budget / MiB:.1f} MiB round {r} {system}: TTFT p50 "
+                order = systems if r % 2 == 0 else systems[::-1]
+                if args.lockstep:  # every server up at once, each request to each in turn
+                    made = [steps(x, budget, model, trace, text, args) for x in systems]
+                    done = lockstep(made, reverse=r % 2 == 1)
+                else:
+                    done = [replay(x, budget, model, trace, text, args) for x in order]
+                for res in done:
+                    rounds[res.system].append(res)
+                    print(f"{budget / MiB:.1f} MiB round {r} {res.system}: TTFT p50 "
                           f"{statistics.median(res.ttfts) * 1e3:.1f} ms", flush=True)  # fmt: skip
             rows += table_rows(budget, rounds)
     print()
@@ -186,6 +216,9 @@ def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, s
             "cached/prompt": f"{cached / prompt:6.1%}" if prompt else "-",
             "TTFT p50": f"{p50 * 1e3:7.1f} ms",
             "p50 / mlx-lm": f"{p50 / statistics.median(ref_ttfts):5.2f}" if ref else "-",
+            "paired": (
+                f"{statistics.median(map(truediv, ttfts, ref_ttfts)):5.3f}" if ref else "-"
+            ),
             "TTFT p90": f"{p90 * 1e3:7.1f} ms",
             "p90 / mlx-lm": (
                 f"{p90 / statistics.quantiles(ref_ttfts, n=10)[-1]:5.2f}" if ref else "-"

@@ -122,15 +122,19 @@ def lockstep(steps: list, reverse: bool) -> list[Result]:
     live = list(range(len(steps)))
     results: dict[int, Result] = {}
     i = 0
-    while live:
-        turn = live[i % len(live) :] + live[: i % len(live)]
-        for k in turn[::-1] if reverse else turn:
-            try:
-                next(steps[k])
-            except StopIteration as stop:
-                results[k] = stop.value
-                live.remove(k)
-        i += 1
+    try:
+        while live:
+            turn = live[i % len(live) :] + live[: i % len(live)]
+            for k in turn[::-1] if reverse else turn:
+                try:
+                    next(steps[k])
+                except StopIteration as stop:
+                    results[k] = stop.value
+                    live.remove(k)
+            i += 1
+    finally:  # one failed: the others' clean-up (their servers, caches) runs now
+        for k in live:
+            steps[k].close()
     return [results[k] for k in range(len(steps))]
 
 

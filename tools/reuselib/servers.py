@@ -8,6 +8,8 @@ servers a benchmark compares, and how each is started: tools/reuselib/systems.py
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import signal
@@ -213,6 +215,31 @@ class Server:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def cpu_ns(self) -> int:
+        """CPU time of the server's threads and child processes so far (schedstat)."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            for task in glob.glob(f"/proc/{pid}/task/*"):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(f"{task}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                    with open(f"{task}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+        return total
+
+    def settle(self, quiet: float = 0.03, busy_ns: int = 1_000_000, timeout: float = 5.0) -> None:
+        """Wait until the server's CPU time grows by under ``busy_ns`` over ``quiet``
+        seconds (its background work after a request done), ``timeout`` at most."""
+        end = time.monotonic() + timeout
+        last = self.cpu_ns()
+        while time.monotonic() < end:
+            time.sleep(quiet)
+            now = self.cpu_ns()
+            if now - last < busy_ns:
+                return
+            last = now
 
     def stop(self) -> int:
         """SIGTERM (``prefixcache serve`` flushes to SSD), then wait; killed if it hangs."""
