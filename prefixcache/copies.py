@@ -54,13 +54,13 @@ def _threads() -> int:
     return n
 
 
-_pools: dict[int, SharedPool] = {}  # by thread count
+_pools: dict[int, SharedPool] = {}  # by helper count (the caller copies too)
 
 
-def _shared_pool(threads: int) -> ThreadPoolExecutor:
-    pool = _pools.get(threads)
+def _shared_pool(helpers: int) -> ThreadPoolExecutor:
+    pool = _pools.get(helpers)
     if pool is None:
-        pool = _pools.setdefault(threads, SharedPool(threads, "prefixcache-copy"))
+        pool = _pools.setdefault(helpers, SharedPool(helpers, "prefixcache-copy"))
     return pool.get()
 
 
@@ -89,7 +89,8 @@ class Copies:
         self._bytes = self._pieces = 0
         helpers = min(threads, len(jobs)) - 1
         turns = itertools.count()  # next() is atomic: each job is taken once
-        futures = [_shared_pool(helpers).submit(_take, jobs, turns) for _ in range(helpers)]
+        # one pool per thread count: a restore of fewer jobs uses fewer of its threads
+        futures = [_shared_pool(threads - 1).submit(_take, jobs, turns) for _ in range(helpers)]
         error = None
         try:
             error = _take(jobs, turns)

@@ -16,7 +16,7 @@ import pytest
 from conftest import tiny_model
 from mlx_lm.models.cache import KVCache
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import CacheConfig, PrefixCache, copies
 from prefixcache.codecs import buffer
 from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
 
@@ -64,6 +64,21 @@ def test_large_copies_run_on_the_caller_and_the_pool(monkeypatch):
     assert _names(Copies(), 8, PARALLEL_BYTES // 2) == {"MainThread"}
     with pytest.raises(threading.BrokenBarrierError):
         _names(Copies(), 8, PARALLEL_BYTES // 2, meet=2, timeout=0.3)
+
+
+def test_fewer_jobs_than_threads_share_the_one_pool(monkeypatch):
+    """A restore of fewer jobs than threads takes fewer of the same pool's threads: no
+    pool of its own per job count (the control: a thread count asked for anew gets
+    its pool)."""
+    monkeypatch.setattr(copies, "_pools", {})
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "3")
+    names = _names(Copies(), 2, PARALLEL_BYTES, meet=2)  # one helper of the 3-thread pool
+    assert any(n.startswith("prefixcache-copy") for n in names)
+    _names(Copies(), 6, PARALLEL_BYTES, meet=3)
+    assert list(copies._pools) == [2]  # helpers: the caller copies too
+    monkeypatch.setenv("PREFIXCACHE_COPY_THREADS", "2")
+    _names(Copies(), 4, PARALLEL_BYTES, meet=2)
+    assert sorted(copies._pools) == [1, 2]
 
 
 def test_wait_raises_a_jobs_error_after_every_job_ended(monkeypatch):
