@@ -55,14 +55,12 @@ import mlx.core as mx
 import numpy as np
 from benchlib import (
     add_chain_args,
+    hot_chain_fetch,
     minor_faults,
     restore_like_buffers,
     shaped_model,
-    synthetic_cache,
-    tier_config,
 )
 
-from prefixcache import PrefixCache
 from prefixcache.config import parse_bytes
 
 MiB = 1 << 20
@@ -141,23 +139,6 @@ def timed(fn) -> tuple[float, int]:
     return time.perf_counter() - start, minor_faults() - faults
 
 
-def fetch_way(args, bs: int):
-    """A hot-only cache holding a chain of the benchmark's shape, and a function
-    fetching it (the cache is closed when the row is done)."""
-    tokens = np.random.default_rng(bs).integers(0, 512, args.tokens).tolist()
-    probe = [*tokens, 1]
-    pc = PrefixCache(args.model, tier_config("hot", bs, ""))
-    pc.store(tokens, synthetic_cache(args, args.tokens))
-
-    def fetch() -> None:
-        cache, num = pc.fetch(probe)
-        mx.eval([c.state for c in cache])
-        if num != args.tokens:
-            raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
-
-    return pc, fetch
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chain_args(p, [16, 32, 64, 256], 15)
@@ -184,7 +165,7 @@ def main() -> None:
         if args.packed:
             packed = packed_blocks(parts)
             fns += [(f"packed{t}", partial(gather_packed, packed, t)) for t in (1, 2)]
-        pc, fetch = fetch_way(args, bs) if args.fetch else (None, None)
+        pc, fetch = hot_chain_fetch(args.model, args, bs) if args.fetch else (None, None)
         if fetch is not None:
             fns.append(("fetch", fetch))
         runs: dict[str, list[float]] = {name: [] for name, _ in fns}

@@ -36,15 +36,13 @@ import os
 import statistics
 import time
 
-import mlx.core as mx
 import numpy as np
 from benchlib import (
     add_chain_args,
+    hot_chain_fetch,
     minor_faults,
     restore_like_buffers,
     shaped_model,
-    synthetic_cache,
-    tier_config,
 )
 
 from prefixcache import PrefixCache
@@ -68,7 +66,8 @@ def free_page_reporting() -> str:
     return "no balloon device"
 
 
-def ways(args, source: np.ndarray) -> dict:
+def ways(args, source: np.ndarray) -> tuple[dict, PrefixCache | None]:
+    """The ways by name, and the fetched cache (None without ``--fetch``)."""
     kept = np.empty_like(source)
     shapes = [(1, args.kv_heads, args.tokens, args.head_dim)] * (2 * args.layers)
     pieces = np.split(source.view(np.uint16), 2 * args.layers)
@@ -82,20 +81,10 @@ def ways(args, source: np.ndarray) -> dict:
             np.copyto(out.reshape(-1), piece)
 
     out = {"kept": lambda: np.copyto(kept, source), "memcpy": memcpy, "fresh": fresh}
+    pc = None
     if args.fetch:
-        tokens = np.random.default_rng(1).integers(0, 512, args.tokens).tolist()
-        pc = PrefixCache(shaped_model(args), tier_config("hot", args.block_sizes[0], ""))
-        pc.store(tokens, synthetic_cache(args, args.tokens))
-        probe = [*tokens, 1]
-
-        def fetch() -> None:
-            cache, num = pc.fetch(probe)
-            mx.eval([c.state for c in cache])
-            if num != args.tokens:
-                raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
-
-        out["fetch"] = fetch
-    return out
+        pc, out["fetch"] = hot_chain_fetch(shaped_model(args), args, args.block_sizes[0])
+    return out, pc
 
 
 def main() -> None:
@@ -108,7 +97,16 @@ def main() -> None:
     source = np.frombuffer(os.urandom(nbytes), dtype=np.uint8)
     print(f"free page reporting: {free_page_reporting()}; {nbytes / MiB:.0f} MiB, medians of "
           f"{args.repeat} rounds per pause")  # fmt: skip
-    todo = ways(args, source)
+    todo, pc = ways(args, source)
+    try:
+        measure(args, todo)
+    finally:
+        if pc is not None:
+            pc.close()
+
+
+def measure(args, todo: dict) -> None:
+    """Each pause's rounds, its medians printed as a row."""
     for way in todo.values():  # first calls (allocator, kernels, threads) are no pause's
         way()
     names = list(todo)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from prefixcache import CacheConfig
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.host import host_view
 from prefixcache.restore_buffers import advise_huge, empty
 from prefixcache.tiny import build_model
@@ -152,6 +152,24 @@ def _status(field: str) -> int:
 
 def rss() -> int:
     return _status("VmRSS:")
+
+
+def hot_chain_fetch(model, args, block_size: int):
+    """A hot-only cache holding a chain of the benchmark's shape (random tokens, seeded
+    by ``block_size``), and a function fetching it whole and evaluating the cache
+    (AssertionError if it restores less). Close the cache when done."""
+    tokens = np.random.default_rng(block_size).integers(0, 512, args.tokens).tolist()
+    probe = [*tokens, 1]
+    pc = PrefixCache(model, tier_config("hot", block_size, ""))
+    pc.store(tokens, synthetic_cache(args, args.tokens))
+
+    def fetch() -> None:
+        cache, num = pc.fetch(probe)
+        mx.eval([c.state for c in cache])
+        if num != args.tokens:
+            raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
+
+    return pc, fetch
 
 
 def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
