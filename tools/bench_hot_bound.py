@@ -55,7 +55,7 @@ import mlx.core as mx
 import numpy as np
 from benchlib import (
     add_chain_args,
-    hot_chain_fetch,
+    chain_fetch,
     minor_faults,
     restore_like_buffers,
     shaped_model,
@@ -165,7 +165,7 @@ def main() -> None:
         if args.packed:
             packed = packed_blocks(parts)
             fns += [(f"packed{t}", partial(gather_packed, packed, t)) for t in (1, 2)]
-        pc, fetch = hot_chain_fetch(args.model, args, bs) if args.fetch else (None, None)
+        pc, fetch = chain_fetch(args.model, args, "hot", bs) if args.fetch else (None, None)
         if fetch is not None:
             fns.append(("fetch", fetch))
         runs: dict[str, list[float]] = {name: [] for name, _ in fns}

@@ -39,7 +39,7 @@ import time
 import numpy as np
 from benchlib import (
     add_chain_args,
-    hot_chain_fetch,
+    chain_fetch,
     minor_faults,
     restore_like_buffers,
     shaped_model,
@@ -83,7 +83,7 @@ def ways(args, source: np.ndarray) -> tuple[dict, PrefixCache | None]:
     out = {"kept": lambda: np.copyto(kept, source), "memcpy": memcpy, "fresh": fresh}
     pc = None
     if args.fetch:
-        pc, out["fetch"] = hot_chain_fetch(shaped_model(args), args, args.block_sizes[0])
+        pc, out["fetch"] = chain_fetch(shaped_model(args), args, "hot", args.block_sizes[0])
     return out, pc
 
 

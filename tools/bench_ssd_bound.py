@@ -44,20 +44,16 @@ import tempfile
 import threading
 import time
 
-import mlx.core as mx
 import numpy as np
 import xxhash
 from benchlib import (
     add_chain_args,
+    chain_fetch,
     read_fresh,
     read_into_fresh,
     restore_like_buffers,
     shaped_model,
-    synthetic_cache,
-    tier_config,
 )
-
-from prefixcache import PrefixCache
 
 MiB = 1 << 20
 RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as runs.py)
@@ -162,25 +158,6 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def fetch_way(work: str, args, bs: int):
-    """A cache holding a chain of the benchmark's shape on its SSD tier only, and a
-    function fetching it (the cache is closed when the row is done)."""
-    tokens = np.random.default_rng(bs).integers(0, 512, args.tokens).tolist()
-    probe = [*tokens, 1]
-    pc = PrefixCache(args.model, tier_config("ssd", bs, os.path.join(work, f"ssd{bs}")))
-    pc.store(tokens, synthetic_cache(args, args.tokens))
-    pc.flush()
-
-    def fetch() -> None:
-        cache, num = pc.fetch(probe)
-        mx.eval([c.state for c in cache])
-        if num != args.tokens:
-            raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
-
-    fetch()  # MLX's first allocations
-    return pc, fetch
-
-
 def measure(ref: str, paths: list[str], args, bs: int, fetch=None) -> str:
     """One table row: the file read, each restore at its best thread count, and
     prefixcache's fetch when given."""
@@ -254,7 +231,10 @@ def main() -> None:
             if not all(np.array_equal(a, b) for a, b in zip(*got, strict=True)):
                 raise AssertionError("the two restores placed different bytes")
             del got
-            pc, fetch = fetch_way(work, args, bs) if args.fetch else (None, None)
+            pc, fetch = None, None
+            if args.fetch:
+                pc, fetch = chain_fetch(args.model, args, "ssd", bs, os.path.join(work, f"ssd{bs}"))
+                fetch()  # MLX's first allocations
             try:
                 print(measure(ref, paths, args, bs, fetch), flush=True)
             finally:

@@ -154,14 +154,16 @@ def rss() -> int:
     return _status("VmRSS:")
 
 
-def hot_chain_fetch(model, args, block_size: int):
-    """A hot-only cache holding a chain of the benchmark's shape (random tokens, seeded
-    by ``block_size``), and a function fetching it whole and evaluating the cache
-    (AssertionError if it restores less). Close the cache when done."""
+def chain_fetch(model, args, tier: str, block_size: int, ssd_dir: str = ""):
+    """A cache holding a chain of the benchmark's shape (random tokens, seeded by
+    ``block_size``) in ``tier`` only (``tier_config``), and a function fetching it
+    whole and evaluating the cache (AssertionError if it restores less). Close the
+    cache when done."""
     tokens = np.random.default_rng(block_size).integers(0, 512, args.tokens).tolist()
     probe = [*tokens, 1]
-    pc = PrefixCache(model, tier_config("hot", block_size, ""))
+    pc = PrefixCache(model, tier_config(tier, block_size, ssd_dir))
     pc.store(tokens, synthetic_cache(args, args.tokens))
+    pc.flush()  # an SSD tier's files written
 
     def fetch() -> None:
         cache, num = pc.fetch(probe)
