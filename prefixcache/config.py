@@ -75,10 +75,12 @@ class CacheConfig:
         kv_group_size: KV quantization group size.
         quantized_kv_start: cache length from which mlx-lm quantizes.
         restore_headroom: extra tokens of buffer a restored cache gets beyond
-            the prompt, so decoding does not re-allocate at once (left
-            unwritten: mlx-lm reads a cache only below its offset); 0: the buffer
-            holds the restored tokens only (``prefixcache serve``: mlx-lm's batch
-            copies a restored cache into its batch at once).
+            the prompt, so the prefill of its rest writes in place and decoding
+            does not re-allocate at once (left unwritten: mlx-lm reads a cache
+            only below its offset; ``prefixcache serve`` gives 1, room for the
+            first token); 0: the buffer holds the restored tokens only (with
+            ``store(..., hand_over=True)``, fetches may get views of a kept
+            sequence: tiers/recent.py).
         snapshot_interval: during prefill, a restore point every N blocks: a
             recurrent-state snapshot, and sliding-window K/V in the blocks its
             window covers; 0 (the default) picks N from ``snapshot_ratio``. The

@@ -23,6 +23,7 @@ from . import quiet
 from .cache import PrefixCache
 from .config import CacheConfig
 from .errors import UnsupportedCacheError
+from .mlx_batch import batch_ready
 from .mlx_deferred import DEFERRED_TYPES, Deferred, DeferredInserts
 from .mlx_fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
 from .mlx_lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
@@ -104,7 +105,7 @@ class TieredPromptCache(CacheLifecycle):
             self._last = (model, tokens, num_cached)
         if num_cached == 0 and not self.shared:
             return None, tokens
-        return restored, tokens[num_cached:]
+        return (restored if self.shared else batch_ready(restored)), tokens[num_cached:]
 
     def checkpoints(self, model: ModelKey, tokens: Sequence[int], num_cached: int = 0) -> list[int]:
         """Where the server's prefill of ``tokens`` should stop so the cache keeps state

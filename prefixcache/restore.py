@@ -1,7 +1,7 @@
 """Restore: rebuild a :class:`~prefixcache.lookup.Plan` into caches at their final length.
 
-Every layer gets ONE buffer (cached length plus headroom, in mlx-lm's 256-token
-steps) filled block by block, so the suffix prefill writes in place. Each block
+Every layer gets ONE buffer (the prompt's length plus headroom) filled block by
+block, so the suffix prefill writes in place (mlx-lm's batch too: mlx_batch.py). Each block
 comes from the tier the plan names (:class:`ChainLoad`). Hot blocks' buffers are
 allocated in one evaluation and copied into (``Copies``: on a few threads when
 large). Lower tiers stream theirs: the buffers are allocated, unwritten, from the
@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .blocks import split_layers
-from .codecs import Builder, Codec, codec_for, round_up
+from .codecs import Builder, Codec, codec_for
 from .copies import Copies
 from .errors import LayoutMismatchError, MissReason, Shortfall
 from .hashing import TOKEN_BYTES
@@ -71,10 +71,10 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
                 return Restored(cache, plan.num_tokens, reason, shared, plan.keys, [])
         loader = ChainLoad(tiers, plan)
         # a block cut back is copied whole: the buffers hold every block. With headroom,
-        # room for the prompt's rest and the reply in mlx-lm's steps; without, the
-        # restored blocks only (e.g. a batch copies the cache at once)
+        # room for the prompt's rest and as many tokens more (mlx-lm grows a full
+        # buffer in its 256-token steps); without, the restored blocks only
         whole = len(plan.entries) * bs
-        capacity = round_up(max(len(data) // TOKEN_BYTES + headroom, whole)) if headroom else whole
+        capacity = max(len(data) // TOKEN_BYTES + headroom, whole) if headroom else whole
         try:
             cache = rebuild(fresh, loader, capacity=capacity, block_size=bs)
         except Shortfall as short:

@@ -325,7 +325,7 @@ def test_serve_args_pass_mlx_lm_options_through(monkeypatch):
     monkeypatch.setenv("PREFIXCACHE_BLOCK_SIZE", "32")
     config = serve.serve_config(args)
     assert (config.ssd_dir, config.hot_max_bytes, config.block_size) == ("d", 1 << 20, 32)
-    assert config.hot_cache_only is False and config.restore_headroom == 0
+    assert config.hot_cache_only is False and config.restore_headroom == serve.SERVE_HEADROOM == 1
     monkeypatch.setenv("PREFIXCACHE_RESTORE_HEADROOM", "512")
     assert serve.serve_config(args).restore_headroom == 512
     args = setup_arg_parser().parse_args(["serve", "--model", "m", "--hot-cache-only"])

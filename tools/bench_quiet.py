@@ -30,6 +30,7 @@ from bench_serve import MiB, bench_model, make_trace, print_table
 from mlx_lm.models.cache import LRUPromptCache
 from serve_replay import run
 
+from prefixcache.cli.serve import SERVE_HEADROOM
 from prefixcache.config import CacheConfig, parse_bytes
 from prefixcache.mlx_server import TieredPromptCache
 from prefixcache.tiers.ssd import writes
@@ -49,7 +50,9 @@ def main() -> None:
     windows: list[tuple[float, float, int]] = []
     serve_replay.serve = _timed(serve_replay.serve, windows)
     base = CacheConfig(
-        block_size=bargs.block_size, restore_headroom=0, write_policy=args.write_policy
+        block_size=bargs.block_size,
+        restore_headroom=SERVE_HEADROOM,
+        write_policy=args.write_policy,
     )
     print(
         f"trace: {len(trace)} requests, budget {args.budget / MiB:.1f} MiB, block 32, "

@@ -23,9 +23,10 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
   ours strict    hot-only with hot_max_bytes=budget: enforced at every insert too
   strict LRU     the same with eviction="lru"
 
-At 16 MiB the budget leaves room: ours keeps the sequences mlx-lm's server
-hands over whole beside their blocks (tiers/recent.py), and a fetch of one
-gets views of its arrays, as mlx-lm's own cache hands over its entry's.
+mlx-lm's batch merges a fetched cache into a new buffer, and its first prefill
+step copies that into one with room for the step; ours is restored with room
+for the prompt's rest and its first token, which the batch takes as its own
+buffer (prefixcache/mlx_batch.py): the restore's gather is its only copy.
 
 "recompute GFLOP" sums the FLOPs of the prompt tokens each system prefilled
 (prefixcache/costs.py: weights plus attention over the tokens before each), the
@@ -70,6 +71,7 @@ from benchlib import add_trace_args, arrivals, chat_model_shape
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from serve_replay import Result, lockstep, pooled, replay, run
 
+from prefixcache.cli.serve import SERVE_HEADROOM
 from prefixcache.config import CacheConfig, parse_bytes
 from prefixcache.costs import RecomputeCost
 from prefixcache.mlx_server import TieredPromptCache
@@ -180,9 +182,12 @@ def main() -> None:
     # MLX's first calls (allocations, kernels) are not any system's cost
     run("warm-up", 0, lambda: LRUPromptCache(max_size=1 << 20), model, systems, trace[:4], args)
     results = []
-    # as ``prefixcache serve`` sets it: restore_headroom 0 (the batch path copies at once),
-    # hot_max_bytes its default (the budget is --prompt-cache-bytes: trim_to)
-    hot = CacheConfig(block_size=args.block_size, hot_cache_only=True, restore_headroom=0)
+    # as ``prefixcache serve`` sets it: restore_headroom SERVE_HEADROOM (the batch takes
+    # the restored buffer), hot_max_bytes its default (the budget is
+    # --prompt-cache-bytes: trim_to)
+    hot = CacheConfig(
+        block_size=args.block_size, hot_cache_only=True, restore_headroom=SERVE_HEADROOM
+    )
     lru = hot.replace(eviction="lru")
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.budget:

@@ -20,8 +20,20 @@ prefill leaves the CPU's caches), in rotating order each round:
   ours    ``PrefixCache.fetch`` of a hot-only cache holding the chain in
           blocks of ``--block-size``, evaluated
 
-Prints medians in ms, "ours - mlx-lm" and "gather - mlx-lm", and each as a
-share of ``--ttft-ms`` (bench_serve's TTFT p50 on this machine).
+and, as the batch takes the fetched cache before the request's first token
+(merged into a ``BatchKVCache`` per layer, then one update of ``--rest``
+tokens' K/V, as its first prefill step writes them):
+
+  mlx-lm + batch  the fetch, mlx-lm's merge (a copy) and the update (a copy
+                  into a buffer with room for the step)
+  ours + batch    ``PrefixCache.fetch`` with ``prefixcache serve``'s headroom
+                  (room for the prompt's rest and its first token), the batch
+                  taking its buffer (prefixcache/mlx_batch.py), the update in place
+  ours, copied    the same fetch with no headroom, merged and updated as mlx-lm's
+                  (prefixcache serve before mlx_batch.py)
+
+Prints medians in ms, each way's excess over mlx-lm's, and that as a share of
+``--ttft-ms`` (bench_serve's TTFT p50 on this machine).
 
     python tools/bench_serve_fetch.py [--tokens 640] [--block-size 32] [--repeat 31]
 """
@@ -35,10 +47,13 @@ import time
 import mlx.core as mx
 import numpy as np
 from benchlib import chat_model_shape
+from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cli.serve import SERVE_HEADROOM
 from prefixcache.host import host_view
+from prefixcache.mlx_batch import batch_ready
 from prefixcache.tiny import build_model
 
 KEY = ("bench-llama", None, None)
@@ -62,6 +77,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=128, help="bench_serve's model width")
     p.add_argument("--sweep", type=int, default=64, help="MiB written between ways")
+    p.add_argument("--rest", type=int, default=48, help="prompt tokens after the cached ones")
     p.add_argument("--ttft-ms", type=float, default=44.0, help="bench_serve's TTFT p50")
     p.add_argument("--repeat", type=int, default=31)
     args = p.parse_args()
@@ -69,12 +85,16 @@ def main() -> None:
     tokens = np.random.default_rng(0).integers(1, 500, args.tokens).tolist()
     probe = [*tokens, 1]
     cache = filled_cache(model, args.tokens)
+    prompt = [*tokens, *range(1, args.rest + 1)]
+    step = filled_cache(model, args.rest)  # the first prefill step's K/V, per layer
 
     lru = LRUPromptCache(max_size=16)
     lru.insert_cache(KEY, tokens, cache)
     config = CacheConfig(block_size=args.block_size, hot_cache_only=True, restore_headroom=0)
     pc = PrefixCache(model, config, model_id="bench")
     pc.store(tokens, cache)
+    served = PrefixCache(model, config.replace(restore_headroom=SERVE_HEADROOM), model_id="b")
+    served.store(tokens, cache)
     held = args.tokens // args.block_size * args.block_size
     bs = args.block_size
     parts = [  # per layer and K/V: the blocks' host bytes, as the hot tier keeps them
@@ -102,27 +122,55 @@ def main() -> None:
         mx.eval([c.state for c in restored])
         assert num == held, (num, held)
 
-    ways = {"mlx-lm": mlx_lm, "gather": gather, "ours": ours}
+    def batched(restored: list) -> None:
+        batch = _merge_caches([restored])
+        for b, c in zip(batch, step, strict=True):
+            b.update_and_fetch(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+        mx.eval([b.state for b in batch])
+
+    def mlx_lm_batch() -> None:
+        batched(lru.fetch_nearest_cache(KEY, prompt)[0])
+
+    def ours_batch() -> None:
+        restored, num = served.fetch(prompt)
+        assert num == held, (num, held)
+        batched(batch_ready(restored))
+
+    def ours_copied() -> None:
+        restored, num = pc.fetch(prompt)
+        assert num == held, (num, held)
+        batched(restored)
+
+    ways = {
+        "mlx-lm": mlx_lm,
+        "gather": gather,
+        "ours": ours,
+        "mlx-lm + batch": mlx_lm_batch,
+        "ours + batch": ours_batch,
+        "ours, copied": ours_copied,
+    }
     sweep = np.ones(args.sweep << 20, np.uint8)
     ms: dict[str, list[float]] = {n: [] for n in ways}
     names = list(ways)
     for fn in ways.values():
         fn()
     for r in range(args.repeat):
-        for name in names[r % 3 :] + names[: r % 3]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             sweep += 1  # the CPU's caches hold other bytes, as after a prefill
             start = time.perf_counter()
             ways[name]()
             ms[name].append((time.perf_counter() - start) * 1e3)
     pc.close()
+    served.close()
     med = {n: statistics.median(v) for n, v in ms.items()}
     kib = sum(c.keys[..., :held, :].nbytes * 2 for c in cache) / 1024
-    print(f"{held} tokens in {held // bs} blocks of {bs}, {kib:.0f} KiB; medians of {args.repeat}")
-    print("  ".join(f"{n} {v:.3f} ms" for n, v in med.items()))
-    for n in ("ours", "gather"):
-        extra = med[n] - med["mlx-lm"]
-        share = extra / args.ttft_ms
-        print(f"{n} - mlx-lm: {extra:.3f} ms = {share:.1%} of a {args.ttft_ms:.0f} ms TTFT")
+    print(f"{held} tokens in {held // bs} blocks of {bs}, {kib:.0f} KiB, then {args.rest} "
+          f"in the batch; medians of {args.repeat}")  # fmt: skip
+    for n, v in med.items():
+        ref = med["mlx-lm + batch" if "batch" in n or "copied" in n else "mlx-lm"]
+        extra = v - ref
+        print(f"  {n:15} {v:6.3f} ms  {extra:+.3f} ms = {extra / args.ttft_ms:+.1%} of a "
+              f"{args.ttft_ms:.0f} ms TTFT")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -114,6 +114,12 @@ def port(text: str) -> int:
     return int(text)
 
 
+# restore_headroom by default: room for the prompt's rest and its first token, so
+# the prefill and the first token write in place in the restored buffer mlx-lm's
+# batch takes (mlx_batch.py); the reply then grows it in mlx-lm's 256-token steps.
+# More room would count in the batch's bytes, which the cache must leave free.
+SERVE_HEADROOM = 1
+
 _CONFIG_FLAGS = (
     "ssd_dir",
     "hot_max_bytes",
@@ -142,12 +148,11 @@ _CONFIG_FLAGS = (
 def serve_config(args: argparse.Namespace) -> CacheConfig:
     """CacheConfig from ``serve``'s options over ``PREFIXCACHE_*`` variables.
 
-    ``restore_headroom`` defaults to 0: the batch path copies a restored cache
-    into its batch at once, so headroom would only be allocated and dropped.
+    ``restore_headroom`` defaults to ``SERVE_HEADROOM``.
     """
     config = CacheConfig.from_env(**{name: getattr(args, name, None) for name in _CONFIG_FLAGS})
     if ENV_PREFIX + "RESTORE_HEADROOM" not in os.environ:
-        config = config.replace(restore_headroom=0)
+        config = config.replace(restore_headroom=SERVE_HEADROOM)
     if getattr(args, "warm_bytes", None) is None and ENV_PREFIX + "WARM_BYTES" not in os.environ:
         config = config.replace(warm_bytes=config.hot_max_bytes // 2)  # serve starts warm
     return config

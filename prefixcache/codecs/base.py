@@ -233,6 +233,6 @@ class Codec(ABC):
         Args:
             fresh: empty layer cache of the right class and settings.
             num_tokens: tokens the rebuilt cache will hold.
-            capacity: buffer length in tokens (>= num_tokens, a multiple of 256).
+            capacity: buffer length in tokens (>= num_tokens).
             block_size: tokens per block.
         """
