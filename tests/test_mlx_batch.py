@@ -148,3 +148,36 @@ def test_the_server_adapter_hands_the_batch_its_buffer():
         model(mx.array([rest]), cache=batch)
         mx.eval([b.state for b in batch])
         assert [address(b.keys) for b in batch] == buffers
+
+
+def staggered(model, caches: list[list], rests: list[list[int]]) -> list[list[int]]:
+    """The second prompt joins after the first's third token: its batch extends the
+    one decoding (``BatchKVCache.extend``). Tokens and logprobs per prompt."""
+    gen = BatchGenerator(model, max_tokens=6, prefill_step_size=BLOCK)
+    uids = gen.insert(rests[:1], caches=caches[:1])
+    out = {}
+    while sum(len(v) for v in out.values()) < 3:
+        for r in gen.next_generated():
+            out.setdefault(r.uid, []).append((r.token, r.logprobs))
+    uids += gen.insert(rests[1:], caches=caches[1:])
+    done = 0
+    while done < 2:
+        for r in gen.next_generated():
+            out.setdefault(r.uid, []).append((r.token, r.logprobs))
+            done += r.finish_reason is not None
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def test_a_restored_prompt_joining_a_decoding_batch_gives_mlx_lm_merges_replies(pc):
+    model = pc.layout.model
+    prompts = [[*prompt(1, 64), *prompt(4, 21)], [*prompt(2, 48), *prompt(5, 9)]]
+    rests = [prompts[0][64:], prompts[1][48:]]
+    ours = [restored(pc, p, n, ready=True) for p, n in zip(prompts, (64, 48), strict=True)]
+    for cache, n in zip(ours, (64, 48), strict=True):
+        poison_headroom(cache, n)
+    theirs = [restored(pc, p, n, ready=False) for p, n in zip(prompts, (64, 48), strict=True)]
+    got, expected = staggered(model, ours, rests), staggered(model, theirs, rests)
+    for a, b in zip(got, expected, strict=True):
+        assert [t for t, _ in a] == [t for t, _ in b] and len(a) == 6
+        assert max_diff(mx.stack([lp for _, lp in a]), mx.stack([lp for _, lp in b])) == 0.0
