@@ -35,8 +35,9 @@ def batch_ready(cache: list[Any]) -> list[Any]:
 def merge(caches: Sequence[Any]) -> BatchKVCache:
     """``BatchKVCache.merge``, except that one restored cache alone is taken as is:
     its buffer becomes the batch's (its first ``offset`` tokens the K/V, the rest
-    room for the prefill)."""
-    if len(caches) != 1 or type(caches[0]) is not KVCache or caches[0].keys is None:
+    room for the prefill). mlx-lm calls the first cache's ``merge``: with one
+    cache, it is the restored layer ``batch_ready`` gave this merge."""
+    if len(caches) != 1:
         return BatchKVCache.merge(caches)
     layer = caches[0]
     batch = BatchKVCache([0])

@@ -13,6 +13,7 @@ import pytest
 from conftest import max_diff, prompt, tiny_model
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from test_batch import merge as merged  # as mlx-lm's BatchGenerator merges
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.host import host_view
@@ -28,11 +29,6 @@ def restored(pc: PrefixCache, tokens: list[int], cached: int, *, ready: bool) ->
     if ready:
         batch_ready(cache)
     return cache
-
-
-def merged(caches: list[list]) -> list:
-    """The batch cache, as mlx-lm's BatchGenerator merges (the first cache's ``merge``)."""
-    return [layer[0].merge(list(layer)) for layer in zip(*caches, strict=True)]
 
 
 def address(x: mx.array) -> int:
