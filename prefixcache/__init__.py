@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .errors import LayoutMismatchError, MissReason, UnsupportedCacheError
 
 if TYPE_CHECKING:
-    from .cache import PrefixCache
+    from .cache.prefix_cache import PrefixCache
     from .codecs import Codec, register_codec
     from .config import CacheConfig
     from .stats import prometheus_text
@@ -20,7 +20,7 @@ _EXPORTS = {
     "CacheConfig": ".config",
     "CacheStats": ".stats_types",
     "Codec": ".codecs",
-    "PrefixCache": ".cache",
+    "PrefixCache": ".cache.prefix_cache",
     "prometheus_text": ".stats",
     "register_codec": ".codecs",
 }

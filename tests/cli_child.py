@@ -20,7 +20,7 @@ import numpy as np
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.tiny import build_model, save_tokenizer
+from prefixcache.tiny.models import build_model, save_tokenizer
 
 BLOCK = 16
 MODELS = ("tiny/model-a", "tiny/model-b")

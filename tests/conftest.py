@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache.config import CacheConfig
 from prefixcache.tiers.ssd.tier import SsdTier
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 # head_dim 32 so kv_group_size 32 divides it; one kv head exercises the
 # "slice is already contiguous" trap of mx.contiguous.

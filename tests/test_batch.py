@@ -15,7 +15,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.capture import chunk_ends
+from prefixcache.cache.capture import chunk_ends
 
 BLOCK = 16
 

@@ -17,7 +17,7 @@ import serve_replay
 from mlx_lm.models.cache import LRUPromptCache
 
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
 
 ARGS = "--conversations 2 --turns 3 --active 2 --systems 1 --system-tokens 40 --user-tokens 8"
 ARGS += " --max-tokens 3 --hidden 64 --block-size 16"

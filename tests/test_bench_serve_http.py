@@ -26,7 +26,7 @@ from benchlib import chat_model_shape
 from reuselib.trace import Text
 from serve_replay import lockstep
 
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 ARGS = shlex.split(
     "--conversations 2 --turns 3 --active 2 --systems 2 --max-tokens 4 "

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import (
 )
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.capture import chunk_ends
+from prefixcache.cache.capture import chunk_ends
 from prefixcache.codecs import buffer, codec_for, round_up
 
 BLOCK = 16

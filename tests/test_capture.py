@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.capture import chunk_ends, chunk_step
+from prefixcache.cache.capture import chunk_ends, chunk_step
 
 BLOCK = 16
 

@@ -31,9 +31,9 @@ from conftest import prompt
 from prefixcache import CacheConfig, PrefixCache, prometheus_text
 from prefixcache.cli import main
 from prefixcache.cli.common import parse_duration
-from prefixcache.cli.metrics import CONTENT_TYPE, MetricsServer
 from prefixcache.cli.report import format_age, format_bytes
 from prefixcache.errors import MissReason
+from prefixcache.serve.metrics import CONTENT_TYPE, MetricsServer
 from prefixcache.tiers.ssd.admin.view import SsdView
 from prefixcache.tiers.ssd.tier import SsdTier
 
@@ -536,7 +536,7 @@ def test_prometheus_text_and_the_metrics_endpoint(llama, tmp_path, caplog):
 def test_serve_metrics_port_and_stats_after_the_server_stopped(tmp_path):
     from test_serve_e2e import SYSTEM, running
 
-    from prefixcache.tiny import save_model
+    from prefixcache.tiny.models import save_model
 
     model, ssd = save_model(tmp_path / "model", "llama"), str(tmp_path / "ssd")
     with socket.socket() as sock:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.cli import COMMANDS, setup_arg_parser
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 CHILD = str(Path(__file__).with_name("cli_child.py"))
 SCRIPT = Path(sys.executable).with_name("prefixcache")  # this environment's console script

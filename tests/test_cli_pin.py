@@ -13,7 +13,7 @@ from test_cli import BASE, cli
 from test_serve_e2e import SYSTEM, running
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 BLOCK = 16
 TEXT = (
@@ -37,7 +37,7 @@ def as_served(model: Path, config: CacheConfig) -> PrefixCache:
     gives this directory (mlx-lm's model key is the path as given)."""
     from mlx_lm import load
 
-    from prefixcache.mlx_fit import model_id_of
+    from prefixcache.serve.fit import model_id_of
 
     loaded = load(str(model))
     return PrefixCache(loaded[0], config, model_id=model_id_of((str(model), None, None), loaded[0]))

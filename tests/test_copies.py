@@ -16,9 +16,10 @@ import pytest
 from conftest import tiny_model
 from mlx_lm.models.cache import KVCache
 
-from prefixcache import CacheConfig, PrefixCache, copies
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs import buffer
-from prefixcache.copies import MIN_PIECE, PARALLEL_BYTES, Copies
+from prefixcache.memory import copies
+from prefixcache.memory.copies import MIN_PIECE, PARALLEL_BYTES, Copies
 
 MiB = 1 << 20
 

@@ -17,9 +17,9 @@ from conftest import QUANT_LLAMA, max_diff, prompt
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from prefixcache import CacheConfig, MissReason, PrefixCache, UnsupportedCacheError
-from prefixcache.capture import chunk_ends
+from prefixcache.cache.capture import chunk_ends
 from prefixcache.codecs import Builder, Codec, Payload, register_codec, unregister_codec
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 BLOCK = 16
 PARTS = ("q", "scales", "biases")

@@ -13,7 +13,7 @@ from conftest import prefill, prompt
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.events import KVEventBatch, block_hash
+from prefixcache.background.events import KVEventBatch, block_hash
 
 BLOCK = 16
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
-from prefixcache.tiers.hot import HotTier
+from prefixcache.tiers.hot.tier import HotTier
 
 ROOT = b"r" * 16
 

@@ -1,4 +1,4 @@
-"""A restored cache mlx-lm's batch takes as it is (prefixcache/mlx_batch.py).
+"""A restored cache mlx-lm's batch takes as it is (prefixcache/serve/batch.py).
 
 A batch of one restored cache uses the restore's buffer and the prefill writes
 into it in place; several caches merge as mlx-lm merges them. Either way the
@@ -16,9 +16,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from test_batch import merge as merged  # as mlx-lm's BatchGenerator merges
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.host import host_view
-from prefixcache.mlx_batch import batch_ready
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.memory.host import host_view
+from prefixcache.serve.batch import batch_ready
+from prefixcache.serve.prompt_cache import TieredPromptCache
 
 BLOCK = 16
 

@@ -41,7 +41,7 @@ NO_REDIS_PROBE = """
 import importlib.util
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.errors import MissingExtraError
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 assert importlib.util.find_spec("redis") is None
 model = build_model("llama")
 with PrefixCache(model, CacheConfig(block_size=16, hot_cache_only=True), model_id="m") as pc:
@@ -129,7 +129,8 @@ def test_the_installed_metadata(fresh):
         "  'requires': d.metadata.get_all('Requires-Dist'),\n"
         "  'classifiers': d.metadata.get_all('Classifier'),\n"
         "  'files': sorted(str(f) for f in d.files),\n"
-        "  'typed': (pkg / 'py.typed').exists(), 'corpus': (pkg / 'data/corpus.txt').exists()}))\n"
+        "  'typed': (pkg / 'py.typed').exists(),\n"
+        "  'corpus': (pkg / 'tiny/data/corpus.txt').exists()}))\n"
     )
     done = run(venv / "bin" / "python", "-I", "-c", probe)
     assert done.returncode == 0, done.stderr

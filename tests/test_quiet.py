@@ -14,8 +14,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_promote import BLOCK, on_ssd_only
 from test_writer import Sink, item
 
-from prefixcache import CacheConfig, PrefixCache, quiet
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
+from prefixcache.tiers import quiet
 from prefixcache.tiers.writer import Writer
 
 LONG = 30.0  # seconds: no test waits for it

@@ -13,7 +13,7 @@ from test_server import KEY, NoCache, conversations, serve_batched, serve_single
 
 from prefixcache import PrefixCache
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
 
 HOT = CacheConfig(block_size=16, hot_cache_only=True, restore_headroom=0)
 

@@ -20,8 +20,8 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from test_serve_e2e import BLOCK_SIZE, SYSTEM, _ours, running
 
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_server import TieredPromptCache
-from prefixcache.tiny import save_model
+from prefixcache.serve.prompt_cache import TieredPromptCache
+from prefixcache.tiny.models import save_model
 
 HERE = Path(__file__).parent
 KEY = ("/models/tiny", None, None)

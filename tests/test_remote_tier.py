@@ -12,7 +12,7 @@ from ssd_child import ROOT, block_key, check_block, expected_bits, make_block
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
-from prefixcache.host import MX_DTYPES, HostArray, Placed
+from prefixcache.memory.host import MX_DTYPES, HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
 from prefixcache.tiers.remote.format import PART_BYTES, Names, check_part, decode_meta
 from prefixcache.tiers.remote.seal import Forged

@@ -17,7 +17,7 @@ from conftest import live_logits, max_diff, prefill, prompt
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.host import ITEMSIZE, Tensor
+from prefixcache.memory.host import ITEMSIZE, Tensor
 from prefixcache.tiers.remote.format import PART_HEAD_BYTES, decode_meta, encode_meta, encode_parts
 from prefixcache.tiers.remote.names import Names
 from prefixcache.tiers.remote.seal import load_secret

@@ -14,7 +14,8 @@ from conftest import live_logits, max_diff, prefill, prompt, tiny_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixcache import CacheConfig, PrefixCache, restore_buffers
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.memory import restore_buffers
 
 MiB = 1 << 20
 
@@ -138,7 +139,7 @@ def test_unwritten_headroom_over_nan_memory_changes_no_logit(keep_freed_buffers,
 
 _EXIT_CHILD = """
 import mlx.core as mx
-from prefixcache import restore_buffers
+from prefixcache.memory import restore_buffers
 buffers = [restore_buffers.empty((1, 8, 4352, 128), mx.float32) for _ in range(48)]
 mx.eval(buffers)
 del buffers
@@ -185,7 +186,7 @@ import mlx.core as mx, numpy as np, sys
 sys.path.insert(0, {tests!r})
 from test_restore_buffers import _huge_bytes_in
 from prefixcache.codecs.buffer import TokenBuffer
-from prefixcache.host import HostArray
+from prefixcache.memory.host import HostArray
 rows = np.zeros((1, 16, 256, 128), np.uint16)
 buf = TokenBuffer(8448)
 buf.add(0, HostArray(rows.reshape(-1).view(np.uint8), mx.bfloat16, rows.shape))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 TIMEOUT = 60  # seconds per request: a tiny model answers in well under one
 START_TIMEOUT = 60

@@ -18,13 +18,13 @@ from conftest import QUANT_LLAMA, prompt, tiny_model
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 
-from prefixcache import mlx_fit
 from prefixcache.cli import serve, setup_arg_parser
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_fit import MlxLmVersionError, ModelPair
-from prefixcache.mlx_prefetch import QueuedPrefetch
-from prefixcache.mlx_server import TieredPromptCache
-from prefixcache.tiny import build_model
+from prefixcache.serve import fit as mlx_fit
+from prefixcache.serve.fit import MlxLmVersionError, ModelPair
+from prefixcache.serve.prefetch import QueuedPrefetch
+from prefixcache.serve.prompt_cache import TieredPromptCache
+from prefixcache.tiny.models import build_model
 
 KEY = ("/models/tiny", None, None)
 HOT = CacheConfig(block_size=16, hot_cache_only=True)

@@ -12,9 +12,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from prefixcache import mlx_deferred
 from prefixcache.config import CacheConfig
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve import deferred as mlx_deferred
+from prefixcache.serve.prompt_cache import TieredPromptCache
 
 KEY = ("/models/tiny", None, None)
 HOT = CacheConfig(block_size=16, hot_cache_only=True)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.shared import SharedKVCache, hook, registry_of, release
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 BLOCK = 16
 TOL = 1e-4

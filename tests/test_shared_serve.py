@@ -19,9 +19,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from test_serve_e2e import BLOCK_SIZE, SYSTEM, _free_port, running
 from test_server import HOT, KEY, NoCache
 
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
 from prefixcache.shared import SharedBatchKVCache, SharedKVCache
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 MAX_TOKENS = 6
 

@@ -23,7 +23,7 @@ from ssd_child import ROOT, block_key, check_block, make_block
 from prefixcache.blocks import Block, BlockMeta
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PayloadError, SsdFormatError
-from prefixcache.host import tensors_of
+from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.ssd.admin.maintenance import reconcile
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import (

@@ -11,7 +11,7 @@ from ssd_child import LAYOUT, check_block
 from test_ssd_runs import assert_in_place, path_of
 from test_ssd_stream import chain_dest, flip_byte, placed_into, stored
 
-from prefixcache.host import Placed, PlacedRun
+from prefixcache.memory.host import Placed, PlacedRun
 from prefixcache.tiers.ssd import readers
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream

@@ -19,7 +19,7 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs.kv import KVBuilder
 from prefixcache.errors import PayloadError
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.host import HostArray, Placed, contiguous
+from prefixcache.memory.host import HostArray, Placed, contiguous
 from prefixcache.tiers.base import Tier
 from prefixcache.tiers.ssd import payload as payload_module
 from prefixcache.tiers.ssd import readers
@@ -244,7 +244,7 @@ def test_the_cached_header_parse_judges_like_the_full_parse():
 
 
 def make_tensors():
-    from prefixcache.host import tensors_of
+    from prefixcache.memory.host import tensors_of
 
     arrays = {"0.keys": mx.zeros((1, 2, 4, 8), mx.bfloat16), "0.values": mx.ones((3,), mx.int8)}
     mx.eval(arrays)

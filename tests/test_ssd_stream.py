@@ -18,14 +18,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from ssd_child import LAYOUT, block_key, check_block, expected_bits, make_block
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache import restore as restore_module
 from prefixcache.blocks import Block
+from prefixcache.cache import restore as restore_module
+from prefixcache.cache.restore import ChainLoad
 from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.host import HostArray, Placed, StreamedBlock
-from prefixcache.restore import ChainLoad
+from prefixcache.memory.host import HostArray, Placed, StreamedBlock
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.files import payload_path

@@ -180,5 +180,5 @@ def test_the_serving_path_never_imports_the_ssd_admin_corner():
 
 def test_the_admin_check_finds_an_importer():
     """Negative control."""
-    graph = {"prefixcache.cache": {ADMIN + ".view"}, "prefixcache.cli.show": {ADMIN}}
-    assert serving_importers_of_admin(graph) == {"prefixcache.cache"}
+    graph = {"prefixcache.cache.prefix_cache": {ADMIN + ".view"}, "prefixcache.cli.show": {ADMIN}}
+    assert serving_importers_of_admin(graph) == {"prefixcache.cache.prefix_cache"}

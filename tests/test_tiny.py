@@ -13,7 +13,14 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
-from prefixcache.tiny import ARCHS, CORPUS_PATH, EOS_TOKEN, VOCAB_SIZE, build_model, save_model
+from prefixcache.tiny.models import (
+    ARCHS,
+    CORPUS_PATH,
+    EOS_TOKEN,
+    VOCAB_SIZE,
+    build_model,
+    save_model,
+)
 
 # The layer layout each preset exists to provide (see MLX_CACHES.md).
 EXPECTED_CACHES = {

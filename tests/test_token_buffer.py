@@ -8,9 +8,9 @@ import pytest
 
 from prefixcache.codecs import buffer
 from prefixcache.codecs.buffer import TokenBuffer
-from prefixcache.copies import Copies
 from prefixcache.errors import LayoutMismatchError
-from prefixcache.host import host_bytes
+from prefixcache.memory.copies import Copies
+from prefixcache.memory.host import host_bytes
 
 SEG = (1, 2, 16, 8)  # (B, heads, block tokens, head dim)
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 from ssd_child import make_block
 
-from prefixcache.host import tensors_of
+from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.writer import WriteItem, Writer
 
 

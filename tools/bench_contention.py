@@ -7,7 +7,7 @@ payloads), commit a small LMDB transaction (its index), hash 64 KiB and run
 Python (anything holding the GIL), or sleep (the control: a thread that only
 wakes). Medians of ``--repeat`` prefills each, in the order given, "alone"
 first and last. Why the SSD writer and promotions wait out a fetch's quiet
-window (prefixcache/quiet.py, tools/bench_quiet.py).
+window (prefixcache/tiers/quiet.py, tools/bench_quiet.py).
 
     python tools/bench_contention.py
 """

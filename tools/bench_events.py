@@ -48,7 +48,7 @@ def subscribe(port: int, ready, out) -> None:
     import msgspec
     import zmq
 
-    from prefixcache.events import KVEventBatch
+    from prefixcache.background.events import KVEventBatch
 
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -131,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     from mlx_lm.models.cache import make_prompt_cache
 
-    from prefixcache.tiny import build_model
+    from prefixcache.tiny.models import build_model
 
     model = build_model("llama")
     rng = np.random.default_rng(0)

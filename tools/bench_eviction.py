@@ -12,12 +12,12 @@ and stores prompt + reply. Systems, at each budget (``--budget``):
 
   cost       eviction="cost" (the default): the least credit among the 32 least
              recently used leaves (GreedyDual-Size: FLOPs per byte over a rising
-             floor, prefixcache/tiers/credit.py)
+             floor, prefixcache/tiers/hot/credit.py)
   lru        eviction="lru": the least recently used leaf
   mlx-lm LRU LRUPromptCache(max_bytes=budget), whole sequences (--mlx-lru)
 
 "recompute GFLOP" sums ``RecomputeCost.flops(cached, len(prompt) - cached)``
-over requests (prefixcache/costs.py: 2 x parameters per token plus, per
+over requests (prefixcache/cache/costs.py: 2 x parameters per token plus, per
 attention layer, FLOPs per context token): the work evictions left to redo,
 free of timing noise; split into agent sessions and short chats. The default
 model is a narrow 2-layer llama (MLP of 32) whose attention dominates at
@@ -51,9 +51,9 @@ from bench_serve import print_table
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, trim_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cache.costs import RecomputeCost
 from prefixcache.config import parse_bytes
-from prefixcache.costs import RecomputeCost
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 MiB = 1 << 20
 CHUNK = 512

@@ -31,7 +31,7 @@ from benchlib import rss
 from mlx.utils import tree_flatten
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 MiB = 1 << 20
 KiB = 1 << 10

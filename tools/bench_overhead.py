@@ -23,7 +23,7 @@ from pathlib import Path
 
 from reuselib.servers import Server
 
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 WORDS = [
     "alpha",

@@ -47,7 +47,7 @@ from pathlib import Path
 from benchlib import drop_caches
 from reuselib.servers import Server, free_port
 
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 WORDS = [
     "alpha",

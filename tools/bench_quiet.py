@@ -32,7 +32,7 @@ from serve_replay import run
 
 from prefixcache.cli.serve import SERVE_HEADROOM
 from prefixcache.config import CacheConfig, parse_bytes
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
 from prefixcache.tiers.ssd import writes
 
 

@@ -67,7 +67,7 @@ from reuselib.systems import (
 )
 from reuselib.trace import Chat, Record, TraceConfig, run_trace
 
-from prefixcache.tiny import ARCHS, save_model
+from prefixcache.tiny.models import ARCHS, save_model
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

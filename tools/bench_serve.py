@@ -26,10 +26,10 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
 mlx-lm's batch merges a fetched cache into a new buffer, and its first prefill
 step copies that into one with room for the step; ours is restored with room
 for the prompt's rest and its first token, which the batch takes as its own
-buffer (prefixcache/mlx_batch.py): the restore's gather is its only copy.
+buffer (prefixcache/serve/batch.py): the restore's gather is its only copy.
 
 "recompute GFLOP" sums the FLOPs of the prompt tokens each system prefilled
-(prefixcache/costs.py: weights plus attention over the tokens before each), the
+(prefixcache/cache/costs.py: weights plus attention over the tokens before each), the
 work its evictions left to redo, free of timing noise.
 
 Per system: cached / prompt tokens, prefill tokens computed, time to first
@@ -71,11 +71,11 @@ from benchlib import add_trace_args, arrivals, chat_model_shape
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from serve_replay import Result, lockstep, pooled, replay, run
 
+from prefixcache.cache.costs import RecomputeCost
 from prefixcache.cli.serve import SERVE_HEADROOM
 from prefixcache.config import CacheConfig, parse_bytes
-from prefixcache.costs import RecomputeCost
-from prefixcache.mlx_server import TieredPromptCache
-from prefixcache.tiny import build_model
+from prefixcache.serve.prompt_cache import TieredPromptCache
+from prefixcache.tiny.models import build_model
 
 MiB = 1 << 20
 

@@ -28,7 +28,7 @@ tokens' K/V, as its first prefill step writes them):
                   into a buffer with room for the step)
   ours + batch    ``PrefixCache.fetch`` with ``prefixcache serve``'s headroom
                   (room for the prompt's rest and its first token), the batch
-                  taking its buffer (prefixcache/mlx_batch.py), the update in place
+                  taking its buffer (prefixcache/serve/batch.py), the update in place
   ours, copied    the same fetch with no headroom, merged and updated as mlx-lm's
                   (prefixcache serve before mlx_batch.py)
 
@@ -52,9 +52,9 @@ from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cli.serve import SERVE_HEADROOM
-from prefixcache.host import host_view
-from prefixcache.mlx_batch import batch_ready
-from prefixcache.tiny import build_model
+from prefixcache.memory.host import host_view
+from prefixcache.serve.batch import batch_ready
+from prefixcache.tiny.models import build_model
 
 KEY = ("bench-llama", None, None)
 

@@ -56,7 +56,7 @@ from reuselib.trace import Text
 from serve_replay import finish, lockstep
 
 from prefixcache.config import parse_bytes
-from prefixcache.tiny import save_model
+from prefixcache.tiny.models import save_model
 
 MiB = 1 << 20
 SYSTEMS = ("mlx-lm", "ours hot-only", "ours + SSD", "vllm-mlx")

@@ -37,7 +37,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 MiB = 1 << 20
 COUNTS = (1, 2, 4, 8)

@@ -1,6 +1,6 @@
 """Shared-prefix exactness per model family: shared vs unshared runs, and the fallback.
 
-Tiny random-weight models (prefixcache.tiny), one stored 64-token system
+Tiny random-weight models (prefixcache.tiny.models), one stored 64-token system
 prompt, three sequences on it (suffixes of 5-27 tokens). Per family, the
 sequences run twice from the same PrefixCache: ``fetch(shared=True)`` and the
 plain ``fetch``; each prefills its suffix in 16-token chunks and decodes 8
@@ -26,7 +26,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 BLOCK, STEPS = 16, 8
 QUANT = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}

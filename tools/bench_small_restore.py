@@ -22,7 +22,7 @@ import mlx.core as mx
 from bench_hybrid import MODELS, tokens
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 
 def main() -> None:

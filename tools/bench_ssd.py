@@ -44,7 +44,7 @@ from lmdb_payloads import lmdb_load, lmdb_write
 
 from prefixcache.blocks import Block
 from prefixcache.config import CacheConfig
-from prefixcache.host import tensors_of
+from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.payload import encode_header, read_payload
 from prefixcache.tiers.ssd.tier import SsdTier

@@ -40,8 +40,8 @@ import numpy as np
 from benchlib import add_chain_args, shaped_model, synthetic_cache, tier_config
 
 from prefixcache import PrefixCache
-from prefixcache import restore as restore_module
-from prefixcache.lookup import Lookup
+from prefixcache.cache import restore as restore_module
+from prefixcache.cache.lookup import Lookup
 from prefixcache.tiers.ssd import readers as readers_module
 
 PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"]

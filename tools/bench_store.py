@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cli.demo import DEMO_MODEL
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

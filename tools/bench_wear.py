@@ -7,7 +7,7 @@ and ``--one-offs`` prompts seen once (half start with the system prompt, half
 share nothing): an agent's sub-calls, a batch job's single requests. Each
 request is ``fetch`` (its cached tokens count as hits) then ``store`` of the
 prompt and its reply, as a server does after generating. The K/V values are
-the tiny llama's (``prefixcache.tiny``), computed once per sequence before the
+the tiny llama's (``prefixcache.tiny.models``), computed once per sequence before the
 runs: every configuration stores the same bytes, and only the cache differs.
 
 Policy: ``write_back`` (the default) with a hot tier of ``--hot-blocks``
@@ -39,7 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 BLOCK = 16
 VOCAB = 512

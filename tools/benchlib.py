@@ -17,9 +17,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.host import host_view
-from prefixcache.restore_buffers import advise_huge, empty
-from prefixcache.tiny import build_model
+from prefixcache.memory.host import host_view
+from prefixcache.memory.restore_buffers import advise_huge, empty
+from prefixcache.tiny.models import build_model
 
 
 def add_chain_args(p, block_sizes: list[int], repeat: int) -> None:

@@ -24,7 +24,7 @@ from collections import Counter
 
 import prefixcache
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 PACKAGE = os.path.dirname(os.path.abspath(prefixcache.__file__))
 

@@ -18,7 +18,7 @@ import numpy as np
 import xxhash
 
 from prefixcache.blocks import Block
-from prefixcache.host import tensors_of
+from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.ssd.payload import encode_header
 
 _MX = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from prefixcache.tiny import ARCHS, save_model
+from prefixcache.tiny.models import ARCHS, save_model
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

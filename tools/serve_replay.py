@@ -10,7 +10,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
-from prefixcache.mlx_server import TieredPromptCache
+from prefixcache.serve.prompt_cache import TieredPromptCache
 
 KEY = ("bench-llama", None, None)
 

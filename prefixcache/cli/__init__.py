@@ -25,14 +25,7 @@ from ..config import CacheConfig
 from ..errors import CacheDirError, ConfigError, MissingExtraError, SsdFormatError
 from ..settings import warn_unknown
 from . import inspect, local, maintain, pin, serve, show
-from .common import (
-    EXIT_CLOSED_PIPE,
-    EXIT_INTERRUPTED,
-    EXIT_USAGE,
-    Command,
-    Parser,
-    UsageError,
-)
+from .common import EXIT_CLOSED_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, Command, Parser, UsageError
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache import PrefixCache
+from ..cache.prefix_cache import PrefixCache
 from ..config import CacheConfig
-from ..tiny import CORPUS_PATH, save_model
+from ..tiny.models import CORPUS_PATH, save_model
 
 DEMO_MODEL = {
     "hidden_size": 256,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..tiny import ARCHS
+from ..tiny.models import ARCHS
 from .common import Command, UsageError
 
 
@@ -71,7 +71,7 @@ def add_make_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from ..tiny import save_model
+    from ..tiny.models import save_model
 
     if os.path.exists(args.path) and not os.path.isdir(args.path):
         raise UsageError(f"{args.path!r} exists and is not a directory")

@@ -127,7 +127,7 @@ class PinSession:
         from mlx_lm import load
 
         from .. import PrefixCache
-        from ..mlx_fit import model_id_of
+        from ..serve.fit import model_id_of
         from ..tiers.ssd.tier import SsdTier
 
         if not os.path.isdir(os.path.expanduser(args.model)):
@@ -159,8 +159,8 @@ class PinSession:
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """Keys of ``tokens``' blocks under the model's base namespace: its full
         blocks', then its tail's (fewer tokens than a block) if it has one."""
-        from ..controls import tail_keys
         from ..hashing import chain_keys, token_bytes
+        from ..tiers.controls import tail_keys
 
         root, data, size = (
             self.pc.namespace.root_key(),

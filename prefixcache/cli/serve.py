@@ -178,7 +178,7 @@ def set_mx_cache_limit(args: argparse.Namespace) -> int | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run mlx-lm's server (its ``main()``) with a TieredPromptCache in place."""
-    from ..mlx_fit import MlxLmVersionError, check_mlx_lm_version
+    from ..serve.fit import MlxLmVersionError, check_mlx_lm_version
 
     try:
         check_mlx_lm_version()
@@ -191,7 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = serve_config(args)  # checked before mlx-lm's import: a bad setting fails at once
     if not check_ssd_dir(config):
         return 2
-    from .serve_main import run_mlx_server
+    from ..serve.main import run_mlx_server
 
     set_mx_cache_limit(args)
     shared = getattr(args, "shared_prefix", False)

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import numpy as np
 
-from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason, Shortfall
+from ..memory.copies import Copies
 
 STEP = 256  # mlx-lm's KV buffer growth step
 

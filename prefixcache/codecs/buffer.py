@@ -24,10 +24,10 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from ..copies import Copies
 from ..errors import LayoutMismatchError
-from ..host import HostArray, Placed, host_bytes, host_view
-from ..restore_buffers import advise_huge, empty
+from ..memory.copies import Copies
+from ..memory.host import HostArray, Placed, host_bytes, host_view
+from ..memory.restore_buffers import advise_huge, empty
 
 
 class TokenBuffer:

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..blocks import join_layers, split_layers
-from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
+from ..memory.copies import Copies
 from .base import Builder, Codec, Has, Payload, Resident
 from .registry import codec_for
 

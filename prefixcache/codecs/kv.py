@@ -9,8 +9,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
+from ..memory.copies import Copies
 from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
 

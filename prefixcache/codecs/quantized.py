@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import QuantizedKVCache
 
-from ..copies import Copies
 from ..errors import LayoutMismatchError
-from ..host import HostArray
+from ..memory.copies import Copies
+from ..memory.host import HostArray
 from .base import Builder, Codec, Resident, run_shape
 from .buffer import TokenBuffer
 from .kv import check_single, dtype_name, owned_slice

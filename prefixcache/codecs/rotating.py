@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..copies import Copies
 from ..errors import LayoutMismatchError, MissReason
+from ..memory.copies import Copies
 from .base import Builder, Codec, Payload, num_blocks, owned_tokens
 from .buffer import TokenBuffer
 from .kv import kv_signature

@@ -31,7 +31,7 @@ from .probe import SharedLayout, probe
 from .registry import SharedRegistry, registry_of
 
 if TYPE_CHECKING:
-    from ..cache import PrefixCache
+    from ..cache.prefix_cache import PrefixCache
 
 KV_QUANT = "kv_quant_pending"
 

@@ -21,7 +21,7 @@ from .prefix import SharedPrefix
 from .probe import SharedLayout
 
 if TYPE_CHECKING:
-    from ..cache import PrefixCache
+    from ..cache.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..blocks import Block
-    from ..host import Place, Placed
+    from ..memory.host import Place, Placed
 
 
 class ChainEntry(Protocol):

@@ -29,10 +29,10 @@ import numpy as np
 
 from ..blocks import Block
 from ..config import CacheConfig
-from ..pins import Pins
 from ..stats import Stats
 from .base import BlockListener, Tier
-from .hot import HotTier
+from .hot.tier import HotTier
+from .pins import Pins
 
 _RESERVE = 0.1  # share of the budget only pinned blocks and shared prefixes may use
 

@@ -22,11 +22,11 @@ from ..blocks import Block
 from ..config import CacheConfig
 from ..errors import MissReason
 from ..hashing import TOKEN_BYTES
-from ..pins import Pins
 from ..stats import Stats
 from .base import ChainEntry, ListsChildren, Tier
 from .governor import WriteGovernor
-from .hot import CostHook, HotTier, ShedHook
+from .hot.tier import CostHook, HotTier, ShedHook
+from .pins import Pins
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 

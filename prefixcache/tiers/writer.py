@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .. import quiet
 from ..blocks import Block
-from ..host import Tensor
+from ..memory.host import Tensor
+from . import quiet
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prefixcache.tiny import CORPUS_PATH
+from prefixcache.tiny.models import CORPUS_PATH
 
 from .servers import Reply
 

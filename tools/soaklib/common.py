@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.tiny import build_model
+from prefixcache.tiny.models import build_model
 
 BLOCK = 16
 STEP = 16  # prefill chunk: equal to BLOCK, so every chunk boundary is a block boundary

@@ -60,7 +60,7 @@ def rss() -> int:
 
 def curve(arch: str, ssd_dir: str | None, setup: MemorySetup) -> Curve:
     from prefixcache import PrefixCache
-    from prefixcache.tiny import build_model
+    from prefixcache.tiny.models import build_model
 
     model = build_model(arch)
     cfg = config(ssd_dir, hot_max_bytes=setup.hot_bytes, ssd_max_bytes=setup.ssd_bytes)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed, contiguous
-from ...pools import SharedPool
+from ...memory.host import MX_DTYPES, HostArray, Place, Placed, contiguous
+from ...memory.pools import SharedPool
 from .format import (
     PART_BYTES,
     PART_HEAD_BYTES,

@@ -37,7 +37,7 @@ import xxhash
 from ...blocks import BlockHeader
 from ...errors import PayloadError
 from ...hashing import TOKEN_BYTES
-from ...host import MX_DTYPES, Tensor
+from ...memory.host import MX_DTYPES, Tensor
 from .names import Names
 from .seal import DIGEST_BYTES, Forged, digest_of, part_hasher, same_digest
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ...errors import MissReason, PayloadError
-from ...host import MX_DTYPES, Place, Placed, StreamedBlock
+from ...memory.host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
 from .client import RemoteClient, RemoteUnavailable
 from .fill import Targets, receive, targets

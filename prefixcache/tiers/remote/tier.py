@@ -31,7 +31,7 @@ from ...blocks import Block
 from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
-from ...host import tensors_of
+from ...memory.host import tensors_of
 from ..base import ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import Chain, children_of, look_up

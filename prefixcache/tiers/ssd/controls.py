@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ...blocks import Block, BlockMeta
 from ...errors import PinCapacityError
-from ...host import tensors_of
+from ...memory.host import tensors_of
 from ..base import BlockListener
 from .payload import encode_header
 

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import ITEMSIZE, MX_DTYPES, Tensor
+from ...memory.host import ITEMSIZE, MX_DTYPES, Tensor
 from .files import create_temp, open_payload, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"

@@ -21,7 +21,7 @@ import xxhash
 
 from ...blocks import BlockMeta
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock, contiguous
+from ...memory.host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock, contiguous
 from .files import open_payload
 from .payload import read_spans
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 import numpy as np
 
-from ...host import Place, StreamedBlock
+from ...memory.host import Place, StreamedBlock
 from .prime import SLICE, Primer, cached
 from .read_into import Buffers, Job, Outcome, Stopped, read_large
 from .runs import plan_runs, read_run, small

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...host import MX_DTYPES, HostArray, Place, Placed, PlacedRun
+from ...memory.host import MX_DTYPES, HostArray, Place, Placed, PlacedRun
 from .files import open_payload
 from .payload import header_length, parse_header
 from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed

@@ -41,7 +41,7 @@ from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
-from ...host import Place, Placed, StreamedBlock
+from ...memory.host import Place, Placed, StreamedBlock
 from ..base import TierReader
 from ..writer import Writer
 from .index import SsdIndex, decode_or_none

@@ -25,7 +25,7 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError
-from ...host import tensors_of
+from ...memory.host import tensors_of
 from ..base import ChainEntry, ListsChildren, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .controls import SsdControls

@@ -1,0 +1,1 @@
+"""What runs on its own threads: prefetch, warm start, KV events, services."""

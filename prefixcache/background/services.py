@@ -1,0 +1,98 @@
+"""What a PrefixCache runs beside serving: the counters saver, the warm start, KV events.
+
+Each is a background thread started when the cache opens, if its setting asks
+for it: ``counters_save_seconds`` (periodic.py: the cache's counters are added
+to the lower tiers' records, so a killed process loses at most that much of
+them), ``warm_bytes`` (warm.py) and ``events_url`` (events.py, the ``events``
+extra). ``stop`` ends the threads that take the cache's lock (before the
+cache flushes under it); ``close`` ends the events publisher last, once the
+final flush's events are queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ..config import CacheConfig
+from ..stats import Stats, counter_delta
+from ..tiers.governor import watch
+from ..tiers.stack import TierStack
+from .periodic import Periodic
+from .warm import CacheLock, WarmStart
+
+if TYPE_CHECKING:
+    from .events import EventPublisher
+
+
+class Services:
+    """The background services of one cache.
+
+    Args:
+        config: the cache's settings.
+        tiers: its tiers (the events publisher watches them; warm start fills hot).
+        lock: its lock.
+        stats: its counters.
+        root: its base namespace's root key (where counters are recorded).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        tiers: TierStack,
+        lock: CacheLock,
+        stats: Stats,
+        root: Callable[[], bytes],
+    ) -> None:
+        self.tiers, self.lock, self.counters, self.root = tiers, lock, stats, root
+        self._saved: dict[str, object] = stats.as_dict()  # counters as last saved
+        self.events: EventPublisher | None = None
+        if config.events_url is not None:
+            from .events import EventPublisher  # pyzmq and msgspec only when asked for
+
+            self.events = EventPublisher(config.events_url, config.block_size)
+            watch(tiers.all, tiers.governor, self.events)
+        seconds = config.counters_save_seconds
+        self.saver = (  # a killed process loses at most `seconds` of counters
+            Periodic(seconds, self._save_now, "prefixcache-counters")
+            if seconds > 0 and tiers.lower
+            else None
+        )
+        self.warm = (
+            WarmStart(tiers, lock, config.warm_bytes)
+            if config.warm_bytes > 0 and tiers.lower
+            else None
+        )
+
+    def stop(self) -> None:
+        """Stop the threads that take the cache's lock (not under the lock)."""
+        saver, self.saver = self.saver, None
+        if saver is not None:
+            saver.stop()  # its last call may be waiting for the lock
+        if self.warm is not None:
+            self.warm.stop()
+
+    def close(self) -> None:
+        """Send the queued events and stop the publisher."""
+        if self.events is not None:
+            self.events.close()
+
+    def save_counters(self) -> None:
+        """Add the counters since the last save to the lower tiers' record of this model
+        (under the cache's lock)."""
+        now = self.counters.as_dict()
+        self.tiers.save_counters(self.root(), counter_delta(now, self._saved))
+        self._saved = now
+
+    def _save_now(self) -> None:
+        with self.lock:
+            if self.saver is not None:  # not stopped meanwhile
+                self.save_counters()
+
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        if self.warm is not None:
+            out["warm"] = self.warm.stats()
+        if self.events is not None:
+            out["events"] = self.events.stats()
+        return out

@@ -1,0 +1,1 @@
+"""The facade and what it does on the caller's thread: lookup, restore, capture, prefill."""

@@ -1,0 +1,43 @@
+"""Where a restore's reader threads write each streamed tensor: the ``Place`` of
+its builders.
+
+A reader thread (the SSD tier's, the remote tier's) asks ``place`` for the
+region of a tensor of one block, or of a run of consecutive blocks; it gets a
+region of the builder's restore buffer once that buffer exists, else None (the
+tensor then comes as a HostArray). No MLX runs here: only dictionary lookups
+and the builders' numpy views.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..codecs import Builder
+from ..memory.host import Place
+
+
+def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
+    """(chain index, flat payload name, dtype, shape, count) -> where a reader thread
+    may write that tensor (of ``count`` blocks), or None. Only for layers that use
+    each of the blocks, and only once their builder's buffer exists
+    (``destination``); runs no MLX."""
+    needs: dict[int, set[int]] = {}  # layer -> the blocks it uses (made when first asked)
+    layers: dict[str, tuple[int, str]] = {}  # payload name -> (layer, its name there)
+
+    def place(
+        index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
+        route = layers.get(name)
+        if route is None:
+            head, _, rest = name.partition(".")
+            route = layers[name] = (int(head), rest) if head.isdigit() else (-1, rest)
+        layer, rest = route
+        mine = needs.get(layer)
+        if mine is None:  # on a reader thread, not in the restore's start
+            mine = needs[layer] = {i for i, using in users.items() if layer in using}
+        if not mine.issuperset(range(index, index + count)):
+            return None
+        return builders[layer].destination(index, rest, dtype, shape, count)
+
+    return place

@@ -1,0 +1,1 @@
+"""Host memory on a restore's way: host views, restore buffers, copies."""

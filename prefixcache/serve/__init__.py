@@ -1,0 +1,1 @@
+"""The mlx-lm server adapter: its prompt cache backed by PrefixCache, and its run."""

@@ -1,0 +1,228 @@
+"""``prefixcache serve``'s run: mlx-lm's own server ``main()`` with TieredPromptCache in place.
+
+mlx-lm builds ``ResponseGenerator(model_provider, prompt_cache)``; for the
+duration of the call that class is swapped for a subclass that passes a
+``TieredPromptCache`` instead and flushes it on shutdown, and cuts the
+prompt's segments again at its checkpoints; its ``stream_generate`` (the
+sequential path) prefills up to each checkpoint first (mlx_segments.py).
+Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
+takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way. Imported only to serve
+(it imports mlx-lm); the options are serve.py's.
+
+Per-request cache fields (``cache_salt``, ``session_id`` / ``X-Session-Id``,
+``cache.persist``) reach the cache through three narrow overrides
+(request_options.py, docs/operating.md): the HTTP handler parses them before
+mlx-lm's ``handle_completion`` (a bad one is a 400 naming it), ``generate``
+(same thread) files them under the request object, and ``_tokenize`` (the
+generation thread, just before the fetch) registers them with the prompt.
+``DELETE /v1/sessions/{session_id}`` ends a session (``PrefixCache.end_session``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+import urllib.parse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm import server
+
+from ..config import CacheConfig
+from ..tiers.controls import check_session
+from .fit import ModelKey, ModelPair
+from .metrics import serve_metrics
+from .prefetch import QueuedPrefetch
+from .prompt_cache import TieredPromptCache
+from .request_options import DEFAULT, RequestOptions, parse
+from .segments import CheckpointedPrefill, cut_segments
+
+log = logging.getLogger(__name__)
+SESSIONS = "/v1/sessions/"  # DELETE /v1/sessions/{session_id} ends a session
+
+
+def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
+    """``model_for`` over mlx-lm's ``ModelProvider`` (the model it has loaded)."""
+
+    def model_for(model_key: ModelKey) -> nn.Module:
+        if provider.model_key != model_key:
+            raise ValueError(f"model {model_key} is not loaded (loaded: {provider.model_key})")
+        if provider.draft_model is not None:
+            return ModelPair(provider.model, provider.draft_model)
+        return provider.model
+
+    return model_for
+
+
+def run_mlx_server(
+    model: str,
+    mlx_lm_args: list[str],
+    config: CacheConfig,
+    metrics_port: int | None,
+    *,
+    shared: bool = False,
+) -> int:
+    """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
+    (``shared``: concurrent requests on one prefix hold it once)."""
+    generators: list[Any] = []
+    argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
+    generator_class = _generator_class(server.ResponseGenerator, config, generators, shared)
+    run_http = server._run_http_server
+    handler = _handler_class(server.APIHandler)
+    with (
+        _swapped(server, "ResponseGenerator", generator_class),
+        _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
+        _swapped(server, "_run_http_server", lambda *a, **k: run_http(*a, handler_class=handler)),
+        _swapped(sys, "argv", argv),
+        _sigterm_interrupts(),
+        serve_metrics(metrics_port, lambda: generators[-1].tiered.stats() if generators else {}),
+    ):
+        try:
+            server.main()
+        finally:
+            for generator in generators:  # idempotent: mlx-lm's shutdown did it already
+                generator.stop_and_join()
+    return 0
+
+
+def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: bool) -> type:
+    """mlx-lm's ResponseGenerator with our cache swapped in through its constructor."""
+
+    class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
+        def __init__(self, model_provider: Any, prompt_cache: Any):
+            del prompt_cache  # the empty LRUPromptCache mlx-lm's run() made
+            cli = model_provider.cli_args
+            kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
+            cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
+            self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
+            self._options: dict[int, RequestOptions] = {}
+            self._options_lock = threading.Lock()
+            self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
+            made.append(self)
+            super().__init__(model_provider, self.tiered)
+
+        def generate(self, request: Any, generation_args: Any, progress_callback: Any = None):
+            options = _asked.options  # set by the handler on this thread
+            with self._options_lock:
+                self._options[id(request)] = options  # the request lives until answered
+            # if it waits in mlx-lm's queue, its cached prefix moves into hot meanwhile
+            self._prefetch(self.model_provider, request, generation_args, options.extra)
+            return super().generate(request, generation_args, progress_callback)
+
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any):
+            self._prefetch.picked(request)  # taken: no prefetch if none has started
+            out = super()._tokenize(tokenizer, request, args)
+            with self._options_lock:
+                options = self._options.pop(id(request), DEFAULT)
+            prompt, segments, kinds = out[0], out[1], out[2]
+            if config.pin_system_prompts and kinds[:1] == ["system"] and len(segments) > 1:
+                options = dataclasses.replace(options, pin_tokens=len(segments[0]))
+            self.tiered.requests.begin(prompt, options)
+            cuts = self.tiered.checkpoints(self.model_provider.model_key, prompt)
+            if cuts:  # its batched path inserts the cache at each segment's end
+                segments, kinds = cut_segments(segments, kinds, cuts)
+            return (prompt, segments, kinds, *out[3:])
+
+        def stop_and_join(self) -> None:
+            try:
+                super().stop_and_join()
+            finally:
+                self.tiered.close()
+
+    return TieredResponseGenerator
+
+
+def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callable[..., Any]:
+    """mlx-lm's ``stream_generate`` for its sequential path, prefilling up to each
+    checkpoint first (with the cache inserted there)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            return stream_generate(*args, **kwargs)
+        return CheckpointedPrefill(stream_generate, made[-1].tiered)(*args, **kwargs)
+
+    return run
+
+
+class _Asked(threading.local):
+    """The cache options of the request this HTTP thread serves."""
+
+    options: RequestOptions = DEFAULT
+
+
+_asked = _Asked()
+
+
+def _handler_class(base: type) -> type:
+    """mlx-lm's APIHandler that parses the cache fields of each completion request,
+    and ends sessions (``DELETE /v1/sessions/{session_id}``)."""
+
+    class CacheOptionsHandler(base):  # type: ignore[misc,valid-type]
+        def do_DELETE(self) -> None:
+            """``DELETE /v1/sessions/{session_id}``: drop the blocks only that session holds."""
+            path = urllib.parse.urlsplit(self.path).path
+            if not path.startswith(SESSIONS):
+                self._reply(404, {"error": f"no such resource: {path!r}"})
+                return
+            session = urllib.parse.unquote(path.removeprefix(SESSIONS))
+            try:
+                check_session(session)
+            except ValueError as err:
+                self._reply(400, {"error": str(err)})
+                return
+            try:
+                num = self.response_generator.tiered.end_session(session)
+            except ValueError as err:  # unknown: no store used it, or it ended
+                self._reply(404, {"error": str(err)})
+                return
+            self._reply(200, {"session_id": session, "num_blocks": num})
+
+        def _reply(self, status: int, doc: dict[str, object]) -> None:
+            self._set_completion_headers(status)
+            self.end_headers()
+            self.wfile.write(json.dumps(doc).encode())
+
+        def handle_completion(self, request: Any, stop_words: Any) -> None:
+            try:
+                _asked.options = parse(self.body, self.headers)
+            except ValueError as err:
+                self._reply(400, {"error": str(err)})
+                return
+            try:
+                super().handle_completion(request, stop_words)
+            finally:
+                _asked.options = DEFAULT
+
+    return CacheOptionsHandler
+
+
+@contextmanager
+def _swapped(owner: object, name: str, value: object) -> Iterator[None]:
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the server as Ctrl-C does: mlx-lm's shutdown path, then our flush."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM exits at once
+        log.info("prefixcache serve: SIGTERM, shutting down")
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,1 @@
+"""The hot tier: live, contiguous mx.arrays in RAM."""

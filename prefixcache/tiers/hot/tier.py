@@ -1,0 +1,299 @@
+"""Hot tier: a byte-bounded LRU of blocks holding live, contiguous mx.arrays.
+
+Eviction never strands a child: only blocks with no child in the hot tier are
+evicted (leaves first). Touching a chain deepest-first keeps ancestors more
+recent than their descendants, so the LRU end is almost always a leaf.
+Before any block goes, interval snapshots go: a block inside a chain (one
+child) is replaced by its ``shed`` version (without recurrent state), oldest
+first, so snapshots are evicted before the chain they sit on. Chain ends and
+branch points (two children or more) keep theirs: that is where prompts resume.
+With a cost (``eviction="cost"``), the victim among the least recently used
+leaves is the one of least credit (credit.py). Sequences kept whole
+(recent.py) count in ``nbytes`` and go before any snapshot or block.
+Not thread-safe by itself: the manager holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+
+from ...blocks import Block
+from ..base import BlockListener, ListsChildren, Tier, TierReader
+from ..pins import Pins
+from .credit import CostHook, Credits
+from .reader import HostViews, HotReader
+from .recent import KeepsRecent, RecentSequences
+
+EvictHook = Callable[[Block, bool], None]  # (block, dirty)
+_CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
+ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
+
+
+class HotTier(ListsChildren, KeepsRecent, Tier):
+    """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
+
+    name = "hot"
+    resident = True
+
+    def __init__(
+        self,
+        max_bytes: int,
+        on_evict: EvictHook | None = None,
+        shed: ShedHook | None = None,
+        pins: Pins | None = None,
+        cost: CostHook | None = None,
+    ):
+        self.max_bytes = max_bytes
+        self.pins = pins if pins is not None else Pins()
+        self.listener: BlockListener | None = None
+        self.on_evict = on_evict
+        self.shed = shed
+        self.num_shed = 0
+        self._sheddable: dict[bytes, None] = {}  # keys to try ``shed`` on, oldest first
+        self.nbytes = 0
+        self.num_evictions = 0
+        self._lru: OrderedDict[bytes, Block] = OrderedDict()
+        self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
+        self._dirty: set[bytes] = set()
+        self.views = HostViews()  # what restores copy from (hot_reader.py)
+        self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
+        self.credits = (  # cost-aware eviction
+            Credits(cost, lambda: self.nbytes) if cost is not None else None
+        )
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._lru.values()))
+
+    def get(self, key: bytes) -> Block | None:
+        return self._lru.get(key)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def entry(self, key: bytes) -> Block | None:
+        return self._lru.get(key)
+
+    def payload_names(self, key: bytes) -> Container[str] | None:
+        block = self._lru.get(key)
+        return None if block is None else block.arrays
+
+    def held(self, keys: Sequence[bytes], start: int) -> list[Block]:
+        get = self._lru.get
+        out = []
+        for key in keys[start:] if start else keys:
+            block = get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def children(self, parent: bytes) -> list[Block]:
+        """Hot blocks whose parent is ``parent``: full blocks and tails (partial reuse)."""
+        kids = self._children.get(parent)
+        return [self._lru[k] for k in kids] if kids else []
+
+    def reader(self, keys: Sequence[bytes]) -> TierReader:
+        return HotReader(self._lru, self.views, keys)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        return sum(self.pop(key) is not None for key in keys)
+
+    def watch(self, listener: BlockListener) -> bool:
+        self.listener = listener
+        return True
+
+    def pinned_nbytes(self) -> int:
+        """Bytes of the pinned blocks held here (pins in force now)."""
+        return sum(b.nbytes for k, b in self._lru.items() if self.pins.holds(k))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_blocks": len(self._lru),
+            "nbytes": self.nbytes,
+            "pinned_bytes": self.pinned_nbytes(),
+            "max_bytes": self.max_bytes,
+            "num_evictions": self.num_evictions,
+            "num_shed_snapshots": self.num_shed,
+            "num_recent": len(self.recent),
+            "recent_bytes": self.recent.nbytes,
+            "num_recent_hits": self.recent.num_hits,
+        }
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark a chain (given root-first) as just used, ancestors most recent."""
+        for key in reversed(list(keys)):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                if self.credits is not None:
+                    self.credits.used(key)
+
+    def prepare_views(self, blocks: Iterable[Block]) -> None:
+        """Make now, on the storing thread, the host views a restore of ``blocks``
+        copies from (those still held here): off the path of the fetch that first
+        restores them (in a server, the next request's time to first token)."""
+        for block in blocks:
+            if self._lru.get(block.key) is block:
+                self.views.of(block)
+
+    def put(self, block: Block, *, dirty: bool = False, at_cold_end: bool = False) -> bool:
+        """Insert a block, evicting LRU leaves to stay under ``max_bytes``.
+
+        Returns False, inserting nothing, when the block alone is larger than
+        the whole budget. A block evicted again by its own insertion (the only
+        leaf of a chain larger than the budget) went through ``on_evict``.
+        ``at_cold_end`` inserts at the LRU's evict-first end: a block whose parent is not hot is the
+        first to go, so a chain larger than the budget keeps its root-most part.
+        """
+        if block.key in self._lru:
+            self.touch([block.key])
+            return True
+        if block.nbytes > self.max_bytes:
+            return False
+        self._lru[block.key] = block
+        if self.credits is not None:
+            self.credits.added(block, first_to_go=at_cold_end)
+        if at_cold_end:
+            self._lru.move_to_end(block.key, last=False)
+        self._children.setdefault(block.parent, {})[block.key] = None
+        if self.shed is not None:
+            self._sheddable[block.key] = None
+        self.nbytes += block.nbytes
+        if dirty:
+            self._dirty.add(block.key)
+        if self.listener is not None:
+            self.listener.stored(self.name, [block])
+        self.evict_to(self.max_bytes, keep=block.key)
+        return True
+
+    def evict_to(self, max_bytes: int, *, keep: bytes | None = None) -> int:
+        """Evict LRU leaves until at most ``max_bytes`` are held; returns how many.
+        ``keep``: a block just put, evicted only when no other leaf can go (its
+        chain's later blocks would have no parent to go under)."""
+        num = 0
+        self.drop_recent(max_bytes)
+        while self.nbytes > max_bytes:
+            if self._shed_one():
+                continue
+            leaf = self._victim(keep)
+            if leaf is None:  # every leaf is pinned
+                break
+            self._evict(leaf)
+            num += 1
+        return num
+
+    def evict_chain(self, keys: Iterable[bytes], max_bytes: int) -> int:
+        """Evict ``keys`` (a chain, deepest first) while over ``max_bytes``, each while
+        a leaf and not pinned; keys hot does not hold (a prompt's tail) are passed."""
+        num = 0
+        self.drop_recent(max_bytes)
+        for key in keys:
+            if self.nbytes <= max_bytes or self._children.get(key) or self.pins.holds(key):
+                break
+            if key in self._lru:
+                self._evict(key)
+                num += 1
+        return num
+
+    def _victim(self, keep: bytes | None = None) -> bytes | None:
+        """The leaf to evict (never a pinned one), or None.
+
+        Without a cost, the least recently used leaf. With one, among the least
+        recently used leaves the one of least credit (credit.py). Pinned leaves
+        met on the way move to the recent end, so the next scan does not walk
+        them again.
+        """
+        met, found = [], []
+        want = 1 if self.credits is None else _CANDIDATES
+        for key in self._lru:
+            if self._children.get(key):
+                continue
+            if self.pins.holds(key):
+                met.append(key)
+                continue
+            found.append(key)
+            if len(found) == want:
+                break
+        for key in met:
+            self._lru.move_to_end(key)
+        if not found or self.credits is None:
+            return found[0] if found else None
+        others = [k for k in found if k != keep]
+        return self.credits.victim(others or found)
+
+    def _shed_one(self) -> bool:
+        """Drop the snapshot of the oldest block inside a chain that has one."""
+        for key in list(self._sheddable):
+            if len(self._children.get(key, ())) != 1:
+                # a chain's end: what a next turn resumes from; a branch point:
+                # what every new branch resumes from
+                continue
+            del self._sheddable[key]
+            block = self._lru[key]
+            lean = self.shed(block) if self.shed is not None else None
+            if lean is not None:
+                self._lru[key] = lean  # same key: its LRU place is kept
+                self.nbytes -= block.nbytes - lean.nbytes
+                self.num_shed += 1
+                return True
+        return False
+
+    def _evict(self, key: bytes) -> None:
+        dirty = key in self._dirty
+        block = self.pop(key)
+        self.num_evictions += 1
+        if block is not None and self.on_evict is not None:
+            self.on_evict(block, dirty)
+
+    def pop(self, key: bytes) -> Block | None:
+        block = self._lru.pop(key, None)
+        if block is None:
+            return None
+        self.views.forget(key)
+        self.nbytes -= self.recent.forget(key)
+        if self.credits is not None:
+            self.credits.removed(key)
+        self.nbytes -= block.nbytes
+        self._dirty.discard(key)
+        self._sheddable.pop(key, None)
+        kids = self._children[block.parent]
+        del kids[key]
+        if not kids:
+            del self._children[block.parent]
+        if self.listener is not None:
+            self.listener.removed(self.name, [key])
+        return block
+
+    def mark_dirty(self, key: bytes) -> None:
+        """``key`` is to be spilled when evicted (a write deferred until then)."""
+        if key in self._lru:
+            self._dirty.add(key)
+
+    def mark_clean(self, key: bytes) -> None:
+        """``key`` is stored below already (nothing to spill when it goes)."""
+        self._dirty.discard(key)
+
+    def take_dirty(self) -> list[Block]:
+        """Dirty blocks (not yet on SSD) root-first, marked clean."""
+        blocks = sorted(
+            (self._lru[k] for k in self._dirty if k in self._lru), key=lambda b: b.index
+        )
+        self._dirty.clear()
+        return blocks
+
+    def drop_superseded(self, block: Block) -> None:
+        """Drop tails that ``block`` extends and holds every payload of: cutting
+        ``block`` back gives the same (a window the ring overwrote in part does not)."""
+        for other in self.children(block.parent):
+            if (
+                other.num_tokens < block.num_tokens
+                and block.tokens.startswith(other.tokens)
+                and other.arrays.keys() <= block.arrays.keys()
+            ):
+                self.remove([other.key])
