@@ -22,7 +22,6 @@ import mlx.nn as nn
 from ..cache.prefix_cache import PrefixCache
 from ..config import CacheConfig
 from ..errors import UnsupportedCacheError
-from ..shared import blank_caches
 from ..tiers import quiet
 from .batch import batch_ready
 from .deferred import DEFERRED_TYPES, Deferred, DeferredInserts
@@ -101,7 +100,7 @@ class TieredPromptCache(CacheLifecycle):
                 restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
             except _STORAGE_ERRORS as err:
                 self._storage_error("fetch", err)
-                return (blank_caches(cache) if self.shared else None), tokens
+                return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
         if num_cached == 0 and not self.shared:
             return None, tokens
