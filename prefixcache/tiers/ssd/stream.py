@@ -37,37 +37,22 @@ exposed).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
 from ...memory.host import Place, Placed, StreamedBlock
 from ..base import TierReader
-from ..writer import Writer
-from .index import SsdIndex, decode_or_none
+from .index import decode_or_none
 from .payload import read_header
 from .read_into import Job
 from .readers import Readers
-
-
-class StreamSource(Protocol):
-    """What a reader uses of its tier (SsdTier, which creates the readers: the
-    reader names only these, so it imports nothing above it)."""
-
-    index: SsdIndex
-    writer: Writer
-
-    def payload_file(self, key: bytes) -> str: ...
-    def load(self, key: bytes) -> Block | None: ...
-    def note_loads(self, keys: Sequence[bytes], nbytes: int) -> None: ...
-    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
-    def read_error(self, key: bytes, error: OSError) -> None: ...
+from .reads import SsdReads
 
 
 class SsdReader(TierReader):
     """The blocks of one restore that the SSD tier holds, streamed in chain order."""
 
-    def __init__(self, tier: StreamSource, keys: Sequence[bytes]):
+    def __init__(self, tier: SsdReads, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: list[int] = []
@@ -108,7 +93,7 @@ class SsdReader(TierReader):
 
 
 def stream(
-    tier: StreamSource, keys: Sequence[bytes], place: Place | None = None
+    tier: SsdReads, keys: Sequence[bytes], place: Place | None = None
 ) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
@@ -142,7 +127,7 @@ def stream(
         tier.note_loads(served, nbytes)
 
 
-def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
+def _jobs(tier: SsdReads, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
     queued for the writer gets none (it is served from the queue)."""
     raws = tier.index.get_many(keys)
@@ -155,7 +140,7 @@ def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
 
 
 def _result(
-    tier: StreamSource, job: Job, result: StreamedBlock | BaseException | None
+    tier: SsdReads, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
     """What the caller gets for ``job`` (runs on the caller's thread); a block
     read by the readers is counted by the stream."""
