@@ -201,3 +201,22 @@ def test_the_cycle_check_counts_type_checking_imports(tmp_path):
         parts = path.relative_to(tmp_path).with_suffix("").parts
         mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     assert find_cycle(graph_of(mods)) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+def test_the_tier_contract_is_narrow():
+    """What every tier must answer stays small; what some tiers do is a capability
+    (tiers/base.py), each implemented by a tier of the package."""
+    from prefixcache.tiers import base
+    from prefixcache.tiers.hot.tier import HotTier
+    from prefixcache.tiers.remote.tier import RemoteTier
+    from prefixcache.tiers.ssd.tier import SsdTier
+
+    core = {n for n, v in vars(base.Tier).items() if callable(v) and not n.startswith("_")}
+    assert core == {
+        *("entry", "held", "contains", "reader", "put", "remove"),
+        *("touch", "flush", "close", "payload_names", "stats"),
+    }
+    capabilities = [base.ListsChildren, base.KeepsPins, base.Persistent, base.Metered]
+    capabilities += [base.ReportsEvents, base.CostGated]
+    tiers = (HotTier, SsdTier, RemoteTier)
+    assert [c.__name__ for c in capabilities if not any(issubclass(t, c) for t in tiers)] == []

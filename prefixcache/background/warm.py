@@ -24,7 +24,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..tiers.base import Tier
+from ..tiers.base import Persistent, Tier
 from ..tiers.stack import TierStack
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class WarmStart:
     def _load_from(self, tier: Tier) -> bool:
         """Load ``tier``'s recent blocks while there is room; False once full or stopped."""
         hot = self.tiers.hot
-        for entry in tier.recent(self.max_bytes - self.nbytes):
+        entries = tier.recent(self.max_bytes - self.nbytes) if isinstance(tier, Persistent) else ()
+        for entry in entries:
             self._wait_quiet()
             if self._stop.is_set() or self.nbytes + entry.nbytes > self.max_bytes:
                 return False

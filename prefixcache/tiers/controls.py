@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from ..blocks import Block
 from ..errors import PinCapacityError
 from ..hashing import TOKEN_BYTES, tail_key
+from .base import KeepsPins, Metered
 from .stack import TierStack
 
 
@@ -48,7 +49,7 @@ class Controls:
         self._held: dict[str, set[bytes]] = {}  # session -> its blocks
         self._prune_at = 1024
         for tier in tiers.lower:  # pins recorded before a restart hold in hot too
-            for key, until in tier.pins().items():
+            for key, until in tier.pins().items() if isinstance(tier, KeepsPins) else ():
                 tiers.pins.add([key], until)
 
     # -- pins -----------------------------------------------------------------
@@ -72,7 +73,8 @@ class Controls:
                 f"hot tier, over hot_max_bytes={hot.max_bytes} ({held} pinned already)"
             )
         lasting = [b for b in blocks if b.key not in tiers.private]
-        for tier in tiers.lower:
+        keeping = [t for t in tiers.lower if isinstance(t, KeepsPins)]
+        for tier in keeping:
             tier.check_pin([b for b in lasting if tiers.finds(tier, b)])
         for block in blocks:  # root-first: each one's parent is hot before it
             hot.put(block, at_cold_end=block.parent != block.root and block.parent not in hot)
@@ -82,7 +84,8 @@ class Controls:
             for block in mine:
                 if not tier.contains(block.key):
                     tiers.governor.put(tier, block, last_chance=False)
-            tier.pin(mine, until)
+            if isinstance(tier, KeepsPins):
+                tier.pin(mine, until)
         for block in lasting:
             if all(t.contains(block.key) for t in tiers.spill_to if tiers.finds(t, block)):
                 hot.mark_clean(block.key)
@@ -92,7 +95,8 @@ class Controls:
         """End the pins of ``keys`` in every tier; how many were pinned here."""
         num = self.tiers.pins.remove(keys)
         for tier in self.tiers.lower:
-            tier.unpin(keys)
+            if isinstance(tier, KeepsPins):
+                tier.unpin(keys)
         return num
 
     def _resident(self, keys: Sequence[bytes]) -> list[Block]:
@@ -170,7 +174,8 @@ class Controls:
         for key in keys:
             block = tiers.hot.get(key) if key not in tiers.private else None
             for tier in tiers.on_store if block is not None else ():
-                due = tier.metered and tiers.finds(tier, block) and not tier.contains(key)
+                due = isinstance(tier, Metered) and tiers.finds(tier, block)
+                due = due and not tier.contains(key)
                 if due and tiers.governor.admitted(key):
                     tiers.governor.put(tier, block, last_chance=False)
 

@@ -23,7 +23,7 @@ from ..config import CacheConfig
 from ..errors import MissReason
 from ..hashing import TOKEN_BYTES
 from ..stats import Stats
-from .base import ChainEntry, ListsChildren, Tier
+from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
 from .governor import WriteGovernor
 from .hot.tier import CostHook, HotTier, ShedHook
 from .pins import Pins
@@ -50,7 +50,10 @@ class TierStack:
         through = config.write_policy == "write_through"
         self.on_store = [t for t in self.lower if t.eager or through]
         self.on_spill = [t for t in self.lower if not (t.eager or through)]
-        self.spill_to = [*self.on_spill, *(t for t in self.on_store if t.metered)]  # + deferred
+        self.spill_to = [
+            *self.on_spill,
+            *(t for t in self.on_store if isinstance(t, Metered)),
+        ]  # + deferred
         self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[bytes] = set()
         self.private: set[bytes] = set()  # hot blocks stored with persist=False
@@ -99,7 +102,7 @@ class TierStack:
 
     def missing_reason(self, key: bytes) -> MissReason:
         for tier in self.lower:  # e.g. the remote tier was unreachable
-            why = tier.miss_reason(key)
+            why = tier.miss_reason(key) if isinstance(tier, CostGated) else None
             if why is not None:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
@@ -235,15 +238,18 @@ class TierStack:
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         for tier in self.lower:
-            tier.note_prefill(num_tokens, seconds)
+            if isinstance(tier, CostGated):
+                tier.note_prefill(num_tokens, seconds)
 
     def note_namespace(self, root: bytes, namespace_json: str) -> None:
         for tier in self.lower:
-            tier.note_namespace(root, namespace_json)
+            if isinstance(tier, Persistent):
+                tier.note_namespace(root, namespace_json)
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         for tier in self.lower:
-            tier.save_counters(root, delta)
+            if isinstance(tier, Persistent):
+                tier.save_counters(root, delta)
 
     def snapshot(self) -> dict[str, object]:
         return {tier.name: tier.stats() for tier in self.all}

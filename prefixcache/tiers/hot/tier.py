@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from ...blocks import Block
-from ..base import BlockListener, ListsChildren, Tier, TierReader
+from ..base import BlockListener, ListsChildren, ReportsEvents, Tier, TierReader
 from ..pins import Pins
 from .credit import CostHook, Credits
 from .reader import HostViews, HotReader
@@ -30,7 +30,7 @@ _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
-class HotTier(ListsChildren, Tier):
+class HotTier(ListsChildren, ReportsEvents, Tier):
     """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
 
     name = "hot"
@@ -105,9 +105,8 @@ class HotTier(ListsChildren, Tier):
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.pop(key) is not None for key in keys)
 
-    def watch(self, listener: BlockListener) -> bool:
+    def watch(self, listener: BlockListener) -> None:
         self.listener = listener
-        return True
 
     def pinned_nbytes(self) -> int:
         """Bytes of the pinned blocks held here (pins in force now)."""

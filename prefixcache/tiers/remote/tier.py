@@ -32,7 +32,7 @@ from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
 from ...memory.host import tensors_of
-from ..base import ListsChildren, Tier, TierReader
+from ..base import CostGated, ListsChildren, Persistent, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import Chain, children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
@@ -59,7 +59,7 @@ _COUNTERS = (
 )
 
 
-class RemoteTier(ListsChildren, Tier):
+class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
     """The shared remote tier of one ``remote_url`` and ``remote_prefix``.
 
     Args:

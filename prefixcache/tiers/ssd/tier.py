@@ -28,7 +28,17 @@ from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
 from ...errors import PayloadError, PinCapacityError
 from ...memory.host import tensors_of
-from ..base import BlockListener, ChainEntry, ListsChildren, Tier, TierReader
+from ..base import (
+    BlockListener,
+    ChainEntry,
+    KeepsPins,
+    ListsChildren,
+    Metered,
+    Persistent,
+    ReportsEvents,
+    Tier,
+    TierReader,
+)
 from ..writer import WriteItem, Writer
 from .directory import open_dir
 from .health import Counts, Health
@@ -42,7 +52,7 @@ from .writes import SsdWrites
 logger = logging.getLogger(__name__)
 
 
-class SsdTier(ListsChildren, Tier):
+class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -58,7 +68,6 @@ class SsdTier(ListsChildren, Tier):
     """
 
     name = "ssd"
-    metered = True
 
     def __init__(
         self,
@@ -235,9 +244,8 @@ class SsdTier(ListsChildren, Tier):
 
     # -- operator hooks: pins, write budget, events, removal on request ----------
 
-    def watch(self, listener: BlockListener) -> bool:
+    def watch(self, listener: BlockListener) -> None:
         self._writes.listener = listener
-        return True
 
     def check_pin(self, blocks: Sequence[Block]) -> None:
         """Raise PinCapacityError if the pinned file bytes would exceed ``ssd_max_bytes``."""
