@@ -120,3 +120,18 @@ def chain_keys(root: bytes, data: bytes, block_size: int) -> list[bytes]:
         parent = digest(parent + data[start : start + step])
         keys.append(parent)
     return keys
+
+
+def common_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
+    hi = min(len(a), len(b)) // TOKEN_BYTES
+    if a[: hi * TOKEN_BYTES] == b[: hi * TOKEN_BYTES]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

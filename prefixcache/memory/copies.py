@@ -2,11 +2,10 @@
 
 A hot restore costs its copies: every byte of the chain into the new buffers.
 numpy releases the GIL while it copies a piece, but takes it back between
-pieces (a buffer's copy is one call over every block's rows). Until session 14
-the caller queued the jobs on a pool and waited: two pool threads were no
-faster than one for blocks of up to 64 tokens on this project's 2-core VM
-(tools/bench_blocks.py, sessions 11-12), so small pieces stayed on one thread.
-Now the caller's thread copies too, each thread taking the next job nobody has
+pieces (a buffer's copy is one call over every block's rows). A caller that
+only queued the jobs on a pool and waited gained nothing from two pool threads
+for blocks of up to 64 tokens on this project's 2-core VM (tools/bench_blocks.py).
+So the caller's thread copies too, each thread taking the next job nobody has
 taken: on that VM a 128 MiB chain restores 1.4-1.6x as fast as on one thread at
 blocks 32-256 (``bench_blocks --tiers hot``: block 32 19-21 against 28-30 ms,
 block 64 17-18 against 26-27, block 256 14-15 against 22-24), and at block 16

@@ -22,10 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..hashing import TOKEN_BYTES
+from ..hashing import TOKEN_BYTES, common_tokens
 from . import hook
 from .build import blank, sequence, share
 from .prefix import SharedPrefix
@@ -196,12 +195,3 @@ class SharedRegistry:
         out["prefix_bytes"] = sum(p.nbytes for p in live)
         out["num_sequences"] = sum(p.num_users for p in live)
         return out
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two uint32 token strings share."""
-    n = min(len(a), len(b)) // TOKEN_BYTES
-    x = np.frombuffer(a, np.uint32, n)
-    y = np.frombuffer(b, np.uint32, n)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if len(differ) else n

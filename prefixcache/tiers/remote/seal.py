@@ -16,7 +16,7 @@ derived from it (HMAC-SHA256 of a label under the secret):
   parent key, token ids, part MACs, tensor specs) with its plain head and the
   block's name as associated data: the GCM tag is the meta's MAC, and token ids
   are not readable from the server. AES-GCM rather than a keyed hash of the
-  tokens: the partial-block match (``partial.common_tokens``) needs the token
+  tokens: the partial-block match (``hashing.common_tokens``) needs the token
   ids themselves, a keyed hash would only tell equal blocks apart.
 - **names**: a block is stored under HMAC-SHA256(key, block key)[:16] instead of
   its chain key, so nobody can test whether a guessed prompt is cached.

@@ -1,7 +1,7 @@
 """Partial blocks through the SSD tier: tails spilled from hot, kept across a restart,
 and full blocks a prompt diverges inside restored from the SSD only.
 
-As in test_partial.py, every restore is compared bit-exactly with a live run
+As in test_partial_blocks.py, every restore is compared bit-exactly with a live run
 chunked alike, with a negative control (another sequence's block or tail,
 restored the same way, gives other logits).
 """
@@ -14,7 +14,7 @@ import threading
 import pytest
 from conftest import max_diff, prompt, tiny_model
 from dict_tier import DictTier, PlainDictTier
-from test_partial import TRIMMABLE, continued, finished, reference
+from test_partial_blocks import TRIMMABLE, continued, finished, reference
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
