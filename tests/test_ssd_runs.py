@@ -302,7 +302,7 @@ def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(tmp_path, m
         pc.store(tokens, cache)
         pc.trim_hot(0)
         pc.flush()
-        keys = chain_keys(pc._root(None), token_bytes(tokens), 16)
+        keys = chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)
         for i in hot_at:  # back into hot: the chain is ssd, ..., hot, ssd, ...
             assert pc.hot.put(pc.ssd.load(keys[i]))
         assert [k in pc.hot for k in keys] == [i in hot_at for i in range(len(keys))]

@@ -301,7 +301,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         logits = prefill(model, tokens[num:], restored, kv=kv)
         assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
 
-        victim = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[3])
+        victim = pc.ssd.get_meta(chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)[3])
         flip_byte(payload_path(os.path.join(pc.ssd.path, "blocks"), victim.key), 2)
         restored, num = pc.fetch(tokens)
         assert num == 3 * 16  # cut before the bad block, whose bytes were placed
@@ -373,7 +373,7 @@ def test_a_lying_first_header_sizes_no_buffer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(buffer_module, "empty", recording)
     with stored_on_ssd(tmp_path, model, tokens) as pc:
-        first = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[0])
+        first = pc.ssd.get_meta(chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)[0])
         path = payload_path(os.path.join(pc.ssd.path, "blocks"), first.key)
         with open(path, "rb") as f:
             data = f.read()
