@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import structure
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "prefixcache"
@@ -33,33 +37,8 @@ OVER_TARGET: dict[str, str] = {
 
 
 def modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = path
-    return out
-
-
-def imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Package modules ``name`` imports anywhere: lazy ones and TYPE_CHECKING ones too."""
-    tree = ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                target = node.module or ""
-            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            candidates = [a.name for a in node.names]
-        else:
-            continue
-        found |= {c for c in candidates if c in known and c != name}
-    return found
+    """The package's modules by dotted name."""
+    return structure.modules(PACKAGE)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,7 +67,7 @@ def graph_of(mods: dict[str, Path]) -> dict[str, set[str]]:
     known = set(mods)
     # a package's __init__ is imported with any of its submodules: not an edge back
     return {
-        name: {t for t in imports(name, path, known) if not name.startswith(t + ".")}
+        name: {t for t in structure.imports(name, path, known) if not name.startswith(t + ".")}
         for name, path in mods.items()
     }
 
@@ -196,11 +175,7 @@ def test_the_cycle_check_counts_type_checking_imports(tmp_path):
     (package / "b.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\nB = 1\n"
     )
-    mods = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = path.relative_to(tmp_path).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    assert find_cycle(graph_of(mods)) == ["pkg.a", "pkg.b", "pkg.a"]
+    assert find_cycle(graph_of(structure.modules(package))) == ["pkg.a", "pkg.b", "pkg.a"]
 
 
 def test_the_tier_contract_is_narrow():

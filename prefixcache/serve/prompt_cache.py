@@ -77,11 +77,6 @@ class TieredPromptCache:
         """The open model's PrefixCache, or None."""
         return self.model_cache.cache
 
-    @property
-    def num_storage_errors(self) -> int:
-        """Storage failures turned into misses or dropped inserts."""
-        return self.model_cache.num_storage_errors
-
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
     def fetch_nearest_cache(
@@ -275,7 +270,7 @@ class TieredPromptCache:
                 **out,
                 "model_key": self.model_cache.key,
                 "num_rejected": self.num_rejected,
-                "num_storage_errors": self.num_storage_errors,
+                "num_storage_errors": self.model_cache.num_storage_errors,
                 "num_unattributed": self.num_unattributed,
                 "hot_only": int(self.model_cache.hot_only),
             }
