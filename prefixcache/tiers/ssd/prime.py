@@ -5,8 +5,9 @@ reader threads have nowhere to put later tensors yet. Instead of idling they
 read later payload files, a slice at a time, into a scratch buffer: the disk
 keeps busy while the pages of the new buffers are faulted in (cold restores).
 Files already cached are skipped (an ``RWF_NOWAIT`` probe), so a warm restore
-costs one probe per file; without the probe it does nothing. Asking the kernel
-instead (POSIX_FADV_WILLNEED) made cold restores slower here.
+costs one probe per file; without the probe it does nothing. The kernel is
+not asked instead (POSIX_FADV_WILLNEED): its extra requests queue in front of
+the reads that wait for them, and a cold restore gets slower.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Reader threads of the SSD stream: each reads, verifies and places payload files.
 
 Plain file I/O, xxh3, numpy copies and header checks: no MLX call leaves the
-caller's thread (see stream.py). The jobs are cut into runs (runs.py: small
-files read whole and placed together; a large file, read straight into its
-places by read_into.py, is a run of its own); each reader takes the next run
-nobody has taken. How many readers depends on whether the chain's files are in
-the page cache (a few probed).
+caller's thread. The jobs are cut into runs (small files read whole and
+placed together; a large file, read straight into its places, is a run of its
+own); each reader takes the next run nobody has taken. How many readers
+depends on whether the chain's files are in the page cache (a few probed).
 """
 
 from __future__ import annotations

@@ -1,22 +1,21 @@
 """Runs of small payload files: read whole, verified, then placed together.
 
-A reader thread (readers.py) takes the chain's small payload files (up to
-SMALL_READ bytes) in runs of consecutive blocks of one file size, up to
-RUN_BYTES in all. Each file is read whole, in one read of one byte more than
-the index says (a longer file shows), into its slot of the reader's scratch
-buffer (reused, so it stays in the CPU's caches), and verified there in one
-hash call: nothing reaches the restore buffers before its block's checksum
-matched. The run's files are opened first and asked into the page cache
-together, so that read cold their reads are in flight at once.
+A reader thread takes the chain's small payload files (up to ``SMALL_READ``
+bytes) in runs of consecutive blocks of one file size, up to ``RUN_BYTES`` in
+all. Each file is read whole, in one read of one byte more than the index says
+(a longer file shows), into its slot of the reader's scratch buffer (reused,
+so it stays in the CPU's caches), and verified there in one hash call: nothing
+reaches the restore buffers before its block's checksum matched. The run's
+files are opened first and asked into the page cache together, so that read
+cold their reads are in flight at once.
 
 Then each tensor of the run goes into its place with ONE numpy copy for the
 whole run (``place(..., count)``: the restore buffer's region of that tensor
-for all the run's blocks, one after another on the token axis), where
-per-block reads took one iovec and one hash call per (batch, head) row and
-block: per run a few calls per tensor name, not per block and row. A tensor
-that has no run region (a layer that does not use every block of the run, a
-buffer not allocated yet) is placed block by block; one without a place at
-all goes into the reader's loose buffer, lent to the caller with the block.
+for all the run's blocks, one after another on the token axis): a few calls
+per tensor name and run, not per block and row. A tensor that has no run
+region (a layer that does not use every block of the run, a buffer not
+allocated yet) is placed block by block; one without a place at all goes into
+the reader's loose buffer, lent to the caller with the block.
 """
 
 from __future__ import annotations
