@@ -64,7 +64,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
             return Restored(make_prompt_cache(layout.model), 0, reason, shared, [], [])
         fresh = layout.fresh(plan.num_tokens)
         if not headroom and tiers.hot.recent and all(t is tiers.hot for t in plan.tiers):
-            # a sequence kept whole holds it: views of its arrays, no copy (tiers/recent.py)
+            # a sequence the hot tier keeps whole holds it: views of its arrays, no copy
             prefix = data[: plan.num_tokens * TOKEN_BYTES]
             cache = tiers.hot.recent.restore(root, prefix, fresh)  # None: ``fresh`` untouched
             if cache is not None:

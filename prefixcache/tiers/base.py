@@ -45,7 +45,7 @@ class ChainEntry(Protocol):
 
 
 class BlockListener(Protocol):
-    """Hears blocks enter and leave a tier (the KV events publisher, events.py)."""
+    """Hears blocks enter and leave a tier (e.g. the KV events publisher)."""
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None: ...
 
