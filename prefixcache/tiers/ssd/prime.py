@@ -18,9 +18,10 @@ import threading
 # Bytes read per step: each reader keeps one slice in flight.
 SLICE = 1 << 20
 # Bytes pulled in, in all. The allocation's length bounds it anyway (faulting in
-# fresh pages runs at about the disk's speed here); the cap keeps a huge chain
-# from crowding the page cache. Cold fetch of 1 GiB with fresh buffers:
-# 1.0 GB/s with a 512 MiB cap, 1.12-1.18 with 2-4 GiB.
+# fresh pages runs at about the disk's speed); the cap keeps a huge chain from
+# crowding the page cache. A cold fetch of 1 GiB into fresh buffers is about 1.15x
+# faster with a cap of 2 GiB than of 512 MiB, and no faster with 4 GiB
+# (tools/bench_ssd_restore.py).
 BUDGET = 2 << 30
 
 

@@ -24,11 +24,10 @@ from .read_into import Buffers, Job, Outcome, Stopped, read_large
 from .runs import plan_runs, read_run, small
 
 # Reader threads. Warm (the files in the page cache) each is mostly copying,
-# one per core: a third on 2 cores only contends for the GIL and the cores
-# (tools/bench_blocks.py, 128 MiB on 2 cores: block 16, 2 readers 45 ms, 3 readers
-# 49-53; block 64, 37 against 40). Cold, a reader's reads wait on the disk and
-# more readers keep more in flight: three at least, four at most (block 16: 2
-# readers 99-104 ms, 3 readers 84; block 64: 104 against 95-98).
+# one per core: a third on 2 cores only contends for the GIL and the cores (about
+# 10% slower). Cold, a reader's reads wait on the disk and more readers keep more
+# in flight: three at least (about 1.2x two on 2 cores at block 16), four at most.
+# Measured by tools/bench_blocks.py --tiers ssd --modes warm cold.
 _CORES = os.cpu_count() or 2
 _WARM_READERS = max(2, min(4, _CORES))
 _COLD_READERS = min(4, max(3, _CORES))

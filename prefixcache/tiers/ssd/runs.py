@@ -36,18 +36,15 @@ from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # Payloads of up to this many bytes are read whole, in runs; larger ones straight
-# into their places (read_into.py). On 2 cores (128 MiB, 3 readers), 2 MiB payloads
-# (block 64) took 63-73 ms read whole against 75-83 straight into place; 3 MiB ones
-# (block 256 of 24 layers x 2 KV heads x 64 dims, 48 MiB) 35 / 49 ms warm / cold
-# against 46 / 55; 4 MiB ones (block 128, 128 MiB) 42-44 / 89-93 against 50-60 /
-# 79-82 (bench_blocks --tiers ssd --modes warm cold).
+# into their places (``read_large``). Read whole is faster warm and cold up to 3 MiB
+# payloads; at 4 MiB it is still faster warm but slower cold
+# (tools/bench_blocks.py --tiers ssd --modes warm cold).
 SMALL_READ = 3 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
 # Fewer, longer copies (one per tensor and run, not per block) and fewer calls per
-# run pay for a scratch buffer beyond the CPU's L2. Warm fetch of 128 MiB on 2
-# cores, two readers, runs of 2 / 4 / 8 / 16 MiB (tools/bench_blocks.py' chain,
-# alternated in one process): block 16 59 / 44 / 39 / 40 ms, block 32 - / 43 / 39
-# / 39, block 64 - / 37 / 34 / 34; cold (three readers) 4 and 8 MiB were alike.
+# run pay for a scratch buffer beyond the CPU's L2: a warm fetch at block 16 is
+# about 1.5x faster with 8 MiB runs than with 2 MiB, and no faster with 16 MiB;
+# cold, 4 and 8 MiB are alike (tools/bench_blocks.py --tiers ssd).
 # A reader's scratch holds one run.
 RUN_BYTES = 8 << 20
 
