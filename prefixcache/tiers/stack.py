@@ -180,7 +180,7 @@ class TierStack:
     def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
-        Tails are found through their parent (``Tier.children``), so they go to
+        Tails are found through their parent (``ListsChildren.children``), so they go to
         the lower tiers that list children, as blocks do; with none, a tail
         whose parent is gone could never be found again and is not kept.
         """
