@@ -125,7 +125,8 @@ class WarmStart:
         return True
 
     def _wait_quiet(self) -> None:
-        """Wait until no request has held the cache's lock for ``_QUIET_S`` (or a stop)."""
+        """Wait while a request holds the cache's lock, and ``_QUIET_S`` after it, until
+        the lock is found free (or a stop)."""
         while not self._stop.is_set():
             if self.lock.acquire(blocking=False):
                 self.lock.release()
