@@ -5,8 +5,8 @@ order: ``held`` says how far a prompt's chain is held (one call for the whole
 chain), a :class:`TierReader` loads the blocks of one restore (a lower tier's
 reader may write them straight into the restore buffers), and ``put`` stores a
 block (a lower tier may write it in the background). A new tier is one module
-implementing :class:`Tier`, plus one line in ``prefixcache.tiers.lower_tiers``
-or handed to ``PrefixCache(tiers=...)``.
+implementing :class:`Tier`; it joins the stack through one line in
+``prefixcache.tiers.lower_tiers``, or is handed to ``PrefixCache(tiers=...)``.
 
 What only some tiers do is a capability a tier opts into by deriving from it
 too (``class SsdTier(ListsChildren, KeepsPins, ..., Tier)``); the stack asks
