@@ -16,9 +16,9 @@ root) they are:
 A point is restorable when every layer finds what it needs in the blocks it
 would be rebuilt from (a recurrent snapshot where it ends, the window's or
 chunk's K/V before it: ``Codec.missing``), judged from the payload names the
-tiers list. The first restorable point is the :class:`Plan` the rebuild
-(restore.py) is handed; a block that then fails to load is excluded and the
-search runs again.
+tiers list. The first restorable point is the :class:`Plan`; a block that
+then fails to load is excluded by the caller and the search runs again
+(``plan(..., exclude=...)``).
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
 ``PrefixCache.fetch(tokens, shared=True)`` returns caches whose attention
 layers read the prefix's K/V from one read-only buffer per layer, held once
 however many sequences use it, and write only their own suffix; the last
-sequence to let go of a prefix frees it. Attention is split over the prefix
-and the suffix and merged by log-sum-exp (attention.py, split.py), inside
-mlx-lm's attention function (hook.py); sequences on one prefix decode
-together with their queries stacked against it (``SharedBatchKVCache``, as
-mlx-lm's BatchGenerator merges caches). The facade owns a ``SharedRegistry``
-of the live prefixes. See docs/shared-prefix.md.
+sequence to let go of a prefix frees it. Attention is split over prefix and
+suffix and merged by log-sum-exp inside mlx-lm's attention function (the
+hook); sequences on one prefix decode together as one batch
+(:class:`SharedBatchKVCache`). See docs/shared-prefix.md.
 """
 
 from . import codec as _codec  # registers the shared caches' codecs  # noqa: F401

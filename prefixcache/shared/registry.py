@@ -5,13 +5,13 @@ and the counters of shared fetches.
 prefix; when none covers what the tiers would restore, it restores privately
 and hands the restore to ``adopt``, which turns it into a new shared prefix
 (or the suffix of a live one). Prefixes are held weakly: a prefix lives while
-its sequences do (prefix.py), and the registry only finds it for the next
-sequence. The attention hook is installed while any shared prefix lives (one
-install per prefix, undone when the prefix is freed). Falls back to private
-caches, counted by reason, when the model's attention cannot be hooked
-(probe.py), has no layer to share, or its K/V are due to be quantized by
-mlx-lm later (``kv_bits`` with ``quantized_kv_start`` beyond the cached
-tokens: a shared cache is not re-quantized in place).
+its sequences do, and the registry only finds it for the next sequence. The
+attention hook is installed while any shared prefix lives (one install per
+prefix, undone when the prefix is freed). Falls back to private caches,
+counted by reason, when the model's attention cannot be hooked (probed once,
+by running the model), has no layer to share, or its K/V are due to be
+quantized by mlx-lm later (``kv_bits`` with ``quantized_kv_start`` beyond the
+cached tokens: a shared cache is not re-quantized in place).
 """
 
 from __future__ import annotations

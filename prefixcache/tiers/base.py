@@ -1,11 +1,12 @@
 """The tier contract: what every tier (hot, ssd, remote) answers, and what a tier may add.
 
-A tier holds blocks under their chain keys. The stack (stack.py) asks the
-tiers in order: ``held`` says how far a prompt's chain is held (one call for
-the whole chain), a ``TierReader`` loads the blocks of one restore (the SSD
-reader streams them straight into the restore buffers), and ``put`` stores a
+A tier holds blocks under their chain keys. The stack asks its tiers in
+order: ``held`` says how far a prompt's chain is held (one call for the whole
+chain), a :class:`TierReader` loads the blocks of one restore (a lower tier's
+reader may write them straight into the restore buffers), and ``put`` stores a
 block (a lower tier may write it in the background). A new tier is one module
-implementing :class:`Tier` plus one line in ``tiers/__init__.py``.
+implementing :class:`Tier`; it joins the stack through one line in
+``prefixcache.tiers.lower_tiers``, or is handed to ``PrefixCache(tiers=...)``.
 
 What only some tiers do is a capability a tier opts into by deriving from it
 too (``class SsdTier(ListsChildren, KeepsPins, ..., Tier)``); the stack asks
@@ -44,7 +45,7 @@ class ChainEntry(Protocol):
 
 
 class BlockListener(Protocol):
-    """Hears blocks enter and leave a tier (the KV events publisher, events.py)."""
+    """Hears blocks enter and leave a tier (e.g. the KV events publisher)."""
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None: ...
 

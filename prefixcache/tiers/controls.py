@@ -1,7 +1,7 @@
 """Operator controls of one PrefixCache: pins, sessions, per-request persistence.
 
-Each acts on the tiers through the stack (tiers/stack.py) and the tier
-contract's hooks, so every tier obeys one decision:
+Each acts on every tier through the stack and the tier contract's
+capabilities, so every tier obeys one decision:
 
 - **Pins** (``pin``): a chain's blocks are made resident in hot (loaded from a
   lower tier if needed), written to the lower tiers that lack them, and
@@ -15,6 +15,7 @@ contract's hooks, so every tier obeys one decision:
 - **Persistence** (``publish``): a ``persist=True`` store walking blocks that
   a ``persist=False`` store kept hot-only makes them ordinary blocks (its own
   prompt holds them, so they are not private to the other request).
+
 Not thread-safe: the facade's lock is held around every call.
 """
 

@@ -1,15 +1,14 @@
 """TierStack: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
 Read path: a chain is matched through the tiers in order (``chain``,
-``children``; the restore itself is restore.py's), and lower-tier hits are
-promoted upward (``promote``, from the prefetch thread: off the request's
-path). Write path: new blocks go into hot; under ``write_back`` a dirty block
-spills to the lower tiers when hot evicts it, under ``write_through`` it is put
-there at once, and an ``eager`` tier takes every block at once. With no lower
-tier (``hot_cache_only``) an evicted block is discarded, and remembered to
-explain the next miss. A ``persist=False`` block stays hot only (``private``);
-a metered tier's writes pass the governor (governor.py); pins and sessions act
-on the stack through controls.py.
+``children``), and lower-tier hits are promoted upward (``promote``, called off
+the request's path). Write path: new blocks go into hot (``place``); under
+``write_back`` a dirty block spills to the lower tiers when hot evicts it,
+under ``write_through`` it is put there at once, and an ``eager`` tier takes
+every block at once. With no lower tier (``hot_cache_only``) an evicted block
+is discarded, and remembered to explain the next miss. A ``persist=False``
+block stays hot only (private). A metered tier's writes pass the stack's
+governor (admission and the write budget).
 """
 
 from __future__ import annotations
@@ -181,7 +180,7 @@ class TierStack:
     def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
-        Tails are found through their parent (``Tier.children``), so they go to
+        Tails are found through their parent (``ListsChildren.children``), so they go to
         the lower tiers that list children, as blocks do; with none, a tail
         whose parent is gone could never be found again and is not kept.
         """

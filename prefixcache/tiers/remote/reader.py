@@ -3,15 +3,15 @@
 Each block is one round trip to its shard (pipelined GETs of its parts, which
 share its hash tag; its meta came with the chain's lookup). Their replies are
 read off the socket straight into the tensors' places in the restore buffers
-(wire.py) and verified as they arrive (fill.py: one copy, hashed while in the
-CPU cache; with a secret, MAC'd in a staging buffer first), all on the fetch thread
-with bytes and numpy only; the caller gets ``Placed`` tensors, and HostArrays
-for tensors with no place (a builder copies those in, or turns them into MLX
-arrays on its own thread).
-The thread fetches at most ``AHEAD`` blocks beyond the one the caller takes,
-so a long chain is never all in memory at once. It stops at the first block it
-cannot use: the restore stops there too (a block that fails may have written
-some of its bytes into the buffers: they are never exposed).
+and verified as they arrive (one copy, hashed while in the CPU cache; with a
+secret, MAC'd in a staging buffer first), all on the fetch thread with bytes
+and numpy only; the caller gets ``Placed`` tensors, and HostArrays for tensors
+with no place (a builder copies those in, or turns them into MLX arrays on
+its own thread). The thread fetches at most ``AHEAD`` blocks beyond the one
+the caller takes, so a long chain is never all in memory at once. It stops at
+the first block it cannot use: the restore stops there too (a block that
+fails may have written some of its bytes into the buffers: they are never
+exposed).
 """
 
 from __future__ import annotations

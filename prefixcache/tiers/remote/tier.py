@@ -3,21 +3,21 @@
 The tier comes after hot and ssd. It takes every stored block at once
 (``eager``): on store, not on spill (under ``write_back`` a block would reach
 it late or never), so other hosts can restore a prefix seconds after one host
-computed it; the caller only queues byte views, a background writer encodes
-and sends them (writes.py). Tails go remote too (``ListsChildren``: a
+computed it; the caller only queues byte views, and a background writer
+encodes and sends them in batches. Tails go remote too (``ListsChildren``: a
 parent's children are listed in a set beside it), so a conversation resumes
 on another host to the exact token.
 
-``held`` looks a prompt's chain up in one round trip per shard (chain.py: the
-metas and the children sets); ``reader`` fetches payloads on a background
-thread (verified parts, read straight into the restore buffers); a remote
-hit is promoted into hot and ssd by the stack. The server bounds its memory
-itself (``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a
-counted miss, a value that fails its MAC (``remote_secret``, seal.py) a
-counted forgery. When a server is down or slow every call to it gives up
-within the configured timeout and its breaker (client.py) stops calling it
-for a while: the local tiers and the other shards keep serving. The cost gate
-(gate.py) refuses a remote restore expected to be slower than recomputing.
+``held`` looks a prompt's chain up in one round trip per shard (the metas and
+the children sets); ``reader`` fetches payloads on a background thread
+(verified parts, read straight into the restore buffers); a remote hit is
+promoted into hot and ssd by the stack. The server bounds its memory itself
+(``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a counted
+miss, a value that fails its MAC (``remote_secret``) a counted forgery. When a
+server is down or slow every call to it gives up within the configured
+timeout and its circuit breaker stops calling it for a while: the local tiers
+and the other shards keep serving. The cost gate (``CostGated``) refuses a
+remote restore expected to be slower than recomputing.
 """
 
 from __future__ import annotations

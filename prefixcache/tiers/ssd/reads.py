@@ -4,8 +4,8 @@ It serves a block (from the writer's queue while pending, else its payload
 file, verified), counts served loads and touches them for the LRU (the writer
 applies the touches with its next batch), and notes what goes wrong: a payload
 that cannot be read now (a miss, not a verdict) and a corrupt block
-(quarantined, counted, logged once). The readers (stream.py) are handed this
-object, never the tier.
+(quarantined, counted, logged once). The stream and its readers are handed
+this object, never the tier.
 """
 
 from __future__ import annotations

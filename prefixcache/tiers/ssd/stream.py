@@ -1,37 +1,35 @@
 """Streamed SSD reads for a restore: reader threads read payloads into their places.
 
-``stream(tier, keys, place)`` yields the blocks of a chain in order. Blocks on
+:class:`SsdReader` is the SSD tier's :class:`~prefixcache.tiers.base.TierReader`:
+``stream(reads, keys, place)`` yields the blocks of a chain in order. Blocks on
 disk are read by reader threads (plain file I/O, xxh3 and header checks: no MLX
 call leaves the caller's thread), several files in flight, so later blocks are
 read while the caller handles earlier ones. The index entries of the whole
 chain are read in one LMDB transaction. A reader asks ``place`` where each
 tensor goes: once the restore's buffers exist, that is a region of the buffer
 itself. Small payload files are read whole, verified, and copied into their
-places in runs of consecutive blocks, one numpy copy per tensor and run
-(runs.py); a large one is read from the page cache straight into the restored
-cache (one copy) and hashed there while it is still in the CPU cache
-(read_into.py). A tensor with no place goes into the reader's loose buffer.
+places in runs of consecutive blocks, one numpy copy per tensor and run; a
+large one is read from the page cache straight into the restored cache (one
+copy) and hashed there while it is still in the CPU cache. A tensor with no
+place goes into the reader's loose buffer.
 
 The buffers normally exist before the stream starts: the restore sizes them
-from the first block's header (ChainLoad.first_specs), so every block goes
-straight into place. When it could not (that header unreadable, the block
-still queued for the writer), the first block is read into a read buffer and
-its copy allocates the buffers; until the caller has taken it, a later tensor
-whose buffer does not exist yet is asked for again, and in between the reader
-pulls later payload files into the page cache (prime.py). Otherwise the
-kernel's own readahead serves each file: asking it to read further ahead
-(POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
-queueing in front of the reads that wait for them.
+from the first block's header (``SsdReader.first_shapes``), so every block goes
+straight into place. When it cannot (that header unreadable, the block still
+queued for the writer), the first block is read into a read buffer and its
+copy allocates the buffers; until the caller has taken it, a later tensor
+whose buffer does not exist yet is asked for again, and in between the
+readers pull later payload files into the page cache (``Primer``). Otherwise
+the kernel's own readahead serves each file.
 
 A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
 place) and HostArrays (zero-copy views into a read buffer, verified, valid until
 the next block is requested). A block still queued for the writer is served
-from the queue (a fresh :class:`Block`), as ``SsdTier.load`` does. A block that
-is missing or fails its checks is quarantined (on the caller's thread), counted,
-and yielded as None: a miss. A large one's bytes may already be in the restore
-buffer (a small one is verified before any byte is placed): the restore then
-stops before that block (the buffers are discarded or the block is never
-exposed).
+from the queue (a fresh :class:`Block`). A block that is missing or fails its
+checks is quarantined (on the caller's thread), counted, and yielded as None: a
+miss. A large one's bytes may already be in the restore buffer (a small one is
+verified before any byte is placed): the restore then stops before that block
+(the buffers are discarded or the block is never exposed).
 """
 
 from __future__ import annotations
