@@ -21,29 +21,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from ...errors import MissReason, PayloadError
 from ...memory.host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
-from .client import RemoteClient, RemoteUnavailable
+from .client import RemoteUnavailable
 from .fill import Targets, receive, targets
 from .format import RemoteMeta, decode_meta
 from .names import Names
+from .reads import RemoteReads
 from .wire import Replies, pipelined_gets
-
-
-class FetchSource(Protocol):
-    """What a reader uses of its tier (RemoteTier, which creates the readers: the
-    reader names only these, so it imports nothing above it)."""
-
-    names: Names
-    client: RemoteClient
-
-    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
-    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None: ...
-    def loaded(self, nbytes: int, seconds: float) -> None: ...
-
 
 AHEAD = 2
 
@@ -64,7 +51,7 @@ class Failed:
 class RemoteReader(TierReader):
     """The blocks of one restore that the remote tier holds, fetched in chain order."""
 
-    def __init__(self, tier: FetchSource, keys: Sequence[bytes]):
+    def __init__(self, tier: RemoteReads, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0
