@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..blocks import split_layers
 from ..codecs import Builder, Codec, codec_for
+from ..codecs.placing import placer
 from ..errors import LayoutMismatchError, MissReason, Shortfall
 from ..hashing import TOKEN_BYTES
 from ..memory.copies import Copies
@@ -31,7 +32,6 @@ from ..memory.host import HostArray, Place, Placed, PlacedRun
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
 from .lookup import Lookup, Plan
-from .placing import placer
 
 
 @dataclass(frozen=True, slots=True)
