@@ -70,10 +70,13 @@ def plot_reuse(rows: list[dict[str, str]], out: Path) -> None:
                hatch="///", linewidth=0)  # fmt: skip
         for x, arch in zip(xs, archs, strict=True):
             row = by.get((arch, server))
-            if row is None or row["failure"] or int(row["errors"]) == int(row["requests"]):
-                ax.annotate("failed", (x, 0), ha="center", va="bottom", rotation=90, fontsize=8)
+            # errors count the probes too: at least one per request means every one failed
+            failed = row is None or row["failure"] or int(row["errors"]) >= int(row["requests"])
+            if failed or _int(row, "cached_tokens") == 0:
+                ax.annotate("failed" if failed else "0", (x, 0.1), ha="center", va="bottom",
+                            rotation=90, fontsize=8, color=COLOURS[server])  # fmt: skip
     ax.bar([0], [0], color="none", edgecolor="grey", hatch="///", label="cached, reply wrong")
-    ax.set_xticks(range(len(archs)), archs)
+    ax.set_xticks(range(len(archs)), archs, rotation=15)
     ax.set_xlabel("architecture (tiny random-weight mlx-lm model)")
     ax.set_ylabel("cached prompt tokens (thousands)")
     ax.set_title("Prompt tokens reused on the same chats, per server (bench_reuse_serve)")
