@@ -2,20 +2,20 @@
 
 A hot restore costs its copies: every byte of the chain into the new buffers.
 numpy releases the GIL while it copies a piece, but takes it back between
-pieces (a buffer's copy is one call over every block's rows). With the jobs
-queued on a pool and the caller waiting, two pool threads were no faster than
-one for blocks of up to 64 tokens on this project's 2-core VM
-(tools/bench_blocks.py). So the caller's thread copies too, each thread taking
-the next job nobody has taken: on that VM a 128 MiB chain restores 1.4-1.6x as
-fast as on one thread at blocks 32-256 (``bench_blocks --tiers hot``: block 32
-19-21 against 28-30 ms, block 64 17-18 against 26-27, block 256 14-15 against
-22-24), and at block 16 28-31 against 38-41 ms in most runs (``bench_hot_bound
---fetch``), as slow as one thread in others. Fixed shares, one per thread, were
-as fast most of the time but twice as slow as one thread for seconds at a time
-(a thread held back, its share waited for); taking jobs as they come, a
-held-back thread costs at most what one thread would. Pieces under
-``MIN_PIECE`` on average stay on the caller's thread.
-``PREFIXCACHE_COPY_THREADS=1`` keeps them all there.
+pieces (a buffer's copy is one call over every block's rows). Until session 14
+the caller queued the jobs on a pool and waited: two pool threads were no
+faster than one for blocks of up to 64 tokens on this project's 2-core VM
+(tools/bench_blocks.py, sessions 11-12), so small pieces stayed on one thread.
+Now the caller's thread copies too, each thread taking the next job nobody has
+taken: on that VM a 128 MiB chain restores 1.4-1.6x as fast as on one thread at
+blocks 32-256 (``bench_blocks --tiers hot``: block 32 19-21 against 28-30 ms,
+block 64 17-18 against 26-27, block 256 14-15 against 22-24), and at block 16
+28-31 against 38-41 ms in most runs (``bench_hot_bound --fetch``), as slow as
+one thread in others. Fixed shares, one per thread, were as fast most of the
+time but twice as slow as one thread for seconds at a time (a thread held
+back, its share waited for); taking jobs as they come, a held-back thread
+costs at most what one thread would. Pieces under ``MIN_PIECE`` on average
+stay on the caller's thread. ``PREFIXCACHE_COPY_THREADS=1`` keeps them all there.
 
 Jobs run numpy only (no MLX), on buffers the restore owns alone until it
 returns; ``wait`` returns once every job has ended, the first error raised.

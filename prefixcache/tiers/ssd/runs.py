@@ -41,7 +41,7 @@ _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # (block 64) took 63-73 ms read whole against 75-83 straight into place; 3 MiB ones
 # (block 256 of 24 layers x 2 KV heads x 64 dims, 48 MiB) 35 / 49 ms warm / cold
 # against 46 / 55; 4 MiB ones (block 128, 128 MiB) 42-44 / 89-93 against 50-60 /
-# 79-82 (bench_blocks --tiers ssd --modes warm cold).
+# 79-82 (bench_blocks --tiers ssd --modes warm cold, session 14).
 SMALL_READ = 3 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
 # Fewer, longer copies (one per tensor and run, not per block) and fewer calls per
