@@ -85,6 +85,8 @@ class GuardedGenerator(server.ResponseGenerator):
             out = super()._tokenize(tokenizer, request, args)
         except TemplateError as err:
             raise RequestError(f"the model's chat template refused the messages: {err}") from None
+        except (ValueError, TypeError, KeyError) as err:  # the tokenizer's, on this request
+            raise RequestError(f"the request could not be tokenized: {err}") from None
         prompt, vision = out[0], out[4]
         check_prompt(prompt, self.vocab_size(), vision.cache_key if vision else prompt)
         return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -64,7 +63,7 @@ def read_body(rfile: BinaryIO, headers: Mapping[str, str], limit: int) -> bytes:
         raise RequestError(f"body of {length} bytes is over the limit of {limit} bytes", 413)
     try:
         raw = rfile.read(length)
-    except (TimeoutError, socket.timeout):  # noqa: UP041 (socket.timeout's old name too)
+    except TimeoutError:
         raise RequestError("the body did not arrive in time", 408) from None
     if len(raw) < length:
         raise RequestError(f"body ended after {len(raw)} of {length} bytes")
@@ -128,8 +127,7 @@ def check_body(path: str, body: Mapping[str, Any], limits: Limits) -> None:
     if options is not None and not isinstance(options.get("include_usage"), bool):
         shown = _show(options.get("include_usage"))
         raise RequestError(f"stream_options.include_usage must be true or false, got {shown}")
-    if body.get("tools") is not None and not isinstance(body["tools"], list):
-        raise RequestError(f"tools must be a list, got {_show(body['tools'])}")
+    _check_tools(body.get("tools"))
 
 
 def check_messages(messages: object, *, images: bool = False) -> None:
@@ -146,7 +144,7 @@ def check_messages(messages: object, *, images: bool = False) -> None:
         if not isinstance(message, dict):
             raise RequestError(f"messages[{i}] must be an object, got {_show(message)}")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             known = ", ".join(sorted(ROLES))
             raise RequestError(f"messages[{i}].role must be one of {known}; got {_show(role)}")
         content = message.get("content")
@@ -160,6 +158,7 @@ def check_messages(messages: object, *, images: bool = False) -> None:
 
 def _check_part(where: str, part: object, images: bool) -> None:
     kind = part.get("type") if isinstance(part, dict) else None
+    kind = kind if isinstance(kind, str) else None
     if images and kind in IMAGE_PARTS:
         url = part.get("image_url", part.get("image"))
         url = url.get("url") if isinstance(url, dict) else url
@@ -195,6 +194,23 @@ def _check_int(body: Mapping[str, Any], name: str, low: int, high: int) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise RequestError(f"{name} must be an integer from {low} to {high}, got {_show(value)}")
+
+
+def _check_tools(tools: object) -> None:
+    """``tools``: a list of ``{"type": "function", "function": {"name": ..., ...}}``."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise RequestError(f"tools must be a list, got {_show(tools)}")
+    for i, tool in enumerate(tools):
+        is_dict = isinstance(tool, dict)
+        function = tool.get("function") if is_dict else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not is_dict or tool.get("type") != "function" or not isinstance(name, str) or not name:
+            raise RequestError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ...}}}}, '
+                f"got {_show(tool)}"
+            )
 
 
 def _check_stop(stop: object) -> None:
