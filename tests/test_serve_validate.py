@@ -64,6 +64,8 @@ def test_good_bodies_pass():
         ({"messages": HI, "logit_bias": {"1": "x"}}, "logit_bias"),
         ({"messages": HI, "tools": {}}, "tools"),
         ({"messages": HI, "tools": [None]}, "tools[0]"),  # found by tools/fuzz_serve.py
+        ({"messages": HI, "top_k": 512}, "top_k"),  # and this: sampling raised
+        ({"messages": HI, "xtc_threshold": 0.6}, "xtc_threshold"),
         ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),  # and this
         ({"messages": HI, "stream_options": {"include_usage": 1}}, "include_usage"),
     ],

@@ -25,6 +25,7 @@ MAX_TOKENS_LIMIT = 1 << 17  # --max-tokens-limit default
 MAX_STOP_WORDS = 16
 MAX_STOP_CHARS = 256
 MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
+XTC_THRESHOLD = 0.5  # mlx-lm's XTC sampling raises above
 
 
 class RequestError(ValueError):
@@ -118,6 +119,11 @@ def check_body(path: str, body: Mapping[str, Any], limits: Limits) -> None:
         _check_int(body, name, 1, limits.max_tokens)
     _check_int(body, "n", 1, 1)
     _check_int(body, "seed", 0, MAX_SEED)
+    if limits.vocab_size is not None:  # mlx-lm's top-k sampling raises on one not below it
+        _check_int(body, "top_k", 0, limits.vocab_size - 1)
+    threshold = body.get("xtc_threshold")
+    if isinstance(threshold, float) and not 0 <= threshold <= XTC_THRESHOLD:  # likewise
+        raise RequestError(f"xtc_threshold must be from 0 to {XTC_THRESHOLD}, got {threshold!r}")
     _check_stop(body.get("stop"))
     _check_logit_bias(body.get("logit_bias"), limits.vocab_size)
     for name in ("chat_template_kwargs", "stream_options", "role_mapping"):
