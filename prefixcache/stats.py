@@ -185,7 +185,7 @@ _METRICS: dict[str, tuple[str, str, str]] = {
         _C,
         "times serve started mlx-lm's generation loop again after it failed",
     ),
-    "num_refused_requests": ("refused_requests_total", _C, "requests serve refused with a 4xx"),
+    "num_refused_requests": ("refused_requests_total", _C, "requests serve answered with a 4xx"),
     "ssd.num_corrupt": ("ssd_corrupt_blocks_total", _C, "corrupt blocks quarantined here"),
     "ssd.num_loads": ("ssd_loads_total", _C, "payload files read"),
     "ssd.load_bytes": ("ssd_loaded_bytes_total", _C, "payload bytes read"),

@@ -25,8 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "too
 
 from badlib import BAD, health, send
 from serve_child import RAISE
+from test_cli import cli
 
 EOS_IDS = (0, 1, 2)  # the tiny tokenizer's special tokens (prefixcache.tiny.models)
+LONG = {  # a request that never ends by itself
+    "max_tokens": 100_000,
+    "logit_bias": {str(eos): -1000 for eos in EOS_IDS},
+    "messages": [{"role": "user", "content": "Tell me everything."}],
+}
 CHILD = str(Path(__file__).with_name("serve_child.py"))
 QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "First train?"}]
 
@@ -47,7 +53,9 @@ def answer(server) -> tuple[str, int]:
 
 def test_bad_requests_get_4xx_and_leave_the_server_working(model_dir, tmp_path):  # noqa: F811
     ssd = tmp_path / "ssd"
-    with running(_ours(model_dir, ssd), tmp_path / "serve.log") as server:
+    metrics = _free_port()
+    argv = [*_ours(model_dir, ssd), "--metrics-port", str(metrics)]
+    with running(argv, tmp_path / "serve.log") as server:
         for bad in BAD:
             status, text = send(server.url, bad)
             assert status == str(bad.expect), (bad.name, status, text)
@@ -56,16 +64,19 @@ def test_bad_requests_get_4xx_and_leave_the_server_working(model_dir, tmp_path):
             assert health(server.url) == "200", (bad.name, server.text()[-2000:])
         reply = chat(server)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+        refused = sum(400 <= bad.expect < 500 and bad.expect != 431 for bad in BAD)
+        assert _metric(metrics, "prefixcache_refused_requests_total") == refused
+        assert _metric(metrics, "prefixcache_generation_restarts_total") == 0
         assert server.stop() == 0
     outside = {p.name for p in tmp_path.iterdir()} - {"ssd", "serve.log"}
     assert not outside, outside  # path-like session ids stayed names
+    assert cli("verify", "--ssd-dir", str(ssd), "--json")["ok"]
 
 
 def _stream_until_done(server, out: dict) -> None:
     """A long streamed request; ``out``: 'started' once its first chunk came, then its
     lines and when it ended."""
-    body = {"messages": QUESTION, "max_tokens": 100_000, "stream": True, "temperature": 0}
-    body["logit_bias"] = {str(eos): -1000 for eos in EOS_IDS}  # it never ends by itself
+    body = {"messages": QUESTION, "stream": True, "temperature": 0, **LONG}
     with requests.post(
         server.url + "/v1/chat/completions", json=body, stream=True, timeout=TIMEOUT
     ) as reply:
@@ -77,7 +88,7 @@ def _stream_until_done(server, out: dict) -> None:
     out["ended"] = time.monotonic()
 
 
-def _metric(server, metrics_port: int, name: str) -> float:
+def _metric(metrics_port: int, name: str) -> float:
     text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).text
     lines = [line for line in text.splitlines() if line.startswith(name + " ")]
     assert lines, (name, text)
@@ -92,11 +103,18 @@ def test_a_generation_loop_that_raises_is_restarted_and_nothing_is_lost(model_di
         first, _ = answer(server)
         reply, cached = answer(server)
         assert reply == first and cached > 0
-        hot = _metric(server, metrics, "prefixcache_hot_blocks")
+        hot = _metric(metrics, "prefixcache_hot_blocks")
         out: dict = {"started": threading.Event()}
         streaming = threading.Thread(target=_stream_until_done, args=(server, out))
         streaming.start()
         assert out["started"].wait(TIMEOUT), "the long request never started"
+        fetches = _metric(metrics, "prefixcache_fetches_total")
+        whole: list = []  # a long request answered whole, in flight too
+        waiting = threading.Thread(target=lambda: whole.append(chat(server, **LONG)))
+        waiting.start()
+        while _metric(metrics, "prefixcache_fetches_total") == fetches:  # until it is taken
+            assert waiting.is_alive(), whole[0].text
+            time.sleep(0.01)
 
         killed = chat(server, stop=[RAISE])
         failed_at = time.monotonic()
@@ -105,16 +123,19 @@ def test_a_generation_loop_that_raises_is_restarted_and_nothing_is_lost(model_di
         streaming.join(TIMEOUT)
         assert not streaming.is_alive(), "the request in flight hung"
         assert b'"error"' in out["lines"][-1], out["lines"][-1]  # it ended with an error event
+        waiting.join(TIMEOUT)
+        assert not waiting.is_alive(), "the request in flight hung"
+        assert whole[0].status_code == 500 and "raised on purpose" in whole[0].json()["error"]
 
         while health(server.url) != "200":
             assert time.monotonic() - failed_at < 1.0, "not answering a second after"
             time.sleep(0.01)
         doc = requests.get(server.url + "/health", timeout=TIMEOUT).json()
         assert doc == {"status": "ok", "generation_restarts": 1}
-        assert _metric(server, metrics, "prefixcache_generation_restarts_total") == 1
+        assert _metric(metrics, "prefixcache_generation_restarts_total") == 1
         assert answer(server) == (first, cached)  # the tiers kept every block
-        assert _metric(server, metrics, "prefixcache_hot_blocks") >= hot
-        assert _metric(server, metrics, "prefixcache_storage_errors_total") == 0
+        assert _metric(metrics, "prefixcache_hot_blocks") >= hot
+        assert _metric(metrics, "prefixcache_storage_errors_total") == 0
         assert server.stop() == 0
     assert "generation thread failed (RuntimeError: raised on purpose" in server.text()
 

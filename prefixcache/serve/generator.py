@@ -68,7 +68,7 @@ class GuardedGenerator(server.ResponseGenerator):
         return {"num_generation_restarts": restarts, "num_refused_requests": refused}
 
     def refused(self) -> None:
-        """Count one request refused with a 4xx."""
+        """Count one request answered with a 4xx."""
         with self._refused_lock:
             self._refused += 1
 

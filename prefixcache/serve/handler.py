@@ -93,6 +93,8 @@ class GuardedHandler(server.APIHandler):
     def _set_completion_headers(self, status_code: int = 200) -> None:
         if status_code == 404 and failure.error is not None:  # mlx-lm's answer to any failure
             status_code = failure.error.status
+        if 400 <= status_code < 500:  # ours, mlx-lm's own checks, unknown paths
+            self.response_generator.refused()
         super()._set_completion_headers(status_code)
 
     def _fail_late(self, err: RequestError | GenerationFailed) -> None:
@@ -107,7 +109,6 @@ class GuardedHandler(server.APIHandler):
         self._reply(err.status, {"error": str(err)})
 
     def _refuse(self, err: RequestError) -> None:
-        self.response_generator.refused()
         self._reply(err.status, {"error": str(err)})
         if err.status in (408, 411, 413):  # the body was not read: close after it
             self.close_connection = True
