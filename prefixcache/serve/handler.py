@@ -103,9 +103,12 @@ class GuardedHandler(server.APIHandler):
         self.close_connection = True
         if self.stream:
             doc = {"error": {"message": str(err), "code": err.status}}
-            self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+            try:
+                self.wfile.write(f"data: {json.dumps(doc)}\n\n".encode())
+            except (BrokenPipeError, ConnectionResetError):  # the client left already
+                log.debug("prefixcache serve: client gone before its error: %s", err)
             return
-        self._headers_buffer = []  # mlx-lm's 200 was not sent yet: only buffered
+        self._headers_buffer = []  # http.server's: mlx-lm's 200 was only buffered, not sent
         self._reply(err.status, {"error": str(err)})
 
     def _refuse(self, err: RequestError) -> None:

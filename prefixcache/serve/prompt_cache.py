@@ -6,8 +6,9 @@ conversations, hot in RAM and, unless hot-only, on SSD across restarts.
 
 mlx-lm calls it on its generation thread, where any exception ends mlx-lm's
 loop and fails every request in flight (serve starts the loop again,
-supervisor.py). So no failure of the cache's storage gets there: a request the cache cannot serve is a miss, an
-insert it cannot keep is dropped; each is counted and logged once.
+supervisor.py). So no failure of the cache's storage gets there: a request
+the cache cannot serve is a miss, an insert it cannot keep is dropped; each
+is counted and logged once.
 """
 
 from __future__ import annotations
