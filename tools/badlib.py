@@ -87,6 +87,8 @@ BAD: tuple[Bad, ...] = (
     Bad("top_k over the vocabulary, greedy", _chat(top_k=10**9)),
     Bad("top_k over the vocabulary, sampled", _chat(top_k=10**9, temperature=1.0)),
     Bad("xtc_threshold 0.9, sampled", _chat(xtc_probability=0.5, xtc_threshold=0.9, temperature=1)),
+    Bad("presence_penalty of 2**63", _chat(presence_penalty=2**63)),
+    Bad("logit_bias of 2**1100", _chat(logit_bias={"5": 2**1100})),
     Bad("stream_options without include_usage", _chat(stream=True, stream_options={})),
     Bad("JSON nested 100000 deep", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     Bad("integer of 5000 digits", b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}"),

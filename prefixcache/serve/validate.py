@@ -26,6 +26,24 @@ MAX_STOP_WORDS = 16
 MAX_STOP_CHARS = 256
 MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
 XTC_THRESHOLD = 0.5  # mlx-lm's XTC sampling raises above
+MAX_NUMBER = (1 << 31) - 1  # a sampling number beyond: MLX raised converting it (int64)
+MAX_BIAS = 100  # OpenAI's bound on a logit_bias value
+SAMPLING_NUMBERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "num_draft_tokens",
+    "top_logprobs",
+)
 
 
 class RequestError(ValueError):
@@ -119,6 +137,10 @@ def check_body(path: str, body: Mapping[str, Any], limits: Limits) -> None:
         _check_int(body, name, 1, limits.max_tokens)
     _check_int(body, "n", 1, 1)
     _check_int(body, "seed", 0, MAX_SEED)
+    for name in SAMPLING_NUMBERS:  # mlx-lm checks their types; MLX cannot take huge ones
+        value = body.get(name)
+        if isinstance(value, int | float) and not abs(value) <= MAX_NUMBER:
+            raise RequestError(f"{name} must be from -{MAX_NUMBER} to {MAX_NUMBER}, got {value!r}")
     if limits.vocab_size is not None:  # mlx-lm's top-k sampling raises on one not below it
         _check_int(body, "top_k", 0, limits.vocab_size - 1)
     threshold = body.get("xtc_threshold")
@@ -240,10 +262,10 @@ def _check_logit_bias(bias: object, vocab_size: int | None) -> None:
     for key, value in bias.items():
         ok = key.isascii() and key.isdigit() and int(key) < top
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not ok or not number or not math.isfinite(value):
+        if not ok or not number or not -MAX_BIAS <= value <= MAX_BIAS:
             raise RequestError(
-                f"logit_bias must map token ids 0 to {top - 1} to numbers, got {_show(key)}: "
-                f"{_show(value)}"
+                f"logit_bias must map token ids 0 to {top - 1} to numbers from -{MAX_BIAS} to "
+                f"{MAX_BIAS}, got {_show(key)}: {_show(value)}"
             )
 
 
