@@ -30,7 +30,7 @@ from test_cli import cli
 EOS_IDS = (0, 1, 2)  # the tiny tokenizer's special tokens (prefixcache.tiny.models)
 LONG = {  # a request that never ends by itself
     "max_tokens": 100_000,
-    "logit_bias": {str(eos): -1000 for eos in EOS_IDS},
+    "logit_bias": {str(eos): -100 for eos in EOS_IDS},
     "messages": [{"role": "user", "content": "Tell me everything."}],
 }
 CHILD = str(Path(__file__).with_name("serve_child.py"))
@@ -81,6 +81,8 @@ def _stream_until_done(server, out: dict) -> None:
         server.url + "/v1/chat/completions", json=body, stream=True, timeout=TIMEOUT
     ) as reply:
         out["status"] = reply.status_code
+        if reply.status_code != 200:
+            out["started"].set()  # it will not: the test says why
         for line in reply.iter_lines():
             if line.startswith(b"data: {"):
                 out.setdefault("lines", []).append(line)
@@ -108,6 +110,7 @@ def test_a_generation_loop_that_raises_is_restarted_and_nothing_is_lost(model_di
         streaming = threading.Thread(target=_stream_until_done, args=(server, out))
         streaming.start()
         assert out["started"].wait(TIMEOUT), "the long request never started"
+        assert out["status"] == 200, out
         fetches = _metric(metrics, "prefixcache_fetches_total")
         whole: list = []  # a long request answered whole, in flight too
         waiting = threading.Thread(target=lambda: whole.append(chat(server, **LONG)))
