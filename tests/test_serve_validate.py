@@ -68,6 +68,7 @@ def test_good_bodies_pass():
         ({"messages": HI, "xtc_threshold": 0.6}, "xtc_threshold"),
         ({"messages": HI, "presence_penalty": 2**63}, "presence_penalty"),  # MLX's bad_cast
         ({"messages": HI, "temperature": -1e300}, "temperature"),
+        ({"messages": HI, "top_logprobs": True, "logprobs": True}, "top_logprobs"),  # and this
         ({"messages": HI, "logit_bias": {"1": 2**1100}}, "logit_bias"),
         ({"messages": [{"role": [], "content": "x"}]}, "messages[0].role"),  # and this
         ({"messages": HI, "stream_options": {"include_usage": 1}}, "include_usage"),

@@ -89,6 +89,7 @@ BAD: tuple[Bad, ...] = (
     Bad("xtc_threshold 0.9, sampled", _chat(xtc_probability=0.5, xtc_threshold=0.9, temperature=1)),
     Bad("presence_penalty of 2**63", _chat(presence_penalty=2**63)),
     Bad("logit_bias of 2**1100", _chat(logit_bias={"5": 2**1100})),
+    Bad("top_logprobs is true", _chat(logprobs=True, top_logprobs=True)),
     Bad("stream_options without include_usage", _chat(stream=True, stream_options={})),
     Bad("JSON nested 100000 deep", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     Bad("integer of 5000 digits", b'{"messages": [], "max_tokens": ' + b"9" * 5000 + b"}"),

@@ -139,6 +139,8 @@ def check_body(path: str, body: Mapping[str, Any], limits: Limits) -> None:
     _check_int(body, "seed", 0, MAX_SEED)
     for name in SAMPLING_NUMBERS:  # mlx-lm checks their types; MLX cannot take huge ones
         value = body.get(name)
+        if isinstance(value, bool):  # an int to mlx-lm's check; a top_logprobs of true raised
+            raise RequestError(f"{name} must be a number, got {value!r}")
         if isinstance(value, int | float) and not abs(value) <= MAX_NUMBER:
             raise RequestError(f"{name} must be from -{MAX_NUMBER} to {MAX_NUMBER}, got {value!r}")
     if limits.vocab_size is not None:  # mlx-lm's top-k sampling raises on one not below it
