@@ -180,6 +180,12 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "ssd.num_recoveries": ("ssd_recoveries_total", _C, "ssd tier writes turned back on"),
     "ssd.num_read_errors": ("ssd_read_errors_total", _C, "payload reads failed by I/O errors"),
     "num_storage_errors": ("storage_errors_total", _C, "server cache calls failed by storage"),
+    "num_generation_restarts": (
+        "generation_restarts_total",
+        _C,
+        "times serve started mlx-lm's generation loop again after it failed",
+    ),
+    "num_refused_requests": ("refused_requests_total", _C, "requests serve answered with a 4xx"),
     "ssd.num_corrupt": ("ssd_corrupt_blocks_total", _C, "corrupt blocks quarantined here"),
     "ssd.num_loads": ("ssd_loads_total", _C, "payload files read"),
     "ssd.load_bytes": ("ssd_loaded_bytes_total", _C, "payload bytes read"),

@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..config import ENV_PREFIX, EVICTIONS, WRITE_POLICIES, CacheConfig, parse_bytes
 from ..errors import SsdDirError, SsdFormatError
+from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
 from .common import Command, UsageError
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--write-policy", choices=WRITE_POLICIES)
     _add_remote_args(group)
     _add_operator_args(group)
+    _add_guard_args(parser.add_argument_group("requests (docs/operating.md, bounds)"))
     group.add_argument(
         "--metrics-port", type=port, help="Prometheus text at 127.0.0.1:PORT/metrics"
     )
@@ -107,6 +109,44 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_guard_args(group: argparse._ArgumentGroup) -> None:
+    """What serve accepts of a request (serve/validate.py)."""
+    group.add_argument(
+        "--max-body-bytes",
+        type=_bytes_arg,
+        default=MAX_BODY_BYTES,
+        help="refuse a request body over this size with 413 (default: 32M)",
+    )
+    group.add_argument(
+        "--max-tokens-limit",
+        type=_positive_int,
+        default=MAX_TOKENS_LIMIT,
+        help=f"refuse a max_tokens above this with 400 (default: {MAX_TOKENS_LIMIT})",
+    )
+    group.add_argument(
+        "--client-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a client may stay silent while sending a request (default: 30)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type of a TCP port: 0 (any free one) to 65535."""
     if not text.strip().isdigit() or int(text) > 65535:
@@ -116,7 +156,7 @@ def port(text: str) -> int:
 
 # restore_headroom by default: room for the prompt's rest and its first token, so
 # the prefill and the first token write in place in the restored buffer mlx-lm's
-# batch takes (mlx_batch.py); the reply then grows it in mlx-lm's 256-token steps.
+# batch takes (serve/batch.py); the reply then grows it in mlx-lm's 256-token steps.
 # More room would count in the batch's bytes, which the cache must leave free.
 SERVE_HEADROOM = 1
 
@@ -195,7 +235,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
     set_mx_cache_limit(args)
     shared = getattr(args, "shared_prefix", False)
-    return run_mlx_server(args.model, args.mlx_lm_args, config, args.metrics_port, shared=shared)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
+    return run_mlx_server(
+        args.model,
+        args.mlx_lm_args,
+        config,
+        args.metrics_port,
+        shared=shared,
+        limits=limits,
+        client_timeout=args.client_timeout,
+    )
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

@@ -9,24 +9,24 @@ Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
 takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way. Imported only to serve
 (it imports mlx-lm); the options are serve.py's.
 
-Per-request cache fields (``cache_salt``, ``session_id`` / ``X-Session-Id``,
-``cache.persist``) reach the cache through three narrow overrides
-(request_options.py, docs/operating.md): the HTTP handler parses them before
-mlx-lm's ``handle_completion`` (a bad one is a 400 naming it), ``generate``
-(same thread) files them under the request object, and ``_tokenize`` (the
+The generator subclass builds on generator.py's (its loop supervised, each
+prompt checked) and the HTTP handler is handler.py's (each request checked
+first: no request a client sends stops the server). Per-request cache fields
+(``cache_salt``, ``session_id`` / ``X-Session-Id``, ``cache.persist``) reach
+the cache through three narrow overrides (request_options.py,
+docs/operating.md): the HTTP handler parses them before mlx-lm's
+``handle_completion`` (a bad one is a 400 naming it), ``generate`` (same
+thread) files them under the request object, and ``_tokenize`` (the
 generation thread, just before the fetch) registers them with the prompt.
-``DELETE /v1/sessions/{session_id}`` ends a session (``PrefixCache.end_session``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import signal
 import sys
 import threading
-import urllib.parse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,16 +35,17 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
-from ..tiers.controls import check_session
 from .fit import ModelKey, ModelPair
+from .generator import GuardedGenerator
+from .handler import CLIENT_TIMEOUT, asked, configured
 from .metrics import serve_metrics
 from .prefetch import QueuedPrefetch
 from .prompt_cache import TieredPromptCache
-from .request_options import DEFAULT, RequestOptions, parse
+from .request_options import DEFAULT, RequestOptions
 from .segments import CheckpointedPrefill, cut_segments
+from .validate import Limits
 
 log = logging.getLogger(__name__)
-SESSIONS = "/v1/sessions/"  # DELETE /v1/sessions/{session_id} ends a session
 
 
 def provider_models(provider: Any) -> Callable[[ModelKey], nn.Module]:
@@ -67,21 +68,25 @@ def run_mlx_server(
     metrics_port: int | None,
     *,
     shared: bool = False,
+    limits: Limits | None = None,
+    client_timeout: float = CLIENT_TIMEOUT,
 ) -> int:
     """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
-    (``shared``: concurrent requests on one prefix hold it once)."""
+    (``shared``: concurrent requests on one prefix hold it once); requests are checked
+    against ``limits`` (handler.py), a client silent for ``client_timeout`` seconds
+    is disconnected."""
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
-    generator_class = _generator_class(server.ResponseGenerator, config, generators, shared)
+    generator_class = _generator_class(GuardedGenerator, config, generators, shared)
     run_http = server._run_http_server
-    handler = _handler_class(server.APIHandler)
+    handler = configured(limits or Limits(), client_timeout)
     with (
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
         _swapped(server, "_run_http_server", lambda *a, **k: run_http(*a, handler_class=handler)),
         _swapped(sys, "argv", argv),
         _sigterm_interrupts(),
-        serve_metrics(metrics_port, lambda: generators[-1].tiered.stats() if generators else {}),
+        serve_metrics(metrics_port, lambda: generators[-1].stats() if generators else {}),
     ):
         try:
             server.main()
@@ -108,7 +113,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             super().__init__(model_provider, self.tiered)
 
         def generate(self, request: Any, generation_args: Any, progress_callback: Any = None):
-            options = _asked.options  # set by the handler on this thread
+            options = asked.options  # set by the handler on this thread
             with self._options_lock:
                 self._options[id(request)] = options  # the request lives until answered
             # if it waits in mlx-lm's queue, its cached prefix moves into hot meanwhile
@@ -129,6 +134,10 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 segments, kinds = cut_segments(segments, kinds, cuts)
             return (prompt, segments, kinds, *out[3:])
 
+        def stats(self) -> dict[str, object]:
+            """The cache's stats and the server's guard counters (restarts, refusals)."""
+            return {**self.tiered.stats(), **self.guard_stats()}
+
         def stop_and_join(self) -> None:
             try:
                 super().stop_and_join()
@@ -148,58 +157,6 @@ def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callabl
         return CheckpointedPrefill(stream_generate, made[-1].tiered)(*args, **kwargs)
 
     return run
-
-
-class _Asked(threading.local):
-    """The cache options of the request this HTTP thread serves."""
-
-    options: RequestOptions = DEFAULT
-
-
-_asked = _Asked()
-
-
-def _handler_class(base: type) -> type:
-    """mlx-lm's APIHandler that parses the cache fields of each completion request,
-    and ends sessions (``DELETE /v1/sessions/{session_id}``)."""
-
-    class CacheOptionsHandler(base):  # type: ignore[misc,valid-type]
-        def do_DELETE(self) -> None:
-            """``DELETE /v1/sessions/{session_id}``: drop the blocks only that session holds."""
-            path = urllib.parse.urlsplit(self.path).path
-            if not path.startswith(SESSIONS):
-                self._reply(404, {"error": f"no such resource: {path!r}"})
-                return
-            session = urllib.parse.unquote(path.removeprefix(SESSIONS))
-            try:
-                check_session(session)
-            except ValueError as err:
-                self._reply(400, {"error": str(err)})
-                return
-            try:
-                num = self.response_generator.tiered.end_session(session)
-            except ValueError as err:  # unknown: no store used it, or it ended
-                self._reply(404, {"error": str(err)})
-                return
-            self._reply(200, {"session_id": session, "num_blocks": num})
-
-        def _reply(self, status: int, doc: dict[str, object]) -> None:
-            self._set_completion_headers(status)
-            self.end_headers()
-            self.wfile.write(json.dumps(doc).encode())
-
-        def handle_completion(self, request: Any, stop_words: Any) -> None:
-            try:
-                _asked.options = parse(self.body, self.headers)
-            except ValueError as err:
-                self._reply(400, {"error": str(err)})
-                return
-            try:
-                super().handle_completion(request, stop_words)
-            finally:
-                _asked.options = DEFAULT
-
-    return CacheOptionsHandler
 
 
 @contextmanager

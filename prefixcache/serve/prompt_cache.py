@@ -4,10 +4,10 @@ mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
 
-mlx-lm calls it on its generation thread, where any exception kills the thread
-for good (every later request fails, ``/health`` turns 503). So no failure of
-the cache's storage gets there: a request the cache cannot serve is a miss, an
-insert it cannot keep is dropped; each is counted and logged once.
+mlx-lm calls it on its generation thread, where an exception ends the loop and
+fails every request in flight. So no failure of the cache's storage gets there:
+a request the cache cannot serve is a miss, an insert it cannot keep is
+dropped; each is counted and logged once.
 """
 
 from __future__ import annotations

@@ -48,21 +48,44 @@ class RequestOptions:
 DEFAULT = RequestOptions()
 
 
+MAX_NAME = 256  # characters of a cache_salt or a session_id
+
+
+def check_name(field: str, value: object) -> str | None:
+    """``value`` if it is None or a name serve accepts: a string of 1 to ``MAX_NAME``
+    printable characters (no control characters; any script).
+
+    Raises:
+        ValueError: otherwise (the message names ``field`` and shows the value cut short).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and 0 < len(value) <= MAX_NAME and value.isprintable():
+        return value
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+    raise ValueError(
+        f"{field} must be a string of 1 to {MAX_NAME} printable characters, got {shown}"
+        + (f" ({len(value)} characters)" if isinstance(value, str) else "")
+    )
+
+
 def parse(body: Mapping[str, object], headers: Mapping[str, str]) -> RequestOptions:
     """The options of a request body and its headers.
 
     Raises:
-        ValueError: a field has the wrong type (the message names it and its value).
+        ValueError: a field has the wrong type or is out of bounds (the message names it).
     """
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
-    session = body.get("session_id", headers.get("X-Session-Id"))
-    if session is not None and (not isinstance(session, str) or not 0 < len(session) <= 256):
-        raise ValueError(f"session_id must be a string of 1 to 256 characters, got {session!r}")
+    salt = check_name("cache_salt", body.get("cache_salt"))
+    if "session_id" in body:
+        session = check_name("session_id", body["session_id"])
+    else:
+        session = check_name("X-Session-Id", headers.get("X-Session-Id"))
     cache = body.get("cache", {})
     if not isinstance(cache, dict):
         raise ValueError(f'cache must be an object such as {{"persist": false}}, got {cache!r}')
+    unknown = sorted(k for k in cache if k != "persist")
+    if unknown:
+        raise ValueError(f"cache has unknown fields {unknown[:5]!r}: only persist is known")
     persist = cache.get("persist", True)
     if not isinstance(persist, bool):
         raise ValueError(f"cache.persist must be true or false, got {persist!r}")
