@@ -91,7 +91,7 @@ class RemoteTier(ListsChildren, Tier):
         self._closed = False
         self.writer = Writer(
             self._write_batch,
-            max_bytes=config.write_queue_bytes,
+            max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             batch_bytes=16 << 20,
             name="prefixcache-remote-writer",

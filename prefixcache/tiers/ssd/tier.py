@@ -88,7 +88,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
         self._touches: set[bytes] = set()
         self.writer = Writer(
             self._write_batch,
-            max_bytes=config.write_queue_bytes,
+            max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             hold=writer_hold,
         )
