@@ -21,6 +21,7 @@ import pytest
 from conftest import prefill, prompt
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.stats import prometheus_text
 from prefixcache.tiers import quiet
 
 BLOCK = 16
@@ -122,8 +123,12 @@ def test_a_stalled_disk_gets_counted_back_pressure_not_ram(tmp_path, llama, poli
             for tokens in requests(150, seed=1):
                 serve(pc, llama, tokens)
                 peak = max(peak, ssd.writer.queue_bytes)
+                ram = pc.stats()["ram"]  # every byte in RAM, at every request
+                assert ram["nbytes"] <= ram["max_bytes"] == HOT + bound, ram
+                assert ram["queued_bytes"] == ssd.writer.queue_bytes
             stats = pc.stats()
             assert peak <= bound
+            assert "prefixcache_ram_bytes " in prometheus_text(stats)
             assert stats["num_spills"] > 0
             counts = stats["ssd"]
             if policy == "drop":

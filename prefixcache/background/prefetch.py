@@ -89,6 +89,7 @@ class Prefetcher:
         self._idle = threading.Condition(threading.Lock())
         self._pending = 0  # jobs submitted and not finished
         self._joins = 0  # joins waiting (under ``_idle``): promotions skip the quiet window
+        self.loading_bytes = 0  # the block being loaded, not yet in a tier (RAM beside them)
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` (called under the lock); returns how many blocks it holds."""
@@ -165,14 +166,17 @@ class Prefetcher:
                 for index, nbytes in mine:
                     if not self._room(job, tier, nbytes):
                         return
+                    self.loading_bytes = nbytes
                     try:
                         loaded = reader.load(index)
+                        if loaded is None:
+                            return  # the chain stops here: later blocks cannot be used
+                        self._put(job, tier, loaded.to_block())  # evaluated on this thread
                     except _LOAD_ERRORS as err:
                         log.debug("prefixcache: prefetch of a block failed: %s", err)
                         return
-                    if loaded is None:
-                        return  # the chain stops here: later blocks cannot be used
-                    self._put(job, tier, loaded.to_block())  # arrays evaluated on this thread
+                    finally:
+                        self.loading_bytes = 0
             finally:
                 reader.close()
 

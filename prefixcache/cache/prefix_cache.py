@@ -13,7 +13,7 @@ from ..background.services import Services
 from ..config import CacheConfig
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from ..shared import fetch_shared, shared_stats
-from ..stats import Stats
+from ..stats import Stats, ram_stats
 from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
 from ..tiers.base import Tier
@@ -177,6 +177,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         tiers = self.tiers.snapshot()
         written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
         out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
+        out["ram"] = ram_stats(tiers, self.prefetcher.loading_bytes)
         return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
 
     def flush(self) -> None:

@@ -223,6 +223,7 @@ class RemoteTier(ListsChildren, Tier):
             **self.client.counts(),
             "queue_depth": self.writer.queue_depth,
             "queue_bytes": self.writer.queue_bytes,
+            "queue_max_bytes": self.writer.max_bytes,
             "num_write_failures": self.writer.num_failures,
             **{name: counts.get(name, 0) for name in _COUNTERS},
             **self.gate.stats(),

@@ -249,6 +249,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
             "max_bytes": self.max_bytes,
             "queue_depth": self.writer.queue_depth,
             "queue_bytes": self.writer.queue_bytes,
+            "queue_max_bytes": self.writer.max_bytes,
             "num_write_failures": self.writer.num_failures,
             **counts,
             **self.control_stats(),
