@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import threading
 
 import mlx.core as mx
@@ -20,9 +21,17 @@ from prefixcache.tiny.models import build_model
 QUANT_LLAMA = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
-@functools.cache
+QUANT_LLAMA4 = {"text_config": QUANT_LLAMA}  # llama4's dims sit in its text_config
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    return build_model(arch, seed=seed, **overrides)
+    """A tiny model, built once per (arch, seed, overrides) (dict overrides too)."""
+    return _tiny_model(arch, seed, json.dumps(overrides, sort_keys=True))
+
+
+@functools.cache
+def _tiny_model(arch: str, seed: int, overrides: str):
+    return build_model(arch, seed=seed, **json.loads(overrides))
 
 
 @pytest.fixture(scope="session")
