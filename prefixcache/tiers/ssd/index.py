@@ -89,16 +89,25 @@ class SsdIndex:
             raise
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
-        """One transaction; after a write commits, the files of dropped entries go."""
+        """One transaction; after a write commits, the files of dropped entries go.
+
+        A write holds the environment's write lock until those files are gone:
+        the room an eviction frees is counted free at its commit, and a write
+        reserving it in another thread must not land its file while the
+        dropped one is still on disk (the cap would be exceeded for a moment).
+        Within one process; another process sharing the directory can still
+        overlap its write with this unlink (microseconds after the commit).
+        """
         if not write:
             return self._shared.txn(fn)
-        try:
-            result = self._shared.txn(fn, write=True)
-        except BaseException:
-            self.entries.unlink_dropped(committed=False)
-            raise
-        self.entries.unlink_dropped(committed=True)
-        return result
+        with self._shared.write_lock:
+            try:
+                result = self._shared.txn(fn, write=True)
+            except BaseException:
+                self.entries.unlink_dropped(committed=False)
+                raise
+            self.entries.unlink_dropped(committed=True)
+            return result
 
     def close(self) -> None:
         if not self._closed:
