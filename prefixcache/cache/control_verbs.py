@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import CacheConfig
 from ..hashing import chain_keys, token_bytes
+from ..memory import give_back
 from ..tiers.controls import Controls, tail_keys
 from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
@@ -94,7 +95,11 @@ class ControlVerbs:
         """
         with self._lock:
             self._check_open()
-            return self.controls.end(session)
+            held = self.tiers.hot.nbytes
+            num = self.controls.end(session)
+            give_back.note_freed(held - self.tiers.hot.nbytes)  # removed, not evicted
+        give_back.maybe()
+        return num
 
     @property
     def hot(self) -> HotTier:
@@ -136,7 +141,9 @@ class ControlVerbs:
                 same = last is not None and last[0] == data and last[1] == root
                 keys = last[2] if same else self.lookup.plan(data, root).keys
                 num = hot.evict_chain(reversed(keys), limit)
-            return num + hot.evict_to(limit)
+            num += hot.evict_to(limit)
+        give_back.maybe()  # the evicted arrays are unreferenced now (memory/give_back.py)
+        return num
 
     def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
         """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""

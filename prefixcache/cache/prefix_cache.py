@@ -12,6 +12,7 @@ from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
+from ..memory import give_back
 from ..shared import fetch_shared, shared_stats
 from ..stats import Stats, ram_stats
 from ..stats_types import CacheStats
@@ -204,6 +205,8 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
                     self.tiers.close()
                 finally:
                     self.services.close()
+                    self.tiers.drop_hot()
+                    give_back.now()  # what the tiers held leaves the process
 
     def __enter__(self) -> PrefixCache:
         return self

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..blocks import Block
+from ..memory import give_back
 from ..memory.host import Tensor
 from . import quiet
 
@@ -214,6 +215,8 @@ class Writer:
                 self._num_out += len(batch)
                 self._done = max(self._done, round_)
                 self._cond.notify_all()
+            batch = []  # the written blocks' arrays are unreferenced now
+            give_back.maybe()
 
     def _wait_quiet(self) -> None:
         """While a fetch's quiet window is open, wait (under ``_cond``) at most one

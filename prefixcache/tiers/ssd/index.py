@@ -89,15 +89,8 @@ class SsdIndex:
             raise
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
-        """One transaction; after a write commits, the files of dropped entries go.
-
-        A write holds the environment's write lock until those files are gone:
-        the room an eviction frees is counted free at its commit, and a write
-        reserving it in another thread must not land its file while the
-        dropped one is still on disk (the cap would be exceeded for a moment).
-        Within one process; another process sharing the directory can still
-        overlap its write with this unlink (microseconds after the commit).
-        """
+        """One transaction; a write's dropped files go after its commit, under the write
+        lock: a write reserving the freed room must not land beside them (over the cap)."""
         if not write:
             return self._shared.txn(fn)
         with self._shared.write_lock:
