@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import json
 import threading
 
 import mlx.core as mx
@@ -24,14 +22,15 @@ QUANT_LLAMA = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 3
 QUANT_LLAMA4 = {"text_config": QUANT_LLAMA}  # llama4's dims sit in its text_config
 
 
+_MODELS: dict[tuple[str, int, str], object] = {}
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     """A tiny model, built once per (arch, seed, overrides) (dict overrides too)."""
-    return _tiny_model(arch, seed, json.dumps(overrides, sort_keys=True))
-
-
-@functools.cache
-def _tiny_model(arch: str, seed: int, overrides: str):
-    return build_model(arch, seed=seed, **json.loads(overrides))
+    key = (arch, seed, repr(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = build_model(arch, seed=seed, **overrides)
+    return _MODELS[key]
 
 
 @pytest.fixture(scope="session")
