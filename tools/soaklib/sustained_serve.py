@@ -247,6 +247,40 @@ def kill_and_restart(
     return server, note
 
 
+def drive(
+    clients: Clients,
+    setup: SustainedSetup,
+    model: Path,
+    ssd: Path,
+    tmp: Path,
+    rows: list[dict],
+    tally: Tally,
+    began: float,
+) -> str:
+    """The clients' run, sampled, with the kill and restart halfway; the kill's note."""
+    threads = [threading.Thread(target=clients.run, daemon=True) for _ in range(4)]
+    clients.go.set()
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 60 * setup.minutes
+    killed, note = False, "no kill"
+    while time.monotonic() < end:
+        time.sleep(setup.every)
+        rows.append(sample(clients.server, ssd, began, clients))
+        if not killed and time.monotonic() > end - 30 * setup.minutes:
+            clients.pause()
+            clients.server, note = kill_and_restart(
+                clients.server, model, ssd, tmp, clients.chats, tally
+            )
+            killed = True
+            clients.go.set()
+    clients.stop.set()
+    clients.go.set()
+    for t in threads:
+        t.join(timeout=600)
+    return note
+
+
 def run(setup: SustainedSetup, base_dir: str | None = None) -> Result:
     from prefixcache.tiny.models import save_model
 
@@ -257,27 +291,12 @@ def run(setup: SustainedSetup, base_dir: str | None = None) -> Result:
         tmp = Path(name)
         model, ssd = save_model(tmp / "model", "llama"), tmp / "ssd"
         clients.server = start(model, ssd, tmp / "server-1.log")
-        threads = [threading.Thread(target=clients.run, daemon=True) for _ in range(4)]
-        clients.go.set()
-        for t in threads:
-            t.start()
-        end = time.monotonic() + 60 * setup.minutes
-        killed, note = False, "no kill"
-        while time.monotonic() < end:
-            time.sleep(setup.every)
-            rows.append(sample(clients.server, ssd, began, clients))
-            if not killed and time.monotonic() > end - 30 * setup.minutes:
-                clients.pause()
-                clients.server, note = kill_and_restart(
-                    clients.server, model, ssd, tmp, clients.chats, tally
-                )
-                killed = True
-                clients.go.set()
-        clients.stop.set()
-        clients.go.set()
-        for t in threads:
-            t.join(timeout=600)
-        clients.server.stop()
+        try:
+            note = drive(clients, setup, model, ssd, tmp, rows, tally, began)
+        finally:  # whatever failed, no server is left running
+            clients.stop.set()
+            clients.go.set()
+            clients.server.stop()
     tally.ops, tally.errors = clients.ops, tally.errors + clients.errors
     check_growth(rows, setup, tally)
     mode = f"{setup.rate:g}/s" if setup.rate else "back to back"
