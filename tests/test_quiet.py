@@ -112,6 +112,7 @@ def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
             assert time.monotonic() - start < 10
         else:  # no flush: the prefetch thread promotes on its own
             assert promoted(pc, within=10)
+            pc.flush()  # the first block is in: wait for the other three
         assert len(pc.hot) == 4 and pc.stats()["num_promotions"] == 4
 
 
@@ -213,4 +214,5 @@ def test_back_to_back_a_promotion_waits_one_window_at_most(tmp_path):
             assert quiet.remaining() > 0
         finally:
             stream.stop()
+        pc.flush()  # the first block is in: wait for the other three
         assert pc.stats()["num_promotions"] == 4
