@@ -33,6 +33,7 @@ Eviction = Literal["cost", "lru"]
 EVICTIONS = ("cost", "lru")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")
+MIN_WRITE_QUEUE_BYTES = 4 << 20  # the default queue bound's floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +64,21 @@ class CacheConfig:
         ssd_min_free_bytes: free disk space the SSD tier always leaves.
         write_policy: ``write_back`` spills on hot eviction; ``write_through``
             writes every stored block at once.
-        write_queue_bytes: bound of the background writer's queue.
+        write_queue_bytes: bound of each background writer's queue (ssd,
+            remote): blocks queued for a lower tier are RAM beside the hot
+            tier's, so None (the default) makes it ``hot_max_bytes // 8``, at
+            least 4 MiB (512 MiB beside the default 4 GiB; the floor keeps a
+            small budget's write-through stores from being dropped); see
+            ``write_queue_limit``.
         queue_full: ``drop`` (count and skip) or ``inline`` (write on the
             caller's thread) when the queue is full.
         promote: copy SSD hits into the hot tier when it has room.
         background_quiet_ms: after each fetch, the background writers and
             promotions start nothing new for this long (the request's prefill
             runs then), unless a flush waits or a queue is over half full;
-            0: they never wait (quiet.py).
+            back to back, each batch or promotion waits at most this long and
+            then runs, so the background work keeps a share; 0: they never
+            wait (quiet.py).
         kv_bits: KV quantization bits (as mlx-lm's ``kv_bits``), or None.
         kv_group_size: KV quantization group size.
         quantized_kv_start: cache length from which mlx-lm quantizes.
@@ -143,7 +151,7 @@ class CacheConfig:
     ssd_max_bytes: int = 64 << 30
     ssd_min_free_bytes: int = 1 << 30
     write_policy: WritePolicy = "write_back"
-    write_queue_bytes: int = 512 << 20
+    write_queue_bytes: int | None = None
     queue_full: QueueFullPolicy = "drop"
     promote: bool = True
     background_quiet_ms: int = 50
@@ -207,7 +215,6 @@ class CacheConfig:
             "hot_max_bytes",
             "ssd_max_bytes",
             "ssd_min_free_bytes",
-            "write_queue_bytes",
             "quantized_kv_start",
             "restore_headroom",
             "remote_breaker_ms",
@@ -222,6 +229,9 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        queue = self.write_queue_bytes
+        if queue is not None and queue < 0:  # its type: checked above
+            raise ValueError(f"write_queue_bytes must be None or an int >= 0, got {queue!r}")
         for name in ("ssd_retry_seconds", "counters_save_seconds"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
@@ -232,6 +242,14 @@ class CacheConfig:
         check_remote_trust(self)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
+
+    @property
+    def write_queue_limit(self) -> int:
+        """Bytes a background writer may hold queued: ``write_queue_bytes``, or
+        (None) an eighth of ``hot_max_bytes``, at least ``MIN_WRITE_QUEUE_BYTES``."""
+        if self.write_queue_bytes is None:
+            return max(self.hot_max_bytes // 8, MIN_WRITE_QUEUE_BYTES)
+        return self.write_queue_bytes
 
     @property
     def ssd_path(self) -> str:

@@ -73,6 +73,21 @@ class Stats:
 Counters = dict[str, object]  # int counters and one nested dict[str, int] ("miss_reasons")
 
 
+def ram_stats(tiers: Mapping[str, Mapping[str, int]], loading: int) -> dict[str, int]:
+    """``stats()["ram"]`` from the tiers' stats: hot's bytes, every writer queue's
+    bytes, a block being loaded, and the bound of all of them (stats_types.RamStats)."""
+    hot = tiers["hot"]
+    queues = [t for name, t in tiers.items() if name != "hot" and "queue_bytes" in t]
+    queued = sum(t["queue_bytes"] for t in queues)
+    return {
+        "hot_bytes": hot["nbytes"],
+        "queued_bytes": queued,
+        "loading_bytes": loading,
+        "nbytes": hot["nbytes"] + queued + loading,
+        "max_bytes": hot["max_bytes"] + sum(t["queue_max_bytes"] for t in queues),
+    }
+
+
 def counter_delta(now: Counters, before: Counters) -> Counters:
     """``now - before`` for every int (also nested one level); others dropped."""
     out: Counters = {}
@@ -149,6 +164,17 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "ssd.written_bytes_today": ("ssd_written_bytes_today", _G, "ssd bytes written today (UTC)"),
     "ssd.write_budget": ("ssd_write_budget_bytes", _G, "ssd bytes allowed per day (0: none)"),
     "ssd.write_budget_left": ("ssd_write_budget_left_bytes", _G, "ssd write budget left now"),
+    "ram.hot_bytes": ("ram_hot_bytes", _G, "bytes the hot tier holds in RAM"),
+    "ram.queued_bytes": ("ram_queued_bytes", _G, "bytes queued in RAM for the lower tiers"),
+    "ram.loading_bytes": ("ram_loading_bytes", _G, "bytes a promotion or prefetch is loading"),
+    "ram.nbytes": ("ram_bytes", _G, "bytes the cache holds in RAM (hot, queues, loading)"),
+    "ram.max_bytes": ("ram_max_bytes", _G, "bound of ram_bytes: hot and queue budgets"),
+    "ssd.queue_max_bytes": ("ssd_write_queue_max_bytes", _G, "bound of the ssd writer's queue"),
+    "remote.queue_max_bytes": (
+        "remote_write_queue_max_bytes",
+        _G,
+        "bound of the remote writer's queue",
+    ),
     "hot.num_blocks": ("hot_blocks", _G, "blocks in the hot tier"),
     "hot.nbytes": ("hot_bytes", _G, "payload bytes in the hot tier"),
     "hot.max_bytes": ("hot_max_bytes", _G, "byte budget of the hot tier"),

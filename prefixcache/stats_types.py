@@ -27,6 +27,23 @@ class HotStats(TypedDict):
     num_recent_hits: int
 
 
+class RamStats(TypedDict):
+    """``stats()["ram"]``: every byte the cache holds in RAM, now, and its bound.
+
+    ``hot_bytes`` (blocks and kept sequences, bounded by ``hot_max_bytes``),
+    ``queued_bytes`` (blocks waiting for the ssd and remote writers, each queue
+    bounded by ``write_queue_bytes``), ``loading_bytes`` (a block a promotion or
+    prefetch is loading, at most one), their sum ``nbytes``, and ``max_bytes``:
+    the hot budget plus every writer's queue bound.
+    """
+
+    hot_bytes: int
+    queued_bytes: int
+    loading_bytes: int
+    nbytes: int
+    max_bytes: int
+
+
 class SsdStats(TypedDict):
     """``stats()["ssd"]``: the SSD tier (absent with ``hot_cache_only``)."""
 
@@ -37,6 +54,7 @@ class SsdStats(TypedDict):
     max_bytes: int
     queue_depth: int
     queue_bytes: int
+    queue_max_bytes: int
     num_write_failures: int
     num_writes: int
     written_bytes: int
@@ -70,6 +88,7 @@ class RemoteStats(TypedDict):
     num_skipped: int
     queue_depth: int
     queue_bytes: int
+    queue_max_bytes: int
     num_write_failures: int
     num_writes: int
     written_bytes: int
@@ -148,3 +167,4 @@ class CacheStats(_Optional):
     ssd_writes_deferred: int
     ssd_writes_skipped: int
     hot: HotStats
+    ram: RamStats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import mlx.core as mx
@@ -20,9 +19,18 @@ from prefixcache.tiny.models import build_model
 QUANT_LLAMA = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
-@functools.cache
+QUANT_LLAMA4 = {"text_config": QUANT_LLAMA}  # llama4's dims sit in its text_config
+
+
+_MODELS: dict[tuple[str, int, str], object] = {}
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    return build_model(arch, seed=seed, **overrides)
+    """A tiny model, built once per (arch, seed, overrides) (dict overrides too)."""
+    key = (arch, seed, repr(sorted(overrides.items())))
+    if key not in _MODELS:
+        _MODELS[key] = build_model(arch, seed=seed, **overrides)
+    return _MODELS[key]
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from conftest import QUANT_LLAMA, max_diff, prompt, tiny_model
+from conftest import QUANT_LLAMA, QUANT_LLAMA4, max_diff, prompt, tiny_model
 from dict_tier import DictTier
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -51,6 +51,8 @@ CASES = {
     "falcon_h1": ("falcon_h1", {}, None),
     "llama-kv4": ("llama", QUANT_LLAMA, (4, 32, 40)),  # (bits, group size, start)
     "llama-kv8": ("llama", QUANT_LLAMA, (8, 32, 40)),
+    "llama4-kv4": ("llama4", QUANT_LLAMA4, (4, 32, 40)),  # chunked and quantized layers
+    "llama4-kv8": ("llama4", QUANT_LLAMA4, (8, 32, 40)),
 }
 STATEFUL = (RotatingKVCache, ArraysCache, ChunkedKVCache)
 

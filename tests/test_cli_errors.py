@@ -209,25 +209,28 @@ def test_errors_found_when_running_are_one_line_naming_the_value(place):
     assert [rc for rc, _, _ in run_all(good, place["home"])] == [0, 0, 0]
 
 
+def without_reader(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``cmd`` with stdout a pipe whose read end is closed before it starts, so
+    its first write fails whatever the timing; (exit status, stderr)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.Popen(cmd, stdout=write, stderr=subprocess.PIPE, env=env)
+    finally:
+        os.close(write)
+    err = proc.stderr.read().decode()
+    return proc.wait(timeout=60), err
+
+
 def test_a_closed_pipe_is_a_quiet_exit(place):
     """``ls | head`` with the reader gone before the output: exit 141, nothing on stderr.
     The control: a Python program without the handling prints a traceback there."""
     d = ("--ssd-dir", place["ssd"])
     for args in (("ls", *d), ("stats", *d), ("tree", *d), ("ls", *d, "--json")):
-        proc = subprocess.Popen(
-            [*EXE, *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=clean_env(place["home"]),
-        )
-        proc.stdout.close()  # the reader is gone before anything is written
-        err = proc.stderr.read().decode()
-        assert proc.wait(timeout=60) == 141 and err == "", (args, err)
-    naive = subprocess.Popen(
-        [sys.executable, "-c", "print('x' * 100)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    naive.stdout.close()
-    assert "BrokenPipeError" in naive.stderr.read().decode() and naive.wait(timeout=60) != 0
+        rc, err = without_reader([*EXE, *args], clean_env(place["home"]))
+        assert rc == 141 and err == "", (args, err)
+    rc, err = without_reader([sys.executable, "-c", "print('x' * 100)"])
+    assert "BrokenPipeError" in err and rc != 0
 
 
 def test_a_misspelt_variable_is_warned_and_the_command_still_runs(place):

@@ -90,7 +90,9 @@ def test_pinned_prompt_outlives_10x_ssd_cap_and_a_restart(tmp_path, llama, pinne
     tokens, live, other = pinned_prompt
     cap = 3 * PINNED // BLOCK * BLOCK_BYTES // 2  # the pin's file bytes fit, with headers
     hot = (PINNED // BLOCK + 8) * BLOCK_BYTES  # the pin and 8 blocks of traffic
-    cfg = config(tmp_path, hot_max_bytes=hot, ssd_max_bytes=cap)
+    # a queue that takes all the traffic at once (the default follows the small hot
+    # budget and would drop most of it): every spill reaches the cap
+    cfg = config(tmp_path, hot_max_bytes=hot, ssd_max_bytes=cap, write_queue_bytes=64 << 20)
     with PrefixCache(llama, cfg, model_id="m") as pc:
         pc.store(tokens, live)
         if pin:

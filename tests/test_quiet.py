@@ -112,6 +112,7 @@ def test_a_promotion_starts_once_the_fetch_window_closes(tmp_path, quiet_ms):
             assert time.monotonic() - start < 10
         else:  # no flush: the prefetch thread promotes on its own
             assert promoted(pc, within=10)
+            pc.flush()  # the first block is in: wait for the other three
         assert len(pc.hot) == 4 and pc.stats()["num_promotions"] == 4
 
 
@@ -161,3 +162,57 @@ def test_the_server_s_last_insert_of_a_request_holds_its_writes(tmp_path, quiet_
         assert ssd.stats()["num_writes"] == 4
         took = time.monotonic() - start
         assert took >= 2.5 if quiet_ms else took < 2.5
+
+
+class BackToBack:
+    """Requests back to back: a thread reopens a ``window``-second window every
+    10 ms, so the window never closes by itself, until :meth:`stop`."""
+
+    def __init__(self, window: float) -> None:
+        self._stop = threading.Event()
+        quiet.open_window(window)
+        self._thread = threading.Thread(target=self._run, args=(window,), daemon=True)
+        self._thread.start()
+
+    def _run(self, window: float) -> None:
+        while not self._stop.wait(0.01):
+            quiet.open_window(window)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_back_to_back_the_writer_waits_one_window_at_most(writer):
+    """The window never closes: the writer still writes, one window (1 s) after
+    it started waiting. It used to wait until the window closed: for ever."""
+    sink = Signal()
+    w = writer(sink)
+    stream = BackToBack(1.0)
+    try:
+        start = time.monotonic()
+        w.submit(item(0))
+        assert sink.wrote.wait(20)
+        assert quiet.remaining() > 0  # written inside the window
+        assert time.monotonic() - start >= 0.5  # after yielding to it first
+    finally:
+        stream.stop()
+
+
+def test_back_to_back_a_promotion_waits_one_window_at_most(tmp_path):
+    """The promotion of an SSD hit runs while the stream's window stays open,
+    one window (1 s) after its fetch, with no flush or join to hurry it."""
+    model = tiny_model("llama")
+    tokens = prompt(1, 4 * BLOCK)
+    with PrefixCache(model, write_through(tmp_path, 1000), model_id="tiny") as pc:
+        on_ssd_only(pc, model, tokens)
+        stream = BackToBack(1.0)
+        try:
+            _, n = pc.fetch([*tokens, 5])
+            assert n == len(tokens)
+            assert promoted(pc, within=20)
+            assert quiet.remaining() > 0
+        finally:
+            stream.stop()
+        pc.flush()  # the first block is in: wait for the other three
+        assert pc.stats()["num_promotions"] == 4

@@ -25,6 +25,7 @@ from prefixcache.stats_types import (
     CacheStats,
     EventStats,
     HotStats,
+    RamStats,
     RemoteStats,
     SsdStats,
     WarmStats,
@@ -83,7 +84,8 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
     assert set(stats) == set(declared) == CacheStats.__required_keys__ | optional
     for name in [n for n, kind in declared.items() if kind is int]:
         assert type(stats[name]) is int, name
-    for tier, typed in (("hot", HotStats), ("ssd", SsdStats), ("remote", RemoteStats)):
+    parts = (("hot", HotStats), ("ram", RamStats), ("ssd", SsdStats), ("remote", RemoteStats))
+    for tier, typed in parts:
         assert set(stats[tier]) == set(typing.get_type_hints(typed)), tier
         assert all(type(v) is int for v in stats[tier].values()), (tier, stats[tier])
     for service, typed in (("warm", WarmStats), ("events", EventStats)):
@@ -137,6 +139,7 @@ def test_docs_list_every_key_and_no_other():
     typed = {
         "Top level": CacheStats,
         "hot": HotStats,
+        "ram": RamStats,
         "ssd": SsdStats,
         "remote": RemoteStats,
         "warm": WarmStats,

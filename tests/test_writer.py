@@ -120,3 +120,16 @@ def test_submit_after_close_raises(writers):
     writer.close()
     with pytest.raises(RuntimeError, match="closed"):
         writer.submit(item(0))
+
+
+def test_an_empty_queue_takes_one_item_bigger_than_the_bound(writers):
+    """A bound below one block (a small hot budget's default) still lets blocks
+    through one at a time; a second item waits for the first (refused)."""
+    hold = threading.Event()
+    writer = writers(Sink(), max_bytes=50, hold=hold)
+    assert writer.submit(item(0))  # 100 > 50 bytes, but the queue is empty
+    assert not writer.submit(item(1))
+    assert writer.queue_bytes == 100
+    hold.set()
+    writer.flush()
+    assert writer.queue_bytes == 0 and writer.submit(item(1))

@@ -1,4 +1,4 @@
-"""Reliability soak: crashes, corruption, threads, processes, disk full, memory.
+"""Reliability soak: crashes, corruption, threads, processes, disk full, memory, sustained.
 
 Every scenario is bounded in count, stops by itself, checks every restore it
 makes against the live run (bit-identical logits on the CPU, or K/V), prints
@@ -7,6 +7,7 @@ restore or error. The scenarios live in tools/soaklib/ (one module each).
 
     python tools/soak.py                        # everything, default counts
     python tools/soak.py --only crash corrupt --kills 10 --corruptions 200
+    python tools/soak.py --only sustained --minutes 10 --rates 0 20 --modes library serve
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import logging
 import sys
 import time
 
-from soaklib import corrupt, crash, diskfull, memory, procs, threads
+from soaklib import corrupt, crash, diskfull, memory, procs, sustained, threads
 from soaklib.common import Result, Workload, make_prompts
 
 # room in hot for the blocks (about 128 blocks) and a few sequences kept whole, which
 # come and go: a prefilled cache holds 256 tokens a buffer, 16 blocks of bytes
 KEPT = {"hot_bytes": 160 * threads.BLOCK_BYTES}
-SCENARIOS = ("crash", "corrupt", "threads", "kept", "procs", "diskfull", "memory")
+SCENARIOS = ("crash", "corrupt", "threads", "kept", "procs", "diskfull", "memory", "sustained")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -39,7 +40,42 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--proc-ops", type=int, default=500, help="procs: ops per process")
     p.add_argument("--requests", type=int, default=10_000, help="memory: requests per curve")
     p.add_argument("--sample-every", type=int, default=500, help="memory: requests per sample")
+    p.add_argument("--minutes", type=float, default=10.0, help="sustained: minutes per run")
+    p.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=[0.0, 20.0],
+        help="sustained: requests per second (per client in serve mode); 0: back to back",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("library", "serve"),
+        default=["library", "serve"],
+        help="sustained: the library loop, a real `prefixcache serve` with 4 clients",
+    )
+    p.add_argument("--seconds-per-sample", type=float, default=5.0, help="sustained")
+    p.add_argument("--out", default="sustained", help="sustained: CSV / PNG path prefix")
     return p
+
+
+def run_sustained(args: argparse.Namespace) -> list[Result]:
+    from soaklib import sustained_serve
+
+    out = []
+    for mode in args.modes:
+        for rate in args.rates:
+            setup = sustained.SustainedSetup(
+                minutes=args.minutes,
+                every=args.seconds_per_sample,
+                rate=rate,
+                seed=args.seed,
+                out=args.out,
+            )
+            runner = sustained.run if mode == "library" else sustained_serve.run
+            out.append(runner(setup, args.dir))
+    return out
 
 
 def run_one(name: str, args: argparse.Namespace) -> Result:
@@ -94,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"negative control: the exactness check rejects another prompt's cache: {control}")
     results = []
     for name in args.only:
-        result = run_one(name, args)
-        results.append(result)
-        print(summary(result), flush=True)
-        for finding in result.findings[:10]:
-            print(f"    {finding.strip()}", flush=True)
+        for result in run_sustained(args) if name == "sustained" else [run_one(name, args)]:
+            results.append(result)
+            print(summary(result), flush=True)
+            for finding in result.findings[:10]:
+                print(f"    {finding.strip()}", flush=True)
     print(f"\nseed {args.seed}, {time.perf_counter() - start:.0f} s in all\n")
     print(table(results))
     return 0 if control and all(r.ok for r in results) else 1

@@ -23,8 +23,10 @@ buffers: one copy) hands them here to be loaded again and kept above
 hit), so the request does not pay a second copy and an MLX array per tensor
 (on the CPU at block 16, 4-5x the restore itself). Counted as promotions.
 A promotion starts once the fetch's quiet window closes (quiet.py): its reads
-and copies would otherwise run beside that request's prefill. A prefetch
-starts at once: it is for a request still waiting.
+and copies would otherwise run beside that request's prefill; back to back,
+where the window never closes, it waits at most one window's length from its
+fetch, so promotions never pile up behind a busy stream. A prefetch starts at
+once: it is for a request still waiting.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Job:
     blocks: list[tuple[int, Tier, int]]  # (index in keys, tier, payload bytes)
     promote: bool = False  # a fetch's promotion (bounded by hot's room), not a prefetch
     cancelled: bool = field(default=False)
+    queued: float = field(default_factory=time.monotonic)
 
 
 class Prefetcher:
@@ -86,6 +89,7 @@ class Prefetcher:
         self._idle = threading.Condition(threading.Lock())
         self._pending = 0  # jobs submitted and not finished
         self._joins = 0  # joins waiting (under ``_idle``): promotions skip the quiet window
+        self.loading_bytes = 0  # the block being loaded, not yet in a tier (RAM beside them)
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` (called under the lock); returns how many blocks it holds."""
@@ -149,7 +153,8 @@ class Prefetcher:
                     self._idle.notify_all()
 
     def _do(self, job: Job) -> None:
-        while job.promote and (left := quiet.remaining()) > 0:
+        until = quiet.deadline(job.queued)
+        while job.promote and (left := quiet.wait_left(until)) > 0:
             if job.cancelled or self._joins:
                 break
             time.sleep(min(left, 0.01))  # what ends the wait early is seen within 10 ms
@@ -161,14 +166,17 @@ class Prefetcher:
                 for index, nbytes in mine:
                     if not self._room(job, tier, nbytes):
                         return
+                    self.loading_bytes = nbytes
                     try:
                         loaded = reader.load(index)
+                        if loaded is None:
+                            return  # the chain stops here: later blocks cannot be used
+                        self._put(job, tier, loaded.to_block())  # evaluated on this thread
                     except _LOAD_ERRORS as err:
                         log.debug("prefixcache: prefetch of a block failed: %s", err)
                         return
-                    if loaded is None:
-                        return  # the chain stops here: later blocks cannot be used
-                    self._put(job, tier, loaded.to_block())  # arrays evaluated on this thread
+                    finally:
+                        self.loading_bytes = 0
             finally:
                 reader.close()
 

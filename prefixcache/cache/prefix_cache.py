@@ -24,8 +24,9 @@ from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
+from ..memory import give_back
 from ..shared import SharedRegistry
-from ..stats import Stats
+from ..stats import Stats, ram_stats
 from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
 from ..tiers.base import Tier
@@ -329,7 +330,11 @@ class PrefixCache:
         """
         with self._lock:
             self._check_open()
-            return self.controls.end(session)
+            held = self.tiers.hot.nbytes
+            num = self.controls.end(session)
+            give_back.note_freed(held - self.tiers.hot.nbytes)  # removed, not evicted
+        give_back.maybe()
+        return num
 
     @property
     def hot(self) -> HotTier:
@@ -372,7 +377,9 @@ class PrefixCache:
                 same = last is not None and last[0] == data and last[1] == root
                 keys = last[2] if same else self.lookup.plan(data, root).keys
                 num = hot.evict_chain(reversed(keys), limit)
-            return num + hot.evict_to(limit)
+            num += hot.evict_to(limit)
+        give_back.maybe()  # the evicted arrays are unreferenced now (memory/give_back.py)
+        return num
 
     # -- the cache's life -----------------------------------------------------
 
@@ -390,6 +397,7 @@ class PrefixCache:
         tiers = self.tiers.snapshot()
         written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
         out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
+        out["ram"] = ram_stats(tiers, self.prefetcher.loading_bytes)
         return cast(CacheStats, out | tiers | self.services.stats() | self._shared_stats())
 
     def flush(self) -> None:
@@ -416,6 +424,8 @@ class PrefixCache:
                     self.tiers.close()
                 finally:
                     self.services.close()
+                    self.tiers.drop_hot()
+                    give_back.now()  # what the tiers held leaves the process
 
     def __enter__(self) -> PrefixCache:
         return self

@@ -21,6 +21,7 @@ from ..blocks import Block
 from ..config import CacheConfig
 from ..errors import MissReason
 from ..hashing import TOKEN_BYTES
+from ..memory import give_back
 from ..stats import Stats
 from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
 from .governor import WriteGovernor
@@ -162,6 +163,7 @@ class TierStack:
             if not cold:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
+        give_back.maybe()  # what the placing evicted (memory/give_back.py)
 
     def continues(self, blocks: Sequence[Block]) -> bool:
         """Whether new ``blocks`` (root-first) continue a chain from its end: the first
@@ -225,6 +227,17 @@ class TierStack:
                 closing.callback(tier.close)
             self.flush()
 
+    def drop_hot(self) -> int:
+        """Let go of every hot block and kept sequence (a closed cache serves
+        nothing: its RAM goes back); the lower tiers are closed and flushed by
+        then, so nothing is spilled. Returns the bytes let go."""
+        held = self.hot.nbytes
+        self.hot.listener = None  # not removals a consumer should act on
+        self.hot.remove([block.key for block in self.hot])
+        self.hot.drop_recent(0)
+        give_back.note_freed(held)
+        return held
+
     def remove_lower(self, keys: Sequence[bytes]) -> None:
         """Drop ``keys`` from every lower tier (queued copies land first, then go).
 
@@ -258,6 +271,7 @@ class TierStack:
         return isinstance(tier, ListsChildren) or block.num_tokens >= self.config.block_size
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
+        give_back.note_freed(block.nbytes)  # freed here, or once its write is done
         if block.key in self.private:
             self.private.discard(block.key)
             self.stats.num_discarded += 1

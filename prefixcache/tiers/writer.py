@@ -6,8 +6,11 @@ that does the file and index I/O and runs no MLX computation. A queued block
 stays visible through :meth:`Writer.pending` until its batch is written and
 indexed, so there is no window in which a just-queued block is unreadable.
 Failures are counted, logged once and re-raised by :meth:`Writer.close`.
-The thread starts nothing while a fetch's quiet window is open (quiet.py)
-unless it is urgent: a flush waits, or the queue is over half full.
+The thread yields to a fetch's quiet window (quiet.py), at most one window's
+length per batch, and not at all when it is urgent (a flush waits, or the
+queue is over half full): back to back it still writes, so the queue stays
+near empty at any rate the disk sustains. When the disk cannot keep up, the
+queue stops at its bound and the caller's tier applies ``queue_full``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..blocks import Block
+from ..memory import give_back
 from ..memory.host import Tensor
 from . import quiet
 
@@ -53,7 +57,8 @@ class Writer:
     Args:
         write_batch: does the I/O for a list of items (on the writer thread).
         max_bytes: bound of the queue: the sum of ``nbytes`` of queued items,
-            including the batch being written.
+            including the batch being written; an empty queue takes one item
+            whatever its size (a bound below one block would drop them all).
         housekeeping: called after every batch and on :meth:`wake` (e.g. to
             apply deferred LRU touches).
         hold: if given, the thread waits for this event before each batch; lets
@@ -101,13 +106,14 @@ class Writer:
         return self._queue_bytes
 
     def submit(self, item: WriteItem) -> bool:
-        """Queue an item; False (nothing queued) if it does not fit in the bound."""
+        """Queue an item; False (nothing queued) if the queue holds items and it
+        does not fit beside them in the bound."""
         with self._cond:
             if self._stop:
                 raise RuntimeError("the SSD writer is closed")
             if item.block.key in self._pending:
                 return True
-            if self._queue_bytes + item.nbytes > self.max_bytes:
+            if self._queue and self._queue_bytes + item.nbytes > self.max_bytes:
                 return False
             self._queue.append(item)
             self._pending[item.block.key] = item
@@ -209,11 +215,15 @@ class Writer:
                 self._num_out += len(batch)
                 self._done = max(self._done, round_)
                 self._cond.notify_all()
+            batch = []  # the written blocks' arrays are unreferenced now
+            give_back.maybe()
 
     def _wait_quiet(self) -> None:
-        """While a fetch's quiet window is open, wait (under ``_cond``) unless a
-        flush waits, the writer stops, or the queue is over half full."""
-        while (left := quiet.remaining()) > 0:
+        """While a fetch's quiet window is open, wait (under ``_cond``) at most one
+        window's length, unless a flush waits, the writer stops, or the queue is
+        over half full."""
+        until = quiet.deadline()
+        while (left := quiet.wait_left(until)) > 0:
             if self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes:
                 return
             self._cond.wait(left)

@@ -92,7 +92,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
         self._closed = False
         self.writer = Writer(
             self._write_batch,
-            max_bytes=config.write_queue_bytes,
+            max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             batch_bytes=16 << 20,
             name="prefixcache-remote-writer",
@@ -206,6 +206,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
             **self.client.counts(),
             "queue_depth": self.writer.queue_depth,
             "queue_bytes": self.writer.queue_bytes,
+            "queue_max_bytes": self.writer.max_bytes,
             "num_write_failures": self.writer.num_failures,
             **{name: counts.get(name, 0) for name in _COUNTERS},
             **self.gate.stats(),

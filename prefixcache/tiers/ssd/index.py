@@ -1,7 +1,6 @@
 """LMDB index of the SSD tier: one short transaction per verb.
 
-Named databases of one environment (one per path per process), beside the
-tier's records::
+Named databases of one environment (one per path per process)::
 
     meta      format name and version, total payload bytes, corrupt-block count
     blocks    key -> encode_meta(BlockMeta)
@@ -10,11 +9,10 @@ tier's records::
     writing   key -> pid, thread id, file bytes of each payload being written
     pins      key -> pin end, file bytes
 
-A write reserves its bytes (:meth:`SsdIndex.reserve`: room made by evicting
-LRU leaves, within the cap and the disk's free space), writes the payload,
-then :meth:`SsdIndex.finish_writes` indexes it. Every verb keeps the
-databases consistent with each other (``Entries``). Opening clears the
-``writing`` records of dead processes only: it stays O(1).
+A write reserves its bytes (:meth:`SsdIndex.reserve`: room made by evicting LRU
+leaves, within the cap and the disk's free space), writes the payload, then
+:meth:`SsdIndex.finish_writes` indexes it; every verb keeps the databases
+consistent (``Entries``). Opening clears dead processes' ``writing`` records: O(1).
 """
 
 from __future__ import annotations
@@ -91,16 +89,18 @@ class SsdIndex:
             raise
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
-        """One transaction; after a write commits, the files of dropped entries go."""
+        """One transaction; a write's dropped files go after its commit, under the write
+        lock: a write reserving the freed room must not land beside them (over the cap)."""
         if not write:
             return self._shared.txn(fn)
-        try:
-            result = self._shared.txn(fn, write=True)
-        except BaseException:
-            self.entries.unlink_dropped(committed=False)
-            raise
-        self.entries.unlink_dropped(committed=True)
-        return result
+        with self._shared.write_lock:
+            try:
+                result = self._shared.txn(fn, write=True)
+            except BaseException:
+                self.entries.unlink_dropped(committed=False)
+                raise
+            self.entries.unlink_dropped(committed=True)
+            return result
 
     def close(self) -> None:
         if not self._closed:

@@ -68,6 +68,9 @@ class SharedEnv:
         self.path, self.env, self.dbs, self.readonly = path, env, dbs, readonly
         self._gate = _Gate()
         self._refs = 1
+        # held from a write transaction's start to the end of what follows its
+        # commit (the unlinks of dropped files): see SsdIndex.transact
+        self.write_lock = threading.RLock()
 
     @classmethod
     def acquire(

@@ -94,7 +94,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier
         self._writes = SsdWrites(self.index, self._payloads, config, self._counts, self.health)
         self.writer = Writer(
             self._write_batch,
-            max_bytes=config.write_queue_bytes,
+            max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             hold=writer_hold,
         )
@@ -233,6 +233,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier
             "max_bytes": self.max_bytes,
             "queue_depth": self.writer.queue_depth,
             "queue_bytes": self.writer.queue_bytes,
+            "queue_max_bytes": self.writer.max_bytes,
             "num_write_failures": self.writer.num_failures,
             **counts,
             **self._control_stats(),
