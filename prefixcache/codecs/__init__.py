@@ -11,6 +11,7 @@ RotatingKVCache        ``keys``, ``values`` while in the window (``keep.*``: fir
 ChunkedKVCache         ``keys``, ``values`` while in the current chunk
 ArraysCache            ``0``, ``1``, ...: state snapshot at the block's end boundary
 CacheList              each part's payload under ``"{part}."``
+LayerCache             ``c.*``: compressed rows; ``w.*``: window and open-group rows
 =====================  ==============================================================
 
 Registering a third-party cache
@@ -51,6 +52,7 @@ from .arrays import ArraysCodec
 from .base import Builder, Codec, Has, Payload, Resident, num_blocks, round_up
 from .cachelist import CacheListCodec
 from .chunked import ChunkedKVCodec
+from .compressed import CompressedCodec
 from .kv import KVCodec
 from .quantized import QuantizedKVCodec
 from .registry import codec_for, register_codec, unregister_codec
@@ -63,6 +65,7 @@ for _codec in (
     ChunkedKVCodec(),
     ArraysCodec(),
     CacheListCodec(),
+    CompressedCodec(),
 ):
     register_codec(_codec, replace=True)
 
@@ -72,6 +75,7 @@ __all__ = [
     "CacheListCodec",
     "ChunkedKVCodec",
     "Codec",
+    "CompressedCodec",
     "Has",
     "KVCodec",
     "LayoutMismatchError",

@@ -183,6 +183,13 @@ class Codec(ABC):
         """
         return bool(fresh.is_trimmable())
 
+    def window(self, cache: Any) -> tuple[str, int, int] | None:
+        """Payloads only a window of the cache's last tokens gives: (their name prefix
+        within this layer's, the tokens before its end a restore needs, the tokens it
+        keeps at the front). None (the default): every payload can be cut at any time.
+        The window policy (``cache/window.py``) keeps them only around restore points."""
+        return None
+
     def reach(self, cache: Any, length: int) -> int:
         """First token whose block may gain a payload from ``cache`` now.
 
