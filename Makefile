@@ -1,6 +1,7 @@
 # Two entry points, both self-contained on a fresh machine (Python >= 3.10):
 #   make demo   set up .venv and run the demo on a tiny locally built model
 #   make test   set up .venv, lint, install redis-server if missing, run the test suite
+#   make arch-sweep   every mlx_lm.models architecture through the cache (STEP=16|512|2048)
 # and one for a benchmark's peer:
 #   make vllm-mlx   set up .venv-vllm-mlx (vllm-mlx 0.6.0) for tools/bench_reuse_serve.py
 PYTHON ?= python3
@@ -12,7 +13,7 @@ BACKEND ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
 comma := ,
 EXTRAS := dev$(if $(BACKEND),$(comma)$(BACKEND),)
 
-.PHONY: demo test setup lint redis-server vllm-mlx
+.PHONY: demo test setup lint redis-server vllm-mlx arch-sweep
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,13 @@ redis-server:
 
 test: lint redis-server
 	$(BIN)/pytest
+
+# every mlx_lm.models module built tiny and checked for exact reuse, hot and SSD
+# (tests/test_arch_sweep.py runs one per cache-type combination)
+STEP ?= 2048
+JOBS ?= 2
+arch-sweep: setup
+	nice $(BIN)/python tools/arch_sweep.py --prefill-step $(STEP) --jobs $(JOBS)
 
 # vllm-mlx, a peer of tools/bench_reuse_serve.py, in a venv of its own: it pins
 # mlx-lm < 0.32 (ours: 0.32). --no-deps leaves out what serving text does not use

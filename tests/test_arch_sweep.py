@@ -1,0 +1,71 @@
+"""The architecture sweep's fast subset: one mlx-lm module per cache-type combination.
+
+Each is built tiny from its ``ModelArgs`` by the sweep's own tables and must
+restore a 96-token shared prefix on the hot and the SSD tier with the live
+run's logits bit for bit (``tools/sweeplib/check.py``, whose control asks that
+another prefix give other logits). The whole sweep is ``make arch-sweep``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+
+from sweeplib import configs
+from sweeplib.check import SHARED, build, check
+
+from prefixcache.codecs.arrays import ArraysCodec
+
+SUBSET = {  # module: the cache classes it makes
+    "llama": "KVCache",
+    "gemma3_text": "RotatingKVCache KVCache",
+    "llama4": "ChunkedKVCache KVCache",
+    "mamba2": "ArraysCache",
+    "qwen3_next": "ArraysCache KVCache",
+    "falcon_h1": "CacheList[ArraysCache,KVCache]",
+    "baichuan_m1": "CacheList[ArraysCache,RotatingKVCache] CacheList[ArraysCache,KVCache]",
+    "deepseek_v41": "LayerCache",
+    "longcat_flash_ngram": "ArraysCache CacheList[KVCache,KVCache]",
+}
+
+
+@pytest.mark.parametrize("arch", SUBSET)
+def test_architecture_restores_exactly(arch):
+    result = check(arch, 2048)
+    assert result.caches == SUBSET[arch]
+    assert (result.outcome, result.reused_hot, result.reused_ssd) == ("pass", SHARED, SHARED)
+    assert result.max_diff == 0.0
+
+
+def test_every_model_module_is_swept():
+    """The sweep lists each module that defines a model, and only those."""
+    found = [m for m in configs.modules() if configs.has_model(m)]
+    assert set(SUBSET) <= set(found)
+    assert "cache" not in found and "switch_layers" not in found
+    assert len(found) > 100
+
+
+def test_a_token_history_keeps_its_layout_as_it_grows():
+    """longcat_flash_ngram's first cache holds the last n - 1 token ids: 1 wide after
+    one token, 3 after more. Its layout must not change with it (the layout is read
+    from a one-token probe and checked on every store)."""
+    model = build("longcat_flash_ngram")
+    cache = model.make_cache()
+    model(mx.array([[1]]), cache=cache)
+    codec = ArraysCodec()
+    short = codec.layout(cache[0])
+    model(mx.array([[2, 3, 4, 5]]), cache=cache)
+    assert isinstance(cache[0], ArraysCache) and cache[0][0].shape[-1] == 3
+    assert codec.layout(cache[0]) == short
+    # a recurrent state's width is still part of it
+    state = ArraysCache(size=1)
+    state[0] = mx.zeros((1, 3, 8))
+    wider = ArraysCache(size=1)
+    wider[0] = mx.zeros((1, 4, 8))
+    assert codec.layout(state) != codec.layout(wider)
