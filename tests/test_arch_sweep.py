@@ -43,6 +43,20 @@ def test_architecture_restores_exactly(arch):
     assert result.max_diff == 0.0
 
 
+def test_a_state_heavy_hybrid_reuses_within_its_snapshot_budget():
+    """bailing_moe_v3 (three recurrent layers to one attention layer): a snapshot
+    (19 KB) outweighs 13 blocks of its K/V (96 bytes a token), so under the default
+    snapshot_ratio the first prefill's restore points fall past the 96-token prefix
+    and the second prompt reuses nothing (exactly); a budget 8 times larger puts a
+    point on it. The third prompt resumes at the junction either way
+    (test_checkpoints.py)."""
+    default = check("bailing_moe_v3", 2048)
+    assert (default.outcome, default.reused_hot, default.max_diff) == ("no reuse", 0, 0.0)
+    larger = check("bailing_moe_v3", 2048, ratio=8.0)
+    assert (larger.outcome, larger.reused_hot, larger.reused_ssd) == ("pass", SHARED, SHARED)
+    assert larger.max_diff == 0.0
+
+
 def test_every_model_module_is_swept():
     """The sweep lists each module that defines a model, and only those."""
     found = [m for m in configs.modules() if configs.has_model(m)]

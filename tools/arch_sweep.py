@@ -9,6 +9,7 @@ run's logits bit for bit. One line per architecture, then a summary::
     python tools/arch_sweep.py                       # every module, prefill step 2048
     python tools/arch_sweep.py --prefill-step 16 --jobs 2
     python tools/arch_sweep.py --only llama,deepseek_v41 --csv sweep.csv
+    python tools/arch_sweep.py --only bailing_moe_v3 --snapshot-ratio 16
 
 Each architecture runs in a process of its own (a module that crashes the
 interpreter is an outcome, not the end of the sweep). Exits 1 when any built
@@ -40,6 +41,9 @@ ARCH_TIMEOUT = 600  # seconds for one architecture (both tiers), under contentio
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefill-step", type=int, default=2048, choices=(16, 512, 2048))
+    parser.add_argument(
+        "--snapshot-ratio", type=float, default=1.0, help="the cache's snapshot_ratio"
+    )
     parser.add_argument("--only", default="", help="comma-separated module names")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once")
     parser.add_argument("--csv", default="", help="also write the lines to this CSV file")
@@ -47,9 +51,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def child(arch: str, step: int) -> Result:
+def child(arch: str, step: int, ratio: float) -> Result:
     """Run one architecture in a new interpreter; a crash or a hang is its outcome."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", arch, "--prefill-step", str(step)]
+    cmd += ["--snapshot-ratio", str(ratio)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=ARCH_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -69,10 +74,10 @@ def line(r: Result) -> str:
     return f"{r.arch:<24} {r.outcome:<11} {reused}  {r.max_diff:<8.3g} {r.caches}  {r.detail}"
 
 
-def summary(results: list[Result], step: int) -> str:
+def summary(results: list[Result], step: int, ratio: float) -> str:
     counts = Counter(r.outcome for r in results)
     built = len(results) - counts["not built"]
-    rows = [f"prefill step {step}: {len(results)} modules, {built} built"]
+    rows = [f"prefill step {step}, snapshot_ratio {ratio}: {len(results)} modules, {built} built"]
     rows += [f"  {name:<12} {counts[name]:>4}" for name in OUTCOMES]
     return "\n".join(rows)
 
@@ -80,7 +85,8 @@ def summary(results: list[Result], step: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = setup_arg_parser().parse_args(argv)
     if args.one:
-        result = check(args.one, args.prefill_step, lambda c: print(BUILT + c, flush=True))
+        note = lambda c: print(BUILT + c, flush=True)  # noqa: E731
+        result = check(args.one, args.prefill_step, note, ratio=args.snapshot_ratio)
         print(json.dumps(dataclasses.asdict(result)))
         return 0
     names = [n for n in args.only.split(",") if n] or configs.modules()
@@ -89,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         results = []
-        for r in pool.map(lambda a: child(a, args.prefill_step), archs):
+        for r in pool.map(lambda a: child(a, args.prefill_step, args.snapshot_ratio), archs):
             print(line(r), flush=True)
             results.append(r)
-    print(summary(results, args.prefill_step))
+    print(summary(results, args.prefill_step, args.snapshot_ratio))
     print(f"{time.perf_counter() - began:.0f} s")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

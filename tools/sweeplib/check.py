@@ -113,12 +113,16 @@ def diff(a: mx.array, b: mx.array) -> float:
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
 
-def run_tier(model: Any, tier: str, step: int, ssd_dir: str) -> tuple[int, float, float]:
-    """(tokens reused, |restored - live|, |live - live on another prefix|) on one tier."""
-    config = CacheConfig(block_size=BLOCK, hot_cache_only=True)
+def run_tier(
+    model: Any, tier: str, step: int, ssd_dir: str, ratio: float
+) -> tuple[int, float, float]:
+    """(tokens reused, |restored - live|, |live - live on another prefix|) on one tier;
+    ``ratio``: the cache's ``snapshot_ratio`` (how far apart the first prefill keeps
+    restore points for recurrent and window layers)."""
+    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, snapshot_ratio=ratio)
     if tier == "ssd":
-        config = CacheConfig(
-            block_size=BLOCK, ssd_dir=ssd_dir, hot_max_bytes=1, write_policy="write_through"
+        config = config.replace(
+            hot_cache_only=False, ssd_dir=ssd_dir, hot_max_bytes=1, write_policy="write_through"
         )
     shared = prompt(1, SHARED)
     first, second = shared + prompt(2, 37), shared + prompt(3, 29)
@@ -140,9 +144,16 @@ def run_tier(model: Any, tier: str, step: int, ssd_dir: str) -> tuple[int, float
     return reused, diff(restored, want), diff(control, want)
 
 
-def check(arch: str, step: int, on_built: Callable[[str], None] | None = None) -> Result:
-    """Build ``arch`` and run the exactness check on both tiers; ``on_built`` hears
-    the cache classes once the model runs (a later crash is then no build failure)."""
+def check(
+    arch: str,
+    step: int,
+    on_built: Callable[[str], None] | None = None,
+    *,
+    ratio: float = 1.0,
+) -> Result:
+    """Build ``arch`` and run the exactness check on both tiers (prefill step ``step``,
+    ``snapshot_ratio`` ``ratio``); ``on_built`` hears the cache classes once the model
+    runs (a later crash is then no build failure)."""
     try:
         model = build(arch)
     except Exception as err:  # any failure to build or run the module is its outcome
@@ -154,7 +165,7 @@ def check(arch: str, step: int, on_built: Callable[[str], None] | None = None) -
     try:
         with tempfile.TemporaryDirectory(prefix="arch-sweep-") as tmp:
             for tier in ("hot", "ssd"):
-                reused[tier], gap, control = run_tier(model, tier, step, tmp)
+                reused[tier], gap, control = run_tier(model, tier, step, tmp, ratio)
                 worst = max(worst, gap)
                 if control == 0.0 and reused[tier]:
                     msg = "control: another prefix gives the same logits"
