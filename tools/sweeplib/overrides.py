@@ -11,7 +11,7 @@ from typing import Any
 
 from prefixcache.tiny.archs import ARCHS
 
-from .sizes import HEADS, HIDDEN, KV_HEADS, LAYERS
+from .sizes import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
 
 SWA = ["sliding_attention", "full_attention"] * (LAYERS // 2)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -120,7 +120,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "mamba_num_heads": 4,
         "mamba_head_dim": 32,
     },
-    "nemotron-nas": {"block_configs": []},
     "recurrent_gemma": {
         "block_types": ["recurrent", "attention"],
         "attention_window_size": 16,
@@ -139,7 +138,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
-    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True},
     "longcat_flash_ngram": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True},
     "llama4_text": {**ARCHS["llama4"]["text_config"], "no_rope_layers": [1, 1, 1, 0]},
     "muse_spark": {
@@ -168,13 +166,44 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "plamo": {"n_shared_head": 2},
     "kimi_k3": {
         "text_config": {
+            "num_experts_per_token": 2,
             "linear_attn_config": {
                 "kda_layers": [1, 3],
                 "full_attn_layers": [2, 4],
                 "head_dim": 16,
                 "num_heads": 4,
                 "short_conv_kernel_size": 4,
-            }
+            },
+        }
+    },
+    "longcat_flash": {
+        "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True,
+        "zero_expert_type": "identity",
+    },
+    "minimax_m3_vl": {"text_config": {"moe_layer_freq": [1] * LAYERS}},
+    "nemotron-nas": {
+        "block_configs": [
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"no_op": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 2.0}},
+            {"attention": {"n_heads_in_group": 2}, "ffn": {"no_op": True}},
+        ]
+    },
+    "gemma3n": {
+        "text_config": {
+            "num_kv_shared_layers": 0,
+            "vocab_size_per_layer_input": VOCAB,
+            "rope_local_base_freq": 10000.0,
+            "final_logit_softcapping": 30.0,
+            "layer_types": SWA,
+            "activation_sparsity_pattern": [0.0] * LAYERS,
+            "hidden_size_per_layer_input": 16,
+            "altup_num_inputs": 2,
+            "altup_coef_clip": 120.0,
+            "altup_correct_scale": True,
+            "altup_active_idx": 0,
+            "laurel_rank": 8,
         }
     },
 }
