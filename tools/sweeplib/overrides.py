@@ -206,4 +206,5 @@ OVERRIDES: dict[str, dict[str, Any]] = {
             "laurel_rank": 8,
         }
     },
+    "phixtral": {"num_vocab": VOCAB, "model_dim": HIDDEN, "rotary_dim": 8},
 }
