@@ -137,3 +137,27 @@ def test_rows_the_cache_let_go_are_refused_not_guessed():
     builder.add(0, payloads[0])
     with pytest.raises(LayoutMismatchError):
         builder.add(1, payloads[1])
+
+
+def test_a_block_upgraded_by_a_later_cut_uses_its_whole_rows():
+    """A block cut while the window held it whole (``w.keys``), then given a later
+    cut's partial rows (``w.last.*``) too: its whole rows are read from its start."""
+    model = tiny_model("deepseek_v41")
+    tokens = prompt(10, 40)
+    cache = make_prompt_cache(model)
+    run(model, tokens[:32], cache)
+    codec = codec_for(cache[0])  # the window-only layer: its 16 tokens are [16, 32)
+    whole = codec.cut(cache[0], 16, 32, length=32)
+    run(model, tokens[32:], cache)
+    late = codec.cut(cache[0], 16, 32, length=40)  # the window moved on to [24, 40)
+    assert "w.keys" in whole and "w.last.keys" in late
+    payloads = [
+        codec.cut(cache[0], 0, 16, length=40),
+        {**late, **whole},
+        codec.cut(cache[0], 32, 40, length=40),
+    ]
+    builder = codec.builder(LayerCache(cache[0].window_size), 40, 40, BLOCK)
+    for index, arrays in enumerate(payloads):
+        builder.add(index, arrays)
+    rebuilt = builder.finish()
+    assert np.array_equal(np.array(rebuilt.window), np.array(cache[0].window))

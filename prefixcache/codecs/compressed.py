@@ -34,6 +34,7 @@ from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
 
 WINDOW = MissReason.WINDOW_NOT_COVERED
+WINDOW_ROWS = ("w.keys", "w.last.keys", "w.last.first")
 PLAIN, EVERY, GROUPS = 0, 1, 2  # c.kind: no compression here, every token, groups of r
 
 
@@ -140,53 +141,58 @@ class CompressedBuilder(Builder):
         self.block_size = block_size
         self.last = num_blocks(num_tokens, block_size) - 1
         self.window_from = max(0, num_tokens - fresh.window_size)
-        self.blocks: list[dict[str, mx.array]] = []
+        self.blocks: dict[int, dict[str, mx.array]] = {}
         self.state: dict[str, Any] = {}
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
         if "c.kind" not in arrays:
             raise LayoutMismatchError(f"block {index} has no rows of this layer")
-        self.blocks.append(arrays)
+        self.blocks[index] = arrays
         if index == self.last:
             self.state = self._assemble()
 
-    def _span(self, name: str, first_name: str, lo: int) -> mx.array:
-        """Rows ``name`` of tokens ``[lo, num_tokens)`` from the blocks holding them."""
+    def _span(self, names: tuple[str, str, str], lo: int) -> mx.array:
+        """Rows of tokens ``[lo, num_tokens)`` from the blocks holding them: ``names`` are
+        the payload of a whole block's rows, of its rows from a first token on, and of
+        that first token (a block may hold both: upgraded by a later cut)."""
+        whole, part, first_name = names
         parts = []
-        for index, arrays in enumerate(self.blocks):
+        for index, arrays in sorted(self.blocks.items()):
             start = index * self.block_size
             end = min(start + self.block_size, self.num_tokens)
             a = max(lo, start)
             if a >= end:
                 continue
-            key = name if name in arrays else name.replace("keys", "last.keys")
-            if key not in arrays:
-                raise LayoutMismatchError(f"block {index} lost the rows of {name}", WINDOW)
-            first = start + int(arrays[first_name].item()) if first_name in arrays else start
+            if whole in arrays:
+                key, first = whole, start
+            elif part in arrays:
+                key, first = part, start + int(arrays[first_name].item())
+            else:
+                raise LayoutMismatchError(f"block {index} lost the rows of {part}", WINDOW)
             if first > a:
-                raise LayoutMismatchError(f"block {index} lost the rows of {name}", WINDOW)
+                raise LayoutMismatchError(f"block {index} lost the rows of {part}", WINDOW)
             parts.append(arrays[key][:, a - first : end - first])
         return mx.concatenate(parts, axis=1) if len(parts) > 1 else mx.array(parts[0])
 
     def _assemble(self) -> dict[str, Any]:
-        kind, ratio = (int(v) for v in self.blocks[-1]["c.kind"].tolist())
+        kind, ratio = (int(v) for v in self.blocks[self.last]["c.kind"].tolist())
         closed = self.num_tokens // ratio if ratio else 0
-        out: dict[str, Any] = {"window": self._span("w.keys", "w.last.first", self.window_from)}
+        out: dict[str, Any] = {"window": self._span(WINDOW_ROWS, self.window_from)}
         out["compress_kv"] = self._groups("c.kv", ratio, closed)
         out["index_k"] = self._groups("c.index", ratio, closed)
         opened = closed * ratio
         if kind == GROUPS and opened < self.num_tokens:
-            out["pending_kv"] = self._span("w.pend.kv", "w.pend.first", opened)
-            out["pending_gate"] = self._span("w.pend.gate", "w.pend.first", opened)
+            out["pending_kv"] = self._span(("", "w.pend.kv", "w.pend.first"), opened)
+            out["pending_gate"] = self._span(("", "w.pend.gate", "w.pend.first"), opened)
         return out
 
     def _groups(self, name: str, ratio: int, closed: int) -> mx.array | None:
         """The first ``closed`` compressed rows ``name`` (None: no group closed, or the
         layer keeps no such rows)."""
-        if not closed or not any(name in arrays for arrays in self.blocks):
+        if not closed or not any(name in arrays for arrays in self.blocks.values()):
             return None
         parts = []
-        for index, arrays in enumerate(self.blocks):
+        for index, arrays in sorted(self.blocks.items()):
             start = index * self.block_size
             lo, hi = start // ratio, min((start + self.block_size) // ratio, closed)
             if lo >= hi:
