@@ -13,14 +13,18 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
 from sweeplib import configs
 from sweeplib.check import SHARED, build, check
 
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.codecs import UnusedKVCache
 from prefixcache.codecs.arrays import ArraysCodec
+from prefixcache.errors import LayoutMismatchError
+from prefixcache.tiny.models import build_model
 
 SUBSET = {  # module: the cache classes it makes
     "llama": "KVCache",
@@ -32,6 +36,7 @@ SUBSET = {  # module: the cache classes it makes
     "baichuan_m1": "CacheList[ArraysCache,RotatingKVCache] CacheList[ArraysCache,KVCache]",
     "deepseek_v41": "LayerCache",
     "longcat_flash_ngram": "ArraysCache CacheList[KVCache,KVCache]",
+    "nemotron-nas": "KVCache",  # a no-op attention layer: its KVCache is never written
 }
 
 
@@ -83,3 +88,24 @@ def test_a_token_history_keeps_its_layout_as_it_grows():
     wider = ArraysCache(size=1)
     wider[0] = mx.zeros((1, 4, 8))
     assert codec.layout(state) != codec.layout(wider)
+
+
+def test_a_layer_never_written_is_stored_as_nothing():
+    """nemotron-nas's no-op attention layer keeps an empty KVCache: no block carries
+    it, a restore gives it back empty. An empty cache in a layer the model writes is
+    still refused."""
+    model = build("nemotron-nas")
+    tokens = list(range(1, 50))
+    with PrefixCache(model, CacheConfig(block_size=16, hot_cache_only=True)) as pc:
+        assert pc.layout.unused == (1,)
+        pc.prefill(tokens)
+        assert not any(name.startswith("1.") for block in pc.hot for name in block.arrays)
+        cache, n = pc.fetch([*tokens, 7])
+        assert n == 49 and isinstance(cache[1], UnusedKVCache) and cache[1].empty()
+    llama = build_model("llama")
+    with PrefixCache(llama, CacheConfig(block_size=16, hot_cache_only=True)) as pc:
+        cache = make_prompt_cache(llama)
+        llama(mx.array([tokens]), cache=cache)
+        cache[0] = make_prompt_cache(llama)[0]  # a written layer left empty
+        with pytest.raises(LayoutMismatchError):
+            pc.store(tokens, cache)

@@ -12,6 +12,7 @@ ChunkedKVCache         ``keys``, ``values`` while in the current chunk
 ArraysCache            ``0``, ``1``, ...: state snapshot at the block's end boundary
 CacheList              each part's payload under ``"{part}."``
 LayerCache             ``c.*``: compressed rows; ``w.*``: window and open-group rows
+UnusedKVCache          nothing: a layer the model never writes (no-op attention)
 =====================  ==============================================================
 
 Registering a third-party cache
@@ -57,6 +58,7 @@ from .kv import KVCodec
 from .quantized import QuantizedKVCodec
 from .registry import codec_for, register_codec, unregister_codec
 from .rotating import RotatingKVCodec
+from .unused import UnusedCodec, UnusedKVCache
 
 for _codec in (
     KVCodec(),
@@ -66,6 +68,7 @@ for _codec in (
     ArraysCodec(),
     CacheListCodec(),
     CompressedCodec(),
+    UnusedCodec(),
 ):
     register_codec(_codec, replace=True)
 
@@ -84,6 +87,8 @@ __all__ = [
     "Resident",
     "RotatingKVCodec",
     "UnsupportedCacheError",
+    "UnusedCodec",
+    "UnusedKVCache",
     "codec_for",
     "num_blocks",
     "register_codec",
