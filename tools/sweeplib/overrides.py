@@ -28,7 +28,8 @@ LLAMA4_ROPE = {  # ministral3 / mistral4 scale queries by position like llama 4
 OVERRIDES: dict[str, dict[str, Any]] = {
     **{name: dict(preset) for name, preset in ARCHS.items()},
     "afmoe": {"layer_types": SWA, "num_dense_layers": 1},
-    "bailing_moe_linear": {"num_key_value_heads": 4},
+    # groups of 2 layers, linear attention then full attention
+    "bailing_moe_linear": {"num_key_value_heads": 4, "layer_group_size": 2, "group_norm_size": 1},
     "dbrx": {
         "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
         "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
