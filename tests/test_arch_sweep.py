@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from itertools import accumulate
 
 import mlx.core as mx
 import pytest
@@ -18,7 +19,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
 from sweeplib import configs
-from sweeplib.check import SHARED, build, check
+from sweeplib.check import SHARED, Chunks, build, check, diff, live, prompt
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.codecs import UnusedKVCache
@@ -109,3 +110,33 @@ def test_a_layer_never_written_is_stored_as_nothing():
         cache[0] = make_prompt_cache(llama)[0]  # a written layer left empty
         with pytest.raises(LayoutMismatchError):
             pc.store(tokens, cache)
+
+
+@pytest.mark.parametrize(("arch", "step"), [("bailing_moe_v3", 2048), ("llama4", 16)])
+def test_the_second_sighting_keeps_the_prefix_for_the_third(arch, step):
+    """The sweep's two no-reuse cases: the second prompt (first reuse: none) keeps
+    the state where it leaves the first (the junction at 96), so a third prompt
+    restores all 96 tokens, exactly; another prefix's restored state differs."""
+    model = build(arch)
+    shared = prompt(1, SHARED)
+    with PrefixCache(model, CacheConfig(block_size=16, hot_cache_only=True)) as pc:
+        chunks = Chunks(model)
+        pc.model = chunks
+        ends = []
+        for seed in (2, 3):
+            chunks.sizes.clear()
+            pc.prefill(shared + prompt(seed, 37), prefill_step_size=step)
+            ends.append(list(accumulate(chunks.sizes)))
+        assert len(shared) + 37 - sum(chunks.sizes) == 0  # the second reused nothing
+        third = shared + prompt(4, 29)
+        chunks.sizes.clear()
+        _, logits = pc.prefill(third, prefill_step_size=step)
+        reused = len(third) - sum(chunks.sizes)
+        assert reused == SHARED
+        later = list(accumulate(chunks.sizes, initial=reused))[:-1]
+        # the state at 96 is the second prompt's, chunked as its prefill chunked it
+        alike = [e for e in ends[1] if e < SHARED] + later
+        want = live(model, third, alike)
+        assert diff(logits, want) == 0.0
+        other = live(model, prompt(5, SHARED) + third[SHARED:], alike)
+        assert diff(other, want) > 0.0
