@@ -2,6 +2,8 @@
 #   make demo   set up .venv and run the demo on a tiny locally built model
 #   make test   set up .venv, lint, install redis-server if missing, run the test suite
 #   make arch-sweep   every mlx_lm.models architecture through the cache (STEP=16|512|2048)
+# the README's plots, redrawn from the benchmarks' CSVs in docs/data/:
+#   make plots
 # and one for a benchmark's peer:
 #   make vllm-mlx   set up .venv-vllm-mlx (vllm-mlx 0.6.0) for tools/bench_reuse_serve.py
 PYTHON ?= python3
@@ -13,7 +15,7 @@ BACKEND ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
 comma := ,
 EXTRAS := dev$(if $(BACKEND),$(comma)$(BACKEND),)
 
-.PHONY: demo test setup lint redis-server vllm-mlx arch-sweep
+.PHONY: demo test setup lint redis-server vllm-mlx plots arch-sweep
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +50,11 @@ STEP ?= 2048
 JOBS ?= 2
 arch-sweep: setup
 	nice $(BIN)/python tools/arch_sweep.py --prefill-step $(STEP) --jobs $(JOBS)
+
+# docs/reuse_per_arch.png and docs/budget.png from docs/data/*.csv (tools/plots.py says
+# which benchmark writes each CSV)
+plots: setup
+	$(BIN)/python tools/plots.py
 
 # vllm-mlx, a peer of tools/bench_reuse_serve.py, in a venv of its own: it pins
 # mlx-lm < 0.32 (ours: 0.32). --no-deps leaves out what serving text does not use
