@@ -1,6 +1,7 @@
 # Two entry points, both self-contained on a fresh machine (Python >= 3.10):
 #   make demo   set up .venv and run the demo on a tiny locally built model
 #   make test   set up .venv, lint, install redis-server if missing, run the test suite
+#   make arch-sweep   every mlx_lm.models architecture through the cache (STEP=16|512|2048)
 # the README's plots, redrawn from the benchmarks' CSVs in docs/data/:
 #   make plots
 # and one for a benchmark's peer:
@@ -14,7 +15,7 @@ BACKEND ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
 comma := ,
 EXTRAS := dev$(if $(BACKEND),$(comma)$(BACKEND),)
 
-.PHONY: demo test setup lint redis-server vllm-mlx plots
+.PHONY: demo test setup lint redis-server vllm-mlx plots arch-sweep
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,13 @@ redis-server:
 
 test: lint redis-server
 	$(BIN)/pytest
+
+# every mlx_lm.models module built tiny and checked for exact reuse, hot and SSD
+# (tests/test_arch_sweep.py runs one per cache-type combination)
+STEP ?= 2048
+JOBS ?= 2
+arch-sweep: setup
+	nice $(BIN)/python tools/arch_sweep.py --prefill-step $(STEP) --jobs $(JOBS)
 
 # docs/reuse_per_arch.png and docs/budget.png from docs/data/*.csv (tools/plots.py says
 # which benchmark writes each CSV)

@@ -26,6 +26,7 @@ LAYOUTS = {  # name: (arch, model overrides, kv quantization (bits, group, start
     "lfm2": ("lfm2", {}, None),
     "mamba2": ("mamba2", {}, None),
     "falcon_h1": ("falcon_h1", {}, None),
+    "deepseek_v41": ("deepseek_v41", {}, None),  # window, compressed groups, open rows
 }
 CUT_BACK = ("kv", "quantized")  # every token is a restore point: no checkpoint needed
 

@@ -33,6 +33,7 @@ EXPECTED_CACHES = {
     "mamba2": ["ArraysCache"] * 2,
     "llama4": ["ChunkedKVCache"] * 3 + ["KVCache"],
     "falcon_h1": ["CacheList(ArraysCache, KVCache)"] * 2,
+    "deepseek_v41": ["LayerCache"] * 4,
 }
 TOKENS = mx.array([list(range(3, 67))])  # 64 tokens: past the window (16) and a chunk (32)
 

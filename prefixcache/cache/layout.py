@@ -25,7 +25,7 @@ from mlx_lm.models.cache import (
 )
 
 from ..blocks import Block
-from ..codecs import Codec, codec_for
+from ..codecs import Codec, UnusedKVCache, codec_for
 from ..config import CacheConfig
 from ..errors import LayoutMismatchError, MissReason
 from .costs import RecomputeCost
@@ -48,6 +48,8 @@ class ModelLayout:
         self.codecs: list[Codec] = [codec_for(c) for c in probe]
         self.signature = tuple(codec.layout(c) for codec, c in zip(self.codecs, probe, strict=True))
         self.template = make_prompt_cache(model)  # read-only: classes and settings
+        # layers no forward writes (no-op attention): rebuilt empty, from no block
+        self.unused = tuple(i for i, c in enumerate(probe) if type(c) is KVCache and c.empty())
         self.recompute = RecomputeCost.of(model, probe)
         self.state_bytes, self.kv_token_bytes, self.window_token_bytes = _sizes(probe)
         self.state_prefixes = _state_prefixes(probe, "")
@@ -143,6 +145,8 @@ class ModelLayout:
             for i, c in enumerate(fresh):
                 if type(c) is KVCache:
                     fresh[i] = QuantizedKVCache(group_size=cfg.kv_group_size, bits=cfg.kv_bits)
+        for i in self.unused:
+            fresh[i] = UnusedKVCache()
         return fresh
 
     def trimmable_at(self, num_tokens: int) -> bool:

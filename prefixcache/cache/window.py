@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList
+
+from ..codecs import codec_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,15 +69,16 @@ class WindowPolicy:
 
 def windows(caches: Sequence[Any], prefix: str = "") -> list[tuple[str, int, int]]:
     """The window layers of a cache list: (payload-name prefix, tokens a restore needs
-    before its end, tokens it keeps at the front)."""
+    before its end, tokens it keeps at the front), as each layer's codec says."""
     out: list[tuple[str, int, int]] = []
     for i, cache in enumerate(caches):
         if isinstance(cache, CacheList):
             out += windows(cache.caches, f"{prefix}{i}.")
-        elif isinstance(cache, RotatingKVCache):
-            out.append((f"{prefix}{i}.", cache.max_size - cache.keep, cache.keep))
-        elif isinstance(cache, ChunkedKVCache):
-            out.append((f"{prefix}{i}.", cache.chunk_size, 0))
+            continue
+        found = codec_for(cache).window(cache)
+        if found is not None:
+            name, size, keep = found
+            out.append((f"{prefix}{i}.{name}", size, keep))
     return out
 
 

@@ -1,7 +1,8 @@
 """Codecs: one per cache family, looked up by cache class in a public registry.
 
 The built-in codecs (KVCache, QuantizedKVCache, RotatingKVCache,
-ChunkedKVCache, ArraysCache, CacheList) are registered on import; a cache
+ChunkedKVCache, ArraysCache, CacheList, deepseek_v41's LayerCache, and
+UnusedKVCache for a layer the model never writes) are registered on import; a cache
 class of another package plugs in with its own :class:`Codec` and
 :func:`register_codec` (the contract and an example: ``codecs.base``).
 """
@@ -11,10 +12,12 @@ from .arrays import ArraysCodec
 from .base import Builder, Codec, Has, Payload, Resident, num_blocks, round_up
 from .cachelist import CacheListCodec
 from .chunked import ChunkedKVCodec
+from .compressed import CompressedCodec
 from .kv import KVCodec
 from .quantized import QuantizedKVCodec
 from .registry import codec_for, register_codec, unregister_codec
 from .rotating import RotatingKVCodec
+from .unused import UnusedCodec, UnusedKVCache
 
 for _codec in (
     KVCodec(),
@@ -23,6 +26,8 @@ for _codec in (
     ChunkedKVCodec(),
     ArraysCodec(),
     CacheListCodec(),
+    CompressedCodec(),
+    UnusedCodec(),
 ):
     register_codec(_codec, replace=True)
 
@@ -32,6 +37,7 @@ __all__ = [
     "CacheListCodec",
     "ChunkedKVCodec",
     "Codec",
+    "CompressedCodec",
     "Has",
     "KVCodec",
     "LayoutMismatchError",
@@ -40,6 +46,8 @@ __all__ = [
     "Resident",
     "RotatingKVCodec",
     "UnsupportedCacheError",
+    "UnusedCodec",
+    "UnusedKVCache",
     "codec_for",
     "num_blocks",
     "register_codec",

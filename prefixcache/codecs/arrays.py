@@ -1,4 +1,5 @@
-"""Codec for ArraysCache: recurrent state (mamba/SSM, gated delta net, conv state).
+"""Codec for ArraysCache: recurrent state (mamba/SSM, gated delta net, conv state)
+and histories of token ids (n-gram embeddings).
 
 The state summarises every token seen so far and cannot be sliced, so it is
 snapshotted where the cache stands (the end of a prefill chunk, or of a stored
@@ -23,6 +24,18 @@ from .kv import dtype_name
 BOUNDARY = MissReason.BOUNDARY_MISSING
 
 
+def slot_signature(a: mx.array | None) -> tuple[object, ...] | None:
+    """A slot's part of the layout: dtype and shape after the batch axis. A slot of
+    integers holds token ids, not a state computed from weights (longcat_flash_ngram
+    keeps the last n - 1 ids, 1 wide after one token, n - 1 from then on): its width
+    follows the tokens seen, so only its dtype and rank name it."""
+    if a is None:
+        return None
+    if mx.issubdtype(a.dtype, mx.integer):
+        return (dtype_name(a.dtype), "ids", a.ndim)
+    return (dtype_name(a.dtype), *a.shape[1:])
+
+
 class ArraysCodec(Codec):
     cache_type = ArraysCache
 
@@ -35,8 +48,7 @@ class ArraysCodec(Codec):
                 f"ArraysCache has batch size {batch}; store one sequence at a time "
                 "(use the batch cache's extract(i))"
             )
-        slots = [None if a is None else (dtype_name(a.dtype), *a.shape[1:]) for a in cache.cache]
-        return ("ArraysCache", *slots)
+        return ("ArraysCache", *(slot_signature(a) for a in cache.cache))
 
     def length(self, cache: ArraysCache) -> None:
         return None

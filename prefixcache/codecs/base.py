@@ -24,6 +24,8 @@ RotatingKVCache        ``keys``, ``values`` while in the window (``keep.*``: fir
 ChunkedKVCache         ``keys``, ``values`` while in the current chunk
 ArraysCache            ``0``, ``1``, ...: state snapshot at the block's end boundary
 CacheList              each part's payload under ``"{part}."``
+LayerCache             ``c.*``: compressed rows; ``w.*``: window and open-group rows
+UnusedKVCache          nothing: a layer the model never writes (no-op attention)
 =====================  ==============================================================
 
 A cache class of another package (a TurboQuant-style quantized cache, say)
@@ -48,12 +50,12 @@ A :class:`Builder` receives each needed block's payload in chain order
 returns the rebuilt cache (``finish``); it must give the cache new arrays,
 never the payload's own objects. Optional hooks, each with its default here:
 ``blocks_needed`` (a window needs only its last blocks), ``missing``,
-``trimmable_at`` and ``reach`` (blocks that may gain a payload from a later
-capture). Lookup is by exact class: a subclass of a built-in cache needs its
-own codec. A cache class with no codec is refused with
-``UnsupportedCacheError`` when the ``PrefixCache`` is built. The ``layout`` of
-a cache is part of the hash namespace, so blocks of one codec's layout are
-never served to another.
+``trimmable_at``, ``window`` (payloads kept only around restore points) and
+``reach`` (blocks that may gain a payload from a later capture). Lookup is by
+exact class: a subclass of a built-in cache needs its own codec. A cache class
+with no codec is refused with ``UnsupportedCacheError`` when the
+``PrefixCache`` is built. The ``layout`` of a cache is part of the hash
+namespace, so blocks of one codec's layout are never served to another.
 """
 
 from __future__ import annotations
@@ -224,6 +226,13 @@ class Codec(ABC):
         allows it; else one block short.
         """
         return bool(fresh.is_trimmable())
+
+    def window(self, cache: Any) -> tuple[str, int, int] | None:
+        """Payloads only a window of the cache's last tokens gives: (their name prefix
+        within this layer's, the tokens before its end a restore needs, the tokens it
+        keeps at the front). None (the default): every payload can be cut at any time.
+        The window policy (``cache/window.py``) keeps them only around restore points."""
+        return None
 
     def reach(self, cache: Any, length: int) -> int:
         """First token whose block may gain a payload from ``cache`` now.

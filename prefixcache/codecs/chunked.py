@@ -34,6 +34,9 @@ class ChunkedKVCodec(Codec):
     def length(self, cache: ChunkedKVCache) -> int:
         return cache.offset
 
+    def window(self, cache: ChunkedKVCache) -> tuple[str, int, int]:
+        return ("", cache.chunk_size, 0)
+
     def reach(self, cache: ChunkedKVCache, length: int) -> int:
         return length if cache.keys is None else cache.start_position
 

@@ -13,6 +13,7 @@ from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
 from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
+from .unused import UNUSED
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -48,14 +49,17 @@ class KVCodec(Codec):
     cache_type = KVCache
 
     def layout(self, cache: KVCache) -> tuple[object, ...]:
-        return kv_signature(cache)
+        # empty after a forward: a layer the model never writes (unused.py)
+        return UNUSED if cache.keys is None else kv_signature(cache)
 
-    def length(self, cache: KVCache) -> int:
-        return cache.offset
+    def length(self, cache: KVCache) -> int | None:
+        return None if cache.keys is None else cache.offset
 
     def cut(
         self, cache: KVCache, start: int, end: int, *, length: int, snapshot: bool = True
     ) -> dict[str, mx.array]:
+        if cache.keys is None:
+            return {}
         return {
             "keys": owned_slice(cache.keys, start, end),
             "values": owned_slice(cache.values, start, end),

@@ -89,6 +89,9 @@ class RotatingKVCodec(Codec):
     def trimmable_at(self, fresh: RotatingKVCache, num_tokens: int) -> bool:
         return True  # rebuilt at any length from the window's blocks, no trim needed
 
+    def window(self, cache: RotatingKVCache) -> tuple[str, int, int]:
+        return ("", cache.max_size - cache.keep, cache.keep)
+
     def reach(self, cache: RotatingKVCache, length: int) -> int:
         return length if cache.keys is None else Ring.of(cache).first
 

@@ -3,7 +3,8 @@
 Each preset (a key of ``ARCHS``, also the ``mlx_lm.models`` module name) is a
 config dict small enough to run on a CPU in tests (hidden 64, 2-4 layers, a
 512-token vocabulary) that still builds every cache type mlx-lm has: KVCache,
-RotatingKVCache, ChunkedKVCache, ArraysCache and CacheList.
+RotatingKVCache, ChunkedKVCache, ArraysCache, CacheList, and a model's own
+cache class (deepseek_v41's LayerCache).
 """
 
 from __future__ import annotations
@@ -130,5 +131,33 @@ ARCHS: dict[str, dict[str, Any]] = {
         # the tied head scales logits by lm_head/embedding multiplier (0.007 by default)
         "embedding_multiplier": 1.0,
         "lm_head_multiplier": 1.0,
+    },
+    # deepseek_v41's own LayerCache on every layer: a 16-token window, then tokens
+    # compressed in groups of 4 (layers 1, 3) and 16 (layer 2) with index keys
+    "deepseek_v41": {
+        "model_type": "deepseek_v41",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 16,
+        "compress_ratios": [0, 4, 16, 4],
+        "kv_source_layer_ids": [1, 2, 3],
+        "index_source_layer_ids": [1, 2, 3],
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 8,
+        "max_position_embeddings": 4096,
+        "hc_mult": 2,
     },
 }

@@ -79,15 +79,29 @@ def build_model(
         ValueError: if ``arch`` is unknown, or ``dtype`` is not float32 for a
             model with MoE layers.
     """
+    config = model_config(arch, **overrides)
+    return build_from_config(config, seed=seed, dtype=dtype)
+
+
+def build_from_config(
+    config: dict[str, Any], *, seed: int = 0, dtype: mx.Dtype = mx.float32
+) -> nn.Module:
+    """Build a random-weight model of ``mlx_lm.models.{config["model_type"]}`` from a
+    config dict, as ``build_model`` does for a preset (any module: the architecture
+    sweep builds every one).
+
+    Raises:
+        ValueError: ``dtype`` is not float32 for a model with MoE layers.
+    """
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    config = model_config(arch, **overrides)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # GatherMM (the expert matmul) fails at the first forward otherwise
     if dtype != mx.float32 and any(isinstance(m, SwitchGLU) for m in model.modules()):
-        raise ValueError(f"{arch} has MoE layers, which run only in float32 on CPU, not {dtype}")
+        name = config["model_type"]
+        raise ValueError(f"{name} has MoE layers, which run only in float32 on CPU, not {dtype}")
     _init_weights(model, seed)
     model.set_dtype(dtype)
     model.eval()
