@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import random
 import sys
 import time
@@ -71,6 +72,16 @@ def _count(plan: Plan, i: int, present) -> tuple[int, int, int]:
     return hit, sum(toks[:hit]), sum(toks)
 
 
+VALUES = {
+    "lin": float,
+    "sqrt": lambda u: u**0.5,
+    "log": lambda u: math.log2(1 + u),
+    "cap4": lambda u: float(min(u, 4)),
+    "half": lambda u: u / 2,
+    "dbl": lambda u: 2.0 * u,
+}
+
+
 def run_heap(plan: Plan, capacity: int, policy: str) -> float:
     """LRU (priority: last use) or the optimum (priority: minus next use), leaves first."""
     n = len(plan.parent)
@@ -80,7 +91,8 @@ def run_heap(plan: Plan, capacity: int, policy: str) -> float:
     size, clock, hits, total = 0, 0, 0, 0
     optimal = policy == "optimal"
     lfu = policy.startswith("lfu")
-    strict = policy == "lfu-strict"
+    strict = lfu and not policy.endswith(":loose")
+    value = VALUES[policy.split(":")[1] if ":" in policy else "lin"]
     uses: dict[int, int] = {}
     floor = 0.0
 
@@ -97,13 +109,14 @@ def run_heap(plan: Plan, capacity: int, policy: str) -> float:
             uses[node] = uses.get(node, 0) + 1
         for d in range(hit):
             clock += 1
-            key[chain[d]] = -nxt[d] if optimal else (floor + uses[chain[d]] if lfu else clock)
+            lfu_key = floor + value(uses[chain[d]])
+            key[chain[d]] = -nxt[d] if optimal else (lfu_key if lfu else clock)
             if not kids[chain[d]]:
                 push(chain[d])
         protect = set(chain)
         for d in range(hit, len(chain)):
             node = chain[d]
-            mine = -nxt[d] if optimal else (floor + uses[node] if lfu else clock + 1)
+            mine = -nxt[d] if optimal else (floor + value(uses[node]) if lfu else clock + 1)
             if size >= capacity:
                 skipped, victim = [], None
                 while heap:

@@ -23,7 +23,7 @@ from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
 
-POLICIES = ("lru", "cost", "density", "optimal")
+POLICIES = ("lru", "cost", "density", "frequency", "optimal")
 _TIER_FLAGS = {"hot": "hot_bytes", "ssd": "ssd_bytes", "remote": "remote_bytes"}
 
 

@@ -50,7 +50,7 @@ class TierStack:
             shed,
             self.pins,
             cost,
-            density=config.eviction == "density",
+            policy=config.eviction,
         )
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]

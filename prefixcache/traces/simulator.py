@@ -4,7 +4,7 @@ Each request of a trace is a chain of blocks (one per hash id, keyed by its
 place in the trie of all prompts, so that equal ids under equal prefixes are
 one block). A block holds no arrays, only its byte size from a model shape.
 The hot tier is the library's :class:`HotTier` (its eviction: ``lru``,
-``cost`` or ``density``, leaves first, snapshots shed first); blocks it evicts
+``cost``, ``density`` or ``frequency``, leaves first, snapshots shed first); blocks it evicts
 spill to the SSD tier through the library's :class:`WriteGovernor`
 (``ssd_admit_after``, the write budget as a leaky bucket on the trace's clock)
 and then to the remote tier. The SSD and remote tiers are byte-bounded,
@@ -160,7 +160,7 @@ class Simulation:
             self._shed if self.checkpoint else None,
             pins,
             self._cost if config.eviction == "cost" else None,
-            density=config.eviction == "density",
+            policy=config.eviction,
         )
         self.lower: list[LowerTier] = []
         if config.ssd_bytes is not None:

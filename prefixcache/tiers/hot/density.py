@@ -34,7 +34,7 @@ NUM_USES = 6  # classes by uses: 1, 2, 3-4, 5-8, 9-16, 17 or more
 DEEP = 8  # blocks at this chain index or beyond are "deep"
 SAMPLES = 32
 DECAY = 0.9  # weight of the counts so far at each new table
-GHOSTS = 8  # evicted blocks remembered, per block of capacity
+GHOSTS = 512  # evicted blocks remembered, per block of capacity
 
 
 def bucket(age: int) -> int:

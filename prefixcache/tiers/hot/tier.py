@@ -7,7 +7,7 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
-Which leaf goes (``lru``, ``cost``, ``density``), and whether a newcomer
+Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
 comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
 (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the manager holds its lock around every call.
@@ -43,7 +43,7 @@ class HotTier(ListsChildren, KeepsRecent, Tier):
         shed: ShedHook | None = None,
         pins: Pins | None = None,
         cost: CostHook | None = None,
-        density: bool = False,
+        policy: str = "",
     ):
         self.max_bytes = max_bytes
         self.pins = pins if pins is not None else Pins()
@@ -60,7 +60,7 @@ class HotTier(ListsChildren, KeepsRecent, Tier):
         self.views = HostViews()  # what restores copy from (hot_reader.py)
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
         self.eviction = Eviction(
-            self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, density=density
+            self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, policy=policy
         )
 
     def __len__(self) -> int:
