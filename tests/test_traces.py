@@ -120,6 +120,19 @@ def test_simulate_json_keys(tmp_path, capsys):
     assert "not a byte size: '12Q'" in capsys.readouterr().err
 
 
+def test_simulate_sweep_writes_csv_and_plot(tmp_path, capsys):
+    path = _write(tmp_path / "t.jsonl", _random_trace(0, 80))
+    out = tmp_path / "sweep"
+    args = ["simulate", path, "--hot", "1G", "--eviction", "lru,optimal"]
+    assert main([*args, "--sweep", "hot=256M,512M", "--out", str(out), "--json"]) == 0
+    docs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["eviction"] for d in docs] == ["lru", "lru", "optimal", "optimal", "ceiling"]
+    assert all(d["hit_rate"] <= docs[-1]["hit_rate"] + 1e-9 for d in docs)
+    assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 6
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([*args, "--eviction", "fifo"]) == 2  # not a policy: one line, exit 2
+
+
 def _plain_lru(trace, capacity: int) -> int:
     """Cached tokens of a plain LRU of chain prefixes: evict the least recent leaf,
     never the block just stored; hits touched deepest first, as the hot tier does."""

@@ -3,7 +3,9 @@
 A fast standalone model (no library code) to compare eviction and admission
 policies before one goes into the library: LRU (leaves first), the offline
 optimum (farthest next use, leaves first, bypass when the newcomer is used
-later than any victim) and the hit-density policy with its ablations.
+later than any victim), frequency (``lfu:VALUE``: GreedyDual over use counts
+with admission; ``:noadmit``, ``:noaging`` ablations) and the hit-density
+policy (``density``, ``density-no*`` ablations).
 Hit rate = cached / prompt tokens over the last half of the requests, a hit
 being the prefix of a request's blocks held when it arrives (kvcache-simulator's
 semantics). Prints one line per (policy, capacity) and a table.
@@ -92,6 +94,8 @@ def run_heap(plan: Plan, capacity: int, policy: str) -> float:
     optimal = policy == "optimal"
     lfu = policy.startswith("lfu")
     strict = lfu and not policy.endswith(":loose")
+    admit = not policy.endswith(":noadmit")  # ablation: every newcomer comes in
+    aging = not policy.endswith(":noaging")  # ablation: the floor never rises (plain LFU)
     value = VALUES[policy.split(":")[1] if ":" in policy else "lin"]
     uses: dict[int, int] = {}
     floor = 0.0
@@ -133,13 +137,13 @@ def run_heap(plan: Plan, capacity: int, policy: str) -> float:
                 if (
                     victim is None
                     or (optimal and victim[0] >= mine)
-                    or (lfu and (victim[0] >= mine if strict else victim[0] > mine))
+                    or (lfu and admit and (victim[0] >= mine if strict else victim[0] > mine))
                 ):
                     if victim is not None:
                         heapq.heappush(heap, victim)
                     break
                 cand = victim[2]
-                if lfu:
+                if lfu and aging:
                     floor = max(floor, victim[0])
                 present[cand] = 0
                 size -= 1

@@ -4,9 +4,10 @@ Blocks carry no payload, only byte sizes from a model shape (``--shape``:
 a preset or a config.json); budgets are bytes (``--hot 64G``; a tier given no
 budget is absent, ``--unlimited`` makes every given tier unbounded: the
 trace's ceiling). ``--eviction optimal`` is the offline optimum of a hot-only
-cache (the bound). ``--sweep hot=16G,64G`` runs one point per value, in
-parallel processes, and writes ``OUT.csv`` and ``OUT.png`` (matplotlib, the
-``plot`` extra). ``--json``: one JSON object per point.
+cache (the bound); ``--eviction lru,frequency,optimal`` runs each. ``--sweep
+hot=16G,64G`` runs one point per value and policy, in parallel processes,
+plus the ceiling (every tier unbounded), and writes ``OUT.csv`` and
+``OUT.png`` (matplotlib, the ``plot`` extra). ``--json``: one JSON object per point.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot", type=parse_bytes, help="hot tier budget (bytes: 64G)")
     p.add_argument("--ssd", type=parse_bytes, help="SSD tier budget")
     p.add_argument("--remote", type=parse_bytes, help="remote tier budget")
-    p.add_argument("--eviction", choices=POLICIES, default="lru")
+    p.add_argument(
+        "--eviction", default="lru", help=f"one or more of {','.join(POLICIES)} (comma-separated)"
+    )
     p.add_argument("--ssd-admit-after", type=int, default=1)
     p.add_argument("--ssd-write-budget", type=parse_bytes, default=0, help="bytes per day")
     p.add_argument("--unlimited", action="store_true", help="every given tier unbounded")
@@ -50,33 +53,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: Args) -> int:
     from ..traces.reader import TraceError, read_trace
     from ..traces.shapes import shape_named
-    from ..traces.simulator import SimConfig
 
     try:
         shape = shape_named(args.shape).with_kv_bits(args.kv_bits)
         requests = read_trace(args.trace, limit=args.limit)
     except (TraceError, ValueError) as err:
         raise UsageError(str(err)) from None
-    if args.hot is None and args.ssd is None and args.remote is None and not args.unlimited:
-        raise UsageError("give a budget: --hot, --ssd, --remote or --unlimited")
-    if args.eviction == "optimal" and (args.ssd is not None or args.remote is not None):
-        raise UsageError("--eviction optimal: a hot tier alone (the one-tier optimum)")
-    zero = 0 if args.unlimited else None
-    base = SimConfig(
-        shape,
-        args.hot if args.hot is not None else zero,
-        args.ssd if args.ssd is not None or not args.unlimited else None,
-        args.remote,
-        args.eviction,
-        args.ssd_admit_after,
-        args.ssd_write_budget,
-        args.block_tokens,
-    )
-    if args.unlimited:
-        base = replace(base, hot_bytes=0, ssd_bytes=0 if args.ssd is not None else None)
-    points = _sweep(base, args.sweep) if args.sweep else [base]
+    points = []
+    for base in _configs(args, shape):
+        points += _sweep(base, args.sweep) if args.sweep else [base]
+    if args.sweep:  # the trace's ceiling: every tier unbounded
+        points.append(replace(points[0], eviction="lru", hot_bytes=0, ssd_bytes=None))
     with ProcessPoolExecutor(min(len(points), os.cpu_count() or 1)) as pool:
         docs = list(pool.map(_point, [(p, requests) for p in points]))
+    if args.sweep:
+        docs[-1]["eviction"] = "ceiling"
     for doc in docs:
         if args.json:
             print(json.dumps(doc))
@@ -85,6 +76,34 @@ def run(args: Args) -> int:
     if args.sweep:
         _write(args.out, docs)
     return EXIT_OK
+
+
+def _configs(args: Args, shape: object) -> list:
+    """One configuration per policy of ``--eviction`` (a comma-separated list)."""
+    from ..traces.simulator import SimConfig
+
+    if args.hot is None and args.ssd is None and args.remote is None and not args.unlimited:
+        raise UsageError("give a budget: --hot, --ssd, --remote or --unlimited")
+    policies = args.eviction.split(",")
+    for policy in policies:
+        if policy not in POLICIES:
+            raise UsageError(f"--eviction: {policy!r} is not one of {', '.join(POLICIES)}")
+    if "optimal" in policies and (args.ssd is not None or args.remote is not None):
+        raise UsageError("--eviction optimal: a hot tier alone (the one-tier optimum)")
+    unbounded = 0 if args.unlimited else None
+    return [
+        SimConfig(
+            shape,  # type: ignore[arg-type]
+            unbounded if args.hot is None or args.unlimited else args.hot,
+            unbounded if args.ssd is not None and args.unlimited else args.ssd,
+            args.remote,
+            policy,
+            args.ssd_admit_after,
+            args.ssd_write_budget,
+            args.block_tokens,
+        )
+        for policy in policies
+    ]
 
 
 def _sweep(base, text: str) -> list:

@@ -34,7 +34,8 @@ NUM_USES = 6  # classes by uses: 1, 2, 3-4, 5-8, 9-16, 17 or more
 DEEP = 8  # blocks at this chain index or beyond are "deep"
 SAMPLES = 32
 DECAY = 0.9  # weight of the counts so far at each new table
-GHOSTS = 512  # evicted blocks remembered, per block of capacity
+GHOSTS = 64  # evicted blocks remembered per block of capacity (at most MAX_GHOSTS)
+MAX_GHOSTS = 1 << 20
 
 
 def bucket(age: int) -> int:
@@ -80,7 +81,7 @@ class DensityPolicy:
         seed: int = 0,
     ) -> None:
         self.period = max(512, capacity)  # uses between two tables
-        self.max_ghosts = GHOSTS * capacity if ghosts else 0
+        self.max_ghosts = min(GHOSTS * capacity, MAX_GHOSTS) if ghosts else 0
         self.classes, self.depth_classes, self.bypass = classes, depth_classes, bypass
         self.random = random.Random(seed)
         self.clock = 0
