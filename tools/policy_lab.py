@@ -81,6 +81,8 @@ VALUES = {
     "cap4": lambda u: float(min(u, 4)),
     "half": lambda u: u / 2,
     "dbl": lambda u: 2.0 * u,
+    "sq": lambda u: float(u * u),
+    "cube": lambda u: float(u**3),
 }
 
 

@@ -13,7 +13,8 @@ leaves-first LRUs (the same class, as the SSD tier's index keeps them).
 Per request: the longest prefix held across the tiers is the hit (for a shape
 with recurrent state, cut back to the deepest block holding a checkpoint; a
 request's last block keeps one), hits below hot are promoted into hot, the
-rest of the chain is stored. Token counts follow the trace: the last block
+rest of the chain is stored (its sightings count twice when it continues a
+chain from its end, as the library's stack counts a next turn). Token counts follow the trace: the last block
 of a request may be short.
 """
 
@@ -288,9 +289,20 @@ class Simulation:
             self.governor.seen(block.key)
             if name != "hot":
                 self._put_hot(block, dirty=False)
-        for block in blocks[len(found) :]:
-            self.governor.seen(block.key)
+        new = blocks[len(found) :]
+        uses = 2 if self._continues(found, new) else 1
+        for block in new:
+            self.governor.seen(block.key, uses)
             self._put_hot(block, dirty=True)
+
+    def _continues(self, found: list[tuple[str, Block]], new: list[Block]) -> bool:
+        """Whether ``new`` continues a chain from its end, as ``TierStack.continues``
+        asks (a conversation's next turn): its sightings count twice."""
+        if self.governor.sightings is None or not found or not new:
+            return False
+        parent, keys = found[-1][1].key, {b.key for b in new}
+        tiers = [self.hot, *(t.lru for t in self.lower)]
+        return not any(c.key not in keys for t in tiers for c in t.children(parent))
 
     def _put_hot(self, block: Block, *, dirty: bool) -> None:
         cold = block.index > 0 and block.parent not in self.hot
