@@ -14,8 +14,8 @@ Per request: the longest prefix held across the tiers is the hit (for a shape
 with recurrent state, cut back to the deepest block holding a checkpoint; a
 request's last block keeps one), hits below hot are promoted into hot, the
 rest of the chain is stored (its sightings count twice when it continues a
-chain from its end, as the library's stack counts a next turn). Token counts follow the trace: the last block
-of a request may be short.
+chain from its end, as the library's stack counts a next turn). Token counts
+follow the trace: the last block of a request may be short.
 """
 
 from __future__ import annotations
