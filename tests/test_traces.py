@@ -246,3 +246,29 @@ class _NoAging(FrequencyPolicy):
 
     def evicted(self, priority: float) -> None:
         pass
+
+
+def test_hybrid_resumes_only_at_a_checkpoint(tmp_path):
+    trace = [(0, [1, 2, 3]), (1, [1, 2, 4]), (2, [1, 2, 3, 5])]
+    requests = read_trace(_write(tmp_path / "t.jsonl", trace))
+    hybrid = Simulation(SimConfig(PRESETS["qwen3-next-80b-a3b"], 1 << 40)).run(requests)
+    plain = Simulation(SimConfig(LLAMA, 1 << 40)).run(requests)
+    # the first request kept its state at its end (block 3) only: the second resumes
+    # nowhere, the third at block 3
+    assert hybrid.cached_tokens == 3 * 512
+    assert plain.cached_tokens == (2 + 3) * 512  # negative control: K/V alone cuts anywhere
+
+
+def test_ssd_admission_keeps_one_offs_off_the_ssd(tmp_path):
+    # one conversation growing turn by turn, interleaved with one-off prompts that
+    # push it out of a hot tier of 4 blocks
+    trace, turn = [], [1]
+    for t in range(40):
+        turn = [*turn, 100 + t]
+        trace.append((2 * t, list(turn)))
+        trace.append((2 * t + 1, [5000 + 3 * t, 5001 + 3 * t, 5002 + 3 * t]))
+    requests = read_trace(_write(tmp_path / "t.jsonl", trace))
+    once = Simulation(SimConfig(LLAMA, 4 * BLOCK, 1 << 40, ssd_admit_after=1)).run(requests)
+    twice = Simulation(SimConfig(LLAMA, 4 * BLOCK, 1 << 40, ssd_admit_after=2)).run(requests)
+    assert twice.ssd_bytes_written < once.ssd_bytes_written / 2  # one-offs stay off the SSD
+    assert twice.hit_tokens["ssd"] > 0.9 * once.hit_tokens["ssd"]  # the conversation does not
