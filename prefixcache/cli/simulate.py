@@ -56,12 +56,15 @@ def run(args: Args) -> int:
 
     try:
         shape = shape_named(args.shape).with_kv_bits(args.kv_bits)
-        requests = read_trace(args.trace, limit=args.limit)
-    except (TraceError, ValueError) as err:
+    except ValueError as err:
         raise UsageError(str(err)) from None
-    points = []
+    points = []  # every option checked before the trace is read
     for base in _configs(args, shape):
         points += _sweep(base, args.sweep) if args.sweep else [base]
+    try:
+        requests = read_trace(args.trace, limit=args.limit)
+    except TraceError as err:
+        raise UsageError(str(err)) from None
     if args.sweep:  # the trace's ceiling: every tier unbounded
         points.append(replace(points[0], eviction="lru", hot_bytes=0, ssd_bytes=None))
     with ProcessPoolExecutor(min(len(points), os.cpu_count() or 1)) as pool:
@@ -82,8 +85,9 @@ def _configs(args: Args, shape: object) -> list:
     """One configuration per policy of ``--eviction`` (a comma-separated list)."""
     from ..traces.simulator import SimConfig
 
-    if args.hot is None and args.ssd is None and args.remote is None and not args.unlimited:
-        raise UsageError("give a budget: --hot, --ssd, --remote or --unlimited")
+    budgets = (args.hot, args.ssd, args.remote, args.sweep)
+    if all(b is None for b in budgets) and not args.unlimited:
+        raise UsageError("give a budget: --hot, --ssd, --remote, --sweep or --unlimited")
     policies = args.eviction.split(",")
     for policy in policies:
         if policy not in POLICIES:

@@ -29,14 +29,13 @@ import xxhash
 from ..blocks import Block
 from ..config import CacheConfig
 from ..stats import Stats
-from ..tiers.base import Tier, TierReader
 from ..tiers.governor import WriteGovernor
 from ..tiers.hot.tier import HotTier
 from ..tiers.pins import Pins
+from .lower import DAY_SECONDS, LowerTier
 from .reader import TRACE_BLOCK_TOKENS, TraceRequest
 from .shapes import ModelShape
 
-DAY_SECONDS = 86400.0
 TIERS = ("hot", "ssd", "remote")
 
 
@@ -88,61 +87,6 @@ class SimResult:
             "trace_seconds": self.trace_seconds,
             "seconds": self.seconds,
         }
-
-
-class LowerTier(Tier):
-    """The SSD or remote tier of a simulation: a leaves-first LRU of byte sizes.
-
-    ``metered`` (the SSD tier) writes pass the governor; its write budget is a
-    leaky bucket that drains at ``write_budget`` bytes per day of trace time.
-    """
-
-    def __init__(self, name: str, max_bytes: int, *, metered: bool, write_budget: int = 0):
-        self.name = name  # type: ignore[misc]  # one class for both lower tiers
-        self.metered = metered  # type: ignore[misc]
-        self.lru = HotTier(max_bytes)
-        self.write_budget = write_budget
-        self.bytes_written = 0
-        self.now = 0.0
-        self._level = 0.0
-        self._level_at = 0.0
-
-    def entry(self, key: bytes) -> Block | None:
-        return self.lru.get(key)
-
-    def contains(self, key: bytes) -> bool:
-        return key in self.lru
-
-    def reader(self, keys: Sequence[bytes]) -> TierReader:
-        raise TypeError("a simulated tier holds no payloads to read")
-
-    def put(self, block: Block) -> bool:
-        if key_in := block.key in self.lru:
-            return key_in
-        if not self.lru.put(block):
-            return False
-        self.bytes_written += block.nbytes
-        self._level = self._drained() + block.nbytes
-        self._level_at = self.now
-        return True
-
-    def _drained(self) -> float:
-        drain = self.write_budget * max(0.0, self.now - self._level_at) / DAY_SECONDS
-        return max(0.0, self._level - drain)
-
-    def write_budget_left(self) -> int | None:
-        if not self.write_budget:
-            return None
-        return int(self.write_budget - self._drained())
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        self.lru.touch(keys)
-
-    def remove(self, keys: Sequence[bytes]) -> int:
-        return self.lru.remove(keys)
-
-    def stats(self) -> dict[str, int]:
-        return {"nbytes": self.lru.nbytes, "bytes_written": self.bytes_written}
 
 
 class Simulation:
