@@ -272,3 +272,14 @@ def test_ssd_admission_keeps_one_offs_off_the_ssd(tmp_path):
     twice = Simulation(SimConfig(LLAMA, 4 * BLOCK, 1 << 40, ssd_admit_after=2)).run(requests)
     assert twice.ssd_bytes_written < once.ssd_bytes_written / 2  # one-offs stay off the SSD
     assert twice.hit_tokens["ssd"] > 0.9 * once.hit_tokens["ssd"]  # the conversation does not
+
+
+def test_hybrid_next_turn_resumes_at_the_last_full_block(tmp_path):
+    path = tmp_path / "t.jsonl"
+    lines = [  # a 2.5-block prompt, then its next turn: the short block changed id
+        {"timestamp": 0, "input_length": 1280, "output_length": 1, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1, "input_length": 2000, "output_length": 1, "hash_ids": [1, 2, 4, 5]},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sim = Simulation(SimConfig(PRESETS["qwen3-next-80b-a3b"], 1 << 40)).run(read_trace(path))
+    assert sim.cached_tokens == 2 * 512  # state kept at block 2, the last full one
