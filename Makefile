@@ -1,6 +1,8 @@
 # Two entry points, both self-contained on a fresh machine (Python >= 3.10):
 #   make demo   set up .venv and run the demo on a tiny locally built model
 #   make test   set up .venv, lint, install redis-server if missing, run the test suite
+# the README's plots, redrawn from the benchmarks' CSVs in docs/data/:
+#   make plots
 # and one for a benchmark's peer:
 #   make vllm-mlx   set up .venv-vllm-mlx (vllm-mlx 0.6.0) for tools/bench_reuse_serve.py
 PYTHON ?= python3
@@ -12,7 +14,7 @@ BACKEND ?= $(if $(filter Linux,$(shell uname -s)),cpu,)
 comma := ,
 EXTRAS := dev$(if $(BACKEND),$(comma)$(BACKEND),)
 
-.PHONY: demo test setup lint redis-server vllm-mlx
+.PHONY: demo test setup lint redis-server vllm-mlx plots
 
 $(BIN)/prefixcache: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +42,11 @@ redis-server:
 
 test: lint redis-server
 	$(BIN)/pytest
+
+# docs/reuse_per_arch.png and docs/budget.png from docs/data/*.csv (tools/plots.py says
+# which benchmark writes each CSV)
+plots: setup
+	$(BIN)/python tools/plots.py
 
 # vllm-mlx, a peer of tools/bench_reuse_serve.py, in a venv of its own: it pins
 # mlx-lm < 0.32 (ours: 0.32). --no-deps leaves out what serving text does not use

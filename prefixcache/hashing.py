@@ -1,4 +1,4 @@
-"""Versioned chain-hash spec: namespace root keys and per-block chain keys.
+"""Versioned chain-hash spec: namespace root keys, per-block chain keys and tail keys.
 
 Spec v1 (locked by golden vectors in tests/test_hashing.py; change it only with
 a new version number):
@@ -9,14 +9,15 @@ a new version number):
   with sorted keys, no spaces, ASCII only.
 - block key = xxh3_128(parent key (16 bytes) + the block's token ids as
   little-endian uint32), digest in big-endian byte order (xxhash's ``digest``).
-
-Addition in v1 (keys of full blocks unchanged; locked by its own golden vector):
-
-- tail key = xxh3_128(b"prefixcache/v1/tail\0" + parent key (16 bytes) + the
+- tail key = xxh3_128(b"prefixcache/v1/tail\\0" + parent key (16 bytes) + the
   tail's token ids as little-endian uint32): the key of a stored sequence's
   last tokens (fewer than a block) after its last full block ``parent``. The
   tag keeps tail keys apart from block keys; tails are found through their
   parent (a tier's children lookup), never by hashing a prompt.
+
+``common_tokens`` counts the leading tokens two token strings share: a match
+inside a block, a tail or a live shared prefix, where keys only tell equal
+blocks apart.
 """
 
 from __future__ import annotations
@@ -120,3 +121,18 @@ def chain_keys(root: bytes, data: bytes, block_size: int) -> list[bytes]:
         parent = digest(parent + data[start : start + step])
         keys.append(parent)
     return keys
+
+
+def common_tokens(a: bytes, b: bytes) -> int:
+    """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
+    hi = min(len(a), len(b)) // TOKEN_BYTES
+    if a[: hi * TOKEN_BYTES] == b[: hi * TOKEN_BYTES]:
+        return hi
+    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

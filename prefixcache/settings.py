@@ -185,6 +185,24 @@ def warn_unknown(environ: Mapping[str, str], cls: type) -> None:
             log.warning("%s", message)
 
 
+def check_env(environ: Mapping[str, str], cls: type) -> None:
+    """Read every ``PREFIXCACHE_*`` variable of ``cls``'s fields once, whether or not
+    the caller uses that setting; an unknown one is logged at warning.
+
+    Raises:
+        ConfigError: a value that does not parse, its variable named.
+    """
+    warn_unknown(environ, cls)
+    for name, hint in field_types(cls).items():
+        var = env_name(name)
+        if var in environ:
+            try:
+                parse_text(name, hint, environ[var])
+            except ValueError as err:
+                message = f"{var}={environ[var]!r}: {err}"
+                raise ConfigError(message, field=name, source=var) from None
+
+
 def from_env(cls: type[C], environ: Mapping[str, str], overrides: Mapping[str, object]) -> C:
     """``cls`` from ``PREFIXCACHE_*`` variables, with ``overrides`` (not None) winning.
 

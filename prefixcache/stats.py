@@ -1,4 +1,4 @@
-"""Counters, the miss-reason taxonomy and the Prometheus text exposition."""
+"""Counters of one cache, the deltas and sums that persist them, and the Prometheus exposition."""
 
 from __future__ import annotations
 

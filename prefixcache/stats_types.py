@@ -3,9 +3,9 @@
 ``pc.stats()["hot"]["nbytes"]`` type-checks; what each key means is in
 docs/stats.md. Counters (``num_*``, ``*_bytes`` totals, ``*_hits``) only grow
 over a cache's life; gauges (``nbytes``, ``queue_*``, ``enabled``,
-``breaker_open``, speeds) are the value now. Sizes are in bytes.
-tests/test_stats_types.py checks these declarations against what a real cache
-returns with every tier on, so a key added to a tier must be declared here.
+``breaker_open``, speeds) are the value at the call. Sizes are in bytes. A test
+checks these declarations against what a real cache returns with every tier
+on, so a key added to a tier must be declared here.
 """
 
 from __future__ import annotations

@@ -60,3 +60,19 @@ def test_only_the_ssd_tier_survives_the_restart(results):
     # mlx-lm finds only what the conversations' chat templates share (a few tokens)
     assert plain.resumed_cached < 0.1 * plain.resumed_prompt
     assert ours.resumed_cached > 0.5 * ours.resumed_prompt
+
+
+def test_the_csv_figures_are_the_printed_table_s(results, tmp_path):
+    measured = bench_serve_http.measures(8 << 20, {k: [v] for k, v in results.items()})
+    plain, ours = measured
+    assert plain["paired"] == 1.0 and plain["same_replies"] == "ref"
+    assert ours["same_replies"] is True
+    got = results["ours + SSD"]
+    assert ours["cached_share"] == got.cached_tokens / got.prompt_tokens
+    row = bench_serve_http.table_row(ours)
+    assert row["cached/prompt"].strip() == f"{ours['cached_share']:.1%}"
+    assert row["paired"].strip() == f"{ours['paired']:.3f}"
+    # the control: without mlx-lm there is no reference, and the ratios are left empty
+    alone = bench_serve_http.measures(8 << 20, {"ours + SSD": [results["ours + SSD"]]})[0]
+    assert alone["paired"] == alone["p50_ratio"] == "" and alone["same_replies"] is False
+    assert bench_serve_http.table_row(alone)["paired"] == "-"

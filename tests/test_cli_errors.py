@@ -165,6 +165,10 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (model, {"PREFIXCACHE_BLOCK_SIZE": "abc"}, "PREFIXCACHE_BLOCK_SIZE='abc': not an int"),
         (model, {"PREFIXCACHE_BLOCK_SIZE": "0"}, "PREFIXCACHE_BLOCK_SIZE='0': block_size"),
         (model, {"PREFIXCACHE_HOT_MAX_BYTES": "inf"}, "PREFIXCACHE_HOT_MAX_BYTES='inf'"),
+        # read once by every command, whether or not it uses the setting
+        (("stats", *d), {"PREFIXCACHE_HOT_MAX_BYTES": "inf"}, "PREFIXCACHE_HOT_MAX_BYTES='inf'"),
+        (("ls", *d), {"PREFIXCACHE_BLOCK_SIZE": "x"}, "PREFIXCACHE_BLOCK_SIZE='x'"),
+        (("verify", *d), {"PREFIXCACHE_WRITE_POLICY": "?"}, "PREFIXCACHE_WRITE_POLICY='?'"),
         (model, {"PREFIXCACHE_COUNTERS_SAVE_SECONDS": "nan"}, "SAVE_SECONDS='nan'"),
         (model, {"PREFIXCACHE_WRITE_POLICY": "later"}, "PREFIXCACHE_WRITE_POLICY='later'"),
         (model, {"PREFIXCACHE_REMOTE_URL": "ftp://x"}, "PREFIXCACHE_REMOTE_URL='ftp://x'"),

@@ -117,7 +117,7 @@ def test_first_block_hash_and_parent_link(tmp_path, llama, subscriber):
         pc.services.events.flush()
         from prefixcache.hashing import chain_keys, token_bytes
 
-        keys = chain_keys(pc._root(None), token_bytes(tokens), BLOCK)
+        keys = chain_keys(pc.namespace.root_key(), token_bytes(tokens), BLOCK)
     events = [e for _, b in receive(sub) for e in b.events]
     assert [e.block_hashes[0] for e in events] == [block_hash(k) for k in keys]
     assert [e.parent_block_hash for e in events] == [None, block_hash(keys[0]), block_hash(keys[1])]
@@ -155,7 +155,9 @@ def test_remote_tier_stores_and_removals_are_published(llama, subscriber, redis_
         pc.services.events.flush()
         from prefixcache.hashing import chain_keys, token_bytes
 
-        hashes = [block_hash(k) for k in chain_keys(pc._root(None), token_bytes(tokens), BLOCK)]
+        hashes = [
+            block_hash(k) for k in chain_keys(pc.namespace.root_key(), token_bytes(tokens), BLOCK)
+        ]
     events = [e for _, b in receive(sub) for e in b.events if e.medium == "remote"]
     stored = [e.block_hashes[0] for e in events if type(e).__name__ == "BlockStored"]
     removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]

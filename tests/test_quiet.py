@@ -151,7 +151,7 @@ def test_the_server_s_last_insert_of_a_request_holds_its_writes(tmp_path, quiet_
     with TieredPromptCache(lambda k: model, config) as tiered:
         start = time.monotonic()
         tiered.insert_cache(("/models/tiny", None, None), tokens, cache)
-        ssd = tiered._cache.ssd
+        ssd = tiered.cache.ssd
         if quiet_ms:
             time.sleep(0.3)
             assert quiet.remaining() > 0

@@ -119,14 +119,14 @@ def test_adapter_serves_hot_only_through_an_ssd_failure_and_recovers(tmp_path, c
     with caplog.at_level(logging.INFO):
         tiered.insert_cache(model=KEY, tokens=first, prompt_cache=_request(model, first))
         tiered.trim_to(n_sequences=0)  # spill to SSD
-        tiered._cache.flush()
+        tiered.cache.flush()
         assert tiered.stats()["ssd"]["num_writes"] == 4
         # the payload root becomes a file: every SSD write fails from now on
         os.rename(ssd / "blocks", tmp_path / "kept")
         (ssd / "blocks").write_bytes(b"")
         tiered.insert_cache(model=KEY, tokens=second, prompt_cache=_request(model, second))
         tiered.trim_to(n_sequences=0)
-        tiered._cache.flush()
+        tiered.cache.flush()
         stats = tiered.stats()
         assert stats["ssd"]["enabled"] == 0 and stats["ssd"]["num_failures"] == 1, stats
         # still serving: the hot tier takes new blocks and fetches hit them
@@ -137,7 +137,7 @@ def test_adapter_serves_hot_only_through_an_ssd_failure_and_recovers(tmp_path, c
         os.unlink(ssd / "blocks")
         os.rename(tmp_path / "kept", ssd / "blocks")
         tiered.trim_to(n_sequences=0)
-        tiered._cache.flush()
+        tiered.cache.flush()
         assert tiered.stats()["ssd"]["enabled"] == 1
         fourth = prompt(4, 64)
         tiered.insert_cache(model=KEY, tokens=fourth, prompt_cache=_request(model, fourth))

@@ -204,7 +204,7 @@ def test_a_wrong_part_is_never_restored(redis_server, damage, placed, secret):
     assert misses == [MissReason.CORRUPT]
     assert (st["num_forged"], st["num_corrupt"]) == ((1, 0) if forged else (0, 1))
     if placed and damage == "flip":  # where the failing part's bytes belong
-        reached = _part_bytes_in(buffers, tier.meta_of(keys, 0), 1)
+        reached = _part_bytes_in(buffers, tier.reads.meta_of(keys, 0), 1)
         # with a secret not one byte reached the restore buffers; without, they did
         assert reached == 0 if secret else reached > 0
     if damage != "not_a_string":

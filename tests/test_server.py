@@ -348,12 +348,12 @@ def test_serve_sets_mlx_buffer_cache_limit():
 def test_namespace_names_the_model_path_and_its_weights(llama):
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
         serve_batched(tiered, llama, prompt(1, 40))
-        model_id = tiered._cache.namespace.model_id
+        model_id = tiered.cache.namespace.model_id
     assert model_id.startswith("/models/tiny@fp:")
     other = tiny_model("llama", seed=1)
     with TieredPromptCache(lambda key: other, HOT) as tiered:
         serve_batched(tiered, other, prompt(1, 40))
-        assert tiered._cache.namespace.model_id != model_id  # same path, other weights
+        assert tiered.cache.namespace.model_id != model_id  # same path, other weights
 
 
 class TrimAfterFetch:
@@ -388,7 +388,7 @@ def test_trim_to_evicts_the_request_in_flight_first(llama, in_flight):
     ref = NoCache()
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
         old, new = two_conversations(tiered, llama)
-        pc = tiered._cache
+        pc = tiered.cache
         assert pc.match([*old, 7]) == len(old)
         turn = [*new, *prompt(3, 16)]
         trim = TrimAfterFetch(tiered, tiered.nbytes // 2, in_flight=in_flight)
@@ -411,7 +411,7 @@ def test_with_a_lower_tier_the_request_in_flight_stays_hot(llama, tmp_path):
     ref = NoCache()
     with TieredPromptCache(lambda key: llama, config) as tiered:
         old, new = two_conversations(tiered, llama)
-        pc = tiered._cache
+        pc = tiered.cache
         turn = [*new, *prompt(3, 16)]
         out, cached = serve_batched(TrimAfterFetch(tiered, tiered.nbytes // 2), llama, turn)
         assert cached == len(new)
@@ -435,8 +435,8 @@ def test_a_checkpointed_layout_trims_by_its_policy_alone():
             serve_batched(tiered, model, a)
             serve_batched(tiered, model, b)
             tiered.fetch_nearest_cache(KEY, [*b, 5])
-            tiered._cache.trim_hot(tiered.nbytes // 2, first=[*b, 5] if first else None)
-            left.append(sorted(block.key for block in tiered._cache.hot))
+            tiered.cache.trim_hot(tiered.nbytes // 2, first=[*b, 5] if first else None)
+            left.append(sorted(block.key for block in tiered.cache.hot))
     assert left[0] == left[1]
 
 
@@ -462,7 +462,7 @@ def test_a_request_taken_at_once_is_not_prefetched_one_left_waiting_is(tmp_path,
         history = prompt(1, 64)
         history += serve_batched(tiered, llama, history)[0]
         tiered.trim_to(n_bytes=0)  # the conversation lives on SSD only
-        tiered._cache.flush()
+        tiered.cache.flush()
         queued = QueuedPrefetch(prompt_of, tiered, pickup=0.05)
         taken = [*history, *prompt(2, 8)]
         queued(Provider(llama), taken, None, None)
@@ -474,7 +474,7 @@ def test_a_request_taken_at_once_is_not_prefetched_one_left_waiting_is(tmp_path,
         deadline = time.monotonic() + 10
         while tiered.stats()["prefetched_blocks"] == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        tiered._cache.flush()
+        tiered.cache.flush()
         assert tiered.stats()["prefetched_blocks"] > 0
         _, cached = serve_batched(tiered, llama, waiting)
         assert cached == len(history) and tiered.stats()["prefetch_hits"] > 0

@@ -138,8 +138,8 @@ def test_an_insert_past_the_bounds_is_stored_at_once(llama, monkeypatch, bound):
             prefill(llama, tokens, cache)
             tiered.insert_cache(KEY, tokens, cache, cache_type="user")
         assert len(tiered._deferred) == 2 and len(tiered) == 2  # the third's two blocks
-        assert tiered._cache.match([*prompts[2], 1]) == 32
-        assert tiered._cache.match([*prompts[0], 1]) == 0  # still waiting
+        assert tiered.cache.match([*prompts[2], 1]) == 32
+        assert tiered.cache.match([*prompts[0], 1]) == 0  # still waiting
         _, rest = tiered.fetch_nearest_cache(KEY, [*prompts[0], 1])
         assert len(rest) == 1
 

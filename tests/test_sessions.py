@@ -120,12 +120,12 @@ def test_persist_false_never_reaches_the_remote_server(tmp_path, llama, convo, r
     with PrefixCache(llama, cfg, model_id="m") as pc:
         pc.store(a, cache_a, persist=False)  # over the hot budget: evicted, discarded
         pc.flush()
-        keys_a = chain_keys(pc._root(None), token_bytes(a), BLOCK)
+        keys_a = chain_keys(pc.namespace.root_key(), token_bytes(a), BLOCK)
         assert pc.stats()["remote"]["num_writes"] == 0 and files(tmp_path) == set()
         assert server_blocks(client, set(keys_a)) == set()
         pc.store(b, cache_b)  # the control: a persisted store reaches the server
         pc.flush()
-        keys_b = chain_keys(pc._root(None), token_bytes(b), BLOCK)
+        keys_b = chain_keys(pc.namespace.root_key(), token_bytes(b), BLOCK)
         assert server_blocks(client, set(keys_b)) == set(keys_b)
         assert pc.stats()["remote"]["num_writes"] >= len(keys_b)  # (and its tail, if kept)
 
@@ -163,7 +163,7 @@ def test_admit_after_2_takes_a_conversations_next_turn_at_once(tmp_path, llama):
             pc.store(tokens, filled(llama, tokens))
         pc.trim_hot(0)  # every block leaves hot: written if admitted, else dropped
         pc.flush()
-        root = pc._root(None)
+        root = pc.namespace.root_key()
         keys = {
             name: chain_keys(root, token_bytes(t), BLOCK)
             for name, t in (("one_off", one_off), ("turn2", turn2), ("branch", branch))
@@ -216,7 +216,7 @@ def test_end_session_removes_its_blocks_from_the_remote_server(
         pc.store(a, cache_a, session="alice")
         pc.store(b, cache_b, session="bob")
         pc.flush()
-        root = pc._root(None)
+        root = pc.namespace.root_key()
         keys_a, keys_b = (chain_keys(root, token_bytes(t), BLOCK) for t in (a, b))
         own_a = set(keys_a[4:])
         assert server_blocks(client, own_a | set(keys_b)) == own_a | set(keys_b)

@@ -14,7 +14,7 @@ from conftest import QUANT_LLAMA, max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.shared import SharedKVCache, hook, registry_of, release
+from prefixcache.shared import SharedKVCache, hook, release
 from prefixcache.tiny.models import build_model
 
 BLOCK = 16
@@ -210,7 +210,7 @@ def test_the_last_sequence_to_let_go_frees_the_prefix():
         nbytes = prefix().nbytes
         held = mx.get_active_memory() - base
         assert nbytes <= held < 1.5 * nbytes  # once, not three times
-        assert hook.installed() and registry_of(pc).stats()["num_sequences"] == 3
+        assert hook.installed() and pc.shared_prefixes.stats()["num_sequences"] == 3
         release(seqs.pop())
         del seqs[0]
         gc.collect()

@@ -43,7 +43,7 @@ def test_a_reader_stuck_on_a_run_leaves_the_later_runs_to_the_others(tier, monke
             timed_out.append(index)
         return place(index, name, dtype, shape, count)
 
-    blocks = [b.to_block() for b in stream(tier, keys, held)]
+    blocks = [b.to_block() for b in stream(tier.reads, keys, held)]
     assert not timed_out
     assert [b.index for b in blocks] == list(range(13))
     for block in blocks:
@@ -87,7 +87,7 @@ def test_a_chain_in_the_page_cache_gets_the_warm_reader_count(tier, monkeypatch)
     started.stop()
     assert (started.warm, started.n) == (False, 3)
     # the blocks are the same either way
-    assert [b.index for b in stream(tier, keys)] == list(range(9))
+    assert [b.index for b in stream(tier.reads, keys)] == list(range(9))
 
 
 def test_a_run_hands_over_its_blocks_as_placed_runs(tier):
@@ -96,7 +96,7 @@ def test_a_run_hands_over_its_blocks_as_placed_runs(tier):
     own tokens in the destination."""
     keys = stored(tier, 33, 9)
     dest = chain_dest(9)
-    blocks = list(stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
+    blocks = list(stream(tier.reads, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
     assert type(blocks[0].arrays) is not PlacedRun  # the first block is read alone
     for i, block in enumerate(blocks[1:], start=1):
         assert type(block.arrays) is PlacedRun
@@ -113,7 +113,7 @@ def test_a_run_hands_over_its_blocks_as_placed_runs(tier):
 def test_served_blocks_are_counted_when_the_stream_ends(tier):
     keys = stored(tier, 34, 6)
     before = tier.stats()
-    blocks = stream(tier, keys)
+    blocks = stream(tier.reads, keys)
     got = [next(blocks).index, next(blocks).index]
     blocks.close()  # a restore that stops early
     after = tier.stats()
@@ -123,7 +123,7 @@ def test_served_blocks_are_counted_when_the_stream_ends(tier):
     assert after["load_bytes"] - before["load_bytes"] == nbytes
     # a damaged block is a miss, not a load
     flip_byte(path_of(tier, keys[3]), 1)
-    out = list(stream(tier, keys))
+    out = list(stream(tier.reads, keys))
     assert out[3] is None and sum(b is not None for b in out) == 5
     assert tier.stats()["num_loads"] - after["num_loads"] == 5
 
@@ -141,7 +141,7 @@ def test_a_tensor_placed_block_by_block_beside_run_copies_keeps_file_order(tier)
             return None
         return place(index, name, dtype, shape, count)
 
-    blocks = list(stream(tier, keys, no_run_for_one))
+    blocks = list(stream(tier.reads, keys, no_run_for_one))
     for i, block in enumerate(blocks[1:], start=1):
         assert type(block.arrays) is not PlacedRun
         assert list(block.arrays) == list(LAYOUT)
@@ -168,12 +168,12 @@ def test_files_are_asked_into_the_page_cache_only_when_cold(tier, monkeypatch):
     for job in jobs:
         with open(job.path, "rb") as f:
             f.read()
-    assert [b.index for b in stream(tier, keys)] == list(range(9))
+    assert [b.index for b in stream(tier.reads, keys)] == list(range(9))
     assert asked == []  # warm: the files are there already
     evict([job.path for job in jobs])
     if cached(jobs[-1].path, jobs[-1].meta.file_bytes):
         pytest.skip("this filesystem keeps the pages cached")
-    assert [b.index for b in stream(tier, keys)] == list(range(9))
+    assert [b.index for b in stream(tier.reads, keys)] == list(range(9))
     assert len(asked) == 9  # cold: every file of every run
 
 
@@ -183,9 +183,9 @@ def test_a_chain_of_a_few_runs_is_not_probed(tier, monkeypatch):
     keys = stored(tier, 37, 2)
     probed: list[str] = []
     monkeypatch.setattr(readers, "cached", lambda path, size: probed.append(path) or True)
-    assert [b.index for b in stream(tier, keys)] == [0, 1]
+    assert [b.index for b in stream(tier.reads, keys)] == [0, 1]
     assert probed == []
     more = stored(tier, 38, 9)
     monkeypatch.setattr(ssd_runs, "RUN_BYTES", tier.get_meta(more[0]).file_bytes)  # 9 runs
-    assert [b.index for b in stream(tier, more)] == list(range(9))
+    assert [b.index for b in stream(tier.reads, more)] == list(range(9))
     assert len(probed) == 3  # control: a longer chain is probed

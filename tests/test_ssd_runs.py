@@ -88,7 +88,7 @@ def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier):
         seen.append((index, count))
         return place(index, name, dtype, shape, count)
 
-    out = [b.to_block() if b is not None else None for b in stream(tier, keys, counting)]
+    out = [b.to_block() if b is not None else None for b in stream(tier.reads, keys, counting)]
     for block in out:
         check_block(block)
     assert (1, 6) in seen  # the run after the first block was asked for at once
@@ -107,7 +107,7 @@ def test_a_run_is_placed_with_one_request_per_tensor(tier):
         asks.append((index, name, count))
         return place(index, name, dtype, shape, count)
 
-    kinds = [{type(a) for a in b.arrays.values()} for b in stream(tier, keys, counting)]
+    kinds = [{type(a) for a in b.arrays.values()} for b in stream(tier.reads, keys, counting)]
     assert kinds == [{Placed}] * 9
     assert sorted(asks) == sorted(
         [(0, name, 1) for name in LAYOUT] + [(1, name, 8) for name in LAYOUT]
@@ -133,7 +133,7 @@ def test_a_bad_file_in_a_run_is_a_miss_and_never_reaches_its_place(tier, path_ki
                 f.seek(0, os.SEEK_END)
                 f.write(b"\0")
     dest = chain_dest(6)
-    out = list(stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
+    out = list(stream(tier.reads, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
     assert out[3] is None
     assert all(isinstance(a, Placed) for i in (0, 1, 2, 4, 5) for a in out[i].arrays.values())
     for i in (0, 1, 2, 4, 5):
@@ -146,9 +146,9 @@ def test_a_bad_file_in_a_run_is_a_miss_and_never_reaches_its_place(tier, path_ki
 
 def test_both_paths_give_the_same_blocks(tier, monkeypatch):
     keys = stored(tier, 24, 5)
-    small = [b.to_block() for b in stream(tier, keys)]
+    small = [b.to_block() for b in stream(tier.reads, keys)]
     monkeypatch.setattr(ssd_runs, "SMALL_READ", 0)
-    large = [b.to_block() for b in stream(tier, keys)]
+    large = [b.to_block() for b in stream(tier.reads, keys)]
     assert [b.key for b in small] == [b.key for b in large] == keys
     for a, b in zip(small, large, strict=True):
         check_block(a)  # every element's bits, as written
@@ -159,7 +159,7 @@ def test_unplaced_tensors_come_loose_in_file_order(tier):
     keys = stored(tier, 25, 3)
     dest = chain_dest(3)
     place = placed_into(dest, skip=set(), names={"1.keys"})
-    for block in stream(tier, keys, place):
+    for block in stream(tier.reads, keys, place):
         assert list(block.arrays) == list(LAYOUT)
         kinds = {n: type(a) for n, a in block.arrays.items()}
         assert kinds == {n: Placed if n == "1.keys" else HostArray for n in LAYOUT}
@@ -302,7 +302,7 @@ def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(tmp_path, m
         pc.store(tokens, cache)
         pc.trim_hot(0)
         pc.flush()
-        keys = chain_keys(pc._root(None), token_bytes(tokens), 16)
+        keys = chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)
         for i in hot_at:  # back into hot: the chain is ssd, ..., hot, ssd, ...
             assert pc.hot.put(pc.ssd.load(keys[i]))
         assert [k in pc.hot for k in keys] == [i in hot_at for i in range(len(keys))]

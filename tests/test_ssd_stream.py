@@ -74,7 +74,7 @@ def test_stream_yields_verified_views_in_chain_order(tier):
     keys = stored(tier, 1, 6)
     before = tier.stats()["num_loads"]
     got = []
-    for block in stream(tier, keys):
+    for block in stream(tier.reads, keys):
         assert isinstance(block, StreamedBlock)
         assert all(isinstance(a, HostArray) for a in block.arrays.values())
         got.append(block.index)
@@ -95,18 +95,18 @@ def test_a_bad_payload_is_a_miss_and_quarantined(tier, damage):
     else:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) - 1)
-    out = [b if b is None else b.to_block() for b in stream(tier, keys)]  # views: copy now
+    out = [b if b is None else b.to_block() for b in stream(tier.reads, keys)]  # views: copy now
     assert out[2] is None
     for i in (0, 1, 3, 4):
         check_block(out[i])
     assert tier.stats()["num_corrupt"] == 1
     assert tier.get_meta(keys[2]) is None  # quarantined: never served again
-    assert next(stream(tier, keys[2:3])) is None
+    assert next(stream(tier.reads, keys[2:3])) is None
 
 
 def test_absent_keys_are_misses(tier):
     keys = stored(tier, 3, 2)
-    out = list(stream(tier, [keys[0], block_key(3, 99), keys[1]]))
+    out = list(stream(tier.reads, [keys[0], block_key(3, 99), keys[1]]))
     assert out[1] is None and out[0] is not None and out[2] is not None
     assert tier.stats()["num_corrupt"] == 0
 
@@ -120,12 +120,12 @@ def test_a_block_still_queued_for_the_writer_is_served(tmp_path):
     try:
         first = make_block(4, 0)
         assert tier.put(first)
-        out = list(stream(tier, [first.key]))
+        out = list(stream(tier.reads, [first.key]))
         assert isinstance(out[0], Block)
         check_block(out[0])
         hold.set()
         tier.flush()
-        check_block(next(stream(tier, [first.key])).to_block())
+        check_block(next(stream(tier.reads, [first.key])).to_block())
     finally:
         hold.set()
         tier.close()
@@ -133,7 +133,7 @@ def test_a_block_still_queued_for_the_writer_is_served(tmp_path):
 
 def test_closing_early_stops_the_readers(tier):
     keys = stored(tier, 5, 8)
-    gen = stream(tier, keys)
+    gen = stream(tier.reads, keys)
     check_block(next(gen).to_block())
     gen.close()
     assert not reader_threads()
@@ -178,7 +178,7 @@ def test_tensors_are_read_straight_into_their_place(tier):
     keys = stored(tier, 6, 4)
     dest = chain_dest(4)
     place = placed_into(dest, skip={0}, names={"0.keys", "0.values", "1.keys"})
-    for block in stream(tier, keys, place):
+    for block in stream(tier.reads, keys, place):
         kinds = {name: type(a) for name, a in block.arrays.items()}
         if block.index == 0:  # no place for it: the read buffer
             assert set(kinds.values()) == {HostArray}
@@ -202,7 +202,7 @@ def test_a_bad_placed_block_is_still_a_miss(tier):
     keys = stored(tier, 7, 4)
     flip_byte(payload_path(os.path.join(tier.path, "blocks"), keys[2]), 3)
     dest = chain_dest(4)
-    out = list(stream(tier, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
+    out = list(stream(tier.reads, keys, placed_into(dest, skip=set(), names=set(LAYOUT))))
     assert out[2] is None  # its bytes may sit in the place: the caller stops before it
     assert all(isinstance(a, Placed) for a in out[3].arrays.values())
     assert tier.stats()["num_corrupt"] == 1 and tier.get_meta(keys[2]) is None
@@ -211,7 +211,7 @@ def test_a_bad_placed_block_is_still_a_miss(tier):
 def test_readers_go_on_with_placed_blocks_while_the_caller_holds_one(tier):
     keys = stored(tier, 9, 8)
     dest = chain_dest(8)
-    gen = stream(tier, keys, placed_into(dest, skip={0}, names=set(LAYOUT)))
+    gen = stream(tier.reads, keys, placed_into(dest, skip={0}, names=set(LAYOUT)))
     first = next(gen)  # held: its HostArrays are views of a reader's buffer
     deadline = time.monotonic() + 10
     while not dest["1.values"][:, :, 16 * 7 :].any() and time.monotonic() < deadline:
@@ -234,7 +234,7 @@ def test_no_reader_writes_into_a_place_after_close(tier, monkeypatch):
         time.sleep(0.02)  # readers cannot get through the chain before close
         return place(*args, **kwargs)
 
-    gen = stream(tier, keys, slow_place)
+    gen = stream(tier.reads, keys, slow_place)
     next(gen)
     gen.close()
     assert not reader_threads()  # stopped AND joined before close returned
@@ -301,7 +301,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
         logits = prefill(model, tokens[num:], restored, kv=kv)
         assert max_diff(logits, live_logits(model, tokens, num, kv=kv)) == 0.0
 
-        victim = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[3])
+        victim = pc.ssd.get_meta(chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)[3])
         flip_byte(payload_path(os.path.join(pc.ssd.path, "blocks"), victim.key), 2)
         restored, num = pc.fetch(tokens)
         assert num == 3 * 16  # cut before the bad block, whose bytes were placed
@@ -373,7 +373,7 @@ def test_a_lying_first_header_sizes_no_buffer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(buffer_module, "empty", recording)
     with stored_on_ssd(tmp_path, model, tokens) as pc:
-        first = pc.ssd.get_meta(chain_keys(pc._root(None), token_bytes(tokens), 16)[0])
+        first = pc.ssd.get_meta(chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)[0])
         path = payload_path(os.path.join(pc.ssd.path, "blocks"), first.key)
         with open(path, "rb") as f:
             data = f.read()

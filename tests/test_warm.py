@@ -43,7 +43,7 @@ def test_warm_start_loads_pins_then_recent_chains(tmp_path, llama):
         keys = {b.key for b in pc.hot}
         from prefixcache.hashing import chain_keys, token_bytes
 
-        root = pc._root(None)
+        root = pc.namespace.root_key()
         pinned = set(chain_keys(root, token_bytes(prompts[0]), BLOCK))
         assert pinned <= keys  # pinned first
         before = pc.stats()

@@ -32,8 +32,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.cache.lookup import common_tokens
-from prefixcache.hashing import token_bytes
+from prefixcache.hashing import common_tokens, token_bytes
 from prefixcache.tiny.models import build_model
 
 QUANT = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}

@@ -1,11 +1,11 @@
 """What a copy costs on this machine by how long its memory sat idle before it.
 
-A restore's time, and its reference's (one memcpy into one fresh buffer: issue
-19's hot target), depend on more than their code here. On this project's VM,
+A restore's time, and its reference's (one memcpy into one fresh buffer: the
+hot restore's target), depend on more than their code here. On this project's VM,
 memory left untouched for a moment is slower to touch again: a copy between
 two buffers that stay allocated (no page fault at all) takes 1.5x as long
 after a 0.2 s sleep and up to 5x after 5 s, and runs at full speed again at
-once (session 15). No guest counter shows it (the page faults are the same),
+once. No guest counter shows it (the page faults are the same),
 so it comes from outside the guest; the tool also prints whether the balloon
 device reports free pages to the host (its feature bit 5,
 VIRTIO_BALLOON_F_REPORTING), one way a host takes memory back (not this: the

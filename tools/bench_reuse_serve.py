@@ -24,6 +24,7 @@ are not compared: the servers share the machine's cores.
     python tools/bench_reuse_serve.py
     python tools/bench_reuse_serve.py --archs llama qwen3_next --turns 4 --json out.json
     python tools/bench_reuse_serve.py --servers mlx-lm ours   # without vllm-mlx
+    python tools/bench_reuse_serve.py --csv reuse.csv         # totals for tools/plots.py
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 
+from benchlib import write_csv
 from reuselib import vllm_mlx
 from reuselib.report import (
     ArchResult,
@@ -50,6 +52,7 @@ from reuselib.report import (
     arch_line,
     build_reference,
     detail_table,
+    figure_rows,
     headline_table,
     json_result,
     summarize,
@@ -104,6 +107,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "trace's K/V, never evicts, like mlx-lm's default cache with no byte cap)",
     )
     p.add_argument("--json", metavar="OUT", help="save every request and summary here")
+    p.add_argument("--csv", metavar="FILE", help="save the totals per (arch, server) as CSV")
     p.add_argument("--workdir", help="keep models, logs and the SSD tier here (default: temp)")
     return p
 
@@ -258,6 +262,7 @@ def main() -> None:
             print(arch_line(result), flush=True)
     summaries = [s for r in results for s in r.summaries]
     print(f"\n{headline_table(summaries)}\n\n{detail_table(summaries)}\n\nload average {_load()}")
+    write_csv(args.csv, figure_rows(summaries))
     if args.json:
         out = {
             "command": command,

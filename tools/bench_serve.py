@@ -54,6 +54,7 @@ per round (in lockstep, its steps only).
 
     python tools/bench_serve.py [--lockstep]
     python tools/bench_serve.py --conversations 32 --turns 8 --budget 16M
+    python tools/bench_serve.py --lockstep --csv serve.csv
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from dataclasses import dataclass
 from functools import partial
 from operator import truediv
 
-from benchlib import add_trace_args, arrivals, chat_model_shape
+from benchlib import add_csv_arg, add_trace_args, arrivals, chat_model_shape, write_csv
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from serve_replay import Result, lockstep, pooled, replay, run
 
@@ -89,6 +90,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 5 * MiB, 8 * MiB, 16 * MiB]
     )
     p.add_argument("--ssd-dir", default=None, help="SSD tier directory (default: a temp dir)")
+    add_csv_arg(p)
     p.add_argument(
         "--lockstep",
         action="store_true",
@@ -132,27 +134,47 @@ def _round(cfg: CacheConfig, r: int) -> CacheConfig:
     return cfg.replace(ssd_dir=f"{cfg.ssd_dir}-{r}")  # a fresh SSD tier each round
 
 
-def summary(r: Result, reference: Result, rounds: int = 1) -> dict[str, str]:
-    """A table row; counts per replay (``rounds`` pooled in ``r``)."""
+def figures(r: Result, reference: Result, rounds: int = 1) -> dict[str, object]:
+    """A table row's figures as numbers; counts per replay (``rounds`` pooled in ``r``)."""
     p50 = statistics.median(r.ttfts)
-    p90 = statistics.quantiles(r.ttfts, n=10)[-1]
-    resumed = r.resumed_cached / r.resumed_prompt if r.resumed_prompt else 0.0
     return {
-        "budget": f"{r.budget / MiB:.1f} MiB",
+        "budget_mib": r.budget / MiB,
         "system": r.name,
-        "cached/prompt": f"{r.cached_tokens / r.prompt_tokens:6.1%}",
-        "prefill tokens": f"{(r.prompt_tokens - r.cached_tokens) // rounds:,}",
-        "TTFT p50": f"{p50 * 1e3:7.1f} ms",
-        "p50 / LRU": f"{p50 / statistics.median(reference.ttfts):5.2f}",
-        "paired": f"{statistics.median(map(truediv, r.ttfts, reference.ttfts)):5.3f}",
-        "TTFT p90": f"{p90 * 1e3:7.1f} ms",
-        "fetch p50": f"{statistics.median(r.fetches) * 1e3:5.2f} ms",
-        "TTFT sum": f"{sum(r.ttfts) / rounds:6.2f} s",
-        "recompute GFLOP": f"{r.recompute_flops / 1e9 / rounds:7.1f}",
-        "peak cache RAM": f"{r.peak_bytes / MiB:6.2f} MiB",
-        "after restart": f"{resumed:6.1%}",
-        "same tokens": "ref" if r is reference else str(r.outputs == reference.outputs),
-        "wall": f"{r.seconds / rounds:5.1f} s",
+        "rounds": rounds,
+        "cached_share": r.cached_tokens / r.prompt_tokens,
+        "prefill_tokens": (r.prompt_tokens - r.cached_tokens) // rounds,
+        "ttft_p50_ms": p50 * 1e3,
+        "p50_ratio": p50 / statistics.median(reference.ttfts),
+        "paired": statistics.median(map(truediv, r.ttfts, reference.ttfts)),
+        "ttft_p90_ms": statistics.quantiles(r.ttfts, n=10)[-1] * 1e3,
+        "fetch_p50_ms": statistics.median(r.fetches) * 1e3,
+        "ttft_sum_s": sum(r.ttfts) / rounds,
+        "recompute_gflop": r.recompute_flops / 1e9 / rounds,
+        "peak_cache_mib": r.peak_bytes / MiB,
+        "after_restart": r.resumed_cached / r.resumed_prompt if r.resumed_prompt else 0.0,
+        "same_tokens": "ref" if r is reference else r.outputs == reference.outputs,
+        "wall_s": r.seconds / rounds,
+    }
+
+
+def summary(f: dict[str, object]) -> dict[str, str]:
+    """A printed table row of ``figures``."""
+    return {
+        "budget": f"{f['budget_mib']:.1f} MiB",
+        "system": f["system"],
+        "cached/prompt": f"{f['cached_share']:6.1%}",
+        "prefill tokens": f"{f['prefill_tokens']:,}",
+        "TTFT p50": f"{f['ttft_p50_ms']:7.1f} ms",
+        "p50 / LRU": f"{f['p50_ratio']:5.2f}",
+        "paired": f"{f['paired']:5.3f}",
+        "TTFT p90": f"{f['ttft_p90_ms']:7.1f} ms",
+        "fetch p50": f"{f['fetch_p50_ms']:5.2f} ms",
+        "TTFT sum": f"{f['ttft_sum_s']:6.2f} s",
+        "recompute GFLOP": f"{f['recompute_gflop']:7.1f}",
+        "peak cache RAM": f"{f['peak_cache_mib']:6.2f} MiB",
+        "after restart": f"{f['after_restart']:6.1%}",
+        "same tokens": str(f["same_tokens"]),
+        "wall": f"{f['wall_s']:5.1f} s",
     }
 
 
@@ -214,7 +236,9 @@ def main() -> None:
                 result = reference if name == "mlx-lm LRU" else pooled(rounds[name])
                 results.append((result, reference))
     print()
-    print_table([summary(r, ref, args.rounds) for r, ref in results])
+    rows = [figures(r, ref, args.rounds) for r, ref in results]
+    print_table([summary(f) for f in rows])
+    write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

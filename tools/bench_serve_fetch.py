@@ -30,7 +30,7 @@ tokens' K/V, as its first prefill step writes them):
                   (room for the prompt's rest and its first token), the batch
                   taking its buffer (prefixcache/serve/batch.py), the update in place
   ours, copied    the same fetch with no headroom, merged and updated as mlx-lm's
-                  (prefixcache serve before mlx_batch.py)
+                  (what a restore with no headroom costs the batch)
 
 Prints medians in ms, each way's excess over mlx-lm's, and that as a share of
 ``--ttft-ms`` (bench_serve's TTFT p50 on this machine).

@@ -36,6 +36,7 @@ in another's timing, and a drift of the machine's speed falls on all alike.
 
     python tools/bench_serve_http.py [--lockstep]
     python tools/bench_serve_http.py --budget 3M 8M --rounds 2
+    python tools/bench_serve_http.py --lockstep --budget 3M 5M 8M 16M --csv serve_http.csv
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 from operator import truediv
 from pathlib import Path
 
-from benchlib import add_trace_args, arrivals, chat_model_shape
+from benchlib import add_csv_arg, add_trace_args, arrivals, chat_model_shape, write_csv
 from reuselib import vllm_mlx
 from reuselib.servers import Server
 from reuselib.trace import Text
@@ -69,6 +70,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-words", type=int, default=20, help="about 48 tokens")
     p.add_argument("--budget", type=parse_bytes, nargs="+", default=[3 * MiB, 8 * MiB])
     p.add_argument("--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    add_csv_arg(p)
     p.add_argument(
         "--lockstep",
         action="store_true",
@@ -172,7 +174,7 @@ def main() -> None:
         print(f"vllm-mlx SKIPPED: no {vllm_mlx.PYTHON} (build it with `{vllm_mlx.BUILD}`)")
     trace = make_trace(args)
     text = Text(args.seed)
-    rows = []
+    rows, figures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model = save_model(
             Path(tmp) / "model", "llama", seed=args.seed, **chat_model_shape(args.hidden)
@@ -191,15 +193,20 @@ def main() -> None:
                     rounds[res.system].append(res)
                     print(f"{budget / MiB:.1f} MiB round {r} {res.system}: TTFT p50 "
                           f"{statistics.median(res.ttfts) * 1e3:.1f} ms", flush=True)  # fmt: skip
-            rows += table_rows(budget, rounds)
+            measured = measures(budget, rounds)
+            rows += [table_row(m) for m in measured]
+            figures += measured
     print()
     widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
     print("  ".join(k.ljust(w) for k, w in widths.items()))
     for row in rows:
         print("  ".join(row[k].ljust(w) for k, w in widths.items()))
+    write_csv(args.csv, figures)
 
 
-def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, str]]:
+def measures(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, object]]:
+    """Per system at ``budget``: the table's figures as numbers (ratios to mlx-lm's are
+    empty without mlx-lm)."""
     ref = rounds.get("mlx-lm")
     ref_ttfts = [t for r in ref for t in r.ttfts] if ref else []
     rows = []
@@ -207,26 +214,43 @@ def table_rows(budget: int, rounds: dict[str, list[Result]]) -> list[dict[str, s
         ttfts = [t for r in results for t in r.ttfts]
         p50, p90 = statistics.median(ttfts), statistics.quantiles(ttfts, n=10)[-1]
         prompt = sum(r.prompt_tokens for r in results)
-        cached = sum(r.cached_tokens for r in results)
-        same = ref is not None and all(r.replies == ref[0].replies for r in results)
-        resumed = sum(r.resumed_cached for r in results) / sum(r.resumed_prompt for r in results)
+        resumed = sum(r.resumed_prompt for r in results)
         rows.append({
-            "budget": f"{budget / MiB:.1f} MiB",
+            "budget_mib": budget / MiB,
             "system": system,
-            "cached/prompt": f"{cached / prompt:6.1%}" if prompt else "-",
-            "TTFT p50": f"{p50 * 1e3:7.1f} ms",
-            "p50 / mlx-lm": f"{p50 / statistics.median(ref_ttfts):5.2f}" if ref else "-",
-            "paired": (
-                f"{statistics.median(map(truediv, ttfts, ref_ttfts)):5.3f}" if ref else "-"
-            ),
-            "TTFT p90": f"{p90 * 1e3:7.1f} ms",
-            "p90 / mlx-lm": (
-                f"{p90 / statistics.quantiles(ref_ttfts, n=10)[-1]:5.2f}" if ref else "-"
-            ),
-            "after restart": f"{resumed:6.1%}",
-            "same replies": "ref" if system == "mlx-lm" else str(same),
+            "rounds": len(results),
+            "requests": len(ttfts),
+            "cached_share": sum(r.cached_tokens for r in results) / prompt if prompt else "",
+            "ttft_p50_ms": p50 * 1e3,
+            "p50_ratio": p50 / statistics.median(ref_ttfts) if ref else "",
+            "paired": statistics.median(map(truediv, ttfts, ref_ttfts)) if ref else "",
+            "ttft_p90_ms": p90 * 1e3,
+            "p90_ratio": p90 / statistics.quantiles(ref_ttfts, n=10)[-1] if ref else "",
+            "after_restart": sum(r.resumed_cached for r in results) / resumed if resumed else "",
+            "same_replies": "ref" if system == "mlx-lm" else ref is not None
+            and all(r.replies == ref[0].replies for r in results),
         })  # fmt: skip
     return rows
+
+
+def _number(value: object, spec: str, unit: str = "") -> str:
+    return "-" if value == "" else f"{value:{spec}}{unit}"
+
+
+def table_row(m: dict[str, object]) -> dict[str, str]:
+    """One printed row of ``measures``' figures."""
+    return {
+        "budget": f"{m['budget_mib']:.1f} MiB",
+        "system": m["system"],
+        "cached/prompt": _number(m["cached_share"], "6.1%"),
+        "TTFT p50": f"{m['ttft_p50_ms']:7.1f} ms",
+        "p50 / mlx-lm": _number(m["p50_ratio"], "5.2f"),
+        "paired": _number(m["paired"], "5.3f"),
+        "TTFT p90": f"{m['ttft_p90_ms']:7.1f} ms",
+        "p90 / mlx-lm": _number(m["p90_ratio"], "5.2f"),
+        "after restart": _number(m["after_restart"], "6.1%"),
+        "same replies": str(m["same_replies"]),
+    }
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ def read_all(blocks: list[Block], work: str, repeat: int, total: int) -> dict[st
         "raw_seq": lambda: read_reused([f"{work}/seq"], bytearray(MiB)),
         "raw_files": lambda: read_fresh(files),
         "load": lambda: consume(tier.load(k) for k in keys),
-        "stream": lambda: consume(stream(tier, keys)),
+        "stream": lambda: consume(stream(tier.reads, keys)),
         "buf_load": lambda: forced_load(tier, keys, "buffer"),
         "mxl_load": lambda: forced_load(tier, keys, "mx_load"),
         "lmdb_load": lambda: lmdb_load(f"{work}/lmdb", keys, sums),

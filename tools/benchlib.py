@@ -234,3 +234,21 @@ def chat_model_shape(hidden: int) -> dict[str, int]:
         "num_attention_heads": hidden // 32,
         "num_key_value_heads": max(1, hidden // 64),
     }
+
+
+def add_csv_arg(p) -> None:
+    """``--csv FILE``: the table's figures as numbers, one row per line (for tools/plots.py)."""
+    p.add_argument("--csv", metavar="FILE", help="also write the table's figures here as CSV")
+
+
+def write_csv(path: str | None, rows: list[dict[str, object]]) -> None:
+    """Write ``rows`` (dicts with the same keys) to ``path`` as CSV; nothing when no path."""
+    if not path or not rows:
+        return
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:  # six significant digits: the figures are no more precise
+            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})

@@ -1,1 +1,1 @@
-"""What runs on its own threads: prefetch, warm start, KV events, services."""
+"""What a cache runs on its own threads: prefetch, warm start, KV events, the counters saver."""

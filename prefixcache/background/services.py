@@ -1,12 +1,14 @@
-"""What a PrefixCache runs beside serving: the counters saver, the warm start, KV events.
+"""The background services of one PrefixCache: the counters saver, the warm start, KV events.
 
-Each is a background thread started when the cache opens, if its setting asks
-for it: ``counters_save_seconds`` (periodic.py: the cache's counters are added
-to the lower tiers' records, so a killed process loses at most that much of
-them), ``warm_bytes`` (warm.py) and ``events_url`` (events.py, the ``events``
-extra). ``stop`` ends the threads that take the cache's lock (before the
-cache flushes under it); ``close`` ends the events publisher last, once the
-final flush's events are queued.
+Each runs on a thread of its own, started when the cache opens if its setting
+asks for it: ``counters_save_seconds`` (the counters since the last save are
+added to the lower tiers' record of the model, so a killed process loses at
+most that much of them), ``warm_bytes`` (pinned and recently used chains
+loaded into hot after a restart) and ``events_url`` (every block stored or
+removed published; the ``events`` extra). The saver and the warm start run
+only with a lower tier. ``stop`` ends the threads that take the cache's lock
+(called before the cache flushes under it); ``close`` ends the events
+publisher last, once the final flush's events are queued.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Warm start: after a restart, load pinned blocks and the most recently used chains into hot.
 
 Runs on its own daemon thread, started when a cache opens with ``warm_bytes``
-set. The plan comes from the lower tiers' ``recent`` (the SSD index: pinned
-chains first, then the chains of the most recently used leaves, each
-root-first). Each block is read and its arrays evaluated on this thread (MLX
-streams are per thread, and a thread must evaluate what it builds); the
+set. The plan comes from each persistent lower tier's ``recent`` (for the SSD
+tier: pinned chains first, then the chains of the most recently used leaves,
+each root-first). Each block is read and its arrays evaluated on this thread
+(MLX streams are per thread, and a thread must evaluate what it builds); the
 cache's lock is taken only to insert one block, so requests arriving
-meanwhile are served (from the SSD tier until their blocks are hot) and wait
-at most for one insert. Requests go first: before each block the thread waits
-until no request has held the lock for a moment (a burst of requests is served
-before the warm-up reads on; it competes only with a request that arrives
-during one block's read). Only free room is used: a warm block never evicts a
-block a request stored, and it goes in at the cold end of the LRU.
+meanwhile are served (from the lower tiers until their blocks are hot) and
+wait at most for one insert. Requests go first: before each block, while a
+request holds the lock, the thread waits for it and a moment more, so a burst
+of requests is served before the warm-up reads on. Only free room is used: a
+warm block never evicts a block a request stored, and it goes in at the cold
+end of the LRU.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..tiers.base import Tier
+from ..tiers.base import Persistent, Tier
 from ..tiers.stack import TierStack
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class WarmStart:
     def _load_from(self, tier: Tier) -> bool:
         """Load ``tier``'s recent blocks while there is room; False once full or stopped."""
         hot = self.tiers.hot
-        for entry in tier.recent(self.max_bytes - self.nbytes):
+        entries = tier.recent(self.max_bytes - self.nbytes) if isinstance(tier, Persistent) else ()
+        for entry in entries:
             self._wait_quiet()
             if self._stop.is_set() or self.nbytes + entry.nbytes > self.max_bytes:
                 return False
@@ -124,7 +125,8 @@ class WarmStart:
         return True
 
     def _wait_quiet(self) -> None:
-        """Wait until no request has held the cache's lock for ``_QUIET_S`` (or a stop)."""
+        """Wait while a request holds the cache's lock, and ``_QUIET_S`` after it, until
+        the lock is found free (or a stop)."""
         while not self._stop.is_set():
             if self.lock.acquire(blocking=False):
                 self.lock.release()

@@ -5,13 +5,13 @@ finished cache: the window has moved on, and the state is the state at its
 end only. So what a later restore needs of them is cut where the cache stands:
 at checkpoints while prefilling (``PrefixCache.checkpoints``), and at the end
 of a finished sequence. Every cut keeps the state at the cache's exact end.
-Blocks go straight into the tiers (the facade's ``store``), so no snapshot is
-held anywhere else. The prefill loop that does it is prefill.py.
+The blocks go straight to the caller (the facade's ``store``), so no snapshot
+is held here.
 
 A block stored earlier may lack some layers' payloads (cut from a finished
 cache after its window moved on, or at a boundary without a snapshot). A later
 capture that holds them upgrades it: the hot block is replaced by one with the
-union of both payloads (see ``TierStack.replace``).
+union of both payloads (``TierStack.replace``).
 
 The tail of a cut (its last tokens after the last full block) is cut as a
 tail block (``cut_tail``): a child of that last full block, outside the
@@ -19,7 +19,7 @@ chain, carrying every layer's payload at the exact end (the recurrent state
 there included). A block that ends exactly there keeps its snapshot too,
 whatever the interval: the next turn of a conversation, or the next prompt
 branching there, resumes from it. Window and chunk K/V are kept only in
-blocks within the window of those same restore points (window.py).
+blocks within the window of those same restore points (``WindowPolicy``).
 """
 
 from __future__ import annotations

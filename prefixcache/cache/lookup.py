@@ -16,9 +16,9 @@ root) they are:
 A point is restorable when every layer finds what it needs in the blocks it
 would be rebuilt from (a recurrent snapshot where it ends, the window's or
 chunk's K/V before it: ``Codec.missing``), judged from the payload names the
-tiers list. The first restorable point is the :class:`Plan` the rebuild
-(restore.py) is handed; a block that then fails to load is excluded and the
-search runs again.
+tiers list. The first restorable point is the :class:`Plan`; a block that
+then fails to load is excluded by the caller and the search runs again
+(``plan(..., exclude=...)``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..config import CacheConfig
 from ..errors import MissReason
-from ..hashing import TOKEN_BYTES, chain_keys
+from ..hashing import TOKEN_BYTES, chain_keys, common_tokens
 from ..tiers.base import ChainEntry, Tier
 from ..tiers.stack import TierStack
 from .layout import ModelLayout
@@ -244,18 +244,3 @@ def walk(
             i for i, e in enumerate(entries) if e.tokens != data[i * step : (i + 1) * step]
         )
     return depth, None if depth == len(entries) else MissReason.TOKEN_MISMATCH
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens (uint32 bytes) ``a`` and ``b`` share (bisection of slice compares)."""
-    hi = min(len(a), len(b)) // TOKEN_BYTES
-    if a[: hi * TOKEN_BYTES] == b[: hi * TOKEN_BYTES]:
-        return hi
-    lo = 0  # a[:lo] == b[:lo] and a[:hi] != b[:hi], in tokens
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[: mid * TOKEN_BYTES] == b[: mid * TOKEN_BYTES]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

@@ -1,35 +1,47 @@
-"""PrefixCache: the facade a scheduler calls around its prefill. Policy lives here."""
+"""PrefixCache: the facade a scheduler calls around its prefill, every public verb in one class.
+
+The scheduler's verbs (``fetch``, ``prefetch``, ``match``, ``store``), the
+checkpoint protocol (``stored_prefix``, ``checkpoints``, ``capture``,
+``prefill``: state that cannot be cut back is kept where prompts resume), the
+operator controls (``pin``, ``unpin``, ``end_session``, ``trim_hot``; what each
+does is in docs/operating.md) and the cache's life (``stats``, ``flush``,
+``close``). Each verb holds the cache's lock and hands the work down: to the
+lookup and restore of this wing, the tier stack and its controls, the shared
+prefixes' registry and the background services.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
-from ..shared import fetch_shared, shared_stats
+from ..shared import SharedRegistry
 from ..stats import Stats
 from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
 from ..tiers.base import Tier
 from ..tiers.controls import Controls, check_session, tail_keys
 from ..tiers.hot.recent import Kept, kept_views, whole_bytes
+from ..tiers.hot.tier import HotTier
+from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
 from .capture import cut_blocks
-from .checkpoint_verbs import CheckpointVerbs, nonempty
-from .control_verbs import ControlVerbs
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
 from .restore import restore
 
 
-class PrefixCache(CheckpointVerbs, ControlVerbs):
+class PrefixCache:
     """A tiered, block-aware prefix cache for one model.
 
     Args:
@@ -74,8 +86,12 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         self.services = Services(
             self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
         )
+        cfg = self.config
+        self.shared_prefixes = SharedRegistry(
+            model, self.layout.signature, cfg.kv_bits, cfg.quantized_kv_start
+        )
 
-    # -- public API -------------------------------------------------------
+    # -- the scheduler's verbs ---------------------------------------------
 
     def fetch(
         self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None, shared: bool = False
@@ -86,14 +102,14 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         prompt is a candidate; the deepest one every layer can be rebuilt at
         wins (lookup.py). Always leaves at least one token to prefill.
         ``shared=True``: one K/V copy for every sequence on the prefix
-        (prefixcache/shared).
+        (``prefixcache.shared``, docs/shared-prefix.md).
 
         Returns:
             (cache list for the model, number of tokens it holds)
         """
         quiet.open_window(self.config.background_quiet_ms / 1000)  # its prefill follows
         if shared:
-            return fetch_shared(self, tokens, extra=extra)
+            return self._fetch_shared(tokens, extra)
         data = nonempty(tokens)
         with self._lock:
             self._check_open()
@@ -163,6 +179,203 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             tokens, cache, extra, session=session, persist=persist, hand_over=hand_over
         )
 
+    # -- the checkpoint protocol --------------------------------------------
+
+    def stored_prefix(
+        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None
+    ) -> int:
+        """Tokens of ``tokens`` some stored sequence shares, restorable or not.
+
+        Where this exceeds ``match`` on a model whose state cannot be cut back
+        (recurrent layers, windows), the prompt leaves a stored sequence there
+        without state to resume from: ``checkpoints`` names it.
+        """
+        data = nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            return self._shared(data, self._root(extra))
+
+    def checkpoints(
+        self,
+        tokens: Sequence[int],
+        num_cached: int = 0,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> list[int]:
+        """Where to ``capture`` the cache while prefilling ``tokens``: ascending
+        positions in ``(num_cached, len(tokens))``.
+
+        A model whose caches can be cut back to any token (KV, quantized,
+        windows that have not wrapped) needs none: the list is empty. Else,
+        Marconi-style: the junction where the prompt leaves a stored sequence
+        it shares a prefix with (``stored_prefix``, at the exact token: the
+        shared prefix's second sighting), the prompt's end minus
+        ``checkpoint_tail`` tokens (an exact repeat, or a next turn whose
+        template re-renders the last tokens, resumes there), and the snapshot
+        interval's points (``layout.snapshot_interval`` blocks apart: prompts
+        that will branch where nothing is stored yet). The scheduler loop::
+
+            cache, n = pc.fetch(tokens)
+            for stop in pc.checkpoints(tokens, n):
+                ...prefill tokens[n:stop] into cache...; n = stop
+                pc.capture(tokens[:stop], cache)
+            ...prefill the rest, generate...
+            pc.store(tokens + reply[:-1], cache)
+        """
+        data = nonempty(tokens)
+        if not self.lookup.needs_checkpoints(len(data) // TOKEN_BYTES):
+            return []
+        with self._lock:
+            self._check_open()
+            shared = self._shared(data, self._root(extra))
+        return self.lookup.checkpoints(len(data) // TOKEN_BYTES, num_cached, shared)
+
+    def capture(
+        self,
+        tokens_so_far: Sequence[int],
+        cache: Sequence[Any],
+        *,
+        extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
+    ) -> int:
+        """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
+        state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
+        ending there), with the window and chunk K/V a restore there needs.
+
+        Raises:
+            the errors of ``store``: a cache that does not hold exactly
+            ``tokens_so_far`` cannot be kept there.
+        """
+        return self._store(tokens_so_far, cache, extra, session=session, persist=persist)
+
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        *,
+        prefill_step_size: int | None = None,
+        extra: Mapping[str, str] | None = None,
+        session: str | None = None,
+        persist: bool = True,
+    ) -> tuple[list[Any], mx.array]:
+        """``fetch``, prefill the rest capturing at every checkpoint, ``store``.
+
+        ``prefill_step_size`` (a multiple of ``block_size``; chunks also end on
+        its multiples) defaults to about mlx-lm's 2048 tokens. Returns (cache,
+        last logits).
+        """
+        from .prefill import prefill  # the loop on the public verbs above
+
+        keep = {"extra": extra, "session": session, "persist": persist}
+        return prefill(self, tokens, prefill_step_size=prefill_step_size, **keep)
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Report a prefill of ``num_tokens`` that took ``seconds`` (``prefill`` does;
+        a scheduler with its own loop may): the remote tier's cost gate weighs
+        fetching a prefix against recomputing it at this speed."""
+        with self._lock:
+            self.tiers.note_prefill(num_tokens, seconds)
+
+    # -- operator controls --------------------------------------------------
+
+    def pin(
+        self,
+        tokens: Sequence[int],
+        ttl: float | None = None,
+        *,
+        extra: Mapping[str, str] | None = None,
+    ) -> int:
+        """Keep the stored blocks of ``tokens`` in every tier until the pin ends.
+
+        Pinned blocks are never evicted from hot nor from the SSD tier (a block
+        held only below hot is loaded into hot; one not yet on the SSD tier is
+        written now); their bytes count against each tier's cap. ``ttl``
+        (seconds) ends the pin, not the blocks; pins are kept in the SSD
+        index, so they survive a restart. Pinning again sets a new end.
+
+        Returns:
+            tokens pinned: those of the stored chain of ``tokens`` (and of its
+            stored tail); 0 if nothing of it is stored.
+
+        Raises:
+            ValueError: ``tokens`` is empty, or ``ttl`` is not > 0.
+            PinCapacityError: a tier's pinned bytes would pass its cap (nothing changes).
+        """
+        data = token_bytes(tokens)
+        if not data:
+            raise ValueError("cannot pin an empty prompt: tokens is empty")
+        until = pin_until(ttl, time.time())
+        with self._lock:
+            self._check_open()
+            pinned = self.controls.pin(self._keys(data, extra), until)
+            return sum(b.num_tokens for b in pinned)
+
+    def unpin(self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None) -> int:
+        """End the pins of the blocks of ``tokens`` (they stay, evictable again);
+        returns how many blocks were pinned."""
+        data = token_bytes(tokens)
+        if not data:
+            raise ValueError("cannot unpin an empty prompt: tokens is empty")
+        with self._lock:
+            self._check_open()
+            return self.controls.unpin(self._keys(data, extra))
+
+    def end_session(self, session: str) -> int:
+        """Drop at once, from every tier, the blocks only ``session`` holds (prefixes
+        another store shares stay, and so do pinned blocks); returns how many.
+
+        Raises:
+            ValueError: unknown ``session`` (no store used it, or it ended).
+        """
+        with self._lock:
+            self._check_open()
+            return self.controls.end(session)
+
+    @property
+    def hot(self) -> HotTier:
+        return self.tiers.hot
+
+    @property
+    def ssd(self) -> Any:
+        """The SSD tier, or None (``hot_cache_only``)."""
+        return self.tiers.named("ssd")
+
+    def trim_hot(
+        self,
+        max_bytes: int,
+        *,
+        first: Sequence[int] | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> int:
+        """Evict hot blocks (leaves first, pinned ones kept) until at most
+        ``max_bytes`` are held; dirty blocks spill as on any eviction. Returns how
+        many blocks left the hot tier.
+
+        ``first``: the tokens of a request in flight whose cache will be stored
+        when it ends. Its restored chain is held twice meanwhile (in hot and in
+        the request's cache), so its blocks go first, deepest first, where the
+        store puts each of them back into hot from the cache: every layer can be
+        cut back, and no lower tier holds them (with one, they spill there, the
+        store skips them as stored, and the request's next turn reads them back:
+        the policy's own choice keeps them hot instead); then the policy's choice.
+        """
+        limit = max(0, max_bytes)
+        with self._lock:
+            self._check_open()
+            num = 0
+            hot = self.tiers.hot
+            if hot.nbytes <= limit:
+                return 0
+            if first and not self.layout.checkpointed and not self.tiers.lower:
+                data, root = token_bytes(first), self._root(extra)
+                last = self._last_keys  # the blocks its fetch restored, else the plan again
+                same = last is not None and last[0] == data and last[1] == root
+                keys = last[2] if same else self.lookup.plan(data, root).keys
+                num = hot.evict_chain(reversed(keys), limit)
+            return num + hot.evict_to(limit)
+
+    # -- the cache's life -----------------------------------------------------
+
     def stats(self) -> CacheStats:
         """Counters and each tier's figures (docs/stats.md); after ``close``, as
         they were at close."""
@@ -177,7 +390,7 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
         tiers = self.tiers.snapshot()
         written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
         out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
-        return cast(CacheStats, out | tiers | self.services.stats() | shared_stats(self))
+        return cast(CacheStats, out | tiers | self.services.stats() | self._shared_stats())
 
     def flush(self) -> None:
         """Finish the promotions and prefetches under way, persist every dirty hot
@@ -275,6 +488,40 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             views = kept_views(cache, len(data) // TOKEN_BYTES)
             self.hot.keep_recent(Kept(root, data, frozenset(keys), views, nbytes))
 
+    def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
+        """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""
+        root = self._root(extra)
+        keys = chain_keys(root, data, self.config.block_size)
+        return [*keys, *tail_keys(root, keys, data, self.config.block_size)]
+
+    def _fetch_shared(
+        self, tokens: Sequence[int], extra: Mapping[str, str] | None
+    ) -> tuple[list[Any], int]:
+        """``fetch(shared=True)``: a live shared prefix covering at least what the
+        tiers would restore is used as is (nothing restored or copied); else the
+        private restore is handed to the registry (a new shared prefix, or the
+        suffix of a live one); the private fetch where the model cannot share."""
+        data = nonempty(tokens)
+        registry = self.shared_prefixes
+        with registry.lock:
+            reason = registry.unavailable()
+            if reason is not None:
+                registry.fell_back(reason)
+                return self.fetch(tokens, extra=extra)
+            with self._lock:
+                self._check_open()
+                root = self._root(extra)
+            live, usable = registry.live(root, data)
+            if live is not None and usable >= self.match(tokens, extra=extra):
+                return registry.reuse(live, usable), usable
+            restored, num_cached = self.fetch(tokens, extra=extra)
+            return registry.adopt(root, data, restored, num_cached, live, usable)
+
+    def _shared_stats(self) -> dict[str, object]:
+        """``{"shared": counters and live prefixes}`` once a shared fetch was asked for."""
+        registry = self.shared_prefixes
+        return {"shared": registry.stats()} if registry.used else {}
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
@@ -288,3 +535,11 @@ class PrefixCache(CheckpointVerbs, ControlVerbs):
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
         return root
+
+
+def nonempty(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as uint32 bytes; a prompt needs at least one token."""
+    data = token_bytes(tokens)
+    if not data:
+        raise ValueError("tokens is empty: a prompt needs at least one token")
+    return data

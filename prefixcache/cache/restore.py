@@ -1,15 +1,16 @@
 """Restore: rebuild a :class:`~prefixcache.cache.lookup.Plan` into caches at their final length.
 
 Every layer gets ONE buffer (the prompt's length plus headroom) filled block by
-block, so the suffix prefill writes in place (mlx-lm's batch too: mlx_batch.py). Each block
-comes from the tier the plan names (:class:`ChainLoad`). Hot blocks' buffers are
-allocated in one evaluation and copied into (``Copies``: on a few threads when
-large). Lower tiers stream theirs: the buffers are allocated, unwritten, from the
-first streamed block's header, and the SSD reader's threads read each tensor
-straight into its buffer (``place``: one copy from the page cache); tensors
-without a destination come as HostArrays (views of a read buffer). Lower-tier
-blocks worth promoting are listed (``Restored.promote``): the cache's background
-thread loads them into the tiers above, so the request pays for one copy.
+block, so the suffix prefill writes in place. Each block comes from the tier
+the plan names (:class:`ChainLoad`). Hot blocks' buffers are allocated in one
+evaluation and copied into (``Copies``: on a few threads when large). Lower
+tiers stream theirs: the buffers are allocated, unwritten, from the first
+streamed block's header, and the tier's reader writes each tensor straight
+into its buffer (``place``); tensors without a destination come as HostArrays
+(views of a read buffer). A block that fails to load is excluded and the next
+plan tried. Lower-tier blocks worth promoting are listed
+(``Restored.promote``) for the caller to load into the tiers above off the
+request's path, so the request pays for one copy.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..blocks import split_layers
 from ..codecs import Builder, Codec, codec_for
+from ..codecs.placing import placer
 from ..errors import LayoutMismatchError, MissReason, Shortfall
 from ..hashing import TOKEN_BYTES
 from ..memory.copies import Copies
@@ -30,7 +32,6 @@ from ..memory.host import HostArray, Place, Placed, PlacedRun
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
 from .lookup import Lookup, Plan
-from .placing import placer
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ def restore(lookup: Lookup, data: bytes, root: bytes, *, headroom: int) -> Resto
             return Restored(make_prompt_cache(layout.model), 0, reason, shared, [], [])
         fresh = layout.fresh(plan.num_tokens)
         if not headroom and tiers.hot.recent and all(t is tiers.hot for t in plan.tiers):
-            # a sequence kept whole holds it: views of its arrays, no copy (tiers/recent.py)
+            # a sequence the hot tier keeps whole holds it: views of its arrays, no copy
             prefix = data[: plan.num_tokens * TOKEN_BYTES]
             cache = tiers.hot.recent.restore(root, prefix, fresh)  # None: ``fresh`` untouched
             if cache is not None:

@@ -5,8 +5,8 @@ at L tokens needs its first K tokens and its last W - K before L, nothing
 else; a chunked layer (ChunkedKVCache of ``chunk_size`` C, Llama 4) its last
 C. So a block's window payload is kept only where a restore can use it: inside
 the window of a restore point. Restore points are those of recurrent
-snapshots (capture.py): the exact end of every stored sequence or checkpoint
-and every ``snapshot_interval``-th block boundary. A point P keeps the window of every
+snapshots: the exact end of every stored sequence or checkpoint and every
+``snapshot_interval``-th block boundary. A point P keeps the window of every
 restore ending in ``[P - block_size, P]`` (a prompt equal to a stored sequence
 is restored one token short; one diverging in the last block, cut back inside
 it). Every other block carries no window payload for those layers; a restore

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from .. import __version__
 from ..config import CacheConfig
 from ..errors import CacheDirError, ConfigError, MissingExtraError, SsdFormatError
-from ..settings import warn_unknown
+from ..settings import check_env
 from . import inspect, local, maintain, pin, serve, show, simulate
 from .common import EXIT_CLOSED_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, Command, Parser, UsageError
 
@@ -89,7 +89,6 @@ def _one_line_type(convert: Callable[[str], object] | None) -> Callable[[str], o
 def main(argv: list[str] | None = None) -> int:
     """Run ``prefixcache ARGV`` (default: the process's arguments); returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    warn_unknown(os.environ, CacheConfig)
     parser = setup_arg_parser()
     args, rest = parser.parse_known_args(argv)
     name = f"prefixcache {args.command}"
@@ -97,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = " ".join(rest)
         parser.exit(EXIT_USAGE, f"{name}: unrecognized arguments: {unknown} (see {name} --help)\n")
     try:
+        check_env(os.environ, CacheConfig)  # every command: a bad variable is named at once
         status = COMMANDS[args.command].run(args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below, not at exit
         return status

@@ -1,8 +1,8 @@
 """What every ``prefixcache`` subcommand shares: the registry entry, options, output.
 
 Each command module lists its subcommands as :class:`Command` entries in
-``COMMANDS``; ``cli/__init__.py`` builds the parser from them and dispatches.
-A command module imports nothing heavy at the top (mlx-lm, transformers): the
+``COMMANDS``, from which the CLI builds its parser and dispatches. A command
+module imports nothing heavy at the top (mlx-lm, transformers): the
 inspection commands start fast, serve and demo import what they run when run.
 
 The commands on an SSD tier directory (:func:`ssd_command`) open an existing

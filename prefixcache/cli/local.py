@@ -1,6 +1,6 @@
 """``prefixcache demo`` and ``make-model``: the cache on a tiny model built here, no downloads.
 
-The demo itself is demo.py, imported only when it runs (it imports mlx-lm).
+The demo's own code (it imports mlx-lm) is imported only when it runs.
 """
 
 from __future__ import annotations

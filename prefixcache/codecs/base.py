@@ -1,10 +1,10 @@
 """The codec contract: how one cache class is cut into blocks and rebuilt.
 
-A codec handles one layer's cache object. The manager cuts every full block of
+A codec handles one layer's cache object. The cache cuts every full block of
 a live cache with ``cut`` (during prefill, after each chunk, and when a
 finished cache is handed back) and, on a hit, rebuilds a fresh layer cache with
-a ``Builder`` fed block by block (hot blocks or SSD payloads streamed one at a
-time), in chain order.
+a ``Builder`` fed block by block (hot blocks, or a lower tier's payloads
+streamed one at a time), in chain order.
 
 Not every payload can be cut at any time: a sliding window only holds its last
 tokens and a recurrent state exists only at the boundary where the cache
@@ -12,6 +12,48 @@ stands. So ``cut`` may return nothing for a layer, a stored block may lack some
 layers' payloads, and a codec says which blocks it needs (``blocks_needed``)
 and which needed block's stored payload cannot serve it (``missing``), judged
 before a restore copies anything.
+
+The built-in payloads per block:
+
+=====================  ==============================================================
+cache class            payload per block
+=====================  ==============================================================
+KVCache                ``keys``, ``values``: the block's slice of the token axis
+QuantizedKVCache       ``keys.q|scales|biases``, ``values.*``: packed, never dequantized
+RotatingKVCache        ``keys``, ``values`` while in the window (``keep.*``: first tokens)
+ChunkedKVCache         ``keys``, ``values`` while in the current chunk
+ArraysCache            ``0``, ``1``, ...: state snapshot at the block's end boundary
+CacheList              each part's payload under ``"{part}."``
+=====================  ==============================================================
+
+A cache class of another package (a TurboQuant-style quantized cache, say)
+plugs in by subclassing :class:`Codec` and calling ``register_codec`` before a
+``PrefixCache`` is built for a model that uses it::
+
+    from prefixcache.codecs import Builder, Codec, register_codec
+
+
+    class MyCodec(Codec):
+        cache_type = MyCache                       # looked up by exact class
+        def layout(self, cache): ...               # namespace signature (hashable, JSON-able)
+        def length(self, cache): return cache.offset
+        def cut(self, cache, start, end, *, length, snapshot=True):
+            return {"q": ..., "scales": ...}       # new arrays of tokens [start, end)
+        def builder(self, fresh, num_tokens, capacity, block_size): return MyBuilder(...)
+
+    register_codec(MyCodec())
+
+A :class:`Builder` receives each needed block's payload in chain order
+(``add``), exposes the arrays to evaluate after each block (``buffers``) and
+returns the rebuilt cache (``finish``); it must give the cache new arrays,
+never the payload's own objects. Optional hooks, each with its default here:
+``blocks_needed`` (a window needs only its last blocks), ``missing``,
+``trimmable_at`` and ``reach`` (blocks that may gain a payload from a later
+capture). Lookup is by exact class: a subclass of a built-in cache needs its
+own codec. A cache class with no codec is refused with
+``UnsupportedCacheError`` when the ``PrefixCache`` is built. The ``layout`` of
+a cache is part of the hash namespace, so blocks of one codec's layout are
+never served to another.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """TokenBuffer: one (B, heads, capacity, dim) buffer assembled from token-axis segments.
 
-The buffer is allocated unwritten (restore_buffers.py; huge pages where Linux gives
-them) and written only through a host view of its memory, so its address never
-changes. Segments of blocks in memory (hot) are queued and copied in together
-(one numpy call per run of consecutive segments: memcpy speed, where MLX's
-concatenate on the CPU writes several times slower into fresh small pages).
-Blocks streamed from SSD need the buffer at once (``reserve``): the stream
-reads later blocks straight into it (``destination``; they arrive as
-``Placed``), and a HostArray is copied in at once. The result is a single
-buffer of final length plus headroom that the next prefill writes into in
-place. The headroom is left unwritten (its fresh pages are not even faulted
-in): mlx-lm reads a cache only below its offset (``update_and_fetch``,
-``state``, a batch's ``merge``; ``to_quantized`` quantizes each token's row on
-its own), and each token's row is written before the offset passes it.
+The buffer is allocated unwritten (``memory.restore_buffers.empty``; huge
+pages where Linux gives them) and written only through a host view of its
+memory, so its address never changes. Segments of blocks in memory (hot) are
+queued and copied in together (one numpy call per run of consecutive
+segments: memcpy speed, where MLX's concatenate on the CPU writes several
+times slower into fresh small pages). Blocks streamed from a lower tier need
+the buffer at once (``reserve``): the stream reads later blocks straight into
+it (``destination``; they arrive as ``Placed``), and a HostArray is copied in
+at once. The result is a single buffer of final length plus headroom that the
+next prefill writes into in place. The headroom is left unwritten (its fresh
+pages are not even faulted in): mlx-lm reads a cache only below its offset
+(``update_and_fetch``, ``state``, a batch's ``merge``; ``to_quantized``
+quantizes each token's row on its own), and each token's row is written
+before the offset passes it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ every prefill chunk (a chunk of S tokens leaves the last W - 1 + S in place).
 A restore needs the window only: the blocks covering the last
 ``max_size - keep`` tokens plus the first ``keep``. The rebuilt buffer is in
 temporal order and holds at least ``max_size`` tokens once the prompt is that
-long, so a 1-token step never meets the W - 1 trap (see MLX_CACHES.md).
+long: mlx-lm's RotatingKVCache holding exactly W - 1 tokens fails on a 1-token
+step (``ValueError``: negative dimensions), so a restore never leaves it there.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """A restore's copies, run by the caller's thread and a few pool threads together.
 
 A hot restore costs its copies: every byte of the chain into the new buffers.
-numpy releases the GIL while it copies a piece, but takes it back between
-pieces (a buffer's copy is one call over every block's rows). Until session 14
-the caller queued the jobs on a pool and waited: two pool threads were no
-faster than one for blocks of up to 64 tokens on this project's 2-core VM
-(tools/bench_blocks.py, sessions 11-12), so small pieces stayed on one thread.
-Now the caller's thread copies too, each thread taking the next job nobody has
-taken: on that VM a 128 MiB chain restores 1.4-1.6x as fast as on one thread at
-blocks 32-256 (``bench_blocks --tiers hot``: block 32 19-21 against 28-30 ms,
-block 64 17-18 against 26-27, block 256 14-15 against 22-24), and at block 16
-28-31 against 38-41 ms in most runs (``bench_hot_bound --fetch``), as slow as
-one thread in others. Fixed shares, one per thread, were as fast most of the
-time but twice as slow as one thread for seconds at a time (a thread held
-back, its share waited for); taking jobs as they come, a held-back thread
-costs at most what one thread would. Pieces under ``MIN_PIECE`` on average
-stay on the caller's thread. ``PREFIXCACHE_COPY_THREADS=1`` keeps them all there.
+numpy releases the GIL while it copies a piece but takes it back between
+pieces, so the caller's thread copies too rather than wait on the pool: each
+thread takes the next job nobody has taken, and a thread held back costs at
+most what one thread would (fixed shares would make every other thread wait
+for it). A restore under ``PARALLEL_BYTES``, or of pieces under ``MIN_PIECE``
+on average, stays on the caller's thread; ``PREFIXCACHE_COPY_THREADS=1`` keeps
+every restore there. ``tools/bench_blocks.py --tiers hot`` measures a hot
+restore on one thread and on several.
 
 Jobs run numpy only (no MLX), on buffers the restore owns alone until it
 returns; ``wait`` returns once every job has ended, the first error raised.
@@ -31,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from .pools import SharedPool
 
 PARALLEL_BYTES = 4 << 20  # below, one thread: waking others costs more than it saves
-# Below, on average, one thread: two threads gained nothing on pieces of 4 and 16
-# KiB (a 24-layer model of 2 KV heads x 64 dims at blocks 16 and 64: 50-55 / 22-23
-# ms on one thread, 54-59 / 23 on two), and 1.3x at 32 KiB in most runs.
+# Pieces under this on average stay on one thread: a second thread gains nothing
+# on pieces of 4 and 16 KiB and about 1.3x at 32 KiB (tools/bench_blocks.py
+# --tiers hot, a 24-layer model of 2 KV heads x 64 dims at blocks 16 and 64).
 MIN_PIECE = 32 << 10
 
 _CORES = min(4, os.cpu_count() or 1)  # read once: each os.cpu_count() reads /sys

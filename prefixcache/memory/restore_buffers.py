@@ -75,10 +75,11 @@ class _Unwritten:
 # and frees it after the load returns; freeing it takes the GIL. Should the
 # interpreter be shutting down by then, the thread is ended inside a C++
 # destructor and the process aborts ("terminate called without an active
-# exception", status 134): 12 of 48 processes that exited right after 48
-# ``empty`` buffers, 16 at a time on 2 cores. Sleeping at exit (the GIL
-# released) lets those threads finish first: 0 of 48.
-EXIT_WAIT = 0.05  # seconds (0.02 was enough in that test: a margin)
+# exception", status 134): about one process in four that exits right after
+# making 48 ``empty`` buffers. Sleeping at exit (the GIL released) lets those
+# threads finish first (tests/test_restore_buffers.py exits 16 such processes at
+# once); 0.02 s suffices for 48 processes, this leaves a margin.
+EXIT_WAIT = 0.05  # seconds
 _exit_wait_registered = False
 
 

@@ -1,10 +1,8 @@
-"""The adapter's PrefixCache over its life: opened per model key, hot-only while
-its SSD directory cannot be used (and tried again), closed with one summary line.
+"""The server's PrefixCache over its life: opened per model key, hot-only while its
+SSD directory cannot be used (and tried again), closed with one summary line.
 
-Mixed into :class:`~prefixcache.serve.prompt_cache.TieredPromptCache`, whose state it
-uses: ``config``, ``_model_for``, ``_cache``, ``_key``, ``_opened``,
-``_hot_only_since`` and ``num_storage_errors``. A storage failure is counted,
-logged once and served as a miss: never raised into mlx-lm's generation thread.
+A storage failure is counted, logged once and served as a miss: never raised
+into mlx-lm's generation thread. Not thread-safe: its owner's lock is held.
 """
 
 from __future__ import annotations
@@ -28,32 +26,50 @@ log = logging.getLogger(__name__)
 STORAGE_ERRORS = (OSError, lmdb.Error, SsdFormatError)
 
 
-class CacheLifecycle:
-    """Opening, degrading, retrying and closing the current model's PrefixCache."""
+class ModelCache:
+    """The current model's PrefixCache: opened, degraded to hot-only, retried, closed.
 
-    config: CacheConfig
-    num_storage_errors: int
-    _model_for: Callable[[ModelKey], Any]
-    _cache: PrefixCache | None
-    _key: ModelKey | None
-    _opened: bool
-    _hot_only_since: float | None
+    Args:
+        model_for: model key -> the loaded model.
+        config: the PrefixCache settings.
 
-    def _open(self, model_key: ModelKey) -> PrefixCache | None:
-        if self._opened and model_key == self._key:
+    Attributes:
+        cache: the open PrefixCache, or None (none opened yet, or the model's
+            caches are unsupported).
+        key: the model key it is open for.
+        num_storage_errors: storage failures turned into misses or dropped inserts.
+    """
+
+    def __init__(self, model_for: Callable[[ModelKey], Any], config: CacheConfig) -> None:
+        self.config = config
+        self.cache: PrefixCache | None = None
+        self.key: ModelKey | None = None
+        self.num_storage_errors = 0
+        self._model_for = model_for
+        self._opened = False
+        self._hot_only_since: float | None = None  # the SSD tier could not be opened
+
+    @property
+    def hot_only(self) -> bool:
+        """Serving hot-only because the SSD directory could not be opened."""
+        return self._hot_only_since is not None
+
+    def open(self, model_key: ModelKey) -> PrefixCache | None:
+        """The PrefixCache for ``model_key``, opening it (and closing another) if needed."""
+        if self._opened and model_key == self.key:
             if self._hot_only_since is not None and self._retry_due():
                 self._reopen_with_ssd()
-            return self._cache
-        self._close_current()
-        self._key, self._opened = model_key, True
+            return self.cache
+        self.close()
+        self.key, self._opened = model_key, True
         try:
             model = self._model_for(model_key)
-            self._cache = self._new_cache(model_key, model, self.config)
+            self.cache = self._new_cache(model_key, model, self.config)
         except UnsupportedCacheError as err:
             log.warning("prefixcache: %s is served without a prompt cache: %s", model_key, err)
             return None
-        log.info("prefixcache: cache for %s open (%s)", model_key, self._cache.namespace.model_id)
-        return self._cache
+        log.info("prefixcache: cache for %s open (%s)", model_key, self.cache.namespace.model_id)
+        return self.cache
 
     def _new_cache(self, model_key: ModelKey, model: nn.Module, config: CacheConfig):
         """A PrefixCache; hot-only (one log line) if its SSD directory cannot be used."""
@@ -83,7 +99,7 @@ class CacheLifecycle:
     def _reopen_with_ssd(self) -> None:
         """Swap the hot-only cache for one with the SSD tier, if it opens now (the
         hot blocks are dropped: they were never written anywhere)."""
-        old = self._cache
+        old = self.cache
         assert old is not None
         try:
             cache = PrefixCache(old.model, self.config, model_id=old.namespace.model_id)
@@ -92,10 +108,10 @@ class CacheLifecycle:
             log.debug("prefixcache: SSD tier still unusable: %s", err)
             return
         old.close()
-        self._cache, self._hot_only_since = cache, None
-        log.warning("prefixcache: SSD tier %s usable again for %s", self.config.ssd_path, self._key)
+        self.cache, self._hot_only_since = cache, None
+        log.warning("prefixcache: SSD tier %s usable again for %s", self.config.ssd_path, self.key)
 
-    def _storage_error(self, what: str, err: BaseException) -> None:
+    def storage_error(self, what: str, err: BaseException) -> None:
         """A storage failure during ``what``: counted, logged once, served as a miss."""
         self.num_storage_errors += 1
         level = logging.ERROR if self.num_storage_errors == 1 else logging.DEBUG
@@ -107,22 +123,25 @@ class CacheLifecycle:
             err,
         )
 
-    def _close_current(self) -> None:
-        """Flush and close the open cache; one line says what was persisted and what was lost."""
-        cache, self._cache = self._cache, None
+    def close(self) -> None:
+        """Flush and close the open cache; one line says what was persisted and what was
+        lost. The next ``open`` opens one again."""
+        cache, self.cache = self.cache, None
+        self._opened = False
         if cache is None:
             return
         try:
             cache.flush()
         except STORAGE_ERRORS as err:
-            self._storage_error("flush", err)
+            self.storage_error("flush", err)
         stats = cache.stats()
         try:
             cache.close()
         except STORAGE_ERRORS as err:
-            self._storage_error("close", err)
+            self.storage_error("close", err)
         summary = " ".join(f"{k}={stats[k]}" for k in _SUMMARY)
-        log.info("prefixcache: closed cache for %s: %s %s", self._key, summary, _fate(stats))
+        log.info("prefixcache: closed cache for %s: %s %s", self.key, summary, _fate(stats))
+        self.key = None
 
 
 def _fate(stats: dict[str, object]) -> str:

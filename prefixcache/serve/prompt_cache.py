@@ -22,19 +22,18 @@ import mlx.nn as nn
 from ..cache.prefix_cache import PrefixCache
 from ..config import CacheConfig
 from ..errors import UnsupportedCacheError
-from ..shared import blank_caches
 from ..tiers import quiet
 from .batch import batch_ready
 from .deferred import DEFERRED_TYPES, Deferred, DeferredInserts
 from .fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
 from .lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
-from .lifecycle import CacheLifecycle
+from .lifecycle import ModelCache
 from .request_options import Requests
 
 log = logging.getLogger(__name__)
 
 
-class TieredPromptCache(CacheLifecycle):
+class TieredPromptCache:
     """mlx-lm's server prompt cache, backed by one PrefixCache per model key.
 
     Only the current model key's PrefixCache is open: mlx-lm's server holds one
@@ -65,18 +64,18 @@ class TieredPromptCache(CacheLifecycle):
         check_mlx_lm_version()
         self.shared = shared
         self.config = config if config is not None else CacheConfig.from_env()
-        self._model_for = model_for
         self._lock = threading.RLock()
-        self._key: ModelKey | None = None
-        self._cache: PrefixCache | None = None
-        self._opened = False
-        self._hot_only_since: float | None = None  # the SSD tier could not be opened
+        self.model_cache = ModelCache(model_for, self.config)
         self._last: tuple[ModelKey, list[int], int] | None = None  # the last fetch
         self.num_rejected = 0  # inserts refused (unsupported cache, layout or length)
-        self.num_storage_errors = 0  # storage failures turned into misses or dropped inserts
         self.requests = Requests()  # per-request options (request_options.py)
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
         self._deferred = DeferredInserts()  # inserts before a first token (mlx_deferred.py)
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        """The open model's PrefixCache, or None."""
+        return self.model_cache.cache
 
     # -- mlx-lm's prompt-cache interface (LRUPromptCache's names) ----------------
 
@@ -91,8 +90,8 @@ class TieredPromptCache(CacheLifecycle):
         text = text_prefix(tokens)
         with self._lock:
             self._last = None
-            self._store_deferred(tokens if model == self._key else None)
-            cache = self._open(model)
+            self._store_deferred(tokens if model == self.model_cache.key else None)
+            cache = self.model_cache.open(model)
             if cache is None or not text:
                 return None, tokens
             try:
@@ -100,8 +99,8 @@ class TieredPromptCache(CacheLifecycle):
                 extra = self.requests.for_fetch(tokens).extra
                 restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
             except _STORAGE_ERRORS as err:
-                self._storage_error("fetch", err)
-                return (blank_caches(cache) if self.shared else None), tokens
+                self.model_cache.storage_error("fetch", err)
+                return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
         if num_cached == 0 and not self.shared:
             return None, tokens
@@ -113,15 +112,15 @@ class TieredPromptCache(CacheLifecycle):
         tokens = list(tokens)
         text = text_prefix(tokens)
         with self._lock:
-            self._store_deferred(tokens if model == self._key else None)
-            cache = self._open(model)
+            self._store_deferred(tokens if model == self.model_cache.key else None)
+            cache = self.model_cache.open(model)
             if cache is None or not text:
                 return []
             try:
                 extra = self.requests.for_fetch(tokens).extra
                 return cache.checkpoints(text, num_cached, extra=extra)
             except _STORAGE_ERRORS as err:
-                self._storage_error("checkpoints", err)
+                self.model_cache.storage_error("checkpoints", err)
                 return []
 
     def prefetch(
@@ -132,13 +131,13 @@ class TieredPromptCache(CacheLifecycle):
         request for another model never switches it from the HTTP thread."""
         text = text_prefix(list(tokens))
         with self._lock:
-            cache = self._cache
-            if cache is None or model != self._key or self.shared or not text:
+            cache = self.model_cache.cache
+            if cache is None or model != self.model_cache.key or self.shared or not text:
                 return 0
             try:
                 return cache.prefetch(text, extra=extra)
             except _STORAGE_ERRORS as err:
-                self._storage_error("prefetch", err)
+                self.model_cache.storage_error("prefetch", err)
                 return 0
 
     def last_fetch(self) -> tuple[ModelKey, list[int], int] | None:
@@ -169,7 +168,7 @@ class TieredPromptCache(CacheLifecycle):
                 self.num_unattributed += 1
                 return
             item = Deferred(model, tokens, list(prompt_cache), cache_type, options)
-            if model == self._key and cache_type in DEFERRED_TYPES:
+            if model == self.model_cache.key and cache_type in DEFERRED_TYPES:
                 if not self._deferred.add(item):  # too many or too large to wait
                     self._store(item)
                 return
@@ -182,11 +181,11 @@ class TieredPromptCache(CacheLifecycle):
         """Store the deferred inserts (``DeferredInserts.take``: all, or those a
         fetch of ``tokens`` could use); those of a model no longer open are dropped."""
         for item in self._deferred.take(tokens, self.config.block_size):
-            if item.model == self._key:
+            if item.model == self.model_cache.key:
                 self._store(item)
 
     def _store(self, item: Deferred) -> None:
-        cache = self._open(item.model)
+        cache = self.model_cache.open(item.model)
         text = text_prefix(item.tokens)
         if cache is None or not text:
             return
@@ -204,7 +203,7 @@ class TieredPromptCache(CacheLifecycle):
             level = logging.WARNING if self.num_rejected == 1 else logging.DEBUG
             log.log(level, "prefixcache: %s cache not stored: %s", item.cache_type, err)
         except _STORAGE_ERRORS as err:
-            self._storage_error("insert", err)
+            self.model_cache.storage_error("insert", err)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
@@ -220,39 +219,43 @@ class TieredPromptCache(CacheLifecycle):
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
-            if limit is not None and self._cache is not None and self.nbytes > limit:
+            if limit is not None and self.model_cache.cache is not None and self.nbytes > limit:
                 # mlx-lm trims right after admitting a request: the one last fetched is
                 # in flight, and its cache is inserted when it ends (trim_hot's ``first``)
                 first = extra = None
-                if self._last is not None and self._last[0] == self._key and not self.shared:
+                if (
+                    self._last is not None
+                    and self._last[0] == self.model_cache.key
+                    and not self.shared
+                ):
                     first = text_prefix(self._last[1])
                     extra = self.requests.for_fetch(self._last[1]).extra
                 try:
-                    self._cache.trim_hot(limit, first=first, extra=extra)
+                    self.model_cache.cache.trim_hot(limit, first=first, extra=extra)
                 except _STORAGE_ERRORS as err:  # spilling evicted blocks
-                    self._storage_error("trim", err)
+                    self.model_cache.storage_error("trim", err)
 
     def __len__(self) -> int:
         """Hot blocks held (the unit of this cache; sequences share them)."""
         with self._lock:
-            return len(self._cache.hot) if self._cache is not None else 0
+            return len(self.model_cache.cache.hot) if self.model_cache.cache is not None else 0
 
     @property
     def nbytes(self) -> int:
         """Bytes held in RAM by the hot tier."""
         with self._lock:
-            return self._cache.hot.nbytes if self._cache is not None else 0
+            return self.model_cache.cache.hot.nbytes if self.model_cache.cache is not None else 0
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """Per tier: ``n_sequences`` (blocks held) and ``n_bytes``, as mlx-lm logs them."""
         with self._lock:
-            cache = self._cache
+            cache = self.model_cache.cache
             out = {"hot": {"n_sequences": len(self), "n_bytes": self.nbytes}}
             if cache is not None and cache.ssd is not None:
                 try:
                     ssd = cache.ssd.stats()
                 except _STORAGE_ERRORS as err:  # mlx-lm logs these on its generation thread
-                    self._storage_error("stats", err)
+                    self.model_cache.storage_error("stats", err)
                     return out
                 out["ssd"] = {"n_sequences": ssd["num_blocks"], "n_bytes": ssd["nbytes"]}
             return out
@@ -262,14 +265,14 @@ class TieredPromptCache(CacheLifecycle):
     def stats(self) -> dict[str, object]:
         """The open PrefixCache's stats plus the adapter's counters."""
         with self._lock:
-            out = self._cache.stats() if self._cache is not None else {}
+            out = self.model_cache.cache.stats() if self.model_cache.cache is not None else {}
             return {
                 **out,
-                "model_key": self._key,
+                "model_key": self.model_cache.key,
                 "num_rejected": self.num_rejected,
-                "num_storage_errors": self.num_storage_errors,
+                "num_storage_errors": self.model_cache.num_storage_errors,
                 "num_unattributed": self.num_unattributed,
-                "hot_only": int(self._hot_only_since is not None),
+                "hot_only": int(self.model_cache.hot_only),
             }
 
     def end_session(self, session: str) -> int:
@@ -279,17 +282,16 @@ class TieredPromptCache(CacheLifecycle):
             ValueError: unknown ``session`` (or no model's cache is open).
         """
         with self._lock:
-            if self._cache is None:
+            if self.model_cache.cache is None:
                 raise ValueError(f"unknown session {session!r}: no request was served yet")
-            return self._cache.end_session(session)
+            return self.model_cache.cache.end_session(session)
 
     def close(self) -> None:
         """Store the deferred inserts, flush and close the open PrefixCache; logs its
         counters."""
         with self._lock:
             self._store_deferred()
-            self._close_current()
-            self._key, self._opened = None, False
+            self.model_cache.close()
 
     def __enter__(self) -> TieredPromptCache:
         return self

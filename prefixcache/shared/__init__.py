@@ -3,20 +3,19 @@
 ``PrefixCache.fetch(tokens, shared=True)`` returns caches whose attention
 layers read the prefix's K/V from one read-only buffer per layer, held once
 however many sequences use it, and write only their own suffix; the last
-sequence to let go of a prefix frees it. Attention is split over the prefix
-and the suffix and merged by log-sum-exp (attention.py, split.py), inside
-mlx-lm's attention function (hook.py); sequences on one prefix decode
-together with their queries stacked against it (``SharedBatchKVCache``, as
-mlx-lm's BatchGenerator merges caches; decode.py). See docs/shared-prefix.md.
+sequence to let go of a prefix frees it. Attention is split over prefix and
+suffix and merged by log-sum-exp inside mlx-lm's attention function (the
+hook); sequences on one prefix decode together as one batch
+(:class:`SharedBatchKVCache`). See docs/shared-prefix.md.
 """
 
 from . import codec as _codec  # registers the shared caches' codecs  # noqa: F401
 from .batch import SharedBatchKVCache
+from .build import release
 from .caches import SharedKVCache, SharedQuantizedKVCache
-from .fetch import blank_caches, fetch_shared, release, shared_stats
 from .hook import SharedAttention, hooked, install, installed, uninstall
 from .prefix import LayerPrefix, SharedPrefix
-from .registry import registry_of
+from .registry import SharedRegistry
 
 __all__ = [
     "LayerPrefix",
@@ -25,13 +24,10 @@ __all__ = [
     "SharedKVCache",
     "SharedPrefix",
     "SharedQuantizedKVCache",
-    "blank_caches",
-    "fetch_shared",
+    "SharedRegistry",
     "hooked",
     "install",
     "installed",
-    "registry_of",
     "release",
-    "shared_stats",
     "uninstall",
 ]

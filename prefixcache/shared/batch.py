@@ -6,8 +6,9 @@ with the first cache's ``merge`` and calls ``prepare``, ``finalize``,
 BatchKVCache. :class:`SharedBatchKVCache` keeps per row (sequence) its shared
 prefix (or none) and holds the suffixes in one BatchKVCache (left-padded), so
 merging copies the suffixes only. Rows on one prefix form a group that
-attends to it with one matmul per KV head (split.py). A sliding-window layer
-drops the suffix columns no row's next query can see, a step at a time.
+attends to it with one matmul per KV head (``split_attention``). A
+sliding-window layer drops the suffix columns no row's next query can see, a
+step at a time.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from ..codecs.rotating import Ring
 from ..hashing import TOKEN_BYTES
 from .attention import Quant
+from .batch import SharedBatchKVCache
 from .caches import SharedKVCache, SharedQuantizedKVCache
 from .prefix import LayerKind, LayerPrefix, SharedPrefix
 
@@ -151,3 +152,12 @@ def blank(kinds: Sequence[LayerKind | None], fresh: list[Any]) -> list[Any]:
             cls = SharedQuantizedKVCache if kind.quant else SharedKVCache
             out.append(cls(kind, None, 0, None))
     return out
+
+
+def release(cache: Sequence[Any]) -> None:
+    """Let go of the shared prefix of a cache list now rather than when it is
+    dropped; the last sequence to let go frees the prefix. The caches are
+    unusable after."""
+    for layer in cache:
+        if isinstance(layer, SharedKVCache | SharedBatchKVCache):
+            layer.release()

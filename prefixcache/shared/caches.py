@@ -3,13 +3,13 @@
 :class:`SharedKVCache` is what ``fetch(tokens, shared=True)`` returns in place
 of a KVCache or a sliding-window RotatingKVCache; :class:`SharedQuantizedKVCache`
 replaces a QuantizedKVCache. ``merge`` (as mlx-lm's BatchGenerator calls it)
-makes several of them one SharedBatchKVCache (batch.py).
+makes several of them one :class:`SharedBatchKVCache`.
 
 The suffix is an mlx-lm cache of its own (KVCache, QuantizedKVCache), so it
 grows and trims as mlx-lm's do. ``update_and_fetch`` returns, lazily, the keys
-an unshared cache would hold (prefix then suffix, dense.py): the attention
-hook never evaluates them, and a model that bypasses the hook still computes
-the right attention from them.
+an unshared cache would hold (prefix then suffix): the attention hook never
+evaluates them, and a model that bypasses the hook still computes the right
+attention from them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 would hold them: per row, the prefix tokens it sees (right-aligned in a
 prefix region as wide as the longest, zeros before), then its suffix (left
 padding first, in a batch). The arrays are built lazily: the attention hook
-never evaluates them (split.py cuts the model's mask at the prefix region
+never evaluates them (it cuts the model's mask at the prefix region
 instead), while a model that bypasses the hook gets the right keys.
 
 A window layer's prefix starts past position 0 and a batch pads, so masks are

@@ -7,17 +7,18 @@ module at import (``from .base import scaled_dot_product_attention``), so
 replacing it in ``base`` alone would miss them. :func:`install` replaces the
 name in every loaded module whose global of that name *is* mlx-lm's function
 (and nothing else); the replacement hands a call whose ``cache`` is a
-:class:`SharedAttention` (below; the shared caches of caches.py) to its
-``attend`` (the one method the hook calls, declared on that class) and
-passes every other call to the original unchanged.
-:func:`uninstall` puts the original back wherever the replacement is found,
-modules imported in between included, so the state after it is exactly the
-state before. Installs are counted: the hook stays while any holder (a live
-shared prefix, a :func:`hooked` block) needs it.
+:class:`SharedAttention` (the base of every shared cache) to its ``attend``
+(the one method the hook calls, declared on that class) and passes every
+other call to the original unchanged. :func:`uninstall` puts the original
+back wherever the replacement is found, modules imported in between included,
+so the state after it is exactly the state before. Installs are counted: the
+hook stays while any holder (a live shared prefix, a :func:`hooked` block)
+needs it.
 
 A model that computes attention without that function (gemma2 does its own,
-for logit soft-capping) is not hooked: the probe (probe.py) sees its shared
-layers never reach ``attend`` and ``fetch`` serves it private copies instead.
+for logit soft-capping) is not hooked: its shared layers never reach
+``attend`` (``SharedAttention.num_attends`` stays 0, which the probe checks),
+and ``fetch`` serves it private copies instead.
 """
 
 from __future__ import annotations

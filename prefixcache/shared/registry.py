@@ -1,9 +1,17 @@
-"""The live shared prefixes of a PrefixCache, and the counters of shared fetches.
+"""The live shared prefixes of one model's cache, what a shared fetch takes of them,
+and the counters of shared fetches.
 
-Prefixes are held weakly: a prefix lives while its sequences do (see
-prefix.py), and the registry only finds it for the next sequence. The
+``PrefixCache.fetch(tokens, shared=True)`` asks the registry for a live
+prefix; when none covers what the tiers would restore, it restores privately
+and hands the restore to ``adopt``, which turns it into a new shared prefix
+(or the suffix of a live one). Prefixes are held weakly: a prefix lives while
+its sequences do, and the registry only finds it for the next sequence. The
 attention hook is installed while any shared prefix lives (one install per
-prefix, undone when the prefix is freed).
+prefix, undone when the prefix is freed). Falls back to private caches,
+counted by reason, when the model's attention cannot be hooked (probed once,
+by running the model), has no layer to share, or its K/V are due to be
+quantized by mlx-lm later (``kv_bits`` with ``quantized_kv_start`` beyond the
+cached tokens: a shared cache is not re-quantized in place).
 """
 
 from __future__ import annotations
@@ -11,17 +19,18 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-import numpy as np
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 
-from ..hashing import TOKEN_BYTES
+from ..hashing import TOKEN_BYTES, common_tokens
 from . import hook
+from .build import blank, sequence, share
 from .prefix import SharedPrefix
-from .probe import SharedLayout
+from .probe import SharedLayout, probe
 
-if TYPE_CHECKING:
-    from ..cache.prefix_cache import PrefixCache
+KV_QUANT = "kv_quant_pending"
 
 
 @dataclass(slots=True)
@@ -40,19 +49,97 @@ class SharedCounters:
 class SharedRegistry:
     """Live shared prefixes by namespace root, the model's shared layout, counters.
 
+    Args:
+        model: the model whose attention layers share prefixes.
+        signature: the cache layout signature (``ModelLayout.signature``).
+        kv_bits, quantized_kv_start: mlx-lm's K/V quantization schedule.
+
     Attributes:
-        lock: held around a whole shared fetch (which calls into the PrefixCache).
-        layout: the model's SharedLayout, once probed.
+        lock: held around a whole shared fetch (which restores privately inside it).
+        used: whether any shared fetch or blank cache was asked for (stats show it).
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        signature: tuple[tuple[object, ...], ...],
+        kv_bits: int | None,
+        quantized_kv_start: int,
+    ) -> None:
         self.lock = threading.RLock()
-        self.layout: SharedLayout | None = None
+        self.used = False
+        self._model = model
+        self._signature = signature
+        self._kv_bits = kv_bits
+        self._quantized_kv_start = quantized_kv_start
+        self._layout: SharedLayout | None = None
         # the live prefixes and counters; never held while calling out, so stats()
         # (called under the PrefixCache's lock) cannot wait on a fetch in progress
         self._state = threading.Lock()
         self._counters = SharedCounters()
         self._live: dict[bytes, weakref.WeakSet[SharedPrefix]] = {}
+
+    def unavailable(self) -> str | None:
+        """Why this model's caches cannot be shared (probed once), or None."""
+        self.used = True
+        return self._shared_layout().reason
+
+    def quant_ok(self, num_tokens: int) -> bool:
+        """Whether a shared cache holding ``num_tokens`` matches mlx-lm's K/V packing
+        from now on (mlx-lm quantizes a KVCache in place once it reaches the start)."""
+        return self._kv_bits is None or 0 < num_tokens >= self._quantized_kv_start
+
+    def live(self, root: bytes, data: bytes) -> tuple[SharedPrefix | None, int]:
+        """``best`` of the live prefixes, none where its K/V packing would not match."""
+        prefix, usable = self.best(root, data)
+        return (prefix, usable) if self.quant_ok(usable) else (None, 0)
+
+    def reuse(self, prefix: SharedPrefix, usable: int) -> list[Any]:
+        """A sequence's caches on ``usable`` tokens of a live prefix (nothing copied)."""
+        self.count(reused=usable)
+        return sequence(prefix, usable)
+
+    def adopt(
+        self,
+        root: bytes,
+        data: bytes,
+        restored: list[Any],
+        num_cached: int,
+        live: SharedPrefix | None,
+        usable: int,
+    ) -> tuple[list[Any], int]:
+        """A sequence's caches after a private restore of ``num_cached`` tokens of
+        ``data``: the live prefix where it covers as much, the live prefix plus the
+        restore's extra tokens where it can be cut back, else a new shared prefix."""
+        if live is not None and usable >= num_cached:  # the restore fell short of the index
+            return self.reuse(live, usable), usable
+        if not self.quant_ok(num_cached):
+            self.fell_back(KV_QUANT)
+            return restored, num_cached
+        if num_cached == 0:
+            self.count()
+            return blank(self._shared_layout().at(None), restored), 0
+        if live is not None and live.trimmable:
+            self.count(gap=True, reused=usable)
+            return sequence(live, usable, gap=(restored, num_cached)), num_cached
+        prefix = share(root, data, restored, num_cached, self._signature)
+        self.add(prefix)
+        self.count()
+        return sequence(prefix, num_cached), num_cached
+
+    def blank_caches(self) -> list[Any]:
+        """Empty caches for a sequence with no cached prefix, of the types a shared
+        fetch gives (they batch together with shared ones)."""
+        with self.lock:
+            fresh = make_prompt_cache(self._model)
+            if self.unavailable() is not None or not self.quant_ok(0):
+                return fresh
+            return blank(self._shared_layout().at(None), fresh)
+
+    def _shared_layout(self) -> SharedLayout:
+        if self._layout is None:
+            self._layout = probe(self._model, self._signature)
+        return self._layout
 
     def add(self, prefix: SharedPrefix) -> None:
         """Register a new prefix; the hook stays installed while it lives."""
@@ -108,25 +195,3 @@ class SharedRegistry:
         out["prefix_bytes"] = sum(p.nbytes for p in live)
         out["num_sequences"] = sum(p.num_users for p in live)
         return out
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """Leading tokens two uint32 token strings share."""
-    n = min(len(a), len(b)) // TOKEN_BYTES
-    x = np.frombuffer(a, np.uint32, n)
-    y = np.frombuffer(b, np.uint32, n)
-    differ = np.flatnonzero(x != y)
-    return int(differ[0]) if len(differ) else n
-
-
-_registries: weakref.WeakKeyDictionary[PrefixCache, SharedRegistry] = weakref.WeakKeyDictionary()
-_registries_lock = threading.Lock()
-
-
-def registry_of(pc: PrefixCache, *, create: bool = True) -> SharedRegistry | None:
-    """The registry of ``pc`` (made on first use unless ``create`` is False)."""
-    with _registries_lock:
-        registry = _registries.get(pc)
-        if registry is None and create:
-            registry = _registries[pc] = SharedRegistry()
-        return registry

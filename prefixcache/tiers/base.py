@@ -1,11 +1,22 @@
-"""The tier contract: what every tier (hot, ssd, remote) answers.
+"""The tier contract: what every tier (hot, ssd, remote) answers, and what a tier may add.
 
-A tier holds blocks under their chain keys. The stack (stack.py) asks the
-tiers in order: ``held`` says how far a prompt's chain is held (one call for
-the whole chain), a ``TierReader`` loads the blocks of one restore (the SSD
-reader streams them straight into the restore buffers), and ``put`` stores a
+A tier holds blocks under their chain keys. The stack asks its tiers in
+order: ``held`` says how far a prompt's chain is held (one call for the whole
+chain), a :class:`TierReader` loads the blocks of one restore (a lower tier's
+reader may write them straight into the restore buffers), and ``put`` stores a
 block (a lower tier may write it in the background). A new tier is one module
-implementing :class:`Tier` plus one line in ``tiers/__init__.py``.
+implementing :class:`Tier`; it joins the stack through one line in
+``prefixcache.tiers.lower_tiers``, or is handed to ``PrefixCache(tiers=...)``.
+
+What only some tiers do is a capability a tier opts into by deriving from it
+too (``class SsdTier(ListsChildren, KeepsPins, ..., Tier)``); the stack asks
+``isinstance``: :class:`ListsChildren` (tails and partial blocks),
+:class:`KeepsPins` (pins held against the tier's own eviction),
+:class:`Persistent` (a record that outlives the process: namespaces, counters,
+the chains a warm start loads), :class:`Metered` (writes wear a local disk:
+admission and a write budget), :class:`ReportsEvents` (the tier reports its
+own stores and evictions) and :class:`CostGated` (fetching weighed against
+recomputing, misses of its own kind).
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ class ChainEntry(Protocol):
 
 
 class BlockListener(Protocol):
-    """Hears blocks enter and leave a tier (the KV events publisher, events.py)."""
+    """Hears blocks enter and leave a tier (e.g. the KV events publisher)."""
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None: ...
 
@@ -98,14 +109,11 @@ class Tier(ABC):
         resident: loaded blocks stay in memory (no copy is needed to keep them).
         eager: takes every stored block at once, whatever the write policy
             (else blocks arrive on spill, or at once under ``write_through``).
-        metered: its writes wear a local disk: the stack applies
-            ``ssd_admit_after`` and the tier's write budget before each put.
     """
 
     name: ClassVar[str]
     resident: ClassVar[bool] = False
     eager: ClassVar[bool] = False
-    metered: ClassVar[bool] = False
 
     @abstractmethod
     def entry(self, key: bytes) -> ChainEntry | None:
@@ -152,49 +160,6 @@ class Tier(ABC):
         payload (a restore plan skips blocks lacking a layer's part); None: unknown."""
         return None
 
-    def miss_reason(self, key: bytes) -> MissReason | None:
-        """Why the last ``held`` stopped at ``key`` if not because the tier lacks
-        it (e.g. the server was unreachable); else None."""
-        return None
-
-    def note_prefill(self, num_tokens: int, seconds: float) -> None:  # noqa: B027
-        """Hear how fast the model prefilled (e.g. to weigh fetching against it)."""
-
-    def note_namespace(self, root: bytes, namespace_json: str) -> None:  # noqa: B027
-        """Record which model and layout ``root`` stands for (for inspection)."""
-
-    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:  # noqa: B027
-        """Add a cache's counters since its last save to the tier's own record."""
-
-    def watch(self, listener: BlockListener) -> bool:
-        """Report blocks stored and removed to ``listener``; True if the tier does so
-        itself (e.g. from its writer thread, with its own evictions). False (the
-        default): the stack reports each accepted ``put`` and each ``remove``."""
-        return False
-
-    def check_pin(self, blocks: Sequence[Block]) -> None:  # noqa: B027
-        """Raise PinCapacityError if pinning ``blocks`` too would exceed the cap."""
-
-    def pin(self, blocks: Sequence[Block], until: float) -> None:  # noqa: B027
-        """Never evict these blocks until ``until`` (Unix time, inf: never). A tier that
-        cannot hold blocks against its own eviction (remote) keeps this default."""
-
-    def unpin(self, keys: Sequence[bytes]) -> None:  # noqa: B027
-        """End the pins of ``keys`` (the blocks stay, evictable again)."""
-
-    def pins(self) -> Mapping[bytes, float]:
-        """Pins the tier keeps across restarts: key -> end (Unix time)."""
-        return {}
-
-    def recent(self, max_bytes: int) -> Sequence[ChainEntry]:
-        """Blocks to load into hot first after a restart (warm start): pinned chains,
-        then the most recently used ones, each root-first, up to ``max_bytes``."""
-        return []
-
-    def write_budget_left(self) -> int | None:
-        """Bytes the tier may still write now under its write budget; None: no budget."""
-        return None
-
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """Gauges and counters of the tier (flat, numeric)."""
@@ -208,3 +173,75 @@ class ListsChildren(ABC):
     @abstractmethod
     def children(self, parent: bytes) -> Sequence[ChainEntry]:
         """Entries held under ``parent`` (a block key or a root key)."""
+
+
+class KeepsPins(ABC):
+    """A tier that holds pinned blocks against its own eviction and keeps the pins
+    (the SSD tier: in its index, so they survive a restart)."""
+
+    @abstractmethod
+    def check_pin(self, blocks: Sequence[Block]) -> None:
+        """Raise PinCapacityError if pinning ``blocks`` too would exceed the cap."""
+
+    @abstractmethod
+    def pin(self, blocks: Sequence[Block], until: float) -> None:
+        """Never evict these blocks until ``until`` (Unix time, inf: never)."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """End the pins of ``keys`` (the blocks stay, evictable again)."""
+
+    @abstractmethod
+    def pins(self) -> Mapping[bytes, float]:
+        """Pins the tier keeps: key -> end (Unix time)."""
+
+
+class Persistent(ABC):
+    """A tier whose blocks outlive the process: it records what they stand for and
+    the caches' counters, and names the blocks a warm start loads first."""
+
+    @abstractmethod
+    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+        """Record which model and layout ``root`` stands for (for inspection)."""
+
+    @abstractmethod
+    def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
+        """Add a cache's counters since its last save to the tier's own record."""
+
+    def recent(self, max_bytes: int) -> Sequence[ChainEntry]:
+        """Blocks to load into hot first after a restart (warm start): pinned chains,
+        then the most recently used ones, each root-first, up to ``max_bytes``."""
+        return []
+
+
+class Metered(ABC):
+    """A tier whose writes wear a local disk: the stack applies ``ssd_admit_after``
+    and the tier's write budget before each put (governor.py)."""
+
+    @abstractmethod
+    def write_budget_left(self) -> int | None:
+        """Bytes the tier may still write now under its write budget; None: no budget."""
+
+
+class ReportsEvents(ABC):
+    """A tier that reports the blocks it stores and removes itself (from its writer
+    thread, with its own evictions); for the others the stack reports each
+    accepted ``put`` and each ``remove``."""
+
+    @abstractmethod
+    def watch(self, listener: BlockListener) -> None:
+        """Report blocks stored and removed to ``listener`` from now on."""
+
+
+class CostGated(ABC):
+    """A tier behind a round trip (remote): it weighs fetching a prefix against
+    recomputing it, and may miss for reasons of its own (unreachable, too slow)."""
+
+    @abstractmethod
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Hear how fast the model prefilled (to weigh fetching against it)."""
+
+    @abstractmethod
+    def miss_reason(self, key: bytes) -> MissReason | None:
+        """Why the last ``held`` stopped at ``key`` if not because the tier lacks
+        it (e.g. the server was unreachable); else None."""

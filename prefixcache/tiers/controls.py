@@ -1,7 +1,7 @@
 """Operator controls of one PrefixCache: pins, sessions, per-request persistence.
 
-Each acts on the tiers through the stack (tiers/stack.py) and the tier
-contract's hooks, so every tier obeys one decision:
+Each acts on every tier through the stack and the tier contract's
+capabilities, so every tier obeys one decision:
 
 - **Pins** (``pin``): a chain's blocks are made resident in hot (loaded from a
   lower tier if needed), written to the lower tiers that lack them, and
@@ -15,6 +15,7 @@ contract's hooks, so every tier obeys one decision:
 - **Persistence** (``publish``): a ``persist=True`` store walking blocks that
   a ``persist=False`` store kept hot-only makes them ordinary blocks (its own
   prompt holds them, so they are not private to the other request).
+
 Not thread-safe: the facade's lock is held around every call.
 """
 
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from ..blocks import Block
 from ..errors import PinCapacityError
 from ..hashing import TOKEN_BYTES, tail_key
+from .base import KeepsPins, Metered
 from .stack import TierStack
 
 
@@ -48,7 +50,7 @@ class Controls:
         self._held: dict[str, set[bytes]] = {}  # session -> its blocks
         self._prune_at = 1024
         for tier in tiers.lower:  # pins recorded before a restart hold in hot too
-            for key, until in tier.pins().items():
+            for key, until in tier.pins().items() if isinstance(tier, KeepsPins) else ():
                 tiers.pins.add([key], until)
 
     # -- pins -----------------------------------------------------------------
@@ -72,7 +74,8 @@ class Controls:
                 f"hot tier, over hot_max_bytes={hot.max_bytes} ({held} pinned already)"
             )
         lasting = [b for b in blocks if b.key not in tiers.private]
-        for tier in tiers.lower:
+        keeping = [t for t in tiers.lower if isinstance(t, KeepsPins)]
+        for tier in keeping:
             tier.check_pin([b for b in lasting if tiers.finds(tier, b)])
         for block in blocks:  # root-first: each one's parent is hot before it
             hot.put(block, at_cold_end=block.parent != block.root and block.parent not in hot)
@@ -82,7 +85,8 @@ class Controls:
             for block in mine:
                 if not tier.contains(block.key):
                     tiers.governor.put(tier, block, last_chance=False)
-            tier.pin(mine, until)
+            if isinstance(tier, KeepsPins):
+                tier.pin(mine, until)
         for block in lasting:
             if all(t.contains(block.key) for t in tiers.spill_to if tiers.finds(t, block)):
                 hot.mark_clean(block.key)
@@ -92,7 +96,8 @@ class Controls:
         """End the pins of ``keys`` in every tier; how many were pinned here."""
         num = self.tiers.pins.remove(keys)
         for tier in self.tiers.lower:
-            tier.unpin(keys)
+            if isinstance(tier, KeepsPins):
+                tier.unpin(keys)
         return num
 
     def _resident(self, keys: Sequence[bytes]) -> list[Block]:
@@ -170,7 +175,8 @@ class Controls:
         for key in keys:
             block = tiers.hot.get(key) if key not in tiers.private else None
             for tier in tiers.on_store if block is not None else ():
-                due = tier.metered and tiers.finds(tier, block) and not tier.contains(key)
+                due = isinstance(tier, Metered) and tiers.finds(tier, block)
+                due = due and not tier.contains(key)
                 if due and tiers.governor.admitted(key):
                     tiers.governor.put(tier, block, last_chance=False)
 

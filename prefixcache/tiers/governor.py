@@ -30,7 +30,7 @@ import numpy as np
 from ..blocks import Block
 from ..config import CacheConfig
 from ..stats import Stats
-from .base import BlockListener, Tier
+from .base import BlockListener, Metered, ReportsEvents, Tier
 from .hot.tier import HotTier
 from .pins import Pins
 
@@ -88,7 +88,7 @@ class WriteGovernor:
     def put(self, tier: Tier, block: Block, *, last_chance: bool) -> bool | None:
         """Put ``block`` on a lower tier if allowed: True if accepted, False if not
         (dropped), None if it waits in hot (then marked dirty there)."""
-        if tier.metered:
+        if isinstance(tier, Metered):
             verdict = self.decide(tier, block, last_chance=last_chance)
             if verdict is None:
                 self.hot.mark_dirty(block.key)
@@ -109,7 +109,7 @@ class WriteGovernor:
             return True
         return self.sightings is not None and self.sightings.count(key) >= self.admit_after
 
-    def decide(self, tier: Tier, block: Block, *, last_chance: bool) -> bool | None:
+    def decide(self, tier: Metered, block: Block, *, last_chance: bool) -> bool | None:
         """True: write it now; None: let it wait in hot; False: never (counted skipped).
 
         ``last_chance``: the block is leaving hot (evicted), so it cannot wait.
@@ -138,8 +138,10 @@ class WriteGovernor:
 
 def watch(tiers: Sequence[Tier], governor: WriteGovernor, listener: BlockListener) -> None:
     """Report every block stored in and removed from ``tiers`` to ``listener``: each
-    tier that does not report its own (``Tier.watch`` False) is reported by the stack."""
+    tier that does not report its own (not ``ReportsEvents``) is reported by the stack."""
     governor.listener = listener
     for tier in tiers:
-        if not tier.watch(listener):
+        if isinstance(tier, ReportsEvents):
+            tier.watch(listener)
+        else:
             governor.reported.add(tier.name)

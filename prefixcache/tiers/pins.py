@@ -1,12 +1,12 @@
-"""Pins: which blocks stay whatever eviction picks, and until when (the one place that decides).
+"""Pins held in this process: which blocks eviction must skip, and until when.
 
-A pin holds a block in every tier that keeps it: the hot tier skips pinned
-blocks when it picks a victim (``HotTier``), the SSD tier keeps pinned leaves
-out of its LRU (its index records the pins, so they survive a restart and hold
-for every process of the directory). A pin's end is a Unix time (``inf``:
-never): a TTL ends the pin, never the block, which is then an ordinary LRU
-block again. Pinned bytes count against each tier's cap; the facade refuses a
-pin that would exceed one (:class:`~prefixcache.errors.PinCapacityError`).
+:class:`Pins` is the stack's table of pinned keys and their ends, which the
+hot tier consults when it picks a victim; a lower tier that keeps pins of its
+own (``KeepsPins``) records them in its own store. A pin's end is a Unix time
+(``inf``: never, from :func:`pin_until`): a TTL ends the pin, never the block,
+which is then an ordinary LRU block again. An expired pin is dropped where it
+is met. Pinned bytes count against each tier's cap, checked by whoever pins
+(a pin that would exceed one raises :class:`~prefixcache.errors.PinCapacityError`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """TierStack: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
 Read path: a chain is matched through the tiers in order (``chain``,
-``children``; the restore itself is restore.py's), and lower-tier hits are
-promoted upward (``promote``, from the prefetch thread: off the request's
-path). Write path: new blocks go into hot; under ``write_back`` a dirty block
-spills to the lower tiers when hot evicts it, under ``write_through`` it is put
-there at once, and an ``eager`` tier takes every block at once. With no lower
-tier (``hot_cache_only``) an evicted block is discarded, and remembered to
-explain the next miss. A ``persist=False`` block stays hot only (``private``);
-a metered tier's writes pass the governor (governor.py); pins and sessions act
-on the stack through controls.py.
+``children``), and lower-tier hits are promoted upward (``promote``, called off
+the request's path). Write path: new blocks go into hot (``place``); under
+``write_back`` a dirty block spills to the lower tiers when hot evicts it,
+under ``write_through`` it is put there at once, and an ``eager`` tier takes
+every block at once. With no lower tier (``hot_cache_only``) an evicted block
+is discarded, and remembered to explain the next miss. A ``persist=False``
+block stays hot only (private). A metered tier's writes pass the stack's
+governor (admission and the write budget).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from ..config import CacheConfig
 from ..errors import MissReason
 from ..hashing import TOKEN_BYTES
 from ..stats import Stats
-from .base import ChainEntry, ListsChildren, Tier
+from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
 from .governor import WriteGovernor
 from .hot.tier import CostHook, HotTier, ShedHook
 from .pins import Pins
@@ -57,7 +56,10 @@ class TierStack:
         through = config.write_policy == "write_through"
         self.on_store = [t for t in self.lower if t.eager or through]
         self.on_spill = [t for t in self.lower if not (t.eager or through)]
-        self.spill_to = [*self.on_spill, *(t for t in self.on_store if t.metered)]  # + deferred
+        self.spill_to = [
+            *self.on_spill,
+            *(t for t in self.on_store if isinstance(t, Metered)),
+        ]  # + deferred
         self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[bytes] = set()
         self.private: set[bytes] = set()  # hot blocks stored with persist=False
@@ -106,7 +108,7 @@ class TierStack:
 
     def missing_reason(self, key: bytes) -> MissReason:
         for tier in self.lower:  # e.g. the remote tier was unreachable
-            why = tier.miss_reason(key)
+            why = tier.miss_reason(key) if isinstance(tier, CostGated) else None
             if why is not None:
                 return why
         return MissReason.EVICTED if key in self._evicted_set else MissReason.NO_PREFIX
@@ -185,7 +187,7 @@ class TierStack:
     def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.
 
-        Tails are found through their parent (``Tier.children``), so they go to
+        Tails are found through their parent (``ListsChildren.children``), so they go to
         the lower tiers that list children, as blocks do; with none, a tail
         whose parent is gone could never be found again and is not kept.
         """
@@ -242,15 +244,18 @@ class TierStack:
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         for tier in self.lower:
-            tier.note_prefill(num_tokens, seconds)
+            if isinstance(tier, CostGated):
+                tier.note_prefill(num_tokens, seconds)
 
     def note_namespace(self, root: bytes, namespace_json: str) -> None:
         for tier in self.lower:
-            tier.note_namespace(root, namespace_json)
+            if isinstance(tier, Persistent):
+                tier.note_namespace(root, namespace_json)
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         for tier in self.lower:
-            tier.save_counters(root, delta)
+            if isinstance(tier, Persistent):
+                tier.save_counters(root, delta)
 
     def snapshot(self) -> dict[str, object]:
         return {tier.name: tier.stats() for tier in self.all}

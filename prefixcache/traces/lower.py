@@ -2,8 +2,8 @@
 
 Each wraps the library's :class:`HotTier` for its eviction (the SSD tier's
 index keeps its blocks the same way: leaves first, least recently used).
-The SSD tier is ``metered``: its writes pass the governor, and its write
-budget is a leaky bucket on the trace's clock.
+The SSD tier is :class:`Metered`: its writes pass the governor, and its
+write budget is a leaky bucket on the trace's clock.
 """
 
 from __future__ import annotations
@@ -11,22 +11,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..blocks import Block
-from ..tiers.base import Tier, TierReader
+from ..tiers.base import Metered, Tier, TierReader
 from ..tiers.hot.tier import HotTier
 
 DAY_SECONDS = 86400.0
 
 
 class LowerTier(Tier):
-    """The SSD or remote tier of a simulation: a leaves-first LRU of byte sizes.
+    """The remote tier of a simulation (and the SSD's base): a leaves-first LRU of sizes."""
 
-    ``metered`` (the SSD tier) writes pass the governor; its write budget is a
-    leaky bucket that drains at ``write_budget`` bytes per day of trace time.
-    """
-
-    def __init__(self, name: str, max_bytes: int, *, metered: bool, write_budget: int = 0):
+    def __init__(self, name: str, max_bytes: int, *, write_budget: int = 0):
         self.name = name  # type: ignore[misc]  # one class for both lower tiers
-        self.metered = metered  # type: ignore[misc]
         self.lru = HotTier(max_bytes)
         self.write_budget = write_budget
         self.bytes_written = 0
@@ -53,15 +48,6 @@ class LowerTier(Tier):
         self._level_at = self.now
         return True
 
-    def _drained(self) -> float:
-        drain = self.write_budget * max(0.0, self.now - self._level_at) / DAY_SECONDS
-        return max(0.0, self._level - drain)
-
-    def write_budget_left(self) -> int | None:
-        if not self.write_budget:
-            return None
-        return int(self.write_budget - self._drained())
-
     def touch(self, keys: Sequence[bytes]) -> None:
         self.lru.touch(keys)
 
@@ -70,3 +56,17 @@ class LowerTier(Tier):
 
     def stats(self) -> dict[str, int]:
         return {"nbytes": self.lru.nbytes, "bytes_written": self.bytes_written}
+
+
+class MeteredTier(LowerTier, Metered):
+    """The SSD tier of a simulation: its writes pass the governor; its write budget is
+    a leaky bucket that drains at ``write_budget`` bytes per day of trace time."""
+
+    def _drained(self) -> float:
+        drain = self.write_budget * max(0.0, self.now - self._level_at) / DAY_SECONDS
+        return max(0.0, self._level - drain)
+
+    def write_budget_left(self) -> int | None:
+        if not self.write_budget:
+            return None
+        return int(self.write_budget - self._drained())

@@ -33,7 +33,7 @@ from ..stats import Stats
 from ..tiers.governor import WriteGovernor
 from ..tiers.hot.tier import HotTier
 from ..tiers.pins import Pins
-from .lower import DAY_SECONDS, LowerTier
+from .lower import DAY_SECONDS, LowerTier, MeteredTier
 from .reader import TRACE_BLOCK_TOKENS, TraceRequest
 from .shapes import ModelShape
 
@@ -111,15 +111,10 @@ class Simulation:
         self.lower: list[LowerTier] = []
         if config.ssd_bytes is not None:
             self.lower.append(
-                LowerTier(
-                    "ssd",
-                    config.ssd_bytes or huge,
-                    metered=True,
-                    write_budget=config.ssd_write_budget,
-                )
+                MeteredTier("ssd", config.ssd_bytes or huge, write_budget=config.ssd_write_budget)
             )
         if config.remote_bytes is not None:
-            self.lower.append(LowerTier("remote", config.remote_bytes or huge, metered=False))
+            self.lower.append(LowerTier("remote", config.remote_bytes or huge))
         governed = CacheConfig(
             hot_cache_only=True,
             ssd_admit_after=config.ssd_admit_after,
@@ -183,7 +178,9 @@ class Simulation:
             for tier in self.lower:
                 result.peak_bytes[tier.name] = max(result.peak_bytes[tier.name], tier.lru.nbytes)
         result.trace_seconds = (requests[-1].timestamp_ms - first) / 1000.0 if requests else 0.0
-        result.ssd_bytes_written = sum(t.bytes_written for t in self.lower if t.metered)
+        result.ssd_bytes_written = sum(
+            t.bytes_written for t in self.lower if isinstance(t, MeteredTier)
+        )
         result.seconds = time.perf_counter() - began
         return result
 

@@ -216,6 +216,26 @@ def detail_table(summaries: Sequence[Summary]) -> str:
     return _table(header, rows)
 
 
+def figure_rows(summaries: Sequence[Summary]) -> list[dict[str, object]]:
+    """Per (arch, server): the trace's totals as numbers (``--csv``; tools/plots.py)."""
+    return [
+        {
+            "arch": s.arch,
+            "server": s.system,
+            "requests": s.total.num_requests,
+            "prompt_tokens": s.total.prompt_tokens,
+            "cached_tokens": s.total.cached_tokens,
+            "valid_cached_tokens": s.total.valid_cached,
+            "seq_cached_tokens": s.seq.cached_tokens,
+            "conc_cached_tokens": s.conc.cached_tokens,
+            "replies_differ": s.total.num_differ,
+            "errors": s.num_errors,
+            "failure": s.failure,
+        }
+        for s in summaries
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class ArchResult:
     """One arch's run: every server's summary and records, and what else was counted."""

@@ -62,7 +62,7 @@ def kept_views(cache: Sequence[Any], num_tokens: int) -> tuple[tuple[Any, Any], 
 
 
 class RecentSequences:
-    """Kept sequences, most recent last (not thread-safe: the manager's lock)."""
+    """Kept sequences, most recent last (not thread-safe: the facade's lock)."""
 
     def __init__(self, max_items: int = MAX_RECENT):
         self.max_items = max_items
@@ -94,6 +94,14 @@ class RecentSequences:
     def drop_oldest(self) -> int:
         """Drop the least recently used sequence; returns its bytes (0: none held)."""
         return self._drop(next(iter(self._items))) if self._items else 0
+
+    def drop_until(self, excess: int) -> int:
+        """Drop sequences, least recently used first, until ``excess`` bytes are freed
+        or none is left; returns the bytes freed."""
+        freed = 0
+        while freed < excess and self._items:
+            freed += self.drop_oldest()
+        return freed
 
     def forget(self, key: bytes) -> int:
         """Drop the sequences covering block ``key``; returns the bytes freed."""
@@ -131,30 +139,3 @@ def _views(item: Kept, fresh: list[Any], num_tokens: int) -> list[Any]:
         views += [c.keys, c.values]
     mx.eval(views)
     return fresh
-
-
-class KeepsRecent:
-    """The hot tier's side: kept sequences count in its ``nbytes`` and go first."""
-
-    max_bytes: int
-    nbytes: int
-    recent: RecentSequences
-
-    @property
-    def room(self) -> int:
-        """Bytes blocks may still take without evicting a block (kept sequences go first)."""
-        return self.max_bytes - self.nbytes + self.recent.nbytes
-
-    def keep_recent(self, item: Kept) -> None:
-        """Keep a sequence whole (recent.py) unless a kept one starts with it. The
-        caller checks it fits the room blocks leave (``room``): it evicts no block,
-        only older kept sequences where they no longer fit beside it."""
-        if not self.recent.covered(item.root, item.data):
-            self.nbytes += item.nbytes - self.recent.add(item)
-            self.drop_recent(self.max_bytes)
-
-    def drop_recent(self, max_bytes: int) -> None:
-        """Drop kept sequences, least recently used first, until at most ``max_bytes``
-        are held or none is left."""
-        while self.nbytes > max_bytes and len(self.recent):
-            self.nbytes -= self.recent.drop_oldest()

@@ -10,7 +10,7 @@ branch points (two children or more) keep theirs: that is where prompts resume.
 Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
 comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
 (recent.py) count in ``nbytes`` and go before any snapshot or block.
-Not thread-safe by itself: the manager holds its lock around every call.
+Not thread-safe by itself: the facade holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 
 from ...blocks import Block
-from ..base import BlockListener, ListsChildren, Tier, TierReader
+from ..base import BlockListener, ListsChildren, ReportsEvents, Tier, TierReader
 from ..pins import Pins
 from .credit import CostHook
 from .eviction import Eviction
 from .reader import HostViews, HotReader
-from .recent import KeepsRecent, RecentSequences
+from .recent import Kept, RecentSequences
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
-class HotTier(ListsChildren, KeepsRecent, Tier):
+class HotTier(ListsChildren, ReportsEvents, Tier):
     """The hot tier: blocks as live arrays, a byte-bounded LRU (leaves go first)."""
 
     name = "hot"
@@ -106,9 +106,8 @@ class HotTier(ListsChildren, KeepsRecent, Tier):
     def remove(self, keys: Sequence[bytes]) -> int:
         return sum(self.pop(key) is not None for key in keys)
 
-    def watch(self, listener: BlockListener) -> bool:
+    def watch(self, listener: BlockListener) -> None:
         self.listener = listener
-        return True
 
     def pinned_nbytes(self) -> int:
         """Bytes of the pinned blocks held here (pins in force now)."""
@@ -127,6 +126,24 @@ class HotTier(ListsChildren, KeepsRecent, Tier):
             "recent_bytes": self.recent.nbytes,
             "num_recent_hits": self.recent.num_hits,
         }
+
+    @property
+    def room(self) -> int:
+        """Bytes blocks may still take without evicting a block (kept sequences go first)."""
+        return self.max_bytes - self.nbytes + self.recent.nbytes
+
+    def keep_recent(self, item: Kept) -> None:
+        """Keep a sequence whole (recent.py) unless a kept one starts with it. The
+        caller checks it fits the room blocks leave (``room``): it evicts no block,
+        only older kept sequences where they no longer fit beside it."""
+        if not self.recent.covered(item.root, item.data):
+            self.nbytes += item.nbytes - self.recent.add(item)
+            self.drop_recent(self.max_bytes)
+
+    def drop_recent(self, max_bytes: int) -> None:
+        """Drop kept sequences, least recently used first, until at most ``max_bytes``
+        are held or none is left."""
+        self.nbytes -= self.recent.drop_until(self.nbytes - max_bytes)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark a chain (given root-first) as just used, ancestors most recent."""

@@ -1,17 +1,17 @@
 """Remote parts into their places: each part's bytes are copied once, straight to
 where the restore wants them, and hashed on the way.
 
-A block's payload is its tensors' bytes back to back (format.py). The restore
-offers each tensor a destination (``place``: the contiguous runs of the
-restore buffer it belongs in, as for the SSD stream); a tensor without one goes
-into a host buffer of the block's own. :class:`Targets` lays those runs end to
-end, so that every payload offset falls in exactly one run, and ``receive``
-reads a part's reply (wire.py) into the runs in slices of at most ``_SLICE``
+A block's payload is its tensors' bytes back to back. The restore offers each
+tensor a destination (``place``: the contiguous runs of the restore buffer it
+belongs in, as for the SSD stream); a tensor without one goes into a host
+buffer of the block's own. :class:`Targets` lays those runs end to end, so
+that every payload offset falls in exactly one run, and ``receive`` reads a
+part's reply off the socket into the runs in slices of at most ``_SLICE``
 bytes, hashing each slice right after it arrived, while it is still in the
 CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
-no intermediate buffer. The part's checksum is checked at the end: a part that fails has
-written some of its bytes already, so the block is a miss and the restore
-stops before it (the SSD stream's rule too).
+no intermediate buffer. The part's checksum is checked at the end: a part
+that fails has written some of its bytes already, so the block is a miss and
+the restore stops before it.
 
 With ``remote_secret`` a part's bytes must pass their MAC before a byte reaches
 a restore buffer: they are read into a staging buffer of one part (reused

@@ -1,9 +1,9 @@
-"""Remote tier format: key names, a block's meta value and its self-describing parts.
+"""Remote tier format: a block's keys, its meta value and its self-describing parts.
 
 A block is stored under the namespace ``prefix`` and its name (its chain key;
-with ``remote_secret`` a keyed hash of it, seal.py), in braces: a Redis Cluster
-hash tag, so that a block's meta, parts and children set live on one shard and
-its fetch is one pipeline to one server::
+with ``remote_secret`` a keyed hash of it), in braces: a Redis Cluster hash
+tag, so that a block's meta, parts and children set live on one shard and its
+fetch is one pipeline to one server::
 
     {prefix}:{name hex}:m        meta: plain head, then the body (block key, parent key,
                                  token ids, part digests, tensor specs), checksummed or sealed
@@ -12,16 +12,16 @@ its fetch is one pipeline to one server::
     {prefix}:ns:{root hex}       the namespace JSON a root key stands for (inspection)
     {prefix}:counters            forged, corrupt and missing-part blocks every host met
 
-Block keys are the chain keys of hashing.py (the SSD tier's spec). The payload
-is the tensors' bytes back to back, cut into parts of at most ``PART_BYTES``
-(a 256-token block of an 8B bf16 model is ~32 MiB; Redis values stay small
-enough to move without stalling the server). A part names its block and
-number and carries its digest (xxh3-128, or its MAC with a secret), and the
-meta lists every part's digest: a part that was evicted, left over from another
-version of the block, or torn is detected and becomes a counted miss, never a
-wrong restore. The meta's head (root, index, sizes) stays plain so that
-inspection and ``gc`` work without the secret. Bytes and numpy only: it runs
-on background threads.
+Block keys are the package's chain keys (``prefixcache.hashing``, the SSD
+tier's too). The payload is the tensors' bytes back to back, cut into parts of
+at most ``PART_BYTES`` (a 256-token block of an 8B bf16 model is ~32 MiB;
+Redis values stay small enough to move without stalling the server). A part
+names its block and number and carries its digest (xxh3-128, or its MAC with
+a secret), and the meta lists every part's digest: a part that was evicted,
+left over from another version of the block, or torn is detected and becomes
+a counted miss, never a wrong restore. The meta's head (root, index, sizes)
+stays plain so that inspection and ``gc`` work without the secret. Bytes and
+numpy only: it runs on background threads.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Cluster hash tag: its meta, parts and children set live on one shard), and the
 keys of the namespace documents and of the hosts' counters record.
 
 A block's name is its chain key, or with ``remote_secret`` a keyed hash of it
-(seal.py): nobody without the secret can tell which prompts are stored.
+(``Seal.name``): nobody without the secret can tell which prompts are stored.
 """
 
 from __future__ import annotations

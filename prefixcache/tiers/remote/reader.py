@@ -3,15 +3,15 @@
 Each block is one round trip to its shard (pipelined GETs of its parts, which
 share its hash tag; its meta came with the chain's lookup). Their replies are
 read off the socket straight into the tensors' places in the restore buffers
-(wire.py) and verified as they arrive (fill.py: one copy, hashed while in the
-CPU cache; with a secret, MAC'd in a staging buffer first), all on the fetch thread
-with bytes and numpy only; the caller gets ``Placed`` tensors, and HostArrays
-for tensors with no place (a builder copies those in, or turns them into MLX
-arrays on its own thread).
-The thread fetches at most ``AHEAD`` blocks beyond the one the caller takes,
-so a long chain is never all in memory at once. It stops at the first block it
-cannot use: the restore stops there too (a block that fails may have written
-some of its bytes into the buffers: they are never exposed).
+and verified as they arrive (one copy, hashed while in the CPU cache; with a
+secret, MAC'd in a staging buffer first), all on the fetch thread with bytes
+and numpy only; the caller gets ``Placed`` tensors, and HostArrays for tensors
+with no place (a builder copies those in, or turns them into MLX arrays on
+its own thread). The thread fetches at most ``AHEAD`` blocks beyond the one
+the caller takes, so a long chain is never all in memory at once. It stops at
+the first block it cannot use: the restore stops there too (a block that
+fails may have written some of its bytes into the buffers: they are never
+exposed).
 """
 
 from __future__ import annotations
@@ -21,29 +21,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from ...errors import MissReason, PayloadError
 from ...memory.host import MX_DTYPES, Place, Placed, StreamedBlock
 from ..base import TierReader
-from .client import RemoteClient, RemoteUnavailable
+from .client import RemoteUnavailable
 from .fill import Targets, receive, targets
 from .format import RemoteMeta, decode_meta
 from .names import Names
+from .reads import RemoteReads
 from .wire import Replies, pipelined_gets
-
-
-class FetchSource(Protocol):
-    """What a reader uses of its tier (RemoteTier, which creates the readers: the
-    reader names only these, so it imports nothing above it)."""
-
-    names: Names
-    client: RemoteClient
-
-    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None: ...
-    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None: ...
-    def loaded(self, nbytes: int, seconds: float) -> None: ...
-
 
 AHEAD = 2
 
@@ -64,7 +51,7 @@ class Failed:
 class RemoteReader(TierReader):
     """The blocks of one restore that the remote tier holds, fetched in chain order."""
 
-    def __init__(self, tier: FetchSource, keys: Sequence[bytes]):
+    def __init__(self, tier: RemoteReads, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._order: list[int] = []
         self._next = 0

@@ -1,12 +1,12 @@
 """The shards of the remote tier and their breakers: one for a single server, one per
-master of a cluster, found from the cluster's slot map (topology.py).
+master of a cluster, found from the cluster's slot map.
 
 The slot map is read on first use and again, at most every ``REREAD_S``, after
 a call found it stale (a shard unreachable or skipped, a ``MOVED`` reply; when
-no node answers at all, not before ``remote_breaker_ms``):
-until a failover promotes a replica the map names the dead master and its
-keys stay misses; once the cluster has promoted it, the next read names the
-replica and its keys are served again, with no restart.
+no node answers at all, not before ``remote_breaker_ms``): until a failover
+promotes a replica the map names the dead master and its keys stay misses;
+once the cluster has promoted it, the next read names the replica and its keys
+are served again, with no restart.
 """
 
 from __future__ import annotations

@@ -3,21 +3,21 @@
 The tier comes after hot and ssd. It takes every stored block at once
 (``eager``): on store, not on spill (under ``write_back`` a block would reach
 it late or never), so other hosts can restore a prefix seconds after one host
-computed it; the caller only queues byte views, a background writer encodes
-and sends them (writes.py). Tails go remote too (``ListsChildren``: a
+computed it; the caller only queues byte views, and a background writer
+encodes and sends them in batches. Tails go remote too (``ListsChildren``: a
 parent's children are listed in a set beside it), so a conversation resumes
 on another host to the exact token.
 
-``held`` looks a prompt's chain up in one round trip per shard (chain.py: the
-metas and the children sets); ``reader`` fetches payloads on a background
-thread (verified parts, read straight into the restore buffers); a remote
-hit is promoted into hot and ssd by the stack. The server bounds its memory
-itself (``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a
-counted miss, a value that fails its MAC (``remote_secret``, seal.py) a
-counted forgery. When a server is down or slow every call to it gives up
-within the configured timeout and its breaker (client.py) stops calling it
-for a while: the local tiers and the other shards keep serving. The cost gate
-(gate.py) refuses a remote restore expected to be slower than recomputing.
+``held`` looks a prompt's chain up in one round trip per shard (the metas and
+the children sets); ``reader`` fetches payloads on a background thread
+(verified parts, read straight into the restore buffers); a remote hit is
+promoted into hot and ssd by the stack. The server bounds its memory itself
+(``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a counted
+miss, a value that fails its MAC (``remote_secret``) a counted forgery. When a
+server is down or slow every call to it gives up within the configured
+timeout and its circuit breaker stops calling it for a while: the local tiers
+and the other shards keep serving. The cost gate (``CostGated``) refuses a
+remote restore expected to be slower than recomputing.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
 from ...memory.host import tensors_of
-from ..base import ListsChildren, Tier, TierReader
+from ..base import CostGated, ListsChildren, Persistent, Tier, TierReader
 from ..writer import WriteItem, Writer
-from .chain import Chain, children_of, look_up
+from .chain import children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
 from .format import RemoteMeta, decode_meta
 from .gate import CostGate
 from .names import REPORTED, Names
-from .seal import Forged, Seal, load_secret
+from .reads import RemoteReads
+from .seal import Seal, load_secret
 from .writes import RemoteWrites
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ _COUNTERS = (
 )
 
 
-class RemoteTier(ListsChildren, Tier):
+class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
     """The shared remote tier of one ``remote_url`` and ``remote_prefix``.
 
     Args:
@@ -87,7 +88,7 @@ class RemoteTier(ListsChildren, Tier):
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
-        self._last: Chain | None = None
+        self.reads = RemoteReads(self.names, self.client, self.gate, self._counts, self._lock)
         self._closed = False
         self.writer = Writer(
             self._write_batch,
@@ -118,7 +119,7 @@ class RemoteTier(ListsChildren, Tier):
         try:
             return None if raw is None else decode_meta(self.names.name(key), raw, self.names, key)
         except PayloadError as e:
-            self.unusable(key, e)
+            self.reads.unusable(key, e)
             return None
 
     def children(self, parent: bytes) -> list[RemoteMeta]:
@@ -127,16 +128,11 @@ class RemoteTier(ListsChildren, Tier):
         miss = self._miss
         if miss is not None and miss[1] is MissReason.REMOTE_GATE:  # refused for this prompt
             return []
-        return children_of(self.client, self.names, parent, self._last, self.unusable)
+        return children_of(self.client, self.names, parent, self.reads.last, self.reads.unusable)
 
     def miss_reason(self, key: bytes) -> MissReason | None:
         miss = self._miss
         return miss[1] if miss is not None and miss[0] == key else None
-
-    def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None:
-        """Block ``index``'s meta from the last lookup or children listing (no round trip)."""
-        last = self._last
-        return None if last is None or index >= len(keys) else last.seen.get(keys[index])
 
     def contains(self, key: bytes) -> bool:
         """Queued or known to be stored (asks no server: the caller must not wait)."""
@@ -147,20 +143,7 @@ class RemoteTier(ListsChildren, Tier):
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .reader import RemoteReader
 
-        return RemoteReader(self, keys)
-
-    def load_failed(self, key: bytes, reason: MissReason, error: BaseException | None) -> None:
-        """Count a block the reader could not use (on the caller's thread)."""
-        if reason is MissReason.EVICTED:
-            self._count("num_missing_parts")
-        elif reason is MissReason.CORRUPT:
-            self.unusable(key, error)
-
-    def loaded(self, nbytes: int, seconds: float) -> None:
-        """Count a block fetched in ``seconds`` (the gate's remote rate)."""
-        self._count("num_loads")
-        self._count("load_bytes", nbytes)
-        self.gate.remote.add(nbytes, seconds)
+        return RemoteReader(self.reads, keys)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
         self.gate.prefill.add(num_tokens, seconds)
@@ -177,12 +160,12 @@ class RemoteTier(ListsChildren, Tier):
             return True
         shard = self.client.shards.peek(self.names.meta(block.key))  # no I/O: the caller's thread
         if self.client.off is not None or (shard is not None and not shard.breaker.allow()):
-            self._count("num_dropped_writes")  # down: queueing would only delay the drop
+            self.reads.count("num_dropped_writes")  # down: queueing would only delay the drop
             return False
         nbytes = block.nbytes or sum(a.nbytes for a in block.arrays.values())
         if self.writer.submit(WriteItem(block, tensors_of(block.arrays), nbytes)):
             return True
-        self._count("num_dropped_writes")
+        self.reads.count("num_dropped_writes")
         return False
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -228,37 +211,27 @@ class RemoteTier(ListsChildren, Tier):
             **self.gate.stats(),
         }
 
-    def unusable(self, key: bytes, error: BaseException | None) -> None:
-        """Count a block whose value is unusable: forged (a MAC failed) or corrupt."""
-        name = "num_forged" if isinstance(error, Forged) else "num_corrupt"
-        with self._lock:
-            self._counts[name] += 1
-            first = self._counts[name] == 1
-        log = logger.warning if first else logger.debug
-        what = "forged (fails its MAC)" if name == "num_forged" else "unusable"
-        log("remote tier: %s block %s (%s): a miss", what, key.hex(), error)
-
     # -- internals -------------------------------------------------------------
 
     def _lookup(self, keys: Sequence[bytes], start: int) -> list[RemoteMeta]:
         """Metas of ``keys[start:]`` while consecutive: one round trip per shard per prompt."""
-        last = self._last
+        last = self.reads.last
         if last is not None and last.keys is keys and last.start <= start:
             return last.metas[start - last.start :]
         if start >= len(keys):
             return []
-        found = look_up(self.client, self.names, keys, start, self.unusable)
+        found = look_up(self.client, self.names, keys, start, self.reads.unusable)
         if found.stop is not None:  # asked again next time: the shard may be back
             self._miss = (keys[start + len(found.metas)], found.stop)
-        self._last = found if found.stop is None else None
+        self.reads.last = found if found.stop is None else None
         return found.metas
 
     def _write_batch(self, items: list[WriteItem]) -> None:
         """Encode and send a batch (writer thread)."""
         if self.client.off is not None or not self.writes.room(sum(i.nbytes for i in items)):
             if self.client.off is None:
-                self._count("num_no_room", len(items))
-            self._count("num_dropped_writes", len(items))
+                self.reads.count("num_no_room", len(items))
+            self.reads.count("num_dropped_writes", len(items))
             return
         sent = self.writes.send(items)
         with self._lock:
@@ -280,9 +253,5 @@ class RemoteTier(ListsChildren, Tier):
             with self._lock:  # try again with a later batch
                 self._namespaces = notes | self._namespaces
         if removals:
-            self._count("num_removed", self.writes.remove(removals))
+            self.reads.count("num_removed", self.writes.remove(removals))
         self.writes.report(counts)
-
-    def _count(self, name: str, num: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += num

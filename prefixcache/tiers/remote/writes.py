@@ -5,7 +5,11 @@ the meta finds the parts, unless the server evicted them since), and its name
 is added to its parent's children set (``SADD``, on the parent's shard) so
 that tails and the blocks a prompt diverges inside are found from the parent.
 A shard that is down (or whose breaker is open) drops its blocks and only
-them. Runs on the writer thread: bytes and numpy only.
+them. The same object writes the namespace documents, adds this host's counts
+to the server's counters record, removes blocks, and keeps the client-side
+budget ``remote_max_bytes`` (``room``: against the servers' memory use, read
+at most every ``MEMORY_CHECK_S``). Runs on the writer thread: bytes and numpy
+only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Index entries inside one LMDB transaction: insert, drop, LRU of leaves, child links.
 
-The named databases (see index.py) are kept consistent here: every indexed
+The named databases of the SSD index are kept consistent here: every indexed
 block has an entry in ``blocks`` and a link under its parent in ``children``;
 a block with no indexed child (a leaf) is also in ``lru``, keyed by its
 last use, unless it is pinned (``pins``: key -> pin end, file bytes; a pin

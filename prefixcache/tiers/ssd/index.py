@@ -1,18 +1,20 @@
 """LMDB index of the SSD tier: one short transaction per verb.
 
-Named databases of one environment (one per path per process; + records.py)::
+Named databases of one environment (one per path per process), beside the
+tier's records::
 
     meta      format name and version, total payload bytes, corrupt-block count
     blocks    key -> encode_meta(BlockMeta)
     lru       big-endian last_used (us) + key -> b"" for every leaf (no indexed child)
     children  parent key -> child keys (dupsort) of every indexed block
     writing   key -> pid, thread id, file bytes of each payload being written
-    pins      key -> pin end, file bytes (pinning.py)
+    pins      key -> pin end, file bytes
 
-Entries are kept consistent by entries.py; reservations, eviction and the
-``gc`` scan are space.py. A write reserves its bytes (:meth:`SsdIndex.reserve`),
-writes the payload, then :meth:`SsdIndex.finish_writes` indexes it. Opening
-clears the ``writing`` records of dead processes only: it stays O(1).
+A write reserves its bytes (:meth:`SsdIndex.reserve`: room made by evicting
+LRU leaves, within the cap and the disk's free space), writes the payload,
+then :meth:`SsdIndex.finish_writes` indexes it. Every verb keeps the
+databases consistent with each other (``Entries``). Opening clears the
+``writing`` records of dead processes only: it stays O(1).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A block's arrays are written as a standard safetensors file (readable by
 ``mx.load`` and the ``safetensors`` package) named by the block key's hex and
-fanned out into 256 subdirectories (files.py). Writes are atomic: a temp file
-named with pid and thread id in the same directory, fsync, rename, fsync of the
+fanned out into 256 subdirectories. Writes are atomic: a temp file named with
+pid and thread id in the same directory, fsync, rename, fsync of the
 directory. The xxh3-64 of the whole file's bytes is computed while writing and
 verified on every read.
 
@@ -12,12 +12,12 @@ file and MAX_HEADER, every tensor's dtype, shape and offsets against the data
 bytes that follow (so no claimed shape can make a reader allocate more than
 the file holds).
 
-Reading picks the faster of two readers by file size (tools/bench_ssd.py
-measures both): small files are read whole, verified, and copied into MLX once
-(the arrays are views of that copy); large ones go through ``mx.load``, which
-reads each array straight into fresh MLX memory with a thread pool, and are
-verified by hashing the arrays in file order (safetensors has no holes, so
-that covers every byte of the file).
+Reading picks the faster of two readers by file size (``SMALL_PAYLOAD``):
+small files are read whole, verified, and copied into MLX once (the arrays
+are views of that copy); large ones go through ``mx.load``, which reads each
+array straight into fresh MLX memory with a thread pool, and are verified by
+hashing the arrays in file order (safetensors has no holes, so that covers
+every byte of the file).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The ``pins`` database maps a block key to its pin's end (Unix time, inf:
 never) and the block's file bytes (counted against ``ssd_max_bytes`` when a
 pin is asked for). A pinned leaf is not in ``lru``, so eviction never sees it
-(entries.py keeps that true on every insert and drop); an expired pin is
+(every insert and drop of an entry keeps that true); an expired pin is
 removed, and its block put back into the LRU, by :func:`expire` (run before
 each eviction) or when it is met. Pins live in the index, so they survive a
 restart and hold for every process of the directory.

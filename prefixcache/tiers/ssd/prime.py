@@ -5,8 +5,9 @@ reader threads have nowhere to put later tensors yet. Instead of idling they
 read later payload files, a slice at a time, into a scratch buffer: the disk
 keeps busy while the pages of the new buffers are faulted in (cold restores).
 Files already cached are skipped (an ``RWF_NOWAIT`` probe), so a warm restore
-costs one probe per file; without the probe it does nothing. Asking the kernel
-instead (POSIX_FADV_WILLNEED) made cold restores slower here.
+costs one probe per file; without the probe it does nothing. The kernel is
+not asked instead (POSIX_FADV_WILLNEED): its extra requests queue in front of
+the reads that wait for them, and a cold restore gets slower.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import threading
 # Bytes read per step: each reader keeps one slice in flight.
 SLICE = 1 << 20
 # Bytes pulled in, in all. The allocation's length bounds it anyway (faulting in
-# fresh pages runs at about the disk's speed here); the cap keeps a huge chain
-# from crowding the page cache. Cold fetch of 1 GiB with fresh buffers:
-# 1.0 GB/s with a 512 MiB cap, 1.12-1.18 with 2-4 GiB.
+# fresh pages runs at about the disk's speed); the cap keeps a huge chain from
+# crowding the page cache. A cold fetch of 1 GiB into fresh buffers is about 1.15x
+# faster with a cap of 2 GiB than of 512 MiB, and no faster with 4 GiB
+# (tools/bench_ssd_restore.py).
 BUDGET = 2 << 30
 
 

@@ -1,12 +1,12 @@
-"""One payload file of the SSD stream read straight into its places, and what the
-reader threads share: their jobs, buffers and outcomes.
+"""One large payload file read straight into its places, and what the SSD
+stream's reader threads share: their jobs, buffers and outcomes.
 
-Runs on a reader thread (readers.py): plain file I/O, xxh3, numpy and header
-checks, no MLX. A large payload file (over runs.SMALL_READ) is read straight
-into its places (one copy: the kernel's, from the page cache to the restore
-buffer) and hashed a slice at a time while the slice is still in the CPU
-cache. Its bytes may reach a place before the checksum fails, so the caller
-stops before such a block (stream.py). Small files go in runs (runs.py).
+Runs on a reader thread: plain file I/O, xxh3, numpy and header checks, no
+MLX. A large payload file (over ``SMALL_READ``) is read straight into its
+places (one copy: the kernel's, from the page cache to the restore buffer) and
+hashed a slice at a time while the slice is still in the CPU cache. Its bytes
+may reach a place before the checksum fails, so the stream stops before such a
+block. Small files are read in runs instead.
 """
 
 from __future__ import annotations

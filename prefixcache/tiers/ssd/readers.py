@@ -1,11 +1,10 @@
 """Reader threads of the SSD stream: each reads, verifies and places payload files.
 
 Plain file I/O, xxh3, numpy copies and header checks: no MLX call leaves the
-caller's thread (see stream.py). The jobs are cut into runs (runs.py: small
-files read whole and placed together; a large file, read straight into its
-places by read_into.py, is a run of its own); each reader takes the next run
-nobody has taken. How many readers depends on whether the chain's files are in
-the page cache (a few probed).
+caller's thread. The jobs are cut into runs (small files read whole and
+placed together; a large file, read straight into its places, is a run of its
+own); each reader takes the next run nobody has taken. How many readers
+depends on whether the chain's files are in the page cache (a few probed).
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ from .read_into import Buffers, Job, Outcome, Stopped, read_large
 from .runs import plan_runs, read_run, small
 
 # Reader threads. Warm (the files in the page cache) each is mostly copying,
-# one per core: a third on 2 cores only contends for the GIL and the cores
-# (tools/bench_blocks.py, 128 MiB on 2 cores: block 16, 2 readers 45 ms, 3 readers
-# 49-53; block 64, 37 against 40). Cold, a reader's reads wait on the disk and
-# more readers keep more in flight: three at least, four at most (block 16: 2
-# readers 99-104 ms, 3 readers 84; block 64: 104 against 95-98).
+# one per core: a third on 2 cores only contends for the GIL and the cores (about
+# 10% slower). Cold, a reader's reads wait on the disk and more readers keep more
+# in flight: three at least (about 1.2x two on 2 cores at block 16), four at most.
+# Measured by tools/bench_blocks.py --tiers ssd --modes warm cold.
 _CORES = os.cpu_count() or 2
 _WARM_READERS = max(2, min(4, _CORES))
 _COLD_READERS = min(4, max(3, _CORES))

@@ -1,6 +1,6 @@
 """Records kept beside an SSD index: namespaces, persisted counters, the tier's limits.
 
-One named database ``records`` of the index's LMDB environment (see index.py)::
+One named database ``records`` of the index's LMDB environment::
 
     namespace/<root key>   the namespace's canonical JSON (``Namespace.to_json()``)
     counters/<root key>    JSON of summed ``Stats`` counters (with ``miss_reasons``)

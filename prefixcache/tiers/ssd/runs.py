@@ -1,22 +1,21 @@
 """Runs of small payload files: read whole, verified, then placed together.
 
-A reader thread (readers.py) takes the chain's small payload files (up to
-SMALL_READ bytes) in runs of consecutive blocks of one file size, up to
-RUN_BYTES in all. Each file is read whole, in one read of one byte more than
-the index says (a longer file shows), into its slot of the reader's scratch
-buffer (reused, so it stays in the CPU's caches), and verified there in one
-hash call: nothing reaches the restore buffers before its block's checksum
-matched. The run's files are opened first and asked into the page cache
-together, so that read cold their reads are in flight at once.
+A reader thread takes the chain's small payload files (up to ``SMALL_READ``
+bytes) in runs of consecutive blocks of one file size, up to ``RUN_BYTES`` in
+all. Each file is read whole, in one read of one byte more than the index says
+(a longer file shows), into its slot of the reader's scratch buffer (reused,
+so it stays in the CPU's caches), and verified there in one hash call: nothing
+reaches the restore buffers before its block's checksum matched. The run's
+files are opened first and asked into the page cache together, so that read
+cold their reads are in flight at once.
 
 Then each tensor of the run goes into its place with ONE numpy copy for the
 whole run (``place(..., count)``: the restore buffer's region of that tensor
-for all the run's blocks, one after another on the token axis), where
-per-block reads took one iovec and one hash call per (batch, head) row and
-block: per run a few calls per tensor name, not per block and row. A tensor
-that has no run region (a layer that does not use every block of the run, a
-buffer not allocated yet) is placed block by block; one without a place at
-all goes into the reader's loose buffer, lent to the caller with the block.
+for all the run's blocks, one after another on the token axis): a few calls
+per tensor name and run, not per block and row. A tensor that has no run
+region (a layer that does not use every block of the run, a buffer not
+allocated yet) is placed block by block; one without a place at all goes into
+the reader's loose buffer, lent to the caller with the block.
 """
 
 from __future__ import annotations
@@ -37,18 +36,15 @@ from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # Payloads of up to this many bytes are read whole, in runs; larger ones straight
-# into their places (read_into.py). On 2 cores (128 MiB, 3 readers), 2 MiB payloads
-# (block 64) took 63-73 ms read whole against 75-83 straight into place; 3 MiB ones
-# (block 256 of 24 layers x 2 KV heads x 64 dims, 48 MiB) 35 / 49 ms warm / cold
-# against 46 / 55; 4 MiB ones (block 128, 128 MiB) 42-44 / 89-93 against 50-60 /
-# 79-82 (bench_blocks --tiers ssd --modes warm cold, session 14).
+# into their places (``read_large``). Read whole is faster warm and cold up to 3 MiB
+# payloads; at 4 MiB it is still faster warm but slower cold
+# (tools/bench_blocks.py --tiers ssd --modes warm cold).
 SMALL_READ = 3 << 20
 # Payload bytes a run may hold: consecutive files read, verified and placed together.
 # Fewer, longer copies (one per tensor and run, not per block) and fewer calls per
-# run pay for a scratch buffer beyond the CPU's L2. Warm fetch of 128 MiB on 2
-# cores, two readers, runs of 2 / 4 / 8 / 16 MiB (tools/bench_blocks.py' chain,
-# alternated in one process): block 16 59 / 44 / 39 / 40 ms, block 32 - / 43 / 39
-# / 39, block 64 - / 37 / 34 / 34; cold (three readers) 4 and 8 MiB were alike.
+# run pay for a scratch buffer beyond the CPU's L2: a warm fetch at block 16 is
+# about 1.5x faster with 8 MiB runs than with 2 MiB, and no faster with 16 MiB;
+# cold, 4 and 8 MiB are alike (tools/bench_blocks.py --tiers ssd).
 # A reader's scratch holds one run.
 RUN_BYTES = 8 << 20
 

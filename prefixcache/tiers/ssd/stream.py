@@ -1,73 +1,56 @@
 """Streamed SSD reads for a restore: reader threads read payloads into their places.
 
-``stream(tier, keys, place)`` yields the blocks of a chain in order. Blocks on
+:class:`SsdReader` is the SSD tier's :class:`~prefixcache.tiers.base.TierReader`:
+``stream(reads, keys, place)`` yields the blocks of a chain in order. Blocks on
 disk are read by reader threads (plain file I/O, xxh3 and header checks: no MLX
 call leaves the caller's thread), several files in flight, so later blocks are
 read while the caller handles earlier ones. The index entries of the whole
 chain are read in one LMDB transaction. A reader asks ``place`` where each
 tensor goes: once the restore's buffers exist, that is a region of the buffer
 itself. Small payload files are read whole, verified, and copied into their
-places in runs of consecutive blocks, one numpy copy per tensor and run
-(runs.py); a large one is read from the page cache straight into the restored
-cache (one copy) and hashed there while it is still in the CPU cache
-(read_into.py). A tensor with no place goes into the reader's loose buffer.
+places in runs of consecutive blocks, one numpy copy per tensor and run; a
+large one is read from the page cache straight into the restored cache (one
+copy) and hashed there while it is still in the CPU cache. A tensor with no
+place goes into the reader's loose buffer.
 
 The buffers normally exist before the stream starts: the restore sizes them
-from the first block's header (ChainLoad.first_specs), so every block goes
-straight into place. When it could not (that header unreadable, the block
-still queued for the writer), the first block is read into a read buffer and
-its copy allocates the buffers; until the caller has taken it, a later tensor
-whose buffer does not exist yet is asked for again, and in between the reader
-pulls later payload files into the page cache (prime.py). Otherwise the
-kernel's own readahead serves each file: asking it to read further ahead
-(POSIX_FADV_WILLNEED) made cold restores slower here, the extra requests
-queueing in front of the reads that wait for them.
+from the first block's header (``SsdReader.first_shapes``), so every block goes
+straight into place. When it cannot (that header unreadable, the block still
+queued for the writer), the first block is read into a read buffer and its
+copy allocates the buffers; until the caller has taken it, a later tensor
+whose buffer does not exist yet is asked for again, and in between the
+readers pull later payload files into the page cache (``Primer``). Otherwise
+the kernel's own readahead serves each file.
 
 A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
 place) and HostArrays (zero-copy views into a read buffer, verified, valid until
 the next block is requested). A block still queued for the writer is served
-from the queue (a fresh :class:`Block`), as ``SsdTier.load`` does. A block that
-is missing or fails its checks is quarantined (on the caller's thread), counted,
-and yielded as None: a miss. A large one's bytes may already be in the restore
-buffer (a small one is verified before any byte is placed): the restore then
-stops before that block (the buffers are discarded or the block is never
-exposed).
+from the queue (a fresh :class:`Block`). A block that is missing or fails its
+checks is quarantined (on the caller's thread), counted, and yielded as None: a
+miss. A large one's bytes may already be in the restore buffer (a small one is
+verified before any byte is placed): the restore then stops before that block
+(the buffers are discarded or the block is never exposed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
 
 from ...blocks import Block
 from ...errors import PayloadError
 from ...memory.host import Place, Placed, StreamedBlock
 from ..base import TierReader
-from ..writer import Writer
-from .index import SsdIndex, decode_or_none
+from .index import decode_or_none
 from .payload import read_header
 from .read_into import Job
 from .readers import Readers
-
-
-class StreamSource(Protocol):
-    """What a reader uses of its tier (SsdTier, which creates the readers: the
-    reader names only these, so it imports nothing above it)."""
-
-    index: SsdIndex
-    writer: Writer
-
-    def payload_file(self, key: bytes) -> str: ...
-    def load(self, key: bytes) -> Block | None: ...
-    def note_loads(self, keys: Sequence[bytes], nbytes: int) -> None: ...
-    def quarantine(self, key: bytes, raw: bytes, reason: str) -> None: ...
-    def read_error(self, key: bytes, error: OSError) -> None: ...
+from .reads import SsdReads
 
 
 class SsdReader(TierReader):
     """The blocks of one restore that the SSD tier holds, streamed in chain order."""
 
-    def __init__(self, tier: StreamSource, keys: Sequence[bytes]):
+    def __init__(self, tier: SsdReads, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
         self._stream: Iterator[Block | StreamedBlock | None] | None = None
         self._order: list[int] = []
@@ -108,7 +91,7 @@ class SsdReader(TierReader):
 
 
 def stream(
-    tier: StreamSource, keys: Sequence[bytes], place: Place | None = None
+    tier: SsdReads, keys: Sequence[bytes], place: Place | None = None
 ) -> Iterator[Block | StreamedBlock | None]:
     """Yield the blocks of ``keys`` in order (see the module docstring).
 
@@ -142,7 +125,7 @@ def stream(
         tier.note_loads(served, nbytes)
 
 
-def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
+def _jobs(tier: SsdReads, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
     queued for the writer gets none (it is served from the queue)."""
     raws = tier.index.get_many(keys)
@@ -155,7 +138,7 @@ def _jobs(tier: StreamSource, keys: Sequence[bytes]) -> list[Job]:
 
 
 def _result(
-    tier: StreamSource, job: Job, result: StreamedBlock | BaseException | None
+    tier: SsdReads, job: Job, result: StreamedBlock | BaseException | None
 ) -> Block | StreamedBlock | None:
     """What the caller gets for ``job`` (runs on the caller's thread); a block
     read by the readers is counted by the stream."""

@@ -13,6 +13,8 @@ listed (``children``) like blocks. A corrupt block (or a symlinked payload: neve
 followed) is quarantined, counted, logged once and becomes a miss. A disk or
 index failure at run time (full, read-only, gone, I/O error) turns writes off
 with one log line and is retried (health.py, writes.py): never raised to the cache.
+The tier also answers the contract's operator hooks: pins kept in its index (they
+survive a restart; pinning.py), its write budget (budget.py) and its events.
 """
 
 from __future__ import annotations
@@ -24,26 +26,33 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 
 from ...blocks import Block, BlockMeta
 from ...config import CacheConfig
-from ...errors import PayloadError
+from ...errors import PayloadError, PinCapacityError
 from ...memory.host import tensors_of
-from ..base import ChainEntry, ListsChildren, Tier, TierReader
+from ..base import (
+    BlockListener,
+    ChainEntry,
+    KeepsPins,
+    ListsChildren,
+    Metered,
+    Persistent,
+    ReportsEvents,
+    Tier,
+    TierReader,
+)
 from ..writer import WriteItem, Writer
-from .controls import SsdControls
 from .directory import open_dir
-from .files import payload_path
 from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
-from .payload import read_header, read_payload
-from .read_notes import SsdReadNotes
+from .payload import encode_header, read_header
+from .reads import SsdReads
+from .recent import recent_chains
 from .records import SsdRecords
 from .writes import SsdWrites
 
 logger = logging.getLogger(__name__)
 
-_MAX_TOUCHES = 4096  # pending LRU touches that wake the writer (else they ride with writes)
 
-
-class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
+class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -59,7 +68,6 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
     """
 
     name = "ssd"
-    metered = True
 
     def __init__(
         self,
@@ -81,17 +89,16 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
                 write_budget=config.ssd_write_budget,
             )
         self._closed = False
-        self._lock = threading.Lock()  # touches
         self._counts = Counts()
         self.health = Health(self.path, config.ssd_retry_seconds, self._counts)
         self._writes = SsdWrites(self.index, self._payloads, config, self._counts, self.health)
-        self._touches: set[bytes] = set()
         self.writer = Writer(
             self._write_batch,
             max_bytes=config.write_queue_bytes,
             housekeeping=self._housekeeping,
             hold=writer_hold,
         )
+        self.reads = SsdReads(self.index, self.writer, self._payloads, self._counts, self._writes)
 
     @property
     def enabled(self) -> bool:
@@ -109,7 +116,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
 
     def payload_file(self, key: bytes) -> str:
         """Where ``key``'s payload file is (whether or not it exists)."""
-        return payload_path(self._payloads, key)
+        return self.reads.payload_file(key)
 
     def put(self, block: Block) -> bool:
         """Queue a block (arrays already evaluated); False if the write was dropped."""
@@ -149,7 +156,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
                 item = self.writer.pending(key)
                 if item is not None:
                     meta = BlockMeta.of(item.block, now=item.queued)
-                elif (meta := self._decoded(key, raw)) is None:
+                elif (meta := self.reads.decoded(key, raw)) is None:
                     return out
                 out.append(meta)
             pos += len(raws)
@@ -166,7 +173,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
 
     def children(self, parent: bytes) -> list[BlockMeta]:
         """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined)."""
-        found = {key: self._decoded(key, raw) for key, raw in self.index.children(parent)}
+        found = {key: self.reads.decoded(key, raw) for key, raw in self.index.children(parent)}
         for item in self.writer.pending_children(parent):
             found[item.block.key] = BlockMeta.of(item.block, now=item.queued)
         return [meta for meta in found.values() if meta is not None]
@@ -174,7 +181,7 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
     def reader(self, keys: Sequence[bytes]) -> TierReader:
         from .stream import SsdReader  # reader threads: only once a restore needs them
 
-        return SsdReader(self, keys)
+        return SsdReader(self.reads, keys)
 
     def note_namespace(self, root: bytes, namespace_json: str) -> None:
         self.records.note_namespace(root, namespace_json)
@@ -187,38 +194,15 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
         item = self.writer.pending(key)
         if item is not None:
             return BlockMeta.of(item.block, now=item.queued)
-        return self._decoded(key, self.index.get(key))
+        return self.reads.decoded(key, self.index.get(key))
 
     def load(self, key: bytes) -> Block | None:
         """The block with fresh arrays, or None (absent, or corrupt and now quarantined)."""
-        item = self.writer.pending(key)
-        if item is not None:
-            self._counts.add("num_pending_loads")
-            return item.fresh_block()
-        raw = self.index.get(key)
-        if (meta := self._decoded(key, raw)) is None:
-            return None
-        try:
-            path = self.payload_file(key)
-            arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
-            if nbytes != meta.nbytes:
-                raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
-        except (PayloadError, FileNotFoundError) as e:
-            self.quarantine(key, raw, str(e) or type(e).__name__)
-            return None
-        except OSError as e:  # unreadable now (EMFILE, EIO...): a miss, not a verdict
-            self.read_error(key, e)
-            return None
-        self.note_load(key, nbytes)
-        return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
+        return self.reads.load(key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark blocks as used now (LRU); applied by the writer with its next batch."""
-        with self._lock:
-            self._touches.update(keys)
-            many = len(self._touches) >= _MAX_TOUCHES
-        if many:
-            self.writer.wake()
+        self.reads.touch(keys)
 
     def flush(self) -> None:
         """Wait until everything queued so far is on disk and indexed."""
@@ -251,19 +235,75 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
             "queue_bytes": self.writer.queue_bytes,
             "num_write_failures": self.writer.num_failures,
             **counts,
-            **self.control_stats(),
+            **self._control_stats(),
         }
 
     def iter_meta(self) -> Iterator[BlockMeta]:
         """Every indexed block's meta, read in chunks (short transactions)."""
         return (m for k, raw in self.index.rows() if (m := decode_or_none(k, raw)) is not None)
 
-    def _decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
-        """The decoded entry; None if absent or unreadable (then quarantined)."""
-        meta = decode_or_none(key, raw)
-        if raw is not None and meta is None:
-            self.quarantine(key, raw, "bad index entry")
-        return meta
+    # -- operator hooks: pins, write budget, events, removal on request ----------
+
+    def watch(self, listener: BlockListener) -> None:
+        self._writes.listener = listener
+
+    def check_pin(self, blocks: Sequence[Block]) -> None:
+        """Raise PinCapacityError if the pinned file bytes would exceed ``ssd_max_bytes``."""
+        pinned = self.index.pins()
+        held = sum(nbytes for key, (_, nbytes) in pinned.items())
+        new = sum(_file_bytes(b) for b in blocks if b.key not in pinned)
+        if held + new > self.max_bytes:
+            raise PinCapacityError(
+                f"pinning {len(blocks)} blocks would hold {held + new} pinned bytes on the "
+                f"SSD tier, over ssd_max_bytes={self.max_bytes} ({held} pinned already)"
+            )
+
+    def pin(self, blocks: Sequence[Block], until: float) -> None:
+        self.index.pin([(b.key, _file_bytes(b)) for b in blocks], until)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.index.unpin(keys)
+
+    def pins(self) -> Mapping[bytes, float]:
+        return {key: until for key, (until, _) in self.index.pins().items()}
+
+    def recent(self, max_bytes: int) -> list[BlockMeta]:
+        """Pinned chains, then the chains of the most recently used leaves, each
+        root-first, while they fit in ``max_bytes`` (one scan of the index)."""
+        return recent_chains(self.iter_meta(), self.index.pins(), max_bytes)
+
+    def write_budget_left(self) -> int | None:
+        """Budget minus the bucket's level minus the bytes queued (not yet charged)."""
+        budget = self._writes.write_budget
+        if not budget:
+            return None
+        level, _ = self.index.written(budget)
+        return int(budget - level) - self.writer.queue_bytes
+
+    def _control_stats(self) -> dict[str, int]:
+        budget = self._writes.write_budget
+        level, today = self.index.written(budget)
+        pinned = self.index.pins().values()
+        return {
+            "written_bytes_today": today,
+            "write_budget": budget,
+            "write_budget_left": max(0, int(budget - level)) if budget else 0,
+            "num_pinned": len(pinned),
+            "pinned_bytes": sum(nbytes for _, nbytes in pinned),
+        }
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Drop blocks from the index and disk; returns how many were indexed."""
+        removed = self.index.remove_keys(keys)
+        self._writes.report_removed(removed)
+        return len(removed)
+
+    def evict_to(self, nbytes: int) -> int:
+        """Evict LRU leaves until at most ``nbytes`` are stored; returns blocks evicted."""
+        evicted = self.index.evict_to(nbytes)
+        self._counts.add("num_evictions", len(evicted))
+        self._writes.report_removed(evicted)
+        return len(evicted)
 
     def _write_batch(self, items: list[WriteItem]) -> None:
         self._apply_touches()  # before the batch's evictions pick LRU leaves
@@ -276,6 +316,10 @@ class SsdTier(SsdControls, SsdReadNotes, ListsChildren, Tier):
         self._apply_touches()
 
     def _apply_touches(self) -> None:
-        with self._lock:
-            keys, self._touches = self._touches, set()
-        self._writes.touch(sorted(keys))
+        self._writes.touch(self.reads.take_touches())
+
+
+def _file_bytes(block: Block) -> int:
+    """Bytes of ``block``'s payload file: its safetensors header plus its tensors."""
+    tensors = tensors_of(block.arrays)
+    return len(encode_header(tensors, block.key)) + sum(t.data.nbytes for t in tensors)

@@ -107,8 +107,7 @@ class SsdWrites:
             raise
         self.counts.add("num_existing", res.num_existing)
         self.counts.add("num_evictions", res.num_evicted)
-        if self.listener is not None and res.evicted:
-            self.listener.removed("ssd", res.evicted)
+        self.report_removed(res.evicted)
         self.counts.add("num_no_room", res.num_no_room)
         accepted = set(res.accepted)
         todo = [it for it in items if it.block.key in accepted]
@@ -120,6 +119,11 @@ class SsdWrites:
                 self._finish(res.accepted, written)
             finally:
                 self.counts.add("num_dropped_writes", len(todo) - len(written) + res.num_no_room)
+
+    def report_removed(self, keys: Sequence[bytes]) -> None:
+        """Tell the listener (KV events) blocks left the tier."""
+        if self.listener is not None and keys:
+            self.listener.removed("ssd", keys)
 
     def _headers(self, items: list[WriteItem]) -> dict[bytes, bytes]:
         headers = {}

@@ -184,11 +184,28 @@ def test_stats_and_prometheus(llama):
 
 
 def test_closed_cache_refuses(llama):
+    """Every verb of a closed cache raises, the operator controls too."""
     pc = hot_pc(llama)
     pc.close()
     pc.close()  # idempotent
-    with pytest.raises(RuntimeError, match="closed"):
-        pc.fetch([1, 2, 3])
+    tokens = [1, 2, 3]
+    verbs = {
+        "fetch": lambda: pc.fetch(tokens),
+        "fetch shared": lambda: pc.fetch(tokens, shared=True),
+        "match": lambda: pc.match(tokens),
+        "prefetch": lambda: pc.prefetch(tokens),
+        "store": lambda: pc.store(tokens, make_prompt_cache(llama)),
+        "stored_prefix": lambda: pc.stored_prefix(tokens),
+        "capture": lambda: pc.capture(tokens, make_prompt_cache(llama)),
+        "pin": lambda: pc.pin(tokens),
+        "unpin": lambda: pc.unpin(tokens),
+        "end_session": lambda: pc.end_session("s"),
+        "trim_hot": lambda: pc.trim_hot(0),
+    }
+    for name, call in verbs.items():
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+            pytest.fail(f"{name} ran on a closed cache")
 
 
 def test_stats_after_close_are_those_at_close(llama, tmp_path):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..codecs import Builder
 from ..memory.host import Place
+from .base import Builder
 
 
 def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:

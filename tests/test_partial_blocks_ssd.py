@@ -1,7 +1,7 @@
 """Partial blocks through the SSD tier: tails spilled from hot, kept across a restart,
 and full blocks a prompt diverges inside restored from the SSD only.
 
-As in test_partial.py, every restore is compared bit-exactly with a live run
+As in test_partial_blocks.py, every restore is compared bit-exactly with a live run
 chunked alike, with a negative control (another sequence's block or tail,
 restored the same way, gives other logits).
 """
@@ -14,7 +14,7 @@ import threading
 import pytest
 from conftest import max_diff, prompt, tiny_model
 from dict_tier import DictTier, PlainDictTier
-from test_partial import TRIMMABLE, continued, finished, reference
+from test_partial_blocks import TRIMMABLE, continued, finished, reference
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import chain_keys, token_bytes
@@ -44,7 +44,7 @@ def test_tail_evicted_from_hot_restores_from_ssd(case, tmp_path):
         assert pc.trim_hot(0) == 4  # both tails and both blocks spill (write_back)
         pc.flush()
         assert len(pc.hot) == 0
-        parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+        parent = chain_keys(pc.namespace.root_key(), token_bytes(a), BLOCK)[1]
         assert sorted(m.num_tokens for m in pc.ssd.children(parent)) == [13, 13]
         assert pc.match(probe) == 45
         cache, num_cached = pc.fetch(probe)
@@ -124,7 +124,7 @@ def test_cli_inspects_and_verifies_tails(tmp_path, llama, capsys):
     with ssd_pc(llama, tmp_path, write_policy="write_through") as pc:
         for tokens in (a, a[:32] + prompt(2, 13)):
             pc.store(tokens, finished(llama, tokens))
-        parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+        parent = chain_keys(pc.namespace.root_key(), token_bytes(a), BLOCK)[1]
         tails = {m.key.hex() for m in pc.ssd.children(parent)}
     d = ["--ssd-dir", str(tmp_path / "ssd"), "--json"]
 
@@ -159,7 +159,7 @@ def test_a_tail_still_queued_for_the_writer_is_found_and_restored(tmp_path, llam
     with PrefixCache(llama, config, model_id="tiny", tiers=[ssd]) as pc:
         try:
             pc.store(a, finished(llama, a))
-            parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+            parent = chain_keys(pc.namespace.root_key(), token_bytes(a), BLOCK)[1]
             assert ssd.index.children(parent) == []  # nothing written yet
             assert [m.num_tokens for m in ssd.children(parent)] == [13]
             cache, num_cached = pc.fetch(probe)
@@ -181,7 +181,7 @@ def test_an_unreadable_tail_entry_is_quarantined_by_the_lookup_and_stored_again(
     with ssd_pc(llama, tmp_path, hot_max_bytes=1) as pc:
         pc.store(a, finished(llama, a))
         pc.flush()
-        parent = chain_keys(pc._root(None), token_bytes(a), BLOCK)[1]
+        parent = chain_keys(pc.namespace.root_key(), token_bytes(a), BLOCK)[1]
         (tail,) = pc.ssd.children(parent)
     env = lmdb.open(str(tmp_path / "ssd" / "index"), max_dbs=16)
     with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
