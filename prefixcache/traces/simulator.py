@@ -11,9 +11,9 @@ and then to the remote tier. The SSD and remote tiers are byte-bounded,
 leaves-first LRUs (the same class, as the SSD tier's index keeps them).
 
 Per request: the longest prefix held across the tiers is the hit (for a shape
-with recurrent state, cut back to the deepest block holding a checkpoint; a
-request's last block and its last full block keep one: a next turn resumes
-at the full one, an identical prompt at the end), hits below hot are promoted into hot, the
+with recurrent state, cut back to the deepest block holding a checkpoint: a
+request's last full block keeps one, and its short last block is not stored,
+since without its state it resumes nothing), hits below hot are promoted into hot, the
 rest of the chain is stored (its sightings count twice when it continues a
 chain from its end, as the library's stack counts a next turn). Token counts
 follow the trace: the last block of a request may be short.
@@ -155,12 +155,13 @@ class Simulation:
                 self._kv[key] = kv
             blocks.append(block)
             parent = block.key
-        if self.checkpoint:  # state at the prompt's end and at its last full block
-            full = [i for i, n in enumerate(tokens) if n == self.config.block_tokens]
-            for i in {len(blocks) - 1, *full[-1:]} if blocks else ():
-                b = blocks[i]
+        if self.checkpoint and blocks:
+            if tokens[-1] < self.config.block_tokens:
+                blocks = blocks[:-1]  # a short block without its state resumes nothing
+            if blocks:  # the state at the last full block: where a next turn resumes
+                b = blocks[-1]
                 nbytes = self._kv[b.key] + self.checkpoint
-                blocks[i] = Block(b.key, b.parent, b.root, b.index, b"", {}, nbytes)
+                blocks[-1] = Block(b.key, b.parent, b.root, b.index, b"", {}, nbytes)
         return blocks, tokens
 
     def run(self, requests: Sequence[TraceRequest]) -> SimResult:
