@@ -29,7 +29,7 @@ __all__ = [
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
-Eviction = Literal["cost", "lru"]
+Eviction = Literal["cost", "lru", "density", "frequency"]
 EVICTIONS = ("cost", "lru")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")
@@ -55,7 +55,11 @@ class CacheConfig:
             never a pinned block): ``cost`` weighs recency against what the
             block saves per byte (its recompute FLOPs: deep blocks cost more,
             costs.py), among the least recently used leaves; ``lru``: the
-            least recently used leaf.
+            least recently used leaf; ``density``: the sampled leaf of least
+            expected hits per block held, learnt from the traffic, and a
+            newcomer worth less than that is not kept (tiers/hot/density.py);
+            ``frequency``: the leaf of least use count over an aging floor, and
+            a newcomer used no more than that is not kept (frequency.py).
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.

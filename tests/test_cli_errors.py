@@ -98,6 +98,7 @@ def failing_base(name: str, p: dict[str, str]) -> tuple[str, ...]:
         "make-model": ("make-model", p["file"]),
         "pin": ("pin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "unpin": ("unpin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
+        "simulate": ("simulate", p["missing"], "--hot", "1G"),
     }
     assert name in bases, f"add a failing base for the new command {name!r}"
     return bases[name]
@@ -183,6 +184,10 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (("pin", "--text", "hi", "--model", p["tiny"], "--ttl", "-5"), {}, "--ttl"),
         (("unpin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
         (("make-model", p["plain"], "--arch", "nonsense"), {}, "--arch: invalid choice"),
+        (("simulate", p["missing"], "--hot", "1G"), {}, p["missing"]),
+        (("simulate", p["file"], "--hot", "1G"), {}, f"{p['file']}: line 1: not JSON"),
+        (("simulate", p["file"], "--shape", "nosuch"), {}, "unknown shape 'nosuch'"),
+        (("simulate", p["file"], "--sweep", "disk=1G"), {}, "--sweep: expected TIER=SIZE"),
         (("ls", *d, "--no-such-flag"), {}, "unrecognized arguments: --no-such-flag"),
         (("nosuch",), {}, "invalid choice: 'nosuch'"),
         ((), {}, "required: COMMAND"),

@@ -44,7 +44,14 @@ class TierStack:
     ):
         self.config, self.stats = config, stats
         self.pins = Pins()
-        self.hot = HotTier(config.hot_max_bytes, self._on_hot_evict, shed, self.pins, cost)
+        self.hot = HotTier(
+            config.hot_max_bytes,
+            self._on_hot_evict,
+            shed,
+            self.pins,
+            cost,
+            policy=config.eviction,
+        )
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
         through = config.write_policy == "write_through"

@@ -7,8 +7,8 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
-With a cost (``eviction="cost"``), the victim among the least recently used
-leaves is the one of least credit (credit.py). Sequences kept whole
+Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
+comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
 (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the facade holds its lock around every call.
 """
@@ -21,12 +21,12 @@ from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from ...blocks import Block
 from ..base import BlockListener, ListsChildren, ReportsEvents, Tier, TierReader
 from ..pins import Pins
-from .credit import CostHook, Credits
+from .credit import CostHook
+from .eviction import Eviction
 from .reader import HostViews, HotReader
 from .recent import Kept, RecentSequences
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
-_CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
 
 
@@ -43,6 +43,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         shed: ShedHook | None = None,
         pins: Pins | None = None,
         cost: CostHook | None = None,
+        policy: str = "",
     ):
         self.max_bytes = max_bytes
         self.pins = pins if pins is not None else Pins()
@@ -58,8 +59,8 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
-        self.credits = (  # cost-aware eviction
-            Credits(cost, lambda: self.nbytes) if cost is not None else None
+        self.eviction = Eviction(
+            self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, policy=policy
         )
 
     def __len__(self) -> int:
@@ -120,6 +121,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             "max_bytes": self.max_bytes,
             "num_evictions": self.num_evictions,
             "num_shed_snapshots": self.num_shed,
+            "num_refused": self.eviction.num_refused,
             "num_recent": len(self.recent),
             "recent_bytes": self.recent.nbytes,
             "num_recent_hits": self.recent.num_hits,
@@ -148,8 +150,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         for key in reversed(list(keys)):
             if key in self._lru:
                 self._lru.move_to_end(key)
-                if self.credits is not None:
-                    self.credits.used(key)
+                self.eviction.used(key)
 
     def prepare_views(self, blocks: Iterable[Block]) -> None:
         """Make now, on the storing thread, the host views a restore of ``blocks``
@@ -171,11 +172,13 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         if block.key in self._lru:
             self.touch([block.key])
             return True
-        if block.nbytes > self.max_bytes:
+        room = self.max_bytes - self.nbytes
+        if block.nbytes > self.max_bytes or not self.eviction.admits(
+            block, room=room, max_bytes=self.max_bytes
+        ):
             return False
         self._lru[block.key] = block
-        if self.credits is not None:
-            self.credits.added(block, first_to_go=at_cold_end)
+        self.eviction.added(block, first_to_go=at_cold_end)
         if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
         self._children.setdefault(block.parent, {})[block.key] = None
@@ -198,7 +201,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
-            leaf = self._victim(keep)
+            leaf = self.eviction.victim(keep)
             if leaf is None:  # every leaf is pinned
                 break
             self._evict(leaf)
@@ -217,32 +220,6 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
                 self._evict(key)
                 num += 1
         return num
-
-    def _victim(self, keep: bytes | None = None) -> bytes | None:
-        """The leaf to evict (never a pinned one), or None.
-
-        Without a cost, the least recently used leaf. With one, among the least
-        recently used leaves the one of least credit (credit.py). Pinned leaves
-        met on the way move to the recent end, so the next scan does not walk
-        them again.
-        """
-        met, found = [], []
-        want = 1 if self.credits is None else _CANDIDATES
-        for key in self._lru:
-            if self._children.get(key):
-                continue
-            if self.pins.holds(key):
-                met.append(key)
-                continue
-            found.append(key)
-            if len(found) == want:
-                break
-        for key in met:
-            self._lru.move_to_end(key)
-        if not found or self.credits is None:
-            return found[0] if found else None
-        others = [k for k in found if k != keep]
-        return self.credits.victim(others or found)
 
     def _shed_one(self) -> bool:
         """Drop the snapshot of the oldest block inside a chain that has one."""
@@ -274,8 +251,6 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             return None
         self.views.forget(key)
         self.nbytes -= self.recent.forget(key)
-        if self.credits is not None:
-            self.credits.removed(key)
         self.nbytes -= block.nbytes
         self._dirty.discard(key)
         self._sheddable.pop(key, None)
@@ -283,6 +258,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         del kids[key]
         if not kids:
             del self._children[block.parent]
+        self.eviction.removed(block)
         if self.listener is not None:
             self.listener.removed(self.name, [key])
         return block
