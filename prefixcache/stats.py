@@ -179,6 +179,7 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "hot.nbytes": ("hot_bytes", _G, "payload bytes in the hot tier"),
     "hot.max_bytes": ("hot_max_bytes", _G, "byte budget of the hot tier"),
     "hot.num_evictions": ("hot_evictions_total", _C, "blocks evicted from the hot tier"),
+    "hot.num_refused": ("hot_refused_total", _C, "blocks the eviction policy did not admit"),
     "hot.num_recent": ("hot_recent_sequences", _G, "sequences kept whole in the hot tier"),
     "hot.recent_bytes": ("hot_recent_bytes", _G, "bytes of the sequences kept whole"),
     "hot.num_recent_hits": ("hot_recent_hits_total", _C, "fetches given a kept sequence's arrays"),

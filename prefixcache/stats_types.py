@@ -21,6 +21,7 @@ class HotStats(TypedDict):
     max_bytes: int
     num_evictions: int
     num_shed_snapshots: int
+    num_refused: int  # newcomers the eviction policy did not admit
     pinned_bytes: int
     num_recent: int
     recent_bytes: int
