@@ -4,10 +4,10 @@ mlx-lm builds ``ResponseGenerator(model_provider, prompt_cache)``; for the
 duration of the call that class is swapped for a subclass that passes a
 ``TieredPromptCache`` instead and flushes it on shutdown, and cuts the
 prompt's segments again at its checkpoints; its ``stream_generate`` (the
-sequential path) prefills up to each checkpoint first (mlx_segments.py).
+sequential path) prefills up to each checkpoint first (segments.py).
 Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
-takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way. Imported only to serve
-(it imports mlx-lm); the options are serve.py's.
+takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way.
+Imported only to serve (it imports mlx-lm); the options are cli/serve.py's.
 
 The generator subclass builds on generator.py's (its loop supervised, each
 prompt checked) and the HTTP handler is handler.py's (each request checked
