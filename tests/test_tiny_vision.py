@@ -1,17 +1,22 @@
-"""The tiny vision model (prefixcache/tiny/vision.py) and muse_spark's kernels on a CPU
-(prefixcache/tiny/muse_cpu.py)."""
+"""The tiny vision model (prefixcache/tiny/vision.py), muse_spark's kernels on a CPU
+(prefixcache/tiny/muse_cpu.py), and a restore past an image in process."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm import server
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.processors import load_processor
 from mlx_lm.server import _decode_image
 from mlx_lm.utils import load
 
+from prefixcache.config import CacheConfig
+from prefixcache.serve.prompt_cache import TieredPromptCache
 from prefixcache.tiny import muse_cpu
 from prefixcache.tiny.vision import PATCH_TOKEN, image_url, save_vision_model
 
@@ -79,3 +84,46 @@ def test_vision_model_embeds_an_image_at_its_patch_tokens(tmp_path, cpu_kernels)
     other = model.embed_inputs(mx.array(ids), pixel_values=[-p for p in pixels])
     assert not mx.allclose(rows, other)  # the rows depend on the pixels
     assert model(mx.array([ids]), input_embeddings=rows[None]).shape == (1, len(ids), 512)
+
+
+def _image_prompt(tokenizer, processor, image: int, text: str):
+    """(token ids, mlx-lm's Vision: its pixel values and cache key) of a chat whose user
+    message holds ``image`` and ``text``, as mlx-lm's server tokenizes it."""
+    url = image_url(image)
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+    system = {"role": "system", "content": "Describe it. " * 8}
+    messages = [system, {"role": "user", "content": content}]
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat, pixels = processor(chat, images=[_decode_image(url)])
+    ids = tokenizer.encode(chat, add_special_tokens=False)
+    patch = tokenizer.convert_tokens_to_ids(PATCH_TOKEN)
+    return ids, server._make_vision(ids, urls=[url], pixel_values=pixels, token_id=patch)
+
+
+def test_a_restore_past_an_image_gives_the_live_run_logits(tmp_path, cpu_kernels):
+    """The server's path in process: a prompt with an image prefilled and inserted under
+    mlx-lm's cache key; a longer prompt restores past the image, and its next logits
+    equal the live cache's bit for bit. The same prompt with another image restores up
+    to that image's first patch only, and the image changes the logits (the control)."""
+    path = save_vision_model(tmp_path / "m", sliding_window=64)  # a window layer, wrapped
+    model, tokenizer, config = load(str(path), return_config=True)
+    processor = load_processor(model, config)
+    ids, vision = _image_prompt(tokenizer, processor, 1, "What is it?")
+    live = make_prompt_cache(model)
+    rows = model.embed_inputs(mx.array(ids), pixel_values=vision.pixel_values)
+    first = model(mx.array([ids]), cache=live, input_embeddings=rows[None])
+    mx.eval(first, [c.state for c in live])
+    more = tokenizer.encode("And the colours?", add_special_tokens=False)
+    key = ("/models/vision", None, None)
+    with TieredPromptCache(lambda k: model, CacheConfig(block_size=16, hot_cache_only=True)) as tc:
+        tc.insert_cache(key, vision.cache_key, copy.deepcopy(live))
+        restored, rest = tc.fetch_nearest_cache(key, vision.cache_key + more)
+        assert rest == more
+        ours = model(mx.array([rest]), cache=restored)
+        assert mx.array_equal(ours, model(mx.array([more]), cache=live))
+        other_ids, other = _image_prompt(tokenizer, processor, 2, "What is it?")
+        restored, rest = tc.fetch_nearest_cache(key, other.cache_key + more)
+        assert len(rest) == len(other_ids) + len(more) - other.starts[0]
+    other_rows = model.embed_inputs(mx.array(other_ids), pixel_values=other.pixel_values)
+    other_first = model(mx.array([other_ids]), input_embeddings=other_rows[None])
+    assert not mx.array_equal(other_first, first)
