@@ -23,6 +23,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.errors import LayoutMismatchError, UnsupportedCacheError
+from prefixcache.tiny import muse_cpu
 from prefixcache.tiny.models import build_from_config
 
 from . import configs
@@ -88,6 +89,8 @@ def build(arch: str) -> Any:
     Raises:
         ImportError, ValueError, ...: the module cannot be built or run here.
     """
+    if arch == "muse_spark":  # its fused kernels are Metal's: run their MLX versions
+        muse_cpu.install()
     module = configs.load(arch)
     if module is None:
         raise ImportError(f"mlx_lm.models.{arch} defines no ModelArgs and Model")
