@@ -258,7 +258,9 @@ def test_image_prompts_are_keyed_by_image_and_never_cut_inside_one(llama):
         tiered.insert_cache(KEY, text[:30] + image[:6], cache)  # ends inside the image
         restored, rest = tiered.fetch_nearest_cache(KEY, text[:30] + image + text)
         assert rest == image + text and restored[0].offset == 30  # not inside it
-        assert tiered.stats()["num_rejected"] == 0
+        stats = tiered.stats()
+        assert stats["cached_tokens"] == 68 + 40 + 30  # one restore each, none undone
+        assert stats["num_rejected"] == 0
 
 
 def test_image_chain_tokens():
