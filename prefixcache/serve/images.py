@@ -12,7 +12,8 @@ chain at that image's first patch.
 
 A restore must not end inside an image: mlx-lm re-embeds only the images that
 start after the cached tokens, so the rest of a cut image would be prefilled
-as plain ``<|patch|>`` tokens. ``image_start`` says where to end instead.
+as plain ``<|patch|>`` tokens. ``image_start`` says where to end instead, and
+``fetch_whole_images`` ends a fetch there.
 """
 
 from __future__ import annotations
