@@ -75,7 +75,9 @@ def test_every_store_and_eviction_of_every_tier_in_order(
         st = pc.stats()
     batches = receive(sub)
     assert [seq for seq, _ in batches] == list(range(len(batches)))  # no batch lost
-    events = [(type(e).__name__, e.medium, e) for _, b in batches for e in b.events]
+    medium = {"GPU": "hot", "STORAGE": "ssd"}  # vLLM's media (both tiers are LOCAL)
+    events = [(type(e).__name__, medium[e.medium], e) for _, b in batches for e in b.events]
+    assert {e.locality for _, _, e in events} == {"LOCAL"}
     stored = {
         m: [e for n, med, e in events if n == "BlockStored" and med == m] for m in ("hot", "ssd")
     }
@@ -158,7 +160,8 @@ def test_remote_tier_stores_and_removals_are_published(llama, subscriber, redis_
         hashes = [
             block_hash(k) for k in chain_keys(pc.namespace.root_key(), token_bytes(tokens), BLOCK)
         ]
-    events = [e for _, b in receive(sub) for e in b.events if e.medium == "remote"]
+    remote = ("STORAGE", "REMOTE")  # vLLM's storage medium, on another host
+    events = [e for _, b in receive(sub) for e in b.events if (e.medium, e.locality) == remote]
     stored = [e.block_hashes[0] for e in events if type(e).__name__ == "BlockStored"]
     removed = [h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes]
     assert stored == hashes and sorted(removed) == sorted(hashes)

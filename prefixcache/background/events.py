@@ -1,23 +1,41 @@
 """KV events: every block stored in or removed from a tier, published on a ZeroMQ socket.
 
-The message layout is vLLM's KV-events layout (``vllm.distributed.kv_events``),
-so consumers built for it (Dynamo's KV router, llm-d's indexer, vLLM's example
-subscriber) read it: each message is three frames ``[topic, seq, payload]``
-(``seq``: 8-byte big-endian batch number from 0), and the payload is a
-msgspec-msgpack ``KVEventBatch`` ``[ts, [events...], data_parallel_rank]`` whose
-events are tagged arrays::
+The messages are vLLM's KV events as ``vllm.distributed.kv_events`` defines
+them now, so consumers built for vLLM or SGLang (Dynamo's KV router, llm-d's
+indexer, radixview) read them as they are. Each message is three frames
+``[topic, seq, payload]`` (``seq``: 8-byte big-endian batch number from 0);
+the payload is a msgspec-msgpack ``KVEventBatch``, a positional array
+``[ts, [events...], data_parallel_rank]`` whose events are maps tagged by
+``type``::
 
-    ["BlockStored", [hash], parent_hash | None, [token ids], block_size, None, medium]
-    ["BlockRemoved", [hash, ...], medium]
+    {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None,
+     "token_ids": [...], "block_size": n, "lora_id": None, "medium": "GPU",
+     "lora_name": None, "extra_keys": [...], "group_idx": 0,
+     "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": w,
+     "locality": "LOCAL"}
+    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU",
+     "group_idx": 0, "locality": "LOCAL"}
+    {"type": "AllBlocksCleared"}
 
-``medium`` is the tier: ``hot``, ``ssd`` or ``remote``. A block hash is the
+Fields left at their default (None) are omitted, as vLLM's encoder does.
+``medium`` and ``locality`` name the tier with vLLM's constants: ``hot`` is
+``GPU`` (its live arrays sit in the device's memory: unified on Apple
+silicon), ``ssd`` is ``STORAGE`` and ``LOCAL``, ``remote`` is ``STORAGE`` and
+``REMOTE`` (another host's server). ``group_idx``, ``kv_cache_spec_kind`` and
+``kv_cache_spec_sliding_window`` name the layout's cache groups (``groups``:
+one per kind of layer, e.g. full attention and a sliding window): a block
+holds every layer, so it is published once per group. ``extra_keys`` carries,
+on a chain's first block only, the values of the namespace's extra keys
+(``cache_salt``) that went into its hash, as vLLM does. A block hash is the
 first 8 bytes of the block's 128-bit chain key as an unsigned big-endian int
 (``block_hash``); the parent of a chain's first block is None. Only full
 blocks are published (a tail, shorter than a block, has no place in the
-layout). Events are queued by whichever thread stores or evicts (the caller,
-the SSD writer) and sent in that order by one publisher thread that owns the
-socket, in batches. The socket is an XPUB: it works as a PUB for subscribers
-and tells us when one subscribes (:meth:`EventPublisher.wait_for_subscriber`).
+layout).
+
+Events are queued by whichever thread stores or evicts (the caller, the SSD
+writer) and sent in that order by one publisher thread that owns the socket,
+in batches. The socket is an XPUB: it works as a PUB for subscribers and
+tells us when one subscribes (:meth:`EventPublisher.wait_for_subscriber`).
 Needs the ``events`` extra (pyzmq, msgspec).
 """
 
@@ -28,6 +46,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,22 +66,42 @@ logger = logging.getLogger(__name__)
 _BATCH = 1024  # events per message at most
 _MAX_QUEUED = 1 << 20  # events waiting; beyond, new ones are dropped (counted)
 
+MEDIUM_GPU = "GPU"  # vLLM's device-memory medium
+MEDIUM_CPU = "CPU"  # vLLM's host-memory offload medium (unused: hot is device memory here)
+MEDIUM_STORAGE = "STORAGE"  # vLLM's storage offload medium
+LOCAL, REMOTE = "LOCAL", "REMOTE"  # vLLM's locality: relative to the publisher
+TIER_MEDIUM = {"hot": (MEDIUM_GPU, LOCAL), "ssd": (MEDIUM_STORAGE, LOCAL)}
+TIER_MEDIUM["remote"] = (MEDIUM_STORAGE, REMOTE)
+FULL_ATTENTION = ("full_attention", None)  # the group of a layout of plain K/V layers
 
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event: a map tagged ``type`` with the class name."""
+
+
+class BlockStored(KVCacheEvent):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class AllBlocksCleared(KVCacheEvent):
     pass
 
 
@@ -86,18 +125,29 @@ class EventPublisher:
             other connects).
         block_size: tokens per block (full blocks only are published).
         topic: the first frame of every message.
+        groups: the layout's cache groups, ``(kv_cache_spec_kind, sliding window)``
+            each; a block is published once per group (``group_idx``).
 
     Raises:
         ValueError: the socket cannot bind or connect to ``url``.
     """
 
-    def __init__(self, url: str, block_size: int, *, topic: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        block_size: int,
+        *,
+        topic: str = "",
+        groups: Sequence[tuple[str, int | None]] = (FULL_ATTENTION,),
+    ) -> None:
         self.url, self.block_size, self.topic = url, block_size, topic.encode()
+        self.groups = tuple(groups) or (FULL_ATTENTION,)
+        self._extra: dict[bytes, tuple[str, ...]] = {}  # root -> its extra keys' values
         self.num_events = self.num_dropped = self.num_batches = 0
         self.num_subscribers = 0
         self._num_in = 0  # events ever queued
         self._cond = threading.Condition()
-        self._queue: deque[BlockStored | BlockRemoved] = deque()
+        self._queue: deque[KVCacheEvent] = deque()
         self._stop = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -112,23 +162,52 @@ class EventPublisher:
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None:
         bs = self.block_size
-        events = [
-            BlockStored(
-                [block_hash(b.key)],
-                block_hash(b.parent) if b.index else None,
-                np.frombuffer(b.tokens, dtype="<u4").tolist(),
-                bs,
-                None,
-                tier,
-            )
-            for b in blocks
-            if len(b.tokens) == TOKEN_BYTES * bs
-        ]
+        medium, locality = TIER_MEDIUM.get(tier, (tier, None))
+        events: list[KVCacheEvent] = []
+        for b in blocks:
+            if len(b.tokens) != TOKEN_BYTES * bs:
+                continue
+            first = b.index == 0
+            extra = self._extra.get(b.root) if first else None
+            parent = None if first else block_hash(b.parent)
+            tokens = np.frombuffer(b.tokens, dtype="<u4").tolist()
+            hashes = [block_hash(b.key)]
+            events += [
+                BlockStored(
+                    hashes,
+                    parent,
+                    tokens,
+                    bs,
+                    None,
+                    medium,
+                    None,
+                    extra_keys=[extra] if extra else None,
+                    group_idx=group,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                    locality=locality,
+                )
+                for group, (kind, window) in enumerate(self.groups)
+            ]
         self._put(events)
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
-        if keys:
-            self._put([BlockRemoved([block_hash(k) for k in keys], tier)])
+        if not keys:
+            return
+        medium, locality = TIER_MEDIUM.get(tier, (tier, None))
+        hashes = [block_hash(k) for k in keys]
+        self._put(
+            [
+                BlockRemoved(hashes, medium, group_idx=group, locality=locality)
+                for group in range(len(self.groups))
+            ]
+        )
+
+    def note_namespace(self, root: bytes, extra: Sequence[tuple[str, str]]) -> None:
+        """Tell the values of the extra keys (``cache_salt``...) under ``root``: published
+        as the ``extra_keys`` of its chains' first blocks."""
+        if extra:
+            self._extra[root] = tuple(value for _, value in sorted(extra))
 
     # -- the publisher ---------------------------------------------------------
 
@@ -158,7 +237,7 @@ class EventPublisher:
             "num_subscribers": self.num_subscribers,
         }
 
-    def _put(self, events: list[BlockStored | BlockRemoved]) -> None:
+    def _put(self, events: list[KVCacheEvent]) -> None:
         if not events:
             return
         with self._cond:
@@ -201,7 +280,7 @@ class EventPublisher:
                     self._cond.wait(0.01)
                     continue
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
-            payload = encode(KVEventBatch(time.time(), batch))
+            payload = encode(KVEventBatch(time.time(), batch, 0))  # rank 0, as vLLM's
             sock.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             with self._cond:
                 seq += 1
