@@ -48,7 +48,7 @@ def subscribe(port: int, ready, out) -> None:
     import msgspec
     import zmq
 
-    from prefixcache.background.events import MEDIUM_GPU, MEDIUM_STORAGE, KVEventBatch
+    from prefixcache.background.kv_events import MEDIUM_GPU, MEDIUM_STORAGE, KVEventBatch
 
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -62,6 +62,9 @@ def subscribe(port: int, ready, out) -> None:
         _topic, seq, payload = sub.recv_multipart()
         seqs.append(int.from_bytes(seq, "big"))
         for event in decode(payload).events:
+            if type(event).__name__ == "AllBlocksCleared":  # the first batch's
+                num_events += 1
+                continue
             counts[(type(event).__name__, tier[event.medium])] += len(event.block_hashes)
             num_events += 1
     sub.close(linger=0)

@@ -1,36 +1,18 @@
 """KV events: every block stored in or removed from a tier, published on a ZeroMQ socket.
 
-The messages are vLLM's KV events as ``vllm.distributed.kv_events`` defines
-them now, so consumers built for vLLM or SGLang (Dynamo's KV router, llm-d's
-indexer, radixview) read them as they are. Each message is three frames
-``[topic, seq, payload]`` (``seq``: 8-byte big-endian batch number from 0);
-the payload is a msgspec-msgpack ``KVEventBatch``, a positional array
-``[ts, [events...], data_parallel_rank]`` whose events are maps tagged by
-``type``::
-
-    {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": p | None,
-     "token_ids": [...], "block_size": n, "lora_id": None, "medium": "GPU",
-     "lora_name": None, "extra_keys": [...], "group_idx": 0,
-     "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": w,
-     "locality": "LOCAL"}
-    {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU",
-     "group_idx": 0, "locality": "LOCAL"}
-    {"type": "AllBlocksCleared"}
-
-Fields left at their default (None) are omitted, as vLLM's encoder does.
-``medium`` and ``locality`` name the tier with vLLM's constants: ``hot`` is
-``GPU`` (its live arrays sit in the device's memory: unified on Apple
-silicon), ``ssd`` is ``STORAGE`` and ``LOCAL``, ``remote`` is ``STORAGE`` and
-``REMOTE`` (another host's server). ``group_idx``, ``kv_cache_spec_kind`` and
-``kv_cache_spec_sliding_window`` name the layout's cache groups (``groups``:
-one per kind of layer, e.g. full attention and a sliding window): a block
-holds every layer, so it is published once per group. ``extra_keys`` carries,
-on a chain's first block only, the values of the namespace's extra keys
-(``cache_salt``) that went into its hash, as vLLM does. A block hash is the
-first 8 bytes of the block's 128-bit chain key as an unsigned big-endian int
-(``block_hash``); the parent of a chain's first block is None. Only full
-blocks are published (a tail, shorter than a block, has no place in the
-layout).
+Each message is three frames ``[topic, seq, payload]`` (``seq``: 8-byte
+big-endian batch number from 0) whose payload is a ``KVEventBatch`` in vLLM's
+current layout (kv_events.py): consumers built for vLLM or SGLang (Dynamo's KV
+router, llm-d's indexer, radixview) read it as it is. A block is published
+once per cache group of the layout (``groups``: e.g. a sliding window and full
+attention) with the tier's medium and locality; ``extra_keys`` carries, on a
+chain's first block only, the values of the namespace's extra keys
+(``cache_salt``) that went into its hash, as vLLM does. The parent of a
+chain's first block is None. Only full blocks are published (a tail, shorter
+than a block, has no place in the layout). A publisher's first batch starts
+with ``AllBlocksCleared``: a consumer that kept what an earlier process
+published (a restarted server) drops it, since that process's hot tier is
+gone; blocks are announced as tiers store them.
 
 Events are queued by whichever thread stores or evicts (the caller, the SSD
 writer) and sent in that order by one publisher thread that owns the socket,
@@ -46,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -56,6 +37,17 @@ from ..tiers.base import ChainEntry
 try:
     import msgspec
     import zmq
+
+    from .kv_events import (
+        FULL_ATTENTION,
+        TIER_MEDIUM,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVCacheEvent,
+        KVEventBatch,
+        block_hash,
+    )
 except ImportError as err:  # the optional extra is not installed
     raise ImportError(
         f"events_url needs pyzmq and msgspec: pip install 'prefixcache[events]' ({err})"
@@ -65,55 +57,6 @@ logger = logging.getLogger(__name__)
 
 _BATCH = 1024  # events per message at most
 _MAX_QUEUED = 1 << 20  # events waiting; beyond, new ones are dropped (counted)
-
-MEDIUM_GPU = "GPU"  # vLLM's device-memory medium
-MEDIUM_CPU = "CPU"  # vLLM's host-memory offload medium (unused: hot is device memory here)
-MEDIUM_STORAGE = "STORAGE"  # vLLM's storage offload medium
-LOCAL, REMOTE = "LOCAL", "REMOTE"  # vLLM's locality: relative to the publisher
-TIER_MEDIUM = {"hot": (MEDIUM_GPU, LOCAL), "ssd": (MEDIUM_STORAGE, LOCAL)}
-TIER_MEDIUM["remote"] = (MEDIUM_STORAGE, REMOTE)
-FULL_ATTENTION = ("full_attention", None)  # the group of a layout of plain K/V layers
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """An event: a map tagged ``type`` with the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-def block_hash(key: bytes) -> int:
-    """The published hash of a block key: its first 8 bytes, unsigned big-endian."""
-    return int.from_bytes(key[:8], "big")
 
 
 class EventPublisher:
@@ -280,6 +223,8 @@ class EventPublisher:
                     self._cond.wait(0.01)
                     continue
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
+            if seq == 0:  # what an earlier process published is void: its hot tier is gone
+                batch.insert(0, AllBlocksCleared())
             payload = encode(KVEventBatch(time.time(), batch, 0))  # rank 0, as vLLM's
             sock.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             with self._cond:
