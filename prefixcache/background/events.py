@@ -1,9 +1,9 @@
 """KV events: every block stored in or removed from a tier, published on a ZeroMQ socket.
 
 Each message is three frames ``[topic, seq, payload]`` (``seq``: 8-byte
-big-endian batch number from 0) whose payload is a ``KVEventBatch`` in vLLM's
-current layout (kv_events.py): consumers built for vLLM or SGLang (Dynamo's KV
-router, llm-d's indexer, radixview) read it as it is. A block is published
+big-endian batch number from 0) whose payload is a batch in vLLM's current
+layout (kv_events.py: Dynamo's KV router, llm-d's indexer and radixview read
+it as it is) or, with ``form="sglang"``, SGLang's own (sglang_events.py). A block is published
 once per cache group of the layout (``groups``: e.g. a sliding window and full
 attention) with the tier's medium and locality; ``extra_keys`` carries, on a
 chain's first block only, the values of the namespace's extra keys
@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,16 +39,8 @@ try:
     import msgspec
     import zmq
 
-    from .kv_events import (
-        FULL_ATTENTION,
-        TIER_MEDIUM,
-        AllBlocksCleared,
-        BlockRemoved,
-        BlockStored,
-        KVCacheEvent,
-        KVEventBatch,
-        block_hash,
-    )
+    from .kv_events import FULL_ATTENTION, Extra, VllmForm, block_hash
+    from .sglang_events import SglangForm
 except ImportError as err:  # the optional extra is not installed
     raise ImportError(
         f"events_url needs pyzmq and msgspec: pip install 'prefixcache[events]' ({err})"
@@ -70,6 +63,7 @@ class EventPublisher:
         topic: the first frame of every message.
         groups: the layout's cache groups, ``(kv_cache_spec_kind, sliding window)``
             each; a block is published once per group (``group_idx``).
+        form: ``"vllm"`` (kv_events.py) or ``"sglang"`` (sglang_events.py).
 
     Raises:
         ValueError: the socket cannot bind or connect to ``url``.
@@ -82,15 +76,16 @@ class EventPublisher:
         *,
         topic: str = "",
         groups: Sequence[tuple[str, int | None]] = (FULL_ATTENTION,),
+        form: str = "vllm",
     ) -> None:
         self.url, self.block_size, self.topic = url, block_size, topic.encode()
-        self.groups = tuple(groups) or (FULL_ATTENTION,)
-        self._extra: dict[bytes, tuple[str, ...]] = {}  # root -> its extra keys' values
+        self.form = SglangForm(block_size) if form == "sglang" else VllmForm(block_size, groups)
+        self._extra: dict[bytes, Extra] = {}  # root -> its extra keys
         self.num_events = self.num_dropped = self.num_batches = 0
         self.num_subscribers = 0
         self._num_in = 0  # events ever queued
         self._cond = threading.Condition()
-        self._queue: deque[KVCacheEvent] = deque()
+        self._queue: deque[Any] = deque()
         self._stop = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -104,53 +99,26 @@ class EventPublisher:
     # -- BlockListener ---------------------------------------------------------
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None:
-        bs = self.block_size
-        medium, locality = TIER_MEDIUM.get(tier, (tier, None))
-        events: list[KVCacheEvent] = []
+        events: list[Any] = []
         for b in blocks:
-            if len(b.tokens) != TOKEN_BYTES * bs:
+            if len(b.tokens) != TOKEN_BYTES * self.block_size:
                 continue
             first = b.index == 0
-            extra = self._extra.get(b.root) if first else None
+            extra = self._extra.get(b.root, ()) if first else ()
             parent = None if first else block_hash(b.parent)
             tokens = np.frombuffer(b.tokens, dtype="<u4").tolist()
-            hashes = [block_hash(b.key)]
-            events += [
-                BlockStored(
-                    hashes,
-                    parent,
-                    tokens,
-                    bs,
-                    None,
-                    medium,
-                    None,
-                    extra_keys=[extra] if extra else None,
-                    group_idx=group,
-                    kv_cache_spec_kind=kind,
-                    kv_cache_spec_sliding_window=window,
-                    locality=locality,
-                )
-                for group, (kind, window) in enumerate(self.groups)
-            ]
+            events += self.form.stored(tier, block_hash(b.key), parent, tokens, extra)
         self._put(events)
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
-        if not keys:
-            return
-        medium, locality = TIER_MEDIUM.get(tier, (tier, None))
-        hashes = [block_hash(k) for k in keys]
-        self._put(
-            [
-                BlockRemoved(hashes, medium, group_idx=group, locality=locality)
-                for group in range(len(self.groups))
-            ]
-        )
+        if keys:
+            self._put(self.form.removed(tier, [block_hash(k) for k in keys]))
 
     def note_namespace(self, root: bytes, extra: Sequence[tuple[str, str]]) -> None:
-        """Tell the values of the extra keys (``cache_salt``...) under ``root``: published
-        as the ``extra_keys`` of its chains' first blocks."""
+        """Tell the extra keys (``cache_salt``...) of the namespace under ``root``:
+        published with its chains' first blocks."""
         if extra:
-            self._extra[root] = tuple(value for _, value in sorted(extra))
+            self._extra[root] = tuple(sorted(extra))
 
     # -- the publisher ---------------------------------------------------------
 
@@ -180,7 +148,7 @@ class EventPublisher:
             "num_subscribers": self.num_subscribers,
         }
 
-    def _put(self, events: list[KVCacheEvent]) -> None:
+    def _put(self, events: list[Any]) -> None:
         if not events:
             return
         with self._cond:
@@ -224,8 +192,8 @@ class EventPublisher:
                     continue
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
             if seq == 0:  # what an earlier process published is void: its hot tier is gone
-                batch.insert(0, AllBlocksCleared())
-            payload = encode(KVEventBatch(time.time(), batch, 0))  # rank 0, as vLLM's
+                batch.insert(0, self.form.cleared())
+            payload = encode(self.form.batch(time.time(), batch))
             sock.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             with self._cond:
                 seq += 1

@@ -28,6 +28,7 @@ unsigned big-endian int (``block_hash``). Needs the ``events`` extra (msgspec).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -83,3 +84,55 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 def block_hash(key: bytes) -> int:
     """The published hash of a block key: its first 8 bytes, unsigned big-endian."""
     return int.from_bytes(key[:8], "big")
+
+
+Extra = tuple[tuple[str, str], ...]  # a namespace's extra keys, sorted (name, value)
+
+
+class VllmForm:
+    """Events as vLLM publishes them: a block once per cache group, the tier as
+    ``medium`` and ``locality``, a salted chain's values on its first block.
+
+    Args:
+        block_size: tokens per block.
+        groups: the layout's cache groups, ``(kv_cache_spec_kind, sliding window)``.
+    """
+
+    def __init__(self, block_size: int, groups: Sequence[tuple[str, int | None]]) -> None:
+        self.block_size, self.groups = block_size, tuple(groups) or (FULL_ATTENTION,)
+
+    def stored(
+        self, tier: str, key: int, parent: int | None, tokens: list[int], extra: Extra
+    ) -> list[KVCacheEvent]:
+        medium, locality = TIER_MEDIUM[tier]
+        keys = [tuple(value for _, value in extra)] if extra else None
+        return [
+            BlockStored(
+                [key],
+                parent,
+                tokens,
+                self.block_size,
+                None,
+                medium,
+                None,
+                extra_keys=keys,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                locality=locality,
+            )
+            for group, (kind, window) in enumerate(self.groups)
+        ]
+
+    def removed(self, tier: str, keys: list[int]) -> list[KVCacheEvent]:
+        medium, locality = TIER_MEDIUM[tier]
+        return [
+            BlockRemoved(keys, medium, group_idx=group, locality=locality)
+            for group in range(len(self.groups))
+        ]
+
+    def cleared(self) -> KVCacheEvent:
+        return AllBlocksCleared()
+
+    def batch(self, ts: float, events: list[Any]) -> msgspec.Struct:
+        return KVEventBatch(ts, events, 0)  # rank 0, as vLLM's publisher sets it

@@ -54,7 +54,9 @@ class Services:
         if config.events_url is not None:
             from .events import EventPublisher  # pyzmq and msgspec only when asked for
 
-            self.events = EventPublisher(config.events_url, config.block_size, groups=groups)
+            self.events = EventPublisher(
+                config.events_url, config.block_size, groups=groups, form=config.events_format
+            )
             watch(tiers.all, tiers.governor, self.events)
         seconds = config.counters_save_seconds
         self.saver = (  # a killed process loses at most `seconds` of counters
