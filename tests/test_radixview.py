@@ -96,11 +96,13 @@ def test_radixview_decoder_and_tree_on_our_frames(llama, tmp_path, subscriber): 
     assert len(unlinked_nodes) == 6 and {n["parent"] for n in unlinked_nodes} == {None}
 
 
-def test_radixview_process_against_serve_under_the_demo_chats(tmp_path):
+@pytest.mark.parametrize("form", ["vllm", "sglang"])
+def test_radixview_process_against_serve_under_the_demo_chats(tmp_path, form):
     """The real radixview process against a real ``prefixcache serve``: it discovers
     the publisher through /server_info and its tree, read from its JSON API, is the one
-    ``prefixcache tree`` prints (tails, never published, aside), per tier."""
-    report = radixview_page.run(tmp_path, turns=2, conversations=3, words=(120, 20))
+    ``prefixcache tree`` prints (tails, never published, aside), per tier; with the
+    events in vLLM's form and in SGLang's (``--events-format``)."""
+    report = radixview_page.run(tmp_path, turns=2, conversations=3, words=(120, 20), form=form)
     kv = report["server_info"]["kv_events"]
     assert kv["publisher"] == "zmq" and kv["endpoint_host"] == "*" and kv["block_size"] == 16
     assert report["serve_exit"] == 0 and report["requests"] == 6

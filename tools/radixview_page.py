@@ -12,7 +12,8 @@ while serving (every block in the hot tier: medium ``GPU``) and after SIGTERM
 (the hot tier flushed to the SSD tier: medium ``STORAGE``). Each is compared
 with what ``prefixcache tree --json`` prints of the SSD directory afterwards:
 the same prefixes (chains of full blocks, collapsed between forks as both
-draw them, by block hash), the same block and token counts. ``--screenshot``
+draw them, by block hash), the same block and token counts (``--events-format
+sglang``: the same in SGLang's form, its ``DISK`` read as ``STORAGE``). ``--screenshot``
 takes radixview's page in headless Chromium (Debian's ``chromium``) while
 serving. One summary line per tier, a table, exit 1 if a tree differs.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -37,6 +37,7 @@ from prefixcache.cli.demo import demo_turns
 from prefixcache.tiny.models import save_model
 
 BLOCK_SIZE = 16
+MEDIA = {"DISK": "STORAGE"}  # SGLang's name of the SSD tier's medium, as vLLM's
 WAIT = 60.0  # seconds for a process or a tree to be ready
 # first hash, last hash (None: not compared), blocks, tokens, parent node's first hash
 Node = tuple[int, int | None, int, int, int | None]
@@ -61,12 +62,15 @@ def wait_for(what: str, check, timeout: float = WAIT):
     raise TimeoutError(f"{what}: not ready in {timeout:g}s")
 
 
-def start_serve(model: Path, ssd: Path, log: Path) -> tuple[subprocess.Popen, str, int]:
-    """``prefixcache serve`` with KV events; (process, URL, metrics port) once healthy."""
+def start_serve(
+    model: Path, ssd: Path, log: Path, form: str = "vllm"
+) -> tuple[subprocess.Popen, str, int]:
+    """``prefixcache serve`` with KV events in ``form``; (process, URL, metrics port)."""
     port, events, metrics = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model)]
     argv += ["--ssd-dir", str(ssd), "--block-size", str(BLOCK_SIZE)]
-    argv += ["--events-url", f"tcp://*:{events}", "--metrics-port", str(metrics)]
+    argv += ["--events-url", f"tcp://*:{events}", "--events-format", form]
+    argv += ["--metrics-port", str(metrics)]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -121,21 +125,15 @@ def chat_demo(url: str, turns: int, conversations: int, words: tuple[int, int]) 
 def their_tree(view: str) -> dict:
     """radixview's tree from its API: nodes as ``Node`` tuples, and its stats."""
     doc = requests.get(view + "/api/tree", timeout=5).json()
-    first = {n["id"]: int(n["id"].split("..")[0]) for n in doc["nodes"] if not n["missing"]}
-    nodes, lasts = set(), {}
-    for n in doc["nodes"]:
-        if n["missing"]:
-            continue
-        last = int(n["id"].split("..")[-1])
+    present = [n for n in doc["nodes"] if not n["missing"]]
+    first = {n["id"]: int(n["id"].split("..")[0]) for n in present}
+    nodes, lasts, previews = set(), {}, []
+    for n in present:
         parent = first.get(n["parent"]) if n["parent"] is not None else None
         nodes.add((first[n["id"]], None, n["blocks"], n["tokens"], parent))
-        lasts[first[n["id"]]] = last
-    media = {n["medium"] for n in doc["nodes"] if not n["missing"]}
-    previews = [
-        (n["preview"], first.get(n["parent"]) if n["parent"] else None)
-        for n in doc["nodes"]
-        if not n["missing"]
-    ]
+        lasts[first[n["id"]]] = int(n["id"].split("..")[-1])
+        previews.append((n["preview"], parent))
+    media = {MEDIA.get(n["medium"], n["medium"]) for n in present}
     out = {"nodes": nodes, "last": lasts, "media": media, "stats": doc["stats"]}
     return out | {"previews": previews}
 
@@ -203,11 +201,19 @@ def stop(proc: subprocess.Popen) -> int:
     return proc.returncode
 
 
-def run(workdir: Path, *, turns=3, conversations=3, words=(500, 60), shot: Path | None = None):
-    """The whole comparison in ``workdir``; returns the report (``report`` prints it)."""
+def run(
+    workdir: Path,
+    *,
+    turns: int = 3,
+    conversations: int = 3,
+    words: tuple[int, int] = (500, 60),
+    shot: Path | None = None,
+    form: str = "vllm",
+) -> dict:
+    """The whole comparison in ``workdir`` (events in ``form``); returns the report."""
     model = save_model(workdir / "model", "llama")
     ssd = workdir / "ssd"
-    serve, url, metrics = start_serve(model, ssd, workdir / "serve.log")
+    serve, url, metrics = start_serve(model, ssd, workdir / "serve.log", form)
     viewer = None
     try:
         info = requests.get(url + "/server_info", timeout=5).json()
@@ -263,12 +269,13 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=3)
     p.add_argument("--system-words", type=int, default=500, help="the demo's: 500")
     p.add_argument("--turn-words", type=int, default=60, help="the demo's: 60")
+    p.add_argument("--events-format", choices=("vllm", "sglang"), default="vllm")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="radixview-page-") as tmp:
         words = (args.system_words, args.turn_words)
         shape = {"turns": args.turns, "conversations": args.conversations, "words": words}
-        report = run(Path(tmp), **shape, shot=args.screenshot)
+        report = run(Path(tmp), **shape, shot=args.screenshot, form=args.events_format)
     rows = summary(report)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -284,5 +291,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())
