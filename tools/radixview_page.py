@@ -237,6 +237,7 @@ def run(
         "requests": num_requests,
         "serve_exit": serve_rc,
         "published_while_serving": published,
+        "form": form,
         "hot": hot,
         "ssd": ssd_tree,
         "ours": ours,
@@ -246,7 +247,8 @@ def run(
 def summary(report: dict) -> dict:
     ours = report["ours"]["nodes"]
     out = {}
-    for tier, medium in (("hot", "GPU"), ("ssd", "STORAGE")):
+    disk = "DISK" if report["form"] == "sglang" else "STORAGE"
+    for tier, medium in (("hot", "GPU"), ("ssd", disk)):
         theirs = report[tier]["nodes"]
         out[tier] = {
             "medium": medium,
