@@ -1,6 +1,7 @@
 """The KV-events wire layout: vLLM's structures and constants, as
 ``vllm.distributed.kv_events`` defines them now (its field lists, rebuilt: vLLM
-needs torch), so consumers built for vLLM or SGLang read our events as they are.
+needs torch), so consumers built for vLLM read our events as they are (SGLang's
+own structures: sglang_events.py).
 
 A message's payload is a msgspec-msgpack ``KVEventBatch``, a positional array
 ``[ts, [events...], data_parallel_rank]`` whose events are maps tagged by
