@@ -238,3 +238,17 @@ def test_negative_control_other_structures_do_not_decode(subscriber):  # noqa: F
         with pytest.raises(msgspec.ValidationError):
             msgspec.msgpack.Decoder(type=batch_type).decode(payloads[0])
     assert len(msgspec.msgpack.Decoder(type=KVEventBatch).decode(payloads[0]).events) == 3
+
+
+@pytest.mark.parametrize(
+    ("arch", "groups"),
+    [
+        ("llama", (("full_attention", None),)),
+        ("gemma3_text", (("sliding_window", 16), ("full_attention", None))),
+        ("qwen3_next", (("mamba", None), ("full_attention", None))),
+    ],
+)
+def test_cache_groups_of_a_layout(arch, groups):
+    """The groups a layout publishes, in vLLM's kinds: by layer order, one per kind."""
+    with PrefixCache(tiny_model(arch), CacheConfig(hot_cache_only=True)) as pc:
+        assert pc.layout.groups == groups
