@@ -19,6 +19,7 @@ from .settings import ENV_PREFIX, parse_bytes
 
 __all__ = [
     "ENV_PREFIX",
+    "EVENTS_FORMATS",
     "EVICTIONS",
     "QUEUE_FULL_POLICIES",
     "WRITE_POLICIES",
@@ -32,6 +33,8 @@ WRITE_POLICIES = ("write_back", "write_through")
 Eviction = Literal["cost", "lru", "density", "frequency"]
 EVICTIONS = ("cost", "lru")
 QueueFullPolicy = Literal["drop", "inline"]
+EventsFormat = Literal["vllm", "sglang"]
+EVENTS_FORMATS = ("vllm", "sglang")
 QUEUE_FULL_POLICIES = ("drop", "inline")
 MIN_WRITE_QUEUE_BYTES = 4 << 20  # the default queue bound's floor
 
@@ -136,6 +139,10 @@ class CacheConfig:
         events_url: publish BlockStored / BlockRemoved events (vLLM's KV-events
             layout) on a ZeroMQ PUB socket at this address (``tcp://*:5557``
             binds); None: no events. Needs the ``events`` extra.
+        events_format: ``vllm`` (vLLM's current structures: maps, media ``GPU`` /
+            ``STORAGE`` with ``locality``, cache groups) or ``sglang`` (SGLang's:
+            positional arrays, media ``GPU`` / ``DISK`` / ``EXTERNAL``), for
+            consumers that decode with one project's own structures.
         pin_system_prompts: ``prefixcache serve`` pins every request's system
             prompt (its first segment).
         remote_secret: shared by the hosts of one cache: every remote value is
@@ -181,6 +188,7 @@ class CacheConfig:
     ssd_write_budget: int = 0
     warm_bytes: int = 0
     events_url: str | None = None
+    events_format: EventsFormat = "vllm"
     pin_system_prompts: bool = False
     remote_secret: str | None = None
     remote_secret_file: str | None = None
@@ -241,7 +249,7 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        # write_policy, eviction, queue_full: their Literal types, checked above
+        # write_policy, eviction, queue_full, events_format: their Literal types, above
         check_remote(self.remote_url, self.remote_prefix)
         check_events(self.events_url)
         check_remote_trust(self)

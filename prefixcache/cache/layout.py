@@ -65,6 +65,17 @@ class ModelLayout:
     def __len__(self) -> int:
         return len(self.signature)
 
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[str, int | None], ...]:
+        """The cache groups as vLLM's KV events name them: one per kind of layer,
+        ``(kv_cache_spec_kind, sliding window or None)``, in layer order."""
+        out: list[tuple[str, int | None]] = []
+        for cache in self.template:
+            group = _group(cache)
+            if group not in out:
+                out.append(group)
+        return tuple(out)
+
     @property
     def checkpointed(self) -> bool:
         """Whether some layer cannot be cut back to any earlier token: recurrent
@@ -205,6 +216,19 @@ class ModelLayout:
                 f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
                 f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
             )
+
+
+def _group(cache: Any) -> tuple[str, int | None]:
+    """vLLM's ``KVCacheSpecKind`` of a layer's cache, and its window."""
+    if isinstance(cache, RotatingKVCache):
+        return "sliding_window", cache.max_size
+    if isinstance(cache, ChunkedKVCache):
+        return "chunked_local_attention", cache.chunk_size
+    if isinstance(cache, ArraysCache):
+        return "mamba", None
+    if isinstance(cache, KVCache | QuantizedKVCache):
+        return "full_attention", None
+    return "unknown", None
 
 
 def _sizes(caches: Sequence[Any]) -> tuple[int, int, int]:

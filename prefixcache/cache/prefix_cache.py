@@ -85,7 +85,12 @@ class PrefixCache:
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
         self.prefetcher = Prefetcher(self.tiers, self._lock, self._stats, bound)
         self.services = Services(
-            self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
+            self.config,
+            self.tiers,
+            self._lock,
+            self._stats,
+            lambda: self._root(None),
+            self.layout.groups,
         )
         cfg = self.config
         self.shared_prefixes = SharedRegistry(
@@ -544,6 +549,7 @@ class PrefixCache:
             root = self._roots[items] = namespace.root_key()
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
+            self.services.note_namespace(root, items)
         return root
 
 

@@ -14,7 +14,14 @@ import sys
 
 import mlx.core as mx
 
-from ..config import ENV_PREFIX, EVICTIONS, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..config import (
+    ENV_PREFIX,
+    EVENTS_FORMATS,
+    EVICTIONS,
+    WRITE_POLICIES,
+    CacheConfig,
+    parse_bytes,
+)
 from ..errors import SsdDirError, SsdFormatError
 from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
 from .common import Command, UsageError
@@ -102,6 +109,11 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
     group.add_argument(
+        "--events-format",
+        choices=EVENTS_FORMATS,
+        help="KV events as vLLM's structures (default) or SGLang's",
+    )
+    group.add_argument(
         "--pin-system-prompts",
         action="store_true",
         default=None,
@@ -180,6 +192,7 @@ _CONFIG_FLAGS = (
     "ssd_write_budget",
     "warm_bytes",
     "events_url",
+    "events_format",
     "pin_system_prompts",
     "eviction",
 )

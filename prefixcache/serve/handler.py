@@ -9,7 +9,8 @@ bytes again. A request the generation thread refuses is a 400, one it fails a
 500 (generator.py), where mlx-lm would say 404; 404 is left for unknown paths
 and sessions. ``/health`` says ``restarting`` (503) while the generation loop
 starts again. A client that sends nothing for ``--client-timeout`` seconds is
-disconnected.
+disconnected. ``GET /server_info`` and ``POST /detokenize`` answer as SGLang's do
+(info.py), so tools that discover a KV-event publisher from them find ours.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, ClassVar
 
 from mlx_lm import server
 
 from .generator import failure
+from .info import detokenize_ids
 from .request_options import DEFAULT, RequestOptions, check_name, parse
 from .supervisor import GenerationFailed
 from .validate import Limits, RequestError, check_body, parse_body, read_body
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
 SESSIONS = "/v1/sessions/"  # DELETE /v1/sessions/{session_id} ends a session
+SERVER_INFO = frozenset({"/server_info", "/get_server_info"})  # SGLang's names (info.py)
 CLIENT_TIMEOUT = 30.0  # --client-timeout default (seconds)
 DRAIN_SECONDS = 1.0  # after a 413: read the rest for this long, so the client sees the reply
 
@@ -53,9 +56,19 @@ class GuardedHandler(server.APIHandler):
 
     limits = Limits()
     timeout = CLIENT_TIMEOUT  # socketserver applies it to the connection
+    info: ClassVar[dict[str, object]] = {}  # GET /server_info (info.py), set per server
     _options = DEFAULT
 
+    def do_GET(self) -> None:
+        if urllib.parse.urlsplit(self.path).path in SERVER_INFO:
+            self._reply(200, self.info)
+            return
+        super().do_GET()
+
     def do_POST(self) -> None:
+        if self.path == "/detokenize":
+            self._detokenize()
+            return
         if self.path not in COMPLETIONS:
             super().do_POST()  # its 404
             return
@@ -73,6 +86,21 @@ class GuardedHandler(server.APIHandler):
             super().do_POST()
         finally:
             self.rfile = rfile
+
+    def _detokenize(self) -> None:
+        """``POST /detokenize``: the text of token ids, by the loaded model's tokenizer."""
+        generator = self.response_generator
+        tokenizer = generator.model_provider.tokenizer
+        try:
+            body = parse_body(read_body(self.rfile, self.headers, self.limits.max_body_bytes))
+            if tokenizer is None:
+                raise RequestError("no model is loaded yet", 503)
+            vocab = generator.vocab_size() or len(tokenizer.vocab)
+            tokens = detokenize_ids(body, vocab)
+        except ValueError as err:  # RequestError or a bad id
+            self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
+            return
+        self._reply(200, {"text": tokenizer.decode(tokens)})
 
     def _limits(self) -> Limits:
         """``limits`` with what the loaded model takes (vocabulary, images)."""
@@ -164,6 +192,9 @@ class GuardedHandler(server.APIHandler):
         self._reply(200, {"session_id": session, "num_blocks": num})
 
 
-def configured(limits: Limits, client_timeout: float) -> type[GuardedHandler]:
-    """GuardedHandler with these limits."""
-    return type("Handler", (GuardedHandler,), {"limits": limits, "timeout": client_timeout})
+def configured(
+    limits: Limits, client_timeout: float, info: dict[str, object] | None = None
+) -> type[GuardedHandler]:
+    """GuardedHandler with these limits, answering ``/server_info`` with ``info``."""
+    attrs = {"limits": limits, "timeout": client_timeout, "info": info or {}}
+    return type("Handler", (GuardedHandler,), attrs)

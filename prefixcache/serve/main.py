@@ -8,6 +8,8 @@ sequential path) prefills up to each checkpoint first (segments.py).
 Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
 takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way.
 Imported only to serve (it imports mlx-lm); the options are cli/serve.py's.
+With ``--events-url`` the default model's cache opens as soon as the model is
+loaded, so the KV-events publisher listens before the first request.
 
 The generator subclass builds on generator.py's (its loop supervised, each
 prompt checked) and the HTTP handler is handler.py's (each request checked
@@ -38,6 +40,7 @@ from ..config import CacheConfig
 from .fit import ModelKey, ModelPair, cache_key
 from .generator import GuardedGenerator
 from .handler import CLIENT_TIMEOUT, asked, configured
+from .info import server_info
 from .metrics import serve_metrics
 from .prefetch import QueuedPrefetch
 from .prompt_cache import TieredPromptCache
@@ -79,7 +82,7 @@ def run_mlx_server(
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
     generator_class = _generator_class(GuardedGenerator, config, generators, shared)
     run_http = server._run_http_server
-    handler = configured(limits or Limits(), client_timeout)
+    handler = configured(limits or Limits(), client_timeout, server_info(config, model))
     with (
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
@@ -109,6 +112,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             self._options: dict[int, RequestOptions] = {}
             self._options_lock = threading.Lock()
             self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
+            _open_on_load(model_provider, self.tiered, config.events_url)
             made.append(self)
             super().__init__(model_provider, self.tiered)
 
@@ -146,6 +150,22 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 self.tiered.close()
 
     return TieredResponseGenerator
+
+
+def _open_on_load(provider: Any, tiered: TieredPromptCache, events_url: str | None) -> None:
+    """With KV events, open the default model's cache as soon as the generation thread
+    loads it: the publisher then listens (on the port ``/server_info`` names) before the
+    first request stores a block, so a subscriber started with the server misses none."""
+    if events_url is None:
+        return
+    load_default = provider.load_default
+
+    def load_and_open() -> None:
+        load_default()
+        if provider.model_key is not None:
+            tiered.fetch_nearest_cache(provider.model_key, [])  # no tokens: opens, fetches none
+
+    provider.load_default = load_and_open
 
 
 def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callable[..., Any]:

@@ -39,6 +39,7 @@ class ChainEntry(Protocol):
 
     key: bytes
     parent: bytes
+    root: bytes
     index: int
     tokens: bytes
     nbytes: int
