@@ -109,8 +109,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
             cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
             self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
-            self._options: dict[int, RequestOptions] = {}
-            self._options_lock = threading.Lock()
+            self._options, self._options_lock = dict[int, RequestOptions](), threading.Lock()
             self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
             _open_on_load(model_provider, self.tiered, config.events_url)
             made.append(self)
