@@ -40,14 +40,18 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 import mlx.core as mx
 import numpy as np
-from benchlib import add_chain_args, evict, minor_faults, read_into_fresh, tier_config
+from benchlib import (
+    Clock,
+    add_chain_args,
+    evict,
+    read_into_fresh,
+    rows_in,
+    tier_config,
+)
 from shapes import (
     cache_bytes,
     custom,
@@ -77,24 +81,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiers", type=_csv(str), default=["hot", "ssd"], help="hot,ssd")
     p.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold"])
     p.add_argument("--base-root", help="a checkout whose prefixcache is measured too")
+    p.add_argument(
+        "--mx-cache-limit",
+        type=lambda v: int(float(v.rstrip("G")) * (1 << 30)) if v.endswith("G") else int(v),
+        help="MLX's buffer cache limit (e.g. 4G): freed restore buffers reused, as"
+        " Metal's default cache does; default: MLX's (32 MiB on the CPU)",
+    )
     p.add_argument("--shape-json", help=argparse.SUPPRESS)  # one shape, from the parent
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # rows, for it
     return p
-
-
-class Clock:
-    """Wall time, this process's CPU time (all its threads) and page faults of a
-    block of code."""
-
-    def __enter__(self) -> Clock:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-        self.faults = minor_faults()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
-        self.faults = minor_faults() - self.faults
 
 
 def memcpy(source: np.ndarray) -> Clock:
@@ -211,16 +206,14 @@ def measure(args, shape) -> list[dict[str, object]]:
 
 def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
     """``measure`` in a child process importing the prefixcache under ``root``."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, os.path.join(here, "bench_blocks.py"), "--json"]
-    cmd += ["--shape-json", shape_json(shape), "--tokens", str(args.tokens)]
-    cmd += ["--blocks", ",".join(map(str, args.block_sizes)), "--tiers", ",".join(args.tiers)]
-    cmd += ["--repeat", str(args.repeat), "--modes", *args.modes]
+    argv = ["--shape-json", shape_json(shape), "--tokens", str(args.tokens)]
+    argv += ["--blocks", ",".join(map(str, args.block_sizes)), "--tiers", ",".join(args.tiers)]
+    argv += ["--repeat", str(args.repeat), "--modes", *args.modes]
+    if args.mx_cache_limit is not None:
+        argv += ["--mx-cache-limit", str(args.mx_cache_limit)]
     if args.dir:
-        cmd += ["--dir", args.dir]
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    rows = json.loads(out.strip().splitlines()[-1])
+        argv += ["--dir", args.dir]
+    rows = rows_in(root, os.path.abspath(__file__), argv)
     for row in rows:
         row["code"] = label
         print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
@@ -230,6 +223,8 @@ def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
 def main() -> None:
     args = setup_arg_parser().parse_args()
     args.block_sizes = args.blocks or args.block_sizes
+    if args.mx_cache_limit is not None:
+        mx.set_cache_limit(args.mx_cache_limit)
     bad = [t for t in args.tiers if t not in ("hot", "ssd")]
     if bad:
         raise SystemExit(f"--tiers: unknown tier {bad[0]!r} (hot, ssd)")
