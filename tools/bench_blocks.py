@@ -75,10 +75,10 @@ def _csv(kind):
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chain_args(p, [16, 32, 64, 256], 5)
-    p.add_argument("--blocks", type=_csv(int), help="block sizes, e.g. 16,32,64,256")
-    p.add_argument("--shape", type=_csv(str), help="presets of tools/shapes.py, or all")
+    p.add_argument("--blocks", nargs="+", type=_csv(int), help="block sizes: 16,32,64,256")
+    p.add_argument("--shape", nargs="+", type=_csv(str), help="presets of tools/shapes.py, all")
     p.add_argument("--dir", default=None, help="parent directory of the SSD tiers")
-    p.add_argument("--tiers", type=_csv(str), default=["hot", "ssd"], help="hot,ssd")
+    p.add_argument("--tiers", nargs="+", type=_csv(str), default=[["hot", "ssd"]], help="hot,ssd")
     p.add_argument("--modes", nargs="+", default=["warm"], choices=["warm", "cold"])
     p.add_argument("--base-root", help="a checkout whose prefixcache is measured too")
     p.add_argument(
@@ -222,6 +222,10 @@ def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
+    args.blocks, args.shape, args.tiers = (
+        [v for values in lists for v in values] if lists else None
+        for lists in (args.blocks, args.shape, args.tiers)
+    )
     args.block_sizes = args.blocks or args.block_sizes
     if args.mx_cache_limit is not None:
         mx.set_cache_limit(args.mx_cache_limit)
