@@ -14,12 +14,11 @@ an array of the right shape (of unspecified bytes), only not faster; should
 ``mx.load`` refuse the stream, ``mx.zeros`` is used.
 
 A restore needs a buffer per layer and per K/V (32 for a 16-layer model):
-inside ``batched``, a restore's buffers come from ONE ``mx.load`` of a
-stream holding them all (``Batch``), still each in its own
-allocation (a cache that shares one buffer with another layer's would copy it
-on its first write: MLX donates only a buffer no other array holds). One load
-wakes MLX's IO thread once, where one per buffer woke it 32 times: a fixed
-cost per layer of every restore (tools/bench_blocks.py).
+inside ``batched``, a restore's buffers come from ONE ``mx.load`` of a stream
+holding them all (``Batch``), still each in its own allocation (a cache sharing
+one buffer with another layer's would copy it on its first write: MLX writes in
+place only into a buffer no other array holds). One load wakes MLX's IO thread
+once, where one per buffer woke it 32 times (tools/bench_restore_buffers.py).
 """
 
 from __future__ import annotations
