@@ -288,3 +288,20 @@ def test_a_bad_tenant_name_is_refused_and_nothing_stored_is_lost():
             pc.tenant_stats("nobody")
         assert pc.stats()["tenants"] == before
         assert pc.match(prompt(8, 32)) == 31
+
+
+def test_prometheus_text_has_every_tenant_figure_labelled():
+    from prefixcache.stats import prometheus_text
+
+    model = tiny_model("llama")
+    config = tenants_config(hot_tenant_floors="b=16K", hot_tenant_caps='q"x=32K')
+    with PrefixCache(model, config, model_id="t") as pc:
+        stored(pc, model, prompt(10, 32), tenant="b")
+        text = prometheus_text(pc.stats())
+    assert 'prefixcache_tenant_blocks{tenant="b",tier="hot"} 2' in text
+    assert 'prefixcache_tenant_floor_bytes{tenant="b",tier="hot"} 16384' in text
+    assert 'prefixcache_tenant_cap_bytes{tenant="q\\"x",tier="hot"} 32768' in text
+    assert "# TYPE prefixcache_tenant_evicted_total counter" in text
+    assert 'prefixcache_tenant_stored_total{tenant="b",tier="hot"} 2' in text
+    for key in ("cap_evictions", "removed", "refused"):
+        assert f'prefixcache_tenant_{key}_total{{tenant="b",tier="hot"}} 0' in text
