@@ -305,3 +305,27 @@ def test_prometheus_text_has_every_tenant_figure_labelled():
     assert 'prefixcache_tenant_stored_total{tenant="b",tier="hot"} 2' in text
     for key in ("cap_evictions", "removed", "refused"):
         assert f'prefixcache_tenant_{key}_total{{tenant="b",tier="hot"}} 0' in text
+
+
+def test_bench_tenants_floors_match_running_alone_and_lose_nothing():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_tenants
+
+    args = bench_tenants.setup_arg_parser().parse_args(
+        ["--hot", "64K", "--rounds", "3", "--flood", "4", "--system-tokens", "32"]
+    )
+    model = tiny_model("llama")
+    trace = bench_tenants.make_trace(args, 8192)
+    base = {"block_size": 16, "hot_cache_only": True, "hot_max_bytes": args.hot}
+    alone = [r for r in trace if r.tenant != "a"]
+    run = bench_tenants.run
+    solo = run(model, alone, CacheConfig(**base), "alone")
+    bare = run(model, trace, CacheConfig(**base), "no shares")
+    fair = run(model, trace, CacheConfig(**base, hot_tenant_floors="b=16K,c=16K"), "floors")
+    assert fair.shares["b"].percent == solo.shares["b"].percent > 0
+    assert bare.shares["b"].percent < solo.shares["b"].percent  # the control: A's flood
+    assert fair.counts["lost"] == 0 == fair.counts["unmatched"]
+    assert fair.counts["num_evicted"] > 0
