@@ -53,6 +53,7 @@ class GuardedHandler(server.APIHandler):
 
     limits = Limits()
     timeout = CLIENT_TIMEOUT  # socketserver applies it to the connection
+    tenant_header: str | None = None  # the header naming a request's tenant (--tenant-header)
     _options = DEFAULT
 
     def do_POST(self) -> None:
@@ -64,7 +65,7 @@ class GuardedHandler(server.APIHandler):
             raw = read_body(rfile, self.headers, self.limits.max_body_bytes)
             body = parse_body(raw)
             check_body(self.path, body, self._limits())
-            options = parse(body, self.headers)
+            options = parse(body, self.headers, self.tenant_header)
         except ValueError as err:  # RequestError or a cache field's
             self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
             return
@@ -161,6 +162,9 @@ class GuardedHandler(server.APIHandler):
         self._reply(200, {"session_id": session, "num_blocks": num})
 
 
-def configured(limits: Limits, client_timeout: float) -> type[GuardedHandler]:
-    """GuardedHandler with these limits."""
-    return type("Handler", (GuardedHandler,), {"limits": limits, "timeout": client_timeout})
+def configured(
+    limits: Limits, client_timeout: float, tenant_header: str | None = None
+) -> type[GuardedHandler]:
+    """GuardedHandler with these limits (and the header naming a request's tenant)."""
+    fields = {"limits": limits, "timeout": client_timeout, "tenant_header": tenant_header}
+    return type("Handler", (GuardedHandler,), fields)
