@@ -152,6 +152,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (redis_down, {"PREFIXCACHE_REMOTE_PREFIX": "a b"}, "PREFIXCACHE_REMOTE_PREFIX='a b'"),
         (redis_down, {}, "remote server redis://127.0.0.1:1"),
         (("ls", *d, "--model", "no/such"), {}, "no model matches --model 'no/such'"),
+        (("stats", *d, "--tenant", "nobody"), {}, "--tenant 'nobody'"),
         (("ls", "--ssd-dir", p["plain"]), {}, "is not a prefixcache SSD tier"),
         (("show", "zzzz", *d), {}, "'zzzz' is not a block key"),
         (("show", "ffff", *d), {}, "no block matches 'ffff'"),

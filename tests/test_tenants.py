@@ -329,3 +329,30 @@ def test_bench_tenants_floors_match_running_alone_and_lose_nothing():
     assert bare.shares["b"].percent < solo.shares["b"].percent  # the control: A's flood
     assert fair.counts["lost"] == 0 == fair.counts["unmatched"]
     assert fair.counts["num_evicted"] > 0
+
+
+def test_prefixcache_stats_shows_the_saved_counters_per_tenant(tmp_path):
+    from test_cli import cli
+
+    model = tiny_model("llama")
+    ssd = str(tmp_path / "ssd")
+    config = CacheConfig(
+        block_size=16, ssd_dir=ssd, hot_max_bytes=64 << 10, hot_tenant_caps="a=16K"
+    )
+    with PrefixCache(model, config, model_id="t") as pc:
+        stored(pc, model, prompt(11, 32), tenant="b")
+        for i in range(4):
+            stored(pc, model, prompt(20 + i, 32), tenant="a")  # a's cap: 2 blocks held
+        live = pc.stats()["tenants"]
+    doc = cli("stats", "--ssd-dir", ssd, "--json")
+    for name in ("a", "b"):
+        for key in ("num_stored", "num_evicted", "num_cap_evictions", "num_refused"):
+            assert doc["tenants"][name][key] == live[name]["hot"][key], (name, key)
+    assert doc["tenants"]["a"]["num_cap_evictions"] == 6
+    assert cli("stats", "--ssd-dir", ssd, "--tenant", "b", "--json")["tenants"].keys() == {"b"}
+    text = cli("stats", "--ssd-dir", ssd)
+    assert "hot tier per tenant" in text and "'a'" in text
+    err = cli("stats", "--ssd-dir", ssd, "--tenant", "nobody", code=2)
+    assert err.strip().splitlines() == [
+        "prefixcache stats: --tenant 'nobody': no counters of that tenant ('a', 'b')"
+    ]

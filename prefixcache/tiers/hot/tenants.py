@@ -37,6 +37,7 @@ from ..pins import Pins
 
 Kids = Mapping[bytes, Mapping[bytes, None]]  # the tier's parent key -> child keys
 DEFAULT = ""  # the tenant of blocks stored with none
+COUNTERS = ("num_stored", "num_evicted", "num_cap_evictions", "num_removed", "num_refused")
 _REMEMBERED = 65536  # keys of blocks gone from hot whose owner is kept
 
 
@@ -230,6 +231,16 @@ class TenantShares:
         if len(self._heap) > 4 * len(self._tenants) + 64:  # drop the stale entries
             self._heap = [(x.floor - x.nbytes, x.serial, x.name) for x in self._tenants.values()]
             heapq.heapify(self._heap)
+
+    def counters(self) -> dict[str, int]:
+        """Each tenant's counters as ``"<tenant>.<counter>"`` (the saved counters' form,
+        nested one level; ``prefixcache stats`` splits at the last dot)."""
+        return {
+            f"{name}.{key}": value
+            for name, t in self._tenants.items()
+            for key, value in t.stats().items()
+            if key in COUNTERS
+        }
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each tenant's figures (``stats()["tenants"][name]["hot"]``)."""
