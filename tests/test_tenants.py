@@ -356,3 +356,16 @@ def test_prefixcache_stats_shows_the_saved_counters_per_tenant(tmp_path):
     assert err.strip().splitlines() == [
         "prefixcache stats: --tenant 'nobody': no counters of that tenant ('a', 'b')"
     ]
+
+
+def test_a_trim_below_the_floors_still_frees_the_bytes_largest_tenant_first():
+    shares = TenantShares({"b": 400, "c": 300}, {})
+    hot = HotTier(1000, tenants=shares)
+    b = [put(hot, "b", f"b{i}") for i in range(4)]
+    c = [put(hot, "c", f"c{i}") for i in range(3)]
+    hot.pins.add([c[0].key], float("inf"))
+    assert hot.evict_to(500) == 2  # at the floors (700): b, the largest, gives first
+    assert held(hot, b) == 2 and held(hot, c) == 3
+    hot.evict_to(0)
+    assert [x.key for x in [*b, *c] if x.key in hot] == [c[0].key]  # only the pinned block
+    totals_add_up(hot)

@@ -14,7 +14,8 @@ else its ``cache_salt``, else the empty name (blocks stored with none).
 - **Eviction.** When the tier is over its budget, the victim comes from the
   tenant the most bytes over its floor (a max-heap of tenants, O(log T)),
   its least recently used unpinned leaf; a tenant at or under its floor
-  loses nothing while another is over it.
+  loses nothing while another is over it. Below the floors (``trim_hot`` to
+  less than they add up to) the largest tenant gives: the budget comes first.
 - **Caps.** A block that would take its tenant over its cap evicts that
   tenant's own leaves first (the new block last, if nothing else can go);
   a block larger than its tenant's cap alone is refused.
@@ -184,8 +185,10 @@ class TenantShares:
 
     def victim(self, keep: bytes | None, kids: Kids, pins: Pins) -> bytes | None:
         """The block to evict: the least recently used evictable leaf of the tenant most
-        over its floor that has one (``keep`` only if no other can go), or None:
-        no tenant over its floor has one."""
+        over its floor that has one (``keep``, the block just put, if it is its
+        tenant's only one). When none has (a trim below the floors, or the leaves
+        of those over theirs all pinned), the largest tenant's: the tier's budget
+        holds before any floor. None if nothing can go."""
         skipped, found, heap = [], None, self._heap
         while heap and found is None:
             neg, serial, name = heap[0]
@@ -200,9 +203,15 @@ class TenantShares:
                 skipped.append(heapq.heappop(heap))
         for item in skipped:
             heapq.heappush(heap, item)
-        if found is None and keep is not None and self._over(keep):
-            found = keep if not kids.get(keep) and not pins.holds(keep) else None
-        return found
+        can_keep = keep is not None and not kids.get(keep) and not pins.holds(keep)
+        if found is None and can_keep and self._over(keep):  # type: ignore[arg-type]
+            return keep
+        if found is None:  # O(T log T), only below the floors
+            for t in sorted(self._tenants.values(), key=lambda t: (-t.nbytes, t.name)):
+                found = self._lru_leaf(t, keep, kids, pins)
+                if found is not None:
+                    break
+        return keep if found is None and can_keep else found
 
     def _over(self, key: bytes) -> bool:
         t = self._tenants[self._owner[key]]
