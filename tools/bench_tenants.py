@@ -22,8 +22,18 @@ those the stack dropped before hot (a parent gone: ``num_discarded`` minus
 hot's evictions), and per tenant stored - held - evicted - removed: both 0
 when no block leaves uncounted. Hit shares and counts are exact (no timing).
 
+``--overhead``: the cost of the accounting instead. The hot tier alone
+takes chains of 4 payload-light blocks from three tenants (``--puts``
+blocks, a budget of 256 blocks, so nearly every put evicts), with no shares
+and with floors; then the B and C trace through the library with no shares
+and with accounting only (floors of 0). Each pair alternates ``--repeats``
+times; the medians of the process's CPU seconds and their ratio are printed
+(CPU time, not wall time: other processes on the machine stretch the wall
+clock, less the CPU time; compare only within one run).
+
     python tools/bench_tenants.py
     python tools/bench_tenants.py --rounds 16 --flood 10 --eviction lru
+    python tools/bench_tenants.py --overhead
 """
 
 from __future__ import annotations
@@ -31,13 +41,18 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.blocks import Block
 from prefixcache.config import EVICTIONS, parse_bytes
+from prefixcache.tiers.hot.tenants import TenantShares
+from prefixcache.tiers.hot.tier import HotTier
 from prefixcache.tiny.models import build_model
 
 VOCAB = 512
@@ -134,6 +149,58 @@ def row(res: Result) -> dict[str, str]:
     }
 
 
+def put_seconds(stores: list[tuple[str, list[Block]]], shares: TenantShares | None) -> float:
+    """Seconds to put every chain into a fresh 256-block hot tier (evicting as it goes)."""
+    hot = HotTier(256 * stores[0][1][0].nbytes, tenants=shares, policy="lru")
+    began = time.process_time()
+    for tenant, chain in stores:
+        if shares is not None:
+            with shares.charging(tenant):
+                for block in chain:
+                    hot.put(block)
+        else:
+            for block in chain:
+                hot.put(block)
+        hot.touch([b.key for b in chain])
+    return time.process_time() - began
+
+
+def overhead(args: argparse.Namespace, model, trace: list[Request], base: dict) -> None:
+    """Per put and per request, without and with the tenant accounting, alternated."""
+    rng = random.Random(args.seed)
+    data = {"0.keys": mx.zeros((16,), mx.float32)}
+    stores = []
+    for i in range(args.puts // 4):
+        keys = [rng.randbytes(16) for _ in range(4)]
+        parents = [b"r" * 16, *keys[:-1]]
+        chain = [
+            Block.make(k, p, b"r" * 16, j, b"", data)
+            for j, (k, p) in enumerate(zip(keys, parents, strict=True))
+        ]
+        stores.append(("abc"[i % 3], chain))
+    alone = [r for r in trace if r.tenant != "a"]
+    timed: dict[str, list[float]] = {}
+    for _ in range(args.repeats):
+        timed.setdefault("put, no shares", []).append(put_seconds(stores, None))
+        shares = TenantShares({"b": 64 * 64, "c": 64 * 64}, {})
+        timed.setdefault("put, floors", []).append(put_seconds(stores, shares))
+        for name, extra in (
+            ("request, no shares", {}),
+            ("request, accounting", {"hot_tenant_floors": "b=0,c=0"}),
+        ):
+            began = time.process_time()
+            run(model, alone, CacheConfig(**(base | extra)), name)
+            timed.setdefault(name, []).append(time.process_time() - began)
+    per = {"put": 1e9 / len(stores) / 4, "request": 1e3 / len(alone)}
+    unit = {"put": "ns per put", "request": "ms per request"}
+    for kind in ("put", "request"):
+        off, on = (statistics.median(v) for k, v in timed.items() if k.startswith(kind))
+        print(
+            f"{kind}: {off * per[kind]:.1f} -> {on * per[kind]:.1f} {unit[kind]} "
+            f"(median of {args.repeats}), ratio {on / off:.3f}"
+        )
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hot", type=parse_bytes, default=parse_bytes("256K"), help="hot budget")
@@ -148,6 +215,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction", choices=EVICTIONS, help="hot eviction (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    p.add_argument("--overhead", action="store_true", help="time the accounting instead")
+    p.add_argument("--puts", type=int, default=40_000, help="--overhead: blocks put")
+    p.add_argument("--repeats", type=int, default=5, help="--overhead: runs of each")
     return p
 
 
@@ -163,6 +233,9 @@ def main() -> None:
     if args.eviction:
         base["eviction"] = args.eviction
     trace = make_trace(args, block_bytes)
+    if args.overhead:
+        overhead(args, model, trace, base)
+        return
     num_a = sum(r.tenant == "a" for r in trace)
     print(
         f"hot {args.hot >> 10} KiB ({args.hot // block_bytes} blocks of {block_bytes} B), "
