@@ -215,6 +215,10 @@ def test_a_store_is_charged_to_its_tenant_then_session_owner_then_salt():
         assert figures["b"]["hot"]["num_removed"] == 2 == figures["owner"]["hot"]["num_removed"]
         with pytest.raises(ValueError, match="unknown tenant 'zz'"):
             pc.tenant_stats("zz")
+        pc.begin_session("idle", tenant="x")  # begun, never stored: ends with nothing
+        assert pc.end_session("idle") == 0
+        with pytest.raises(ValueError, match="tenant must be 1 to 256"):
+            pc.begin_session("other", tenant="")
 
 
 def test_a_block_shared_by_two_tenants_is_charged_once_to_its_first_owner():
