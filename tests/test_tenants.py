@@ -373,3 +373,16 @@ def test_a_trim_below_the_floors_still_frees_the_bytes_largest_tenant_first():
     hot.evict_to(0)
     assert [x.key for x in [*b, *c] if x.key in hot] == [c[0].key]  # only the pinned block
     totals_add_up(hot)
+
+
+def test_the_policys_refusals_are_counted_per_tenant():
+    shares = TenantShares({"b": 300}, {})
+    hot = HotTier(500, tenants=shares, policy="frequency")
+    for i in range(5):
+        put(hot, "b", f"b{i}")
+        hot.touch([block(f"b{i}").key])  # used twice: worth more than a one-off
+    flood(hot, 20)  # a's one-off blocks are not worth b's: refused
+    figures = shares.stats()
+    assert figures["a"]["num_refused"] == hot.eviction.num_refused > 0
+    assert figures["a"]["num_refused"] + figures["a"]["num_stored"] == 20
+    totals_add_up(hot)
