@@ -96,8 +96,9 @@ class CacheConfig:
             sequence: tiers/recent.py).
         snapshot_interval: during prefill, a restore point every N blocks: a
             recurrent-state snapshot, and sliding-window K/V in the blocks its
-            window covers; 0 (the default) picks N from ``snapshot_ratio``. The
-            end of every stored sequence is a restore point whatever N is.
+            window covers; 0 (the default) picks N from ``snapshot_ratio`` and adds
+            points after 1, 2, 4 ... blocks below N (cache/points.py). The end
+            of every stored sequence is a restore point whatever N is.
         snapshot_ratio: with ``snapshot_interval=0``, what interval points keep
             (snapshot and window K/V bytes) is at most this multiple of the
             full-attention K/V bytes of the blocks they sit on (N = ceil(point

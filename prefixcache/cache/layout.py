@@ -29,6 +29,7 @@ from ..codecs import Codec, UnusedKVCache, codec_for
 from ..config import CacheConfig
 from ..errors import LayoutMismatchError, MissReason
 from .costs import RecomputeCost
+from .points import RestorePoints
 from .window import WindowPolicy, window_tokens, windows
 
 
@@ -116,13 +117,20 @@ class ModelLayout:
         return max(1, math.ceil(point / (cfg.snapshot_ratio * kv_block)))
 
     @functools.cached_property
+    def restore_points(self) -> RestorePoints:
+        """The restore points: every ``snapshot_interval``-th boundary, and the early
+        ones below it when the interval comes from the snapshot budget (points.py)."""
+        interval = self.snapshot_interval
+        return RestorePoints(interval, early=not self.config.snapshot_interval)
+
+    @functools.cached_property
     def window_policy(self) -> WindowPolicy | None:
         """Which blocks keep the window layers' K/V (None: no window layer)."""
         if not self.window_prefixes:
             return None
         bs = self.config.block_size
         return WindowPolicy(
-            self.window_prefixes, self.window, self.window_keep, bs, self.snapshot_interval
+            self.window_prefixes, self.window, self.window_keep, bs, self.restore_points
         )
 
     def without_state(self, block: Block) -> Block | None:

@@ -128,8 +128,9 @@ class Lookup:
         """Checkpoints of a prompt of ``num_tokens`` restored at ``num_cached`` that
         shares ``shared`` with stored sequences (see ``PrefixCache.checkpoints``)."""
         points = {shared, num_tokens - self.config.checkpoint_tail}
-        step = self.layout.snapshot_interval * self.config.block_size
-        points.update(range((num_cached // step + 1) * step, num_tokens, step))
+        points.update(
+            self.layout.restore_points.between(num_cached, num_tokens, self.config.block_size)
+        )
         return sorted(p for p in points if num_cached < p < num_tokens)
 
     def shared(self, data: bytes, root: bytes) -> int:

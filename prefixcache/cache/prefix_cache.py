@@ -491,7 +491,7 @@ class PrefixCache:
                 data,
                 cache,
                 block_size=bs,
-                snapshot_interval=self.layout.snapshot_interval,
+                points=self.layout.restore_points,
                 stored=self.tiers.contains,
                 resident=self.hot.get,
                 window=self.layout.window_policy,

@@ -78,7 +78,10 @@ class GuardedHandler(server.APIHandler):
     def _limits(self) -> Limits:
         """``limits`` with what the loaded model takes (vocabulary, images)."""
         generator = self.response_generator
-        images = generator.model_provider.processor is not None
+        provider = generator.model_provider
+        # until the model is loaded (mlx-lm loads it as it starts) nothing is known:
+        # mlx-lm refuses the images itself if it has no processor for them
+        images = provider.model is None or provider.processor is not None
         return dataclasses.replace(self.limits, vocab_size=generator.vocab_size(), images=images)
 
     def handle_completion(self, request: Any, stop_words: Any) -> None:

@@ -35,7 +35,7 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
-from .fit import ModelKey, ModelPair
+from .fit import ModelKey, ModelPair, cache_key
 from .generator import GuardedGenerator
 from .handler import CLIENT_TIMEOUT, asked, configured
 from .metrics import serve_metrics
@@ -129,8 +129,9 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             prompt, segments, kinds = out[0], out[1], out[2]
             if config.pin_system_prompts and kinds[:1] == ["system"] and len(segments) > 1:
                 options = dataclasses.replace(options, pin_tokens=len(segments[0]))
-            self.tiered.requests.begin(prompt, options)
-            cuts = self.tiered.checkpoints(self.model_provider.model_key, prompt)
+            key = cache_key(out)  # images: mlx-lm fetches and inserts by their ids
+            self.tiered.requests.begin(key, options)
+            cuts = self.tiered.checkpoints(self.model_provider.model_key, key)
             if cuts:  # its batched path inserts the cache at each segment's end
                 segments, kinds = cut_segments(segments, kinds, cuts)
             return (prompt, segments, kinds, *out[3:])

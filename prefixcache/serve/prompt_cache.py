@@ -25,7 +25,8 @@ from ..errors import UnsupportedCacheError
 from ..tiers import quiet
 from .batch import batch_ready
 from .deferred import DEFERRED_TYPES, Deferred, DeferredInserts
-from .fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
+from .fit import ModelKey, check_mlx_lm_version, held_tokens
+from .images import chain_tokens, fetch_whole_images
 from .lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
 from .lifecycle import ModelCache
 from .request_options import Requests
@@ -87,17 +88,16 @@ class TieredPromptCache:
         ``model`` is mlx-lm's model key (model path, adapter path, draft path).
         """
         tokens = list(tokens)
-        text = text_prefix(tokens)
         with self._lock:
             self._last = None
             self._store_deferred(tokens if model == self.model_cache.key else None)
             cache = self.model_cache.open(model)
-            if cache is None or not text:
+            if cache is None or not tokens:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
-                restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
+                restored, num_cached = fetch_whole_images(cache, tokens, extra, self.shared)
             except _STORAGE_ERRORS as err:
                 self.model_cache.storage_error("fetch", err)
                 return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens
@@ -110,7 +110,7 @@ class TieredPromptCache:
         """Where the server's prefill of ``tokens`` should stop so the cache keeps state
         there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
         tokens = list(tokens)
-        text = text_prefix(tokens)
+        text = chain_tokens(tokens)
         with self._lock:
             self._store_deferred(tokens if model == self.model_cache.key else None)
             cache = self.model_cache.open(model)
@@ -129,7 +129,7 @@ class TieredPromptCache:
         """Start promoting the lower-tier blocks of ``tokens``' restore into hot
         (``PrefixCache.prefetch``), for the model whose cache is open only: a
         request for another model never switches it from the HTTP thread."""
-        text = text_prefix(list(tokens))
+        text = chain_tokens(list(tokens))
         with self._lock:
             cache = self.model_cache.cache
             if cache is None or model != self.model_cache.key or self.shared or not text:
@@ -186,7 +186,7 @@ class TieredPromptCache:
 
     def _store(self, item: Deferred) -> None:
         cache = self.model_cache.open(item.model)
-        text = text_prefix(item.tokens)
+        text = chain_tokens(item.tokens)
         if cache is None or not text:
             return
         opts = item.options
@@ -228,7 +228,7 @@ class TieredPromptCache:
                     and self._last[0] == self.model_cache.key
                     and not self.shared
                 ):
-                    first = text_prefix(self._last[1])
+                    first = chain_tokens(self._last[1])
                     extra = self.requests.for_fetch(self._last[1]).extra
                 try:
                     self.model_cache.cache.trim_hot(limit, first=first, extra=extra)
