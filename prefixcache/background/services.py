@@ -92,6 +92,8 @@ class Services:
         """Add the counters since the last save to the lower tiers' record of this model
         (under the cache's lock)."""
         now = self.counters.as_dict()
+        if self.tiers.hot.tenants is not None:  # per tenant, for `prefixcache stats`
+            now["tenants"] = self.tiers.hot.tenants.counters()
         self.tiers.save_counters(self.root(), counter_delta(now, self._saved))
         self._saved = now
 

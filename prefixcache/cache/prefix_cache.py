@@ -40,6 +40,7 @@ from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
 from .restore import restore
+from .tenancy import Tenancy, check_tenant
 
 
 class PrefixCache:
@@ -80,6 +81,7 @@ class PrefixCache:
         self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
+        self.tenancy = Tenancy(self.tiers.hot.tenants)  # who a store charges (tenancy.py)
         self._closed = False
         self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
@@ -161,6 +163,7 @@ class PrefixCache:
         session: str | None = None,
         persist: bool = True,
         hand_over: bool = False,
+        tenant: str | None = None,
     ) -> int:
         """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
         and the tail (the tokens after the last full block), with every layer's
@@ -174,16 +177,16 @@ class PrefixCache:
         lower tier (docs/operating.md). ``hand_over=True``: the caller is done
         with ``cache`` (mlx-lm's server at insert); with ``restore_headroom=0``
         the hot tier may keep views of its arrays while it has room, and a
-        fetch they hold gets them without a copy (tiers/recent.py).
+        fetch they hold gets them without a copy (tiers/recent.py). ``tenant``: who
+        the new blocks are charged to under tenant shares (cache/tenancy.py).
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        return self._store(
-            tokens, cache, extra, session=session, persist=persist, hand_over=hand_over
-        )
+        keep = {"session": session, "persist": persist, "tenant": tenant}
+        return self._store(tokens, cache, extra, hand_over=hand_over, **keep)
 
     # -- the checkpoint protocol --------------------------------------------
 
@@ -244,6 +247,7 @@ class PrefixCache:
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> int:
         """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
         state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
@@ -253,7 +257,8 @@ class PrefixCache:
             the errors of ``store``: a cache that does not hold exactly
             ``tokens_so_far`` cannot be kept there.
         """
-        return self._store(tokens_so_far, cache, extra, session=session, persist=persist)
+        keep = {"session": session, "persist": persist, "tenant": tenant}
+        return self._store(tokens_so_far, cache, extra, **keep)
 
     def prefill(
         self,
@@ -263,6 +268,7 @@ class PrefixCache:
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> tuple[list[Any], mx.array]:
         """``fetch``, prefill the rest capturing at every checkpoint, ``store``.
 
@@ -272,7 +278,7 @@ class PrefixCache:
         """
         from .prefill import prefill  # the loop on the public verbs above
 
-        keep = {"extra": extra, "session": session, "persist": persist}
+        keep = {"extra": extra, "session": session, "persist": persist, "tenant": tenant}
         return prefill(self, tokens, prefill_step_size=prefill_step_size, **keep)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -326,6 +332,15 @@ class PrefixCache:
             self._check_open()
             return self.controls.unpin(self._keys(data, extra))
 
+    def begin_session(self, session: str, *, tenant: str) -> None:
+        """Name ``tenant`` the owner of ``session``, charged for its stores (tenancy.py)."""
+        check_session(session)
+        check_tenant(tenant)
+        with self._lock:
+            self._check_open()
+            self.controls.begin(session)
+            self.tenancy.begin(session, tenant)
+
     def end_session(self, session: str) -> int:
         """Drop at once, from every tier, the blocks only ``session`` holds (prefixes
         another store shares stay, and so do pinned blocks); returns how many.
@@ -337,6 +352,7 @@ class PrefixCache:
             self._check_open()
             held = self.tiers.hot.nbytes
             num = self.controls.end(session)
+            self.tenancy.end(session)
             give_back.note_freed(held - self.tiers.hot.nbytes)  # removed, not evicted
         give_back.maybe()
         return num
@@ -403,7 +419,14 @@ class PrefixCache:
         written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
         out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
         out["ram"] = ram_stats(tiers, self.prefetcher.loading_bytes)
+        if tenants := self.tenancy.stats():
+            out["tenants"] = tenants
         return cast(CacheStats, out | tiers | self.services.stats() | self._shared_stats())
+
+    def tenant_stats(self, tenant: str) -> dict[str, dict[str, int]]:
+        """``stats()["tenants"][tenant]``; ValueError naming an unknown ``tenant``."""
+        with self._lock:
+            return self.tenancy.stats_of(tenant)
 
     def flush(self) -> None:
         """Finish the promotions and prefetches under way, persist every dirty hot
@@ -455,10 +478,12 @@ class PrefixCache:
         *,
         session: str | None,
         persist: bool,
+        tenant: str | None,
         hand_over: bool = False,
     ) -> int:
         data = token_bytes(tokens)
         check_session(session)
+        check_tenant(tenant)
         with self._lock:
             self._check_open()
             self.layout.validate(cache, len(data) // TOKEN_BYTES)
@@ -479,10 +504,11 @@ class PrefixCache:
             self._last_shared = None  # what is stored changed
             tail = cut.tail
             continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
-            self.tiers.place(cut.new, persist=persist, continues=continues)
-            self.tiers.replace(cut.upgraded)
-            if tail is not None:
-                self.tiers.place_tail(tail, persist=persist, continues=continues)
+            with self.tenancy.charging(tenant, session, extra):
+                self.tiers.place(cut.new, persist=persist, continues=continues)
+                self.tiers.replace(cut.upgraded)
+                if tail is not None:
+                    self.tiers.place_tail(tail, persist=persist, continues=continues)
             stored = [*cut.new, *([tail] if tail else [])]
             self.hot.prepare_views([*stored, *cut.upgraded])
             walked = [*keys, *tail_keys(root, keys, data, bs)]

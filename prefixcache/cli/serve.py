@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 import mlx.core as mx
@@ -108,6 +109,11 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
+    group.add_argument("--hot-tenant-floors", help="hot bytes each tenant keeps, e.g. b=2G,c=1G")
+    group.add_argument("--hot-tenant-caps", help="hot bytes a tenant may hold, e.g. a=4G")
+    group.add_argument(
+        "--tenant-header", help="the request header naming its tenant, e.g. X-Tenant"
+    )
     group.add_argument(
         "--events-format",
         choices=EVENTS_FORMATS,
@@ -195,6 +201,8 @@ _CONFIG_FLAGS = (
     "events_format",
     "pin_system_prompts",
     "eviction",
+    "hot_tenant_floors",
+    "hot_tenant_caps",
 )
 
 
@@ -249,6 +257,7 @@ def run_serve(args: argparse.Namespace) -> int:
     set_mx_cache_limit(args)
     shared = getattr(args, "shared_prefix", False)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
+    tenant_header = check_header(getattr(args, "tenant_header", None))
     return run_mlx_server(
         args.model,
         args.mlx_lm_args,
@@ -257,7 +266,15 @@ def run_serve(args: argparse.Namespace) -> int:
         shared=shared,
         limits=limits,
         client_timeout=args.client_timeout,
+        tenant_header=tenant_header,
     )
+
+
+def check_header(name: str | None) -> str | None:
+    """``--tenant-header``'s value if it is an HTTP header name; else UsageError naming it."""
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name):
+        raise UsageError(f"--tenant-header {name!r} is not an HTTP header name (e.g. X-Tenant)")
+    return name
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

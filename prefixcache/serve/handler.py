@@ -57,6 +57,7 @@ class GuardedHandler(server.APIHandler):
     limits = Limits()
     timeout = CLIENT_TIMEOUT  # socketserver applies it to the connection
     info: ClassVar[dict[str, object]] = {}  # GET /server_info (info.py), set per server
+    tenant_header: str | None = None  # the header naming a request's tenant (--tenant-header)
     _options = DEFAULT
 
     def do_GET(self) -> None:
@@ -77,7 +78,7 @@ class GuardedHandler(server.APIHandler):
             raw = read_body(rfile, self.headers, self.limits.max_body_bytes)
             body = parse_body(raw)
             check_body(self.path, body, self._limits())
-            options = parse(body, self.headers)
+            options = parse(body, self.headers, self.tenant_header)
         except ValueError as err:  # RequestError or a cache field's
             self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
             return
@@ -193,8 +194,17 @@ class GuardedHandler(server.APIHandler):
 
 
 def configured(
-    limits: Limits, client_timeout: float, info: dict[str, object] | None = None
+    limits: Limits,
+    client_timeout: float,
+    info: dict[str, object] | None = None,
+    tenant_header: str | None = None,
 ) -> type[GuardedHandler]:
-    """GuardedHandler with these limits, answering ``/server_info`` with ``info``."""
-    attrs = {"limits": limits, "timeout": client_timeout, "info": info or {}}
+    """GuardedHandler with these limits, answering ``/server_info`` with ``info``
+    (and the header naming a request's tenant)."""
+    attrs = {
+        "limits": limits,
+        "timeout": client_timeout,
+        "info": info or {},
+        "tenant_header": tenant_header,
+    }
     return type("Handler", (GuardedHandler,), attrs)

@@ -73,16 +73,18 @@ def run_mlx_server(
     shared: bool = False,
     limits: Limits | None = None,
     client_timeout: float = CLIENT_TIMEOUT,
+    tenant_header: str | None = None,
 ) -> int:
     """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
     (``shared``: concurrent requests on one prefix hold it once); requests are checked
     against ``limits`` (handler.py), a client silent for ``client_timeout`` seconds
-    is disconnected."""
+    is disconnected; ``tenant_header`` names a request's tenant (tenant shares)."""
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
     generator_class = _generator_class(GuardedGenerator, config, generators, shared)
     run_http = server._run_http_server
-    handler = configured(limits or Limits(), client_timeout, server_info(config, model))
+    info = server_info(config, model)
+    handler = configured(limits or Limits(), client_timeout, info, tenant_header)
     with (
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),

@@ -192,7 +192,7 @@ class TieredPromptCache:
         opts = item.options
         try:
             held = held_tokens(text, item.cache)
-            keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
+            keep = {n: getattr(opts, n) for n in ("extra", "session", "persist", "tenant")}
             # mlx-lm is done with the cache; a shared fetch never reads kept sequences
             cache.store(held, item.cache, hand_over=not self.shared, **keep)
             if opts.pin_tokens and len(held) >= opts.pin_tokens:

@@ -139,6 +139,10 @@ class Controls:
         if len(self._owner) > self._prune_at:
             self._prune()
 
+    def begin(self, session: str) -> None:
+        """``session`` is known from now (``end`` accepts it before any store)."""
+        self._held.setdefault(session, set())
+
     def end(self, session: str) -> int:
         """Drop the blocks only ``session`` holds from every tier; how many.
 

@@ -25,6 +25,7 @@ from ..memory import give_back
 from ..stats import Stats
 from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
 from .governor import WriteGovernor
+from .hot.tenants import tenant_shares
 from .hot.tier import CostHook, HotTier, ShedHook
 from .pins import Pins
 
@@ -51,6 +52,7 @@ class TierStack:
             self.pins,
             cost,
             policy=config.eviction,
+            tenants=tenant_shares(config.tenant_floors, config.tenant_caps),
         )
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
