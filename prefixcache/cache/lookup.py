@@ -60,6 +60,26 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class Nearest:
+    """The stored sequence nearest a prompt, from the tiers' metadata (``Lookup.nearest``).
+
+    Attributes:
+        keys: the chain keys of the prompt's full blocks.
+        depth: how many of them the tiers hold, matched token by token.
+        reason: why the chain stops there (the next block's miss reason), or None.
+        child: what a tier lists under the chain's end sharing the most tokens
+            with the prompt after it (a tail, or a block the prompt diverges
+            inside), or None; ``common``: the tokens it shares.
+    """
+
+    keys: list[bytes]
+    depth: int
+    reason: MissReason | None
+    child: ChainEntry | None
+    common: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Point:
     """A candidate restore point: ``num_tokens`` from the chain's first ``depth``
     blocks and, if any, ``child`` (held by ``tier``); ``cut`` when the last block
@@ -131,6 +151,18 @@ class Lookup:
         step = self.layout.snapshot_interval * self.config.block_size
         points.update(range((num_cached // step + 1) * step, num_tokens, step))
         return sorted(p for p in points if num_cached < p < num_tokens)
+
+    def nearest(self, data: bytes, root: bytes) -> Nearest:
+        """Where the prompt ``data`` leaves the stored sequences (for ``explain``)."""
+        stand = self._stand(data, root, ())
+        depth = len(stand.entries)
+        rest = stand.data[depth * self.config.block_size * TOKEN_BYTES :]
+        best, common = None, 0
+        for child, _ in self._children(stand, depth) if rest else ():
+            shared = common_tokens(child.tokens, rest)
+            if best is None or shared > common:
+                best, common = child, shared
+        return Nearest(stand.keys, depth, stand.reason, best, common)
 
     def shared(self, data: bytes, root: bytes) -> int:
         """Tokens of ``data`` that some stored sequence shares, restorable or not."""

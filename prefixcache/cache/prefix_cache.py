@@ -36,8 +36,10 @@ from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
 from .capture import cut_blocks
+from .explain import Explanation, explain_prompt, in_messages, recorded_namespaces
 from .layout import ModelLayout
 from .lookup import Lookup
+from .messages import renderer
 from .model_id import model_fingerprint
 from .restore import restore
 
@@ -276,6 +278,29 @@ class PrefixCache:
         fetching a prefix against recomputing it at this speed."""
         with self._lock:
             self.tiers.note_prefill(num_tokens, seconds)
+
+    def explain(
+        self,
+        tokens: Sequence[int],
+        *,
+        extra: Mapping[str, str] | None = None,
+        tokenizer: Any = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> Explanation:
+        """Where ``tokens`` leave the nearest stored sequence and why no more is
+        restored (cache/explain.py; restores nothing). ``tokenizer`` decodes the
+        excerpts; with ``messages`` (and ``tools``: the chat request ``tokens`` were
+        rendered from) its template places the divergence in a message."""
+        data = nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            root = self._root(extra)
+            known = recorded_namespaces(self.tiers) | self._namespaces()
+            record = explain_prompt(self.lookup, data, root, known, tokenizer=tokenizer)
+        if messages and tokenizer is not None:  # renders the template: not under the lock
+            record = in_messages(record, list(tokens), messages, renderer(tokenizer, tools=tools))
+        return record
 
     # -- operator controls --------------------------------------------------
 
@@ -535,6 +560,13 @@ class PrefixCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
+
+    def _namespaces(self) -> dict[bytes, str]:
+        """Root key -> namespace JSON of every root this cache used."""
+        return {
+            root: self.namespace.with_extra(dict(items)).to_json()
+            for items, root in self._roots.items()
+        }
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes:
         items = tuple(sorted(extra.items())) if extra else ()

@@ -1,0 +1,205 @@
+"""``PrefixCache.explain``: where a prompt left the nearest stored sequence and why,
+on real tiny models, real tiers and a real chat template that strips reasoning."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import prompt
+from mlx_lm.utils import load_tokenizer
+
+from prefixcache import CacheConfig, Explanation, PrefixCache, Why
+from prefixcache.cache.messages import locate, renderer
+from prefixcache.tiers.losses import Losses
+from prefixcache.tiny.models import CHAT_TEMPLATE, STRIP_THINKING_TEMPLATE, save_tokenizer
+
+BLOCK = 16
+
+
+def hot_only(**changes) -> CacheConfig:
+    return CacheConfig(block_size=BLOCK, hot_cache_only=True, **changes)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """The tiny tokenizer with the plain template and with one stripping reasoning."""
+    out = {}
+    for name, template in (("plain", CHAT_TEMPLATE), ("strip", STRIP_THINKING_TEMPLATE)):
+        path = tmp_path_factory.mktemp(name)
+        save_tokenizer(path, chat_template=template)
+        out[name] = load_tokenizer(path)
+    return out
+
+
+def agent_turns(n: int) -> list[list[dict]]:
+    """The messages of an agent's requests: each turn adds an assistant message with
+    reasoning and a tool call, then the tool's answer."""
+    messages = [
+        {"role": "system", "content": "You are a careful assistant with tools. " * 4},
+        {"role": "user", "content": "Find the weather in Paris and Rome."},
+    ]
+    turns = []
+    for i in range(n):
+        think = f"<think>I should call the tool for step {i} first.</think>"
+        messages = [
+            *messages,
+            {"role": "assistant", "content": f'{think}<tool_call>{{"step": {i}}}</tool_call>'},
+            {"role": "tool", "content": f"result {i}: sunny, {20 + i} degrees"},
+        ]
+        turns.append(messages)
+    return turns
+
+
+def served(pc, tokenizer, messages):
+    """Render, prefill and store one request; its tokens."""
+    tokens = list(renderer(tokenizer)(messages))
+    pc.prefill(tokens)
+    return tokens
+
+
+def test_template_stripping_reasoning_is_named(llama, tokenizers):
+    tok = tokenizers["strip"]
+    first, second = agent_turns(2)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        served(pc, tok, first)
+        tokens = list(renderer(tok)(second))
+        got = pc.explain(tokens, tokenizer=tok, messages=second)
+    assert got.why is Why.DIVERGED
+    assert (got.message, got.role, got.rerendered) == (2, "assistant", True)
+    # the stored side still holds the reasoning, the prompt's side lost it (the
+    # tokenizer cuts "<think>" after "<t", which both sides share)
+    assert (got.before_text + got.stored_text).endswith("<think>I should call the")
+    theirs = got.before_text + got.prompt_text
+    assert "<tool_call>" in theirs and "<think>" not in theirs
+    assert got.num_cached <= got.divergence < len(tokens) - 1
+    assert "message=2; role=assistant; rerendered" in got.short()
+
+
+def test_template_keeping_turns_is_not_named(llama, tokenizers):
+    """Negative control: the plain template renders earlier turns as they were: the
+    next turn leaves the stored sequence where it ended, in a new message."""
+    tok = tokenizers["plain"]
+    first, second = agent_turns(2)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        stored = served(pc, tok, first)
+        tokens = list(renderer(tok)(second))
+        got = pc.explain(tokens, tokenizer=tok, messages=second)
+    assert got.why is Why.ENDED and not got.rerendered
+    assert got.divergence == len(stored) and got.stored_tokens == ()
+    assert got.message == 4 and got.role == "assistant"  # the turn the tool answer follows
+
+
+def test_locate_places_every_message(tokenizers):
+    """Under the plain template a message starts where the messages before it end:
+    its role header, its content and the generation prompt are placed right."""
+    tok = tokenizers["plain"]
+    messages = agent_turns(3)[-1]
+    render = renderer(tok)
+    full = list(render(messages))
+    for j, message in enumerate(messages):
+        start = len(tok.apply_chat_template(messages[:j], tokenize=True)) if j else 0
+        assert full[start] == tok.convert_tokens_to_ids("<|im_start|>")
+        for index in (start + 1, start + 4):  # its role, then its content
+            assert locate(messages, index, full, render) == (j, message["role"])
+    assert locate(messages, len(full) - 1, full, render)[0] == len(messages) - 1
+    with pytest.raises(ValueError, match="empty"):
+        locate([], 0, full, render)
+    with pytest.raises(TypeError, match="messages\\[0\\]"):
+        locate([{"content": "no role"}], 0, full, render)
+
+
+def test_evicted_from_hot_names_the_tier(llama):
+    a, others = prompt(1, 4 * BLOCK), [prompt(10 + i, 4 * BLOCK) for i in range(6)]
+    with PrefixCache(llama, hot_only(hot_max_bytes=200_000), model_id="tiny") as pc:
+        pc.prefill(a)
+        kept = pc.explain(a)
+        for p in others:
+            pc.prefill(p)
+        got = pc.explain(a)
+        fresh = pc.explain(prompt(99, 4 * BLOCK))
+    assert kept.why is Why.CACHED and kept.num_cached == len(a) - 1
+    assert (got.why, got.tier, got.cause) == (Why.EVICTED, "hot", "evicted")
+    assert got.divergence == got.num_cached < len(a) - 1
+    assert fresh.why is Why.NEW  # negative control: never stored is not "evicted"
+
+
+def test_evicted_from_ssd_names_the_tier(llama, tmp_path):
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        counters_save_seconds=0,
+        hot_max_bytes=100_000,
+        ssd_max_bytes=150_000,
+        write_policy="write_through",
+    )
+    a = prompt(1, 4 * BLOCK)
+    with PrefixCache(llama, cfg, model_id="tiny") as pc:
+        pc.prefill(a)
+        pc.flush()
+        for i in range(10):
+            pc.prefill(prompt(20 + i, 4 * BLOCK))
+            pc.flush()
+        got = pc.explain(a)
+        assert pc.stats()["ssd"]["num_evictions"] > 0
+    assert got.why is Why.EVICTED and got.tier == "ssd"
+
+
+def test_refused_by_ssd_admission_is_named(llama, tmp_path):
+    """A block hot evicted and the SSD tier did not admit (seen once, ``ssd_admit_after=2``)."""
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        counters_save_seconds=0,
+        hot_max_bytes=100_000,
+        ssd_admit_after=2,
+    )
+    a = prompt(1, 4 * BLOCK)
+    with PrefixCache(llama, cfg, model_id="tiny") as pc:
+        pc.prefill(a)
+        for i in range(6):
+            pc.prefill(prompt(20 + i, 4 * BLOCK))
+        got = pc.explain(a)
+        assert pc.stats()["ssd_writes_skipped"] > 0
+    assert (got.why, got.tier, got.cause) == (Why.NOT_ADMITTED, "ssd", "not admitted")
+
+
+def test_another_salt_is_named(llama):
+    a = prompt(1, 5 * BLOCK)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        pc.prefill(a, extra={"cache_salt": "team-a"})
+        same = pc.explain(a, extra={"cache_salt": "team-a"})
+        other = pc.explain(a, extra={"cache_salt": "team-b"})
+        unsalted = pc.explain(a)
+    assert same.why is Why.CACHED  # negative control
+    assert other.why is Why.OTHER_NAMESPACE and other.num_cached == 0
+    assert '"cache_salt": "team-a"' in other.namespace
+    assert '"cache_salt": "team-b"' in other.namespace
+    assert unsalted.why is Why.OTHER_NAMESPACE
+
+
+def test_record_is_frozen_and_json_ready(llama):
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        got = pc.explain(prompt(1, 20))
+    assert isinstance(got, Explanation)
+    with pytest.raises(AttributeError):
+        got.why = Why.CACHED  # type: ignore[misc]
+    doc = json.loads(json.dumps(got.as_dict()))
+    assert doc["why"] == "new" and doc["num_tokens"] == 20
+
+
+def test_losses_are_bounded_and_forget_what_is_stored_again():
+    losses = Losses(max_keys=3)
+    losses.lost("hot", [b"a", b"b", b"c", b"d"], "evicted")
+    assert len(losses) == 3 and losses.of(b"a") is None
+    assert losses.of(b"d").tier == "hot"
+
+    class Entry:
+        key = b"d"
+
+    losses.stored("ssd", [Entry()])
+    assert losses.of(b"d") is None
+    with pytest.raises(ValueError, match="max_keys"):
+        Losses(max_keys=0)
