@@ -203,3 +203,21 @@ def test_losses_are_bounded_and_forget_what_is_stored_again():
     assert losses.of(b"d") is None
     with pytest.raises(ValueError, match="max_keys"):
         Losses(max_keys=0)
+
+
+def test_right_after_a_fetch_explains_what_it_found(llama):
+    """Reusing the fetch's lookup gives the record a new lookup gives; a store after
+    the fetch is seen (nothing stale is reused)."""
+    a = prompt(1, 5 * BLOCK)
+    b = a[: 3 * BLOCK + 5] + prompt(2, 2 * BLOCK)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        pc.prefill(a)
+        _, num_cached = pc.fetch(b)
+        reused = pc.explain(b)
+        pc.match(a)  # another prompt's lookup: the next explain looks again
+        again = pc.explain(b)
+        pc.prefill(b[: 4 * BLOCK])  # stores its blocks
+        after = pc.explain(b)
+    assert reused == again and reused.why is Why.DIVERGED
+    assert reused.num_cached == num_cached and reused.divergence == 3 * BLOCK + 5
+    assert after.num_cached == 4 * BLOCK and after.why is Why.ENDED

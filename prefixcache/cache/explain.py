@@ -17,38 +17,21 @@ a template that re-renders earlier turns (e.g. reasoning stripped).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
-from enum import Enum
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 from ..errors import MissReason
-from ..hashing import TOKEN_BYTES, chain_keys
+from ..hashing import TOKEN_BYTES, Namespace, chain_keys
 from ..tiers.base import Persistent
 from ..tiers.losses import EVICTED, REMOVED
 from ..tiers.stack import TierStack
+from .explanation import Decoder, Explanation, Why, with_text
 from .lookup import Lookup, Nearest
-from .messages import Render, locate, rerendered
+from .messages import Render, locate, renderer, rerendered
 
 BEFORE = 6  # tokens of context shown before the divergence
 AFTER = 10  # tokens shown after it, on each side
-
-
-class Why(str, Enum):
-    """Why a prompt was not restored further than it was."""
-
-    CACHED = "cached"  # all but the last token (the model needs one to prefill)
-    NEW = "new"  # nothing stored shares the prompt's first token
-    ENDED = "ended"  # the nearest stored sequence ends here: the rest is new
-    DIVERGED = "diverged"  # the nearest stored sequence goes on with other tokens
-    EVICTED = "evicted"  # the prompt's next block was stored, then lost (``tier``, ``cause``)
-    NOT_ADMITTED = "not_admitted"  # a tier refused the prompt's next block (``tier``)
-    TIER_DOWN = "tier_down"  # the tier holding it did not answer (``tier``)
-    NOT_WORTH_IT = "not_worth_it"  # fetching it was judged slower than prefilling it
-    STATE_MISSING = "state_missing"  # a layer cannot resume here (recurrent state, window)
-    DAMAGED = "damaged"  # a stored block is unusable (checksum, layout)
-    OTHER_NAMESPACE = "other_namespace"  # stored under another salt, adapter, model or layout
-
 
 _RESTORE_WHY = {
     MissReason.PARTIAL_BLOCK: Why.STATE_MISSING,
@@ -65,103 +48,90 @@ _RESTORE_WHY = {
 _REMOTE = frozenset({MissReason.REMOTE_UNAVAILABLE, MissReason.REMOTE_GATE})
 
 
-class Decoder(Protocol):
-    """What explain needs of a tokenizer to show an excerpt as text."""
+class Explainer:
+    """Explains prompts for one PrefixCache (its ``explain``), from its lookup and
+    the namespaces it knows: ``roots`` (its own map of extra keys -> root key)
+    and those the lower tiers recorded."""
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def __init__(
+        self, lookup: Lookup, namespace: Namespace, roots: Mapping[tuple[Any, ...], bytes]
+    ) -> None:
+        self.lookup, self.namespace, self.roots = lookup, namespace, roots
 
+    def explain(
+        self,
+        data: bytes,
+        root: bytes,
+        last: tuple[bytes, bytes, int, int, MissReason | None] | None,
+        tokenizer: Decoder | None,
+    ) -> Explanation:
+        """The prompt ``data`` under ``root`` (called under the cache's lock); ``last``:
+        the last fetch (prompt, root, shared, restored, why), None once a store followed."""
+        fetched = last[2:] if last is not None and last[:2] == (data, root) else None
+        return explain_prompt(
+            self.lookup, data, root, self.namespaces, fetched, tokenizer=tokenizer
+        )
 
-@dataclass(frozen=True, slots=True)
-class Explanation:
-    """Where a prompt left the nearest stored sequence, and why no more was restored.
+    def placed(
+        self,
+        record: Explanation,
+        tokens: Sequence[int],
+        messages: Sequence[Mapping[str, Any]] | None,
+        tokenizer: Any,
+        tools: Sequence[Any] | None,
+    ) -> Explanation:
+        """``record`` placed in ``messages`` (rendered by ``tokenizer``'s chat template
+        with ``tools``) when there are messages and a tokenizer."""
+        if not messages or tokenizer is None:
+            return record
+        return in_messages(record, list(tokens), messages, renderer(tokenizer, tools=tools))
 
-    Attributes:
-        num_tokens: the prompt's tokens.
-        num_cached: tokens a fetch restores now.
-        divergence: the token index where the prompt leaves the nearest stored
-            sequence (tokens some stored sequence shares with it).
-        why: the reason (:class:`Why`).
-        tier: the tier at fault (lost the block, refused it, did not answer), or None.
-        cause: what the tier did (``evicted``, ``removed``, ``not admitted``, ...)
-            or the miss reason of the restore, or None.
-        namespace: for ``other_namespace``: what differs (e.g. ``extra``), else None.
-        before: prompt tokens just before the divergence (shared by both sides).
-        prompt_tokens: the prompt's tokens from the divergence on.
-        stored_tokens: the stored sequence's tokens from the divergence on (empty
-            where it ends, or where it is the prompt's own lost block).
-        before_text, prompt_text, stored_text: the same decoded, when a tokenizer
-            was given; else None.
-        message: index of the chat message the divergence falls in, when the
-            request had messages; ``role``: its role.
-        rerendered: the divergence falls inside an earlier assistant message: the
-            chat template renders earlier turns differently (e.g. reasoning stripped).
-    """
-
-    num_tokens: int
-    num_cached: int
-    divergence: int
-    why: Why
-    tier: str | None = None
-    cause: str | None = None
-    namespace: str | None = None
-    before: tuple[int, ...] = ()
-    prompt_tokens: tuple[int, ...] = ()
-    stored_tokens: tuple[int, ...] = ()
-    before_text: str | None = None
-    prompt_text: str | None = None
-    stored_text: str | None = None
-    message: int | None = None
-    role: str | None = None
-    rerendered: bool = False
-
-    def short(self) -> str:
-        """One header line: ``cached=96; at=100; why=diverged; message=3; role=assistant``."""
-        parts = [f"cached={self.num_cached}", f"at={self.divergence}", f"why={self.why.value}"]
-        if self.tier is not None:
-            parts.append(f"tier={self.tier}")
-        if self.message is not None:
-            parts += [f"message={self.message}", f"role={self.role}"]
-        if self.rerendered:
-            parts.append("rerendered")
-        return "; ".join(parts)
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (``why`` as its value)."""
-        out = asdict(self)
-        out["why"] = self.why.value
-        return out
+    def namespaces(self) -> dict[bytes, str]:
+        """Root key -> namespace JSON of every root the lower tiers recorded or the
+        cache used."""
+        used = {
+            root: self.namespace.with_extra(dict(items)).to_json()
+            for items, root in self.roots.items()
+        }
+        return recorded_namespaces(self.lookup.tiers) | used
 
 
 def explain_prompt(
     lookup: Lookup,
     data: bytes,
     root: bytes,
-    others: Mapping[bytes, str],
+    namespaces: Callable[[], Mapping[bytes, str]],
+    fetched: tuple[int, int, MissReason | None] | None = None,
     *,
     tokenizer: Decoder | None = None,
 ) -> Explanation:
-    """The explanation of the prompt ``data`` (uint32 bytes) under ``root``;
-    ``others``: other roots this cache knows -> what each stands for (JSON), with
-    ``root``'s own under ``root``."""
+    """The explanation of the prompt ``data`` (uint32 bytes) under ``root``.
+
+    ``namespaces``: the roots this cache knows -> what each stands for (JSON),
+    ``root``'s own among them (asked only when the prompt's first block is not
+    held under ``root``). ``fetched``: (shared, restored, miss reason) of this
+    prompt's fetch when nothing was stored since: what it found is explained,
+    and its lookup is not done again.
+    """
     tokens = memoryview(data).cast("I").tolist()
-    plan = lookup.plan(data, root)
-    near = lookup.nearest(data, root)
+    if fetched is None:
+        plan = lookup.plan(data, root)
+        fetched = plan.shared, plan.num_tokens, plan.reason
+    shared, num_cached, reason = fetched
+    near = lookup.nearest(data, root, again=True)
     bs = lookup.config.block_size
-    limit = len(tokens) - 1
     start = near.depth * bs
-    stored = _stored_after(lookup.tiers, near)
-    found = _classify(lookup.tiers, plan.num_tokens, plan.shared, limit, plan.reason, near, start)
+    found = _classify(lookup.tiers, num_cached, shared, len(tokens) - 1, reason, near, start)
     why, at, tier, cause = found
     namespace = None
-    if why in (Why.NEW, Why.ENDED, Why.DIVERGED):
-        other = _other_namespace(lookup, data, root, others, plan.shared)
+    if why in (Why.NEW, Why.ENDED, Why.DIVERGED) and shared < bs:
+        other = _other_namespace(lookup, data, root, namespaces(), shared)
         if other is not None:
             why, at, tier, cause, namespace = Why.OTHER_NAMESPACE, 0, None, None, other
-    if why is not Why.DIVERGED or at != start + near.common:
-        stored = ()
+    stored = _stored_after(lookup.tiers, near) if why is Why.DIVERGED else []
     record = Explanation(
         len(tokens),
-        plan.num_tokens,
+        num_cached,
         at,
         why,
         tier,
@@ -169,7 +139,7 @@ def explain_prompt(
         namespace,
         tuple(tokens[max(0, at - BEFORE) : at]),
         tuple(tokens[at : at + AFTER]),
-        tuple(stored[:AFTER]),
+        tuple(stored),
     )
     return with_text(record, tokenizer) if tokenizer is not None else record
 
@@ -258,20 +228,6 @@ def _difference(own: str, other: str) -> str:
     fields = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
     return "; ".join(
         f"{k}: {json.dumps(theirs.get(k))} (this prompt: {json.dumps(mine.get(k))})" for k in fields
-    )
-
-
-def with_text(record: Explanation, tokenizer: Decoder) -> Explanation:
-    """``record`` with its excerpts decoded by ``tokenizer``."""
-
-    def text(ids: tuple[int, ...]) -> str:
-        return tokenizer.decode(list(ids))
-
-    return replace(
-        record,
-        before_text=text(record.before),
-        prompt_text=text(record.prompt_tokens),
-        stored_text=text(record.stored_tokens),
     )
 
 

@@ -110,11 +110,16 @@ class Lookup:
 
     def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: TierStack):
         self.config, self.layout, self.tiers = config, layout, tiers
+        # the last plan's prompt, root, keys, matched depth, reason (for ``nearest``;
+        # no entries: they would keep evicted hot blocks' arrays alive)
+        self._last: tuple[bytes, bytes, list[bytes], int, MissReason | None] | None = None
 
     def plan(self, data: bytes, root: bytes, *, exclude: Container[bytes] = ()) -> Plan:
         """The deepest restorable prefix of the prompt ``data`` (uint32 bytes),
         leaving at least one token to prefill; ``exclude``: keys not to use."""
         stand = self._stand(data, root, exclude)
+        if not exclude:
+            self._last = (data, root, stand.keys, len(stand.entries), stand.reason)
         limit = len(data) // TOKEN_BYTES - 1
         shared = self._shared(stand)
         reason, deepest = None, 0  # why the deepest point failed, and its tokens
@@ -152,17 +157,24 @@ class Lookup:
         points.update(range((num_cached // step + 1) * step, num_tokens, step))
         return sorted(p for p in points if num_cached < p < num_tokens)
 
-    def nearest(self, data: bytes, root: bytes) -> Nearest:
-        """Where the prompt ``data`` leaves the stored sequences (for ``explain``)."""
-        stand = self._stand(data, root, ())
-        depth = len(stand.entries)
-        rest = stand.data[depth * self.config.block_size * TOKEN_BYTES :]
+    def nearest(self, data: bytes, root: bytes, *, again: bool = False) -> Nearest:
+        """Where the prompt ``data`` leaves the stored sequences (for ``explain``);
+        ``again``: nothing was stored since the last plan, which may be of it (its
+        matched chain is taken as it was)."""
+        last = self._last
+        if again and last is not None and last[0] == data and last[1] == root:
+            keys, depth, reason = last[2], last[3], last[4]
+        else:
+            stand = self._stand(data, root, ())
+            keys, depth, reason = stand.keys, len(stand.entries), stand.reason
+        rest = data[depth * self.config.block_size * TOKEN_BYTES :]
+        parent = keys[depth - 1] if depth else root
         best, common = None, 0
-        for child, _ in self._children(stand, depth) if rest else ():
+        for child, _ in self.tiers.children(parent) if rest else ():
             shared = common_tokens(child.tokens, rest)
             if best is None or shared > common:
                 best, common = child, shared
-        return Nearest(stand.keys, depth, stand.reason, best, common)
+        return Nearest(keys, depth, reason, best, common)
 
     def shared(self, data: bytes, root: bytes) -> int:
         """Tokens of ``data`` that some stored sequence shares, restorable or not."""

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
+from ..errors import MissReason
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from ..memory import give_back
 from ..shared import SharedRegistry
@@ -36,10 +37,10 @@ from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
 from .capture import cut_blocks
-from .explain import Explanation, explain_prompt, in_messages, recorded_namespaces
+from .explain import Explainer
+from .explanation import Explanation
 from .layout import ModelLayout
 from .lookup import Lookup
-from .messages import renderer
 from .model_id import model_fingerprint
 from .restore import restore
 
@@ -74,7 +75,8 @@ class PrefixCache:
             model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
-        self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
+        # the last fetch: (prompt, root, shared, restored, why not more)
+        self._last_shared: tuple[bytes, bytes, int, int, MissReason | None] | None = None
         self._last_keys: tuple[bytes, bytes, list[bytes]] | None = None  # (prompt, root, restored)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
@@ -82,6 +84,7 @@ class PrefixCache:
         self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
+        self.explainer = Explainer(self.lookup, self.namespace, self._roots)
         self._closed = False
         self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
@@ -119,7 +122,7 @@ class PrefixCache:
             root = self._root(extra)
             self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
-            self._last_shared = (data, root, got.shared)
+            self._last_shared = (data, root, got.shared, got.num_tokens, got.reason)
             self._last_keys = (data, root, got.keys)
             self.controls.used(got.keys)
             self.prefetcher.used(got.keys)
@@ -289,18 +292,13 @@ class PrefixCache:
         tools: Sequence[Any] | None = None,
     ) -> Explanation:
         """Where ``tokens`` leave the nearest stored sequence and why no more is
-        restored (cache/explain.py; restores nothing). ``tokenizer`` decodes the
-        excerpts; with ``messages`` (and ``tools``: the chat request ``tokens`` were
-        rendered from) its template places the divergence in a message."""
+        restored; ``tokenizer`` decodes the excerpts, and with ``messages`` (and
+        ``tools``) places the divergence in a message (cache/explain.py)."""
         data = nonempty(tokens)
         with self._lock:
             self._check_open()
-            root = self._root(extra)
-            known = recorded_namespaces(self.tiers) | self._namespaces()
-            record = explain_prompt(self.lookup, data, root, known, tokenizer=tokenizer)
-        if messages and tokenizer is not None:  # renders the template: not under the lock
-            record = in_messages(record, list(tokens), messages, renderer(tokenizer, tools=tools))
-        return record
+            record = self.explainer.explain(data, self._root(extra), self._last_shared, tokenizer)
+        return self.explainer.placed(record, tokens, messages, tokenizer, tools)  # unlocked
 
     # -- operator controls --------------------------------------------------
 
@@ -560,13 +558,6 @@ class PrefixCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
-
-    def _namespaces(self) -> dict[bytes, str]:
-        """Root key -> namespace JSON of every root this cache used."""
-        return {
-            root: self.namespace.with_extra(dict(items)).to_json()
-            for items, root in self._roots.items()
-        }
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes:
         items = tuple(sorted(extra.items())) if extra else ()
