@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import prompt
+from conftest import prompt, tiny_model
 from mlx_lm.utils import load_tokenizer
 
 from prefixcache import CacheConfig, Explanation, PrefixCache, Why
@@ -107,6 +107,18 @@ def test_locate_places_every_message(tokenizers):
         locate([], 0, full, render)
     with pytest.raises(TypeError, match="messages\\[0\\]"):
         locate([{"content": "no role"}], 0, full, render)
+
+
+def test_locate_from_the_decoded_prompt_agrees_with_rendering(tokenizers):
+    """The fast path (contents found in the decoded prompt) places every token where the
+    renders do, under both templates; an empty content falls back to the renders."""
+    for tok in tokenizers.values():
+        for messages in (agent_turns(3)[-1], [*agent_turns(1)[0], {"role": "user", "content": ""}]):
+            render = renderer(tok)
+            full = list(render(messages))
+            for index in range(len(full)):
+                rendered = locate(messages, index, full, render)
+                assert locate(messages, index, full, render, tok.decode) == rendered, index
 
 
 def test_evicted_from_hot_names_the_tier(llama):
@@ -221,3 +233,61 @@ def test_right_after_a_fetch_explains_what_it_found(llama):
     assert reused == again and reused.why is Why.DIVERGED
     assert reused.num_cached == num_cached and reused.divergence == 3 * BLOCK + 5
     assert after.num_cached == 4 * BLOCK and after.why is Why.ENDED
+
+
+def test_state_missing_where_a_recurrent_layer_cannot_resume():
+    """A prompt leaving a stored sequence inside a block of a recurrent model: the
+    shared tokens cannot be restored without a snapshot there."""
+    model = tiny_model("mamba2")
+    a = prompt(1, 4 * BLOCK)
+    b = a[: 2 * BLOCK + 7] + prompt(2, 2 * BLOCK)
+    with PrefixCache(model, hot_only(), model_id="tiny") as pc:
+        pc.prefill(a)
+        got = pc.explain(b)
+        on = pc.explain(a + prompt(3, 5))  # negative control: state where it ends
+    assert got.why is Why.STATE_MISSING and got.num_cached < 2 * BLOCK + 7
+    assert got.divergence == got.num_cached and got.cause is not None
+    assert on.why is Why.ENDED and on.num_cached == len(a)
+
+
+def test_another_model_on_the_ssd_tier_is_named(llama, tmp_path):
+    """Roots the SSD tier recorded: a prompt stored under another model id."""
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        counters_save_seconds=0,
+        write_policy="write_through",
+    )
+    a = prompt(1, 3 * BLOCK)
+    with PrefixCache(llama, cfg, model_id="tiny-a") as pc:
+        pc.prefill(a)
+    with PrefixCache(llama, cfg, model_id="tiny-b") as pc:
+        got = pc.explain(a)
+    assert got.why is Why.OTHER_NAMESPACE
+    assert 'model: "tiny-a" (this prompt: "tiny-b")' in got.namespace
+
+
+def test_a_remote_tier_that_is_down_is_named(llama, tmp_path, redis_server):
+    def cache(name: str) -> PrefixCache:
+        cfg = CacheConfig(
+            block_size=BLOCK,
+            ssd_dir=str(tmp_path / name),
+            ssd_min_free_bytes=0,
+            counters_save_seconds=0,
+            remote_url=redis_server.url,
+            remote_timeout_ms=500,
+        )
+        return PrefixCache(llama, cfg, model_id="tiny")
+
+    a = prompt(1, 3 * BLOCK + 1)
+    with cache("a") as writer:
+        writer.prefill(a)
+        writer.flush()
+    with cache("b") as reader:
+        up = reader.explain(a)  # negative control: the remote tier answers
+        redis_server.kill()
+        down = reader.explain(a)
+    assert up.why is Why.CACHED and up.num_cached == 3 * BLOCK
+    assert (down.why, down.tier, down.num_cached) == (Why.TIER_DOWN, "remote", 0)
+    assert down.cause == "remote_unavailable"

@@ -28,7 +28,7 @@ from ..tiers.losses import EVICTED, REMOVED
 from ..tiers.stack import TierStack
 from .explanation import Decoder, Explanation, Why, with_text
 from .lookup import Lookup, Nearest
-from .messages import Render, locate, renderer, rerendered
+from .messages import Decode, Render, locate, renderer, rerendered
 
 BEFORE = 6  # tokens of context shown before the divergence
 AFTER = 10  # tokens shown after it, on each side
@@ -84,7 +84,8 @@ class Explainer:
         with ``tools``) when there are messages and a tokenizer."""
         if not messages or tokenizer is None:
             return record
-        return in_messages(record, list(tokens), messages, renderer(tokenizer, tools=tools))
+        render = renderer(tokenizer, tools=tools)
+        return in_messages(record, list(tokens), messages, render, tokenizer.decode)
 
     def namespaces(self) -> dict[bytes, str]:
         """Root key -> namespace JSON of every root the lower tiers recorded or the
@@ -236,10 +237,12 @@ def in_messages(
     prompt: Sequence[int],
     messages: Sequence[Mapping[str, Any]],
     render: Render,
+    decode: Decode | None = None,
 ) -> Explanation:
     """``record`` with the chat message its divergence falls in (``prompt``: what
-    ``render`` makes of ``messages``). Re-rendered: the stored sequence goes on with
-    other tokens there (not one that merely ends) inside an earlier assistant message."""
-    message, role = locate(messages, record.divergence, prompt, render)
+    ``render`` makes of ``messages``; ``decode``: the tokenizer's). Re-rendered: the
+    stored sequence goes on with other tokens there (not one that merely ends)
+    inside an earlier assistant message."""
+    message, role = locate(messages, record.divergence, prompt, render, decode)
     again = record.why is Why.DIVERGED and rerendered(messages, message)
     return replace(record, message=message, role=role, rerendered=again)

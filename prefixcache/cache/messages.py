@@ -9,6 +9,12 @@ the first token that differs from the full prompt is where message j's
 content ends in it. Those ends grow with j, so a binary search finds the
 message holding an index in about log2(messages) renders. A message's role
 header counts as its own; the tokens that close it, as the next one's.
+
+Rendering costs milliseconds a time on long chats, so where the tokenizer can
+decode, the ends are found in the decoded prompt first: each message's content,
+searched in order, or its last characters where the template changed it (one
+that strips a leading part of a message keeps its end). Only when some content is empty or not
+found so do the renders run.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Render = Callable[[list[dict[str, Any]]], Sequence[int]]
+Decode = Callable[[list[int]], str]
 _MARK = " \u00a7"  # put at the end of a message's content to find where it ends
+_TAILS = (32, 16, 8)  # characters of a content's end searched for in the decoded prompt
 
 
 def renderer(
@@ -61,11 +69,16 @@ def plain(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def locate(
-    messages: Sequence[Mapping[str, Any]], index: int, prompt: Sequence[int], render: Render
+    messages: Sequence[Mapping[str, Any]],
+    index: int,
+    prompt: Sequence[int],
+    render: Render,
+    decode: Decode | None = None,
 ) -> tuple[int, str]:
     """(message number, role) of the message token ``index`` of ``prompt`` (what
     ``render`` makes of ``messages``) falls in; tokens after the last message's
-    content (the generation prompt) count as the last message's.
+    content (the generation prompt) count as the last message's. ``decode``: the
+    tokenizer's, to find the ends in the decoded prompt before rendering.
 
     Raises:
         TypeError: a message is not a mapping with a string role.
@@ -75,6 +88,9 @@ def locate(
     if not msgs:
         raise ValueError("messages is empty: there is no message to place a token in")
     full = list(prompt)
+    found = _by_text(msgs, index, full, decode) if decode is not None else None
+    if found is not None:
+        return found, msgs[found]["role"]
 
     def end(j: int) -> int:
         changed = {**msgs[j], "content": str(msgs[j]["content"]) + _MARK}
@@ -90,6 +106,28 @@ def locate(
         else:
             lo = mid + 1
     return lo, msgs[lo]["role"]
+
+
+def _by_text(msgs: list[dict[str, Any]], index: int, full: list[int], decode: Decode) -> int | None:
+    """The message of token ``index`` from the decoded prompt, or None (a content is
+    empty or not found in order)."""
+    text = decode(full)
+    at = len(decode(full[:index]))
+    pos = 0
+    for j, message in enumerate(msgs):
+        content = str(message["content"])
+        if not content:
+            return None
+        for part in (content, *(content[-n:] for n in _TAILS if n < len(content))):
+            found = text.find(part, pos)  # else its end: the template changed the rest
+            if found >= 0:
+                break
+        else:
+            return None
+        pos = found + len(part)
+        if pos > at:
+            return j
+    return len(msgs) - 1
 
 
 def rerendered(messages: Sequence[Mapping[str, Any]], message: int) -> bool:

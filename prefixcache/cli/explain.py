@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
-from .common import Command, Doc, UsageError, emit, printable, ssd_dir
+from .common import Command, Doc, UsageError, emit, open_view, printable, ssd_dir
 from .pin import PinSession, add_prompt_args, read_prompt
 
 _WHY_TEXT = {
@@ -44,8 +43,8 @@ def add_explain_args(p: argparse.ArgumentParser) -> None:
 def run_explain(args: argparse.Namespace) -> int:
     if args.system:
         raise UsageError("--system does not apply to explain: give the whole prompt")
-    if not os.path.isdir(ssd_dir(args)):
-        raise UsageError(f"no SSD tier directory at {ssd_dir(args)!r} (--ssd-dir)")
+    with open_view(ssd_dir(args)):  # an SSD tier there already: explain creates none
+        pass
     try:
         text, source = read_prompt(args, purpose="explain")
         request = chat_request(text, source)

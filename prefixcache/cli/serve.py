@@ -102,6 +102,13 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
     group.add_argument(
+        "--explain-header",
+        type=_on_off,
+        metavar="on|off",
+        help="X-Prefixcache-Explain on every completion: where its prompt left the stored "
+        "sequences, and why (default: on)",
+    )
+    group.add_argument(
         "--pin-system-prompts",
         action="store_true",
         default=None,
@@ -129,6 +136,12 @@ def _add_guard_args(group: argparse._ArgumentGroup) -> None:
         default=30.0,
         help="seconds a client may stay silent while sending a request (default: 30)",
     )
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
 
 
 def _positive_int(text: str) -> int:
@@ -181,6 +194,7 @@ _CONFIG_FLAGS = (
     "warm_bytes",
     "events_url",
     "pin_system_prompts",
+    "explain_header",
     "eviction",
 )
 

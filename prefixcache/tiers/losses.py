@@ -9,8 +9,9 @@ tier reported itself, e.g. the SSD tier's evictions under ``ssd_max_bytes``,
 leaves the record. It hears the tiers as a :class:`~prefixcache.tiers.base.BlockListener`
 (``stored``, ``removed``), and the stack names the causes it knows (``lost``).
 
-Memory: at most ``max_keys`` entries of a 16-byte key and a shared ``Loss``
-record each (about 150 bytes an entry in CPython: 2.4 MiB at the default).
+Memory: at most ``max_keys`` entries of a 16-byte key and a ``Loss`` record
+shared by the keys lost together (about 135 bytes an entry in CPython, the
+key included: 2.1 MiB full at the default; tools/bench_explain.py).
 """
 
 from __future__ import annotations
