@@ -291,3 +291,14 @@ def test_a_remote_tier_that_is_down_is_named(llama, tmp_path, redis_server):
     assert up.why is Why.CACHED and up.num_cached == 3 * BLOCK
     assert (down.why, down.tier, down.num_cached) == (Why.TIER_DOWN, "remote", 0)
     assert down.cause == "remote_unavailable"
+
+
+def test_a_session_that_ended_is_named(llama):
+    a, b = prompt(1, 3 * BLOCK), prompt(2, 3 * BLOCK)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        pc.prefill(a, session="chat-1")
+        pc.prefill(b, session="chat-2")
+        pc.end_session("chat-1")
+        gone, kept = pc.explain(a), pc.explain(b)
+    assert (gone.why, gone.tier, gone.cause) == (Why.EVICTED, "hot", "session ended")
+    assert kept.why is Why.CACHED  # negative control: the other session's blocks stay

@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import MissReason
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys
 from ..tiers.base import Persistent
-from ..tiers.losses import EVICTED, REMOVED
+from ..tiers.losses import EVICTED, REMOVED, SESSION_ENDED
 from ..tiers.stack import TierStack
 from .explanation import Decoder, Explanation, Why, with_text
 from .lookup import Lookup, Nearest
@@ -46,6 +46,7 @@ _RESTORE_WHY = {
     MissReason.EVICTED: Why.EVICTED,
 }
 _REMOTE = frozenset({MissReason.REMOTE_UNAVAILABLE, MissReason.REMOTE_GATE})
+_GONE = frozenset({EVICTED, REMOVED, SESSION_ENDED})  # else: refused or not written
 
 
 class Explainer:
@@ -181,7 +182,7 @@ def _classify(
     if near.depth < len(near.keys) and not tiers.contains(near.keys[near.depth]):
         loss = tiers.losses.of(near.keys[near.depth])
         if loss is not None:  # the prompt's next block was stored, then lost
-            why = Why.EVICTED if loss.cause in (EVICTED, REMOVED) else Why.NOT_ADMITTED
+            why = Why.EVICTED if loss.cause in _GONE else Why.NOT_ADMITTED
             return why, max(start, num_cached), loss.tier, loss.cause
     if shared == 0:
         return Why.NEW, 0, None, None

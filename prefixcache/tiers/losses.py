@@ -1,13 +1,15 @@
 """Losses: which tier lost which recent block keys, and why (to explain a miss).
 
 A bounded record, most recent last: for each lost key, the tier it left last
-and the cause (``evicted``: the tier's policy made room under its byte cap;
-``not admitted``: the tier refused to take it; ``not written``: a lower tier's
-write was refused or dropped as the block left hot; ``removed``: a removal the
-tier reported itself, e.g. the SSD tier's evictions under ``ssd_max_bytes``,
-``gc``, a session's end, a quarantined block). A key stored again in any tier
-leaves the record. It hears the tiers as a :class:`~prefixcache.tiers.base.BlockListener`
-(``stored``, ``removed``), and the stack names the causes it knows (``lost``).
+and the cause: ``evicted`` (the hot tier's policy made room under its byte
+cap, or a trim), ``not admitted`` (the tier refused to take it), ``not
+written`` (a lower tier's write was refused or dropped as the block left
+hot), ``removed`` (a removal the tier reported itself: the SSD tier's
+evictions under ``ssd_max_bytes``, ``gc``, a quarantined block), ``session
+ended`` (``end_session`` dropped it from every tier). A key stored again in
+any tier leaves the record. It hears the tiers as a
+:class:`~prefixcache.tiers.base.BlockListener` (``stored``, ``removed``), and
+the stack and the controls name the causes they know (``lost``).
 
 Memory: at most ``max_keys`` entries of a 16-byte key and a ``Loss`` record
 shared by the keys lost together (about 135 bytes an entry in CPython, the
@@ -30,6 +32,7 @@ EVICTED = "evicted"
 NOT_ADMITTED = "not admitted"
 NOT_WRITTEN = "not written"
 REMOVED = "removed"
+SESSION_ENDED = "session ended"
 
 
 @dataclass(frozen=True, slots=True)
