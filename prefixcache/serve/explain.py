@@ -130,7 +130,8 @@ def header_for(generator: Any, request: Any, args: Any, prompt: Sequence[int]) -
         kwargs = _template_args(generator, args.chat_template_kwargs)
         render = renderer(tokenizer, tools=request.tools, template_kwargs=kwargs)
         # the request was rendered once already: placing it is best effort
-        with contextlib.suppress(_TEMPLATE_ERRORS):
+        # RuntimeError: a fast tokenizer the generation thread is using ("Already borrowed")
+        with contextlib.suppress(*_TEMPLATE_ERRORS, RuntimeError):
             record = in_messages(record, prompt, request.messages, render, tokenizer.decode)
     return header_safe(record.short())
 
@@ -153,16 +154,18 @@ def answer(generator: Any, body: dict[str, Any], extra: Mapping[str, str] | None
         raise RequestError("no model's cache is open yet: it opens with the first request", 503)
     try:
         tokens, messages, tools = _tokenized(generator, tokenizer, body)
-    except _TEMPLATE_ERRORS as err:
-        raise RequestError(f"the request could not be tokenized: {err}") from None
-    if not tokens:
-        raise RequestError("the request renders to no tokens: nothing to explain")
-    try:
+        if not tokens:
+            raise RequestError("the request renders to no tokens: nothing to explain")
         return cache.explain(
             tokens, extra=extra, tokenizer=tokenizer, messages=messages, tools=tools
         )
-    except RuntimeError as err:  # closed by a model switch meanwhile
-        raise RequestError(f"the cache is not open: {err}", 503) from None
+    except RequestError:
+        raise
+    except _TEMPLATE_ERRORS as err:
+        raise RequestError(f"the request could not be tokenized: {err}") from None
+    except (*STORAGE_ERRORS, RuntimeError) as err:  # a tier failing, the tokenizer busy
+        # on the generation thread ("Already borrowed"), the cache closed by a switch
+        raise RequestError(f"the cache cannot answer now, try again: {err}", 503) from None
 
 
 def _tokenized(
