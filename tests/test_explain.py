@@ -302,3 +302,25 @@ def test_a_session_that_ended_is_named(llama):
         gone, kept = pc.explain(a), pc.explain(b)
     assert (gone.why, gone.tier, gone.cause) == (Why.EVICTED, "hot", "session ended")
     assert kept.why is Why.CACHED  # negative control: the other session's blocks stay
+
+
+def test_serve_hand_off_waits_for_its_fetch_and_can_be_off(llama):
+    """The record a fetch files (serve/explain.py) is taken once by its prompt, waited for
+    while the fetch has not come, and not made at all when the header is off."""
+    import threading
+
+    from prefixcache.serve.explain import Explained
+
+    a = prompt(1, 3 * BLOCK)
+    with PrefixCache(llama, hot_only(), model_id="tiny") as pc:
+        pc.prefill(a)
+        pc.fetch(a)
+        on, off = Explained(), Explained(enabled=False)
+        late = threading.Timer(0.05, on.put, (a, pc, a, None))
+        late.start()
+        got = on.take(a, timeout=30)  # waits for the put
+        late.join()
+        off.put(a, pc, a, None)
+        assert got is not None and got.why is Why.CACHED
+        assert on.take(a, timeout=0) is None  # taken once
+        assert off.take(a, timeout=0) is None  # nothing made
