@@ -17,8 +17,17 @@ import argparse
 import json
 from typing import Any
 
-from .common import Command, Doc, UsageError, emit, open_view, printable, ssd_dir
-from .pin import PinSession, add_prompt_args, read_prompt
+from .common import (
+    Command,
+    Doc,
+    UsageError,
+    add_common,
+    emit,
+    open_view,
+    printable,
+    ssd_dir,
+)
+from .pin import PinSession, read_prompt
 
 _WHY_TEXT = {
     "cached": "cached: all but the last token (the model prefills at least one)",
@@ -36,13 +45,21 @@ _WHY_TEXT = {
 
 
 def add_explain_args(p: argparse.ArgumentParser) -> None:
-    add_prompt_args(p)
+    add_common(p)
+    p.add_argument(
+        "file", nargs="?", help="a text prompt, or a chat request's JSON body ('-': stdin)"
+    )
+    p.add_argument("--text", help="the prompt itself (instead of FILE)")
+    p.add_argument(
+        "--model", required=True, help="the model directory, spelt as `prefixcache serve --model`"
+    )
     p.add_argument("--salt", help="the request's cache_salt (as serve's requests carry)")
+    p.add_argument("--block-size", type=int, help="tokens per block (as the server's)")
+    p.add_argument("--kv-bits", type=int, help="KV quantization bits (as the server's)")
+    p.add_argument("--kv-group-size", type=int, help="KV quantization group size")
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    if args.system:
-        raise UsageError("--system does not apply to explain: give the whole prompt")
     with open_view(ssd_dir(args)):  # an SSD tier there already: explain creates none
         pass
     try:
