@@ -110,13 +110,14 @@ def test_locate_places_every_message(tokenizers):
 
 
 def test_locate_from_the_decoded_prompt_agrees_with_rendering(tokenizers):
-    """The fast path (contents found in the decoded prompt) places every token where the
-    renders do, under both templates; an empty content falls back to the renders."""
+    """The fast path (contents found in the decoded prompt) places tokens where the
+    renders do (every fifth token), under both templates; an empty content falls back
+    to the renders."""
     for tok in tokenizers.values():
         for messages in (agent_turns(3)[-1], [*agent_turns(1)[0], {"role": "user", "content": ""}]):
             render = renderer(tok)
             full = list(render(messages))
-            for index in range(len(full)):
+            for index in [*range(0, len(full), 5), len(full) - 1]:  # renders take time
                 rendered = locate(messages, index, full, render)
                 assert locate(messages, index, full, render, tok.decode) == rendered, index
 
