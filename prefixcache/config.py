@@ -146,6 +146,8 @@ class CacheConfig:
             consumers that decode with one project's own structures.
         pin_system_prompts: ``prefixcache serve`` pins every request's system
             prompt (its first segment).
+        explain_header: ``prefixcache serve`` sends ``X-Prefixcache-Explain`` on
+            every completion: where its prompt left the stored sequences, and why.
         remote_secret: shared by the hosts of one cache: every remote value is
             authenticated (HMAC-SHA256) and token ids are encrypted (AES-GCM);
             at least 16 characters; never logged. None: values are checksummed only.
@@ -198,6 +200,7 @@ class CacheConfig:
     events_url: str | None = None
     events_format: EventsFormat = "vllm"
     pin_system_prompts: bool = False
+    explain_header: bool = True
     remote_secret: str | None = None
     remote_secret_file: str | None = None
     remote_tls_ca: str | None = None

@@ -99,6 +99,7 @@ def failing_base(name: str, p: dict[str, str]) -> tuple[str, ...]:
         "pin": ("pin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "unpin": ("unpin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "simulate": ("simulate", p["missing"], "--hot", "1G"),
+        "explain": ("explain", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
     }
     assert name in bases, f"add a failing base for the new command {name!r}"
     return bases[name]
@@ -189,6 +190,9 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (("pin", "--text", "hi", "--model", p["tiny"], "--ttl", "-5"), {}, "--ttl"),
         (("unpin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
         (("make-model", p["plain"], "--arch", "nonsense"), {}, "--arch: invalid choice"),
+        (("explain", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
+        (("explain", "--model", p["tiny"], *d), {}, "give the prompt as FILE or --text"),
+        (("explain", "--text", "hi", "--model", p["tiny"], "--ssd-dir", p["plain"]), {}, "is not"),
         (("simulate", p["missing"], "--hot", "1G"), {}, p["missing"]),
         (("simulate", p["file"], "--hot", "1G"), {}, f"{p['file']}: line 1: not JSON"),
         (("simulate", p["file"], "--shape", "nosuch"), {}, "unknown shape 'nosuch'"),

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
+from ..errors import MissReason
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from ..memory import give_back
 from ..shared import SharedRegistry
@@ -36,6 +37,8 @@ from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
 from .capture import cut_blocks
+from .explain import Explainer
+from .explanation import Explanation
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
@@ -73,7 +76,8 @@ class PrefixCache:
             model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
-        self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
+        # the last fetch: (prompt, root, shared, restored, why not more)
+        self._last_shared: tuple[bytes, bytes, int, int, MissReason | None] | None = None
         self._last_keys: tuple[bytes, bytes, list[bytes]] | None = None  # (prompt, root, restored)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
@@ -82,6 +86,7 @@ class PrefixCache:
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
         self.tenancy = Tenancy(self.tiers.hot.tenants)  # who a store charges (tenancy.py)
+        self.explainer = Explainer(self.lookup, self.namespace, self._roots)
         self._closed = False
         self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
@@ -124,7 +129,7 @@ class PrefixCache:
             root = self._root(extra)
             self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
-            self._last_shared = (data, root, got.shared)
+            self._last_shared = (data, root, got.shared, got.num_tokens, got.reason)
             self._last_keys = (data, root, got.keys)
             self.controls.used(got.keys)
             self.prefetcher.used(got.keys)
@@ -287,6 +292,24 @@ class PrefixCache:
         fetching a prefix against recomputing it at this speed."""
         with self._lock:
             self.tiers.note_prefill(num_tokens, seconds)
+
+    def explain(
+        self,
+        tokens: Sequence[int],
+        *,
+        extra: Mapping[str, str] | None = None,
+        tokenizer: Any = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> Explanation:
+        """Where ``tokens`` leave the nearest stored sequence and why no more is
+        restored; ``tokenizer`` decodes the excerpts, and with ``messages`` (and
+        ``tools``) places the divergence in a message (cache/explain.py)."""
+        data = nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            record = self.explainer.explain(data, self._root(extra), self._last_shared, tokenizer)
+        return self.explainer.placed(record, tokens, messages, tokenizer, tools)  # unlocked
 
     # -- operator controls --------------------------------------------------
 

@@ -120,6 +120,13 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         help="KV events as vLLM's structures (default) or SGLang's",
     )
     group.add_argument(
+        "--explain-header",
+        type=_on_off,
+        metavar="on|off",
+        help="X-Prefixcache-Explain on every completion: where its prompt left the stored "
+        "sequences, and why (default: on)",
+    )
+    group.add_argument(
         "--pin-system-prompts",
         action="store_true",
         default=None,
@@ -147,6 +154,12 @@ def _add_guard_args(group: argparse._ArgumentGroup) -> None:
         default=30.0,
         help="seconds a client may stay silent while sending a request (default: 30)",
     )
+
+
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
 
 
 def _positive_int(text: str) -> int:
@@ -200,6 +213,7 @@ _CONFIG_FLAGS = (
     "events_url",
     "events_format",
     "pin_system_prompts",
+    "explain_header",
     "eviction",
     "hot_tenant_floors",
     "hot_tenant_caps",

@@ -11,6 +11,8 @@ and sessions. ``/health`` says ``restarting`` (503) while the generation loop
 starts again. A client that sends nothing for ``--client-timeout`` seconds is
 disconnected. ``GET /server_info`` and ``POST /detokenize`` answer as SGLang's do
 (info.py), so tools that discover a KV-event publisher from them find ours.
+``POST /v1/cache/explain`` and the ``X-Prefixcache-Explain``
+header of each reply are explain.py's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, ClassVar
 
 from mlx_lm import server
 
+from . import explain
 from .generator import failure
 from .info import detokenize_ids
 from .request_options import DEFAULT, RequestOptions, check_name, parse
@@ -70,6 +73,9 @@ class GuardedHandler(server.APIHandler):
         if self.path == "/detokenize":
             self._detokenize()
             return
+        if self.path == explain.PATH:
+            self._explain()
+            return
         if self.path not in COMPLETIONS:
             super().do_POST()  # its 404
             return
@@ -103,6 +109,19 @@ class GuardedHandler(server.APIHandler):
             return
         self._reply(200, {"text": tokenizer.decode(tokens)})
 
+    def _explain(self) -> None:
+        """``POST /v1/cache/explain``: the body of a completion request, nothing generated."""
+        try:
+            body = parse_body(read_body(self.rfile, self.headers, self.limits.max_body_bytes))
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            check_body(path, body, self._limits())
+            options = parse(body, self.headers)
+            record = explain.answer(self.response_generator, body, options.extra)
+        except ValueError as err:  # RequestError or a cache field's
+            self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
+            return
+        self._reply(200, record.as_dict())
+
     def _limits(self) -> Limits:
         """``limits`` with what the loaded model takes (vocabulary, images)."""
         generator = self.response_generator
@@ -120,7 +139,7 @@ class GuardedHandler(server.APIHandler):
         except (RequestError, GenerationFailed) as err:  # after mlx-lm began its reply
             self._fail_late(err)
         finally:
-            asked.options, failure.error = DEFAULT, None
+            asked.options, failure.error, explain.told.header = DEFAULT, None, None
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
         if status_code == 404 and failure.error is not None:  # mlx-lm's answer to any failure
@@ -128,6 +147,16 @@ class GuardedHandler(server.APIHandler):
         if 400 <= status_code < 500:  # ours, mlx-lm's own checks, unknown paths
             self.response_generator.refused()
         super()._set_completion_headers(status_code)
+        self._explain_header(status_code)
+
+    def _set_stream_headers(self, status_code: int = 200) -> None:
+        super()._set_stream_headers(status_code)
+        self._explain_header(status_code)
+
+    def _explain_header(self, status_code: int) -> None:
+        """Where this request left the stored sequences (serve/explain.py), on a 200."""
+        if status_code == 200 and explain.told.header is not None:
+            self.send_header(explain.HEADER, explain.told.header)
 
     def _fail_late(self, err: RequestError | GenerationFailed) -> None:
         """A failure while mlx-lm was answering: a streamed reply ends with an error

@@ -37,6 +37,7 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
+from .explain import explained
 from .fit import ModelKey, ModelPair, cache_key
 from .generator import GuardedGenerator
 from .handler import CLIENT_TIMEOUT, asked, configured
@@ -123,7 +124,8 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 self._options[id(request)] = options  # the request lives until answered
             # if it waits in mlx-lm's queue, its cached prefix moves into hot meanwhile
             self._prefetch(self.model_provider, request, generation_args, options.extra)
-            return super().generate(request, generation_args, progress_callback)
+            got = super().generate(request, generation_args, progress_callback)
+            return explained(self, request, generation_args, got)
 
         def _tokenize(self, tokenizer: Any, request: Any, args: Any):
             self._prefetch.picked(request)  # taken: no prefetch if none has started

@@ -25,6 +25,7 @@ from ..errors import UnsupportedCacheError
 from ..tiers import quiet
 from .batch import batch_ready
 from .deferred import DEFERRED_TYPES, Deferred, DeferredInserts
+from .explain import Explained
 from .fit import ModelKey, check_mlx_lm_version, held_tokens
 from .images import chain_tokens, fetch_whole_images
 from .lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
@@ -72,6 +73,7 @@ class TieredPromptCache:
         self.requests = Requests()  # per-request options (request_options.py)
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
         self._deferred = DeferredInserts()  # inserts before a first token (mlx_deferred.py)
+        self.explained = Explained(enabled=self.config.explain_header)  # serve's header
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -102,6 +104,7 @@ class TieredPromptCache:
                 self.model_cache.storage_error("fetch", err)
                 return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
+            self.explained.put(tokens, cache, chain_tokens(tokens), extra)
         if num_cached == 0 and not self.shared:
             return None, tokens
         return (restored if self.shared else batch_ready(restored)), tokens[num_cached:]
@@ -208,20 +211,17 @@ class TieredPromptCache:
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
 
-        Blocks are shared between sequences, so there is no per-sequence unit
-        to drop: ``n_sequences=0`` empties the hot tier, other counts keep it.
-        The blocks of the request last fetched go first where its insert at the
-        end puts them back into hot (``PrefixCache.trim_hot``'s ``first``): it is
-        in flight and its cache holds them too (as mlx-lm's LRU drops the entry a
-        request was copied from).
+        Blocks are shared between sequences, so there is no per-sequence unit to
+        drop: ``n_sequences=0`` empties the hot tier, other counts keep it. The
+        blocks of the request last fetched go first where its insert at the end puts
+        them back into hot (``PrefixCache.trim_hot``'s ``first``): mlx-lm trims right
+        after admitting it, so it is in flight and its cache holds them too.
         """
         limit = None if n_bytes is None else max(0, n_bytes)
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
             if limit is not None and self.model_cache.cache is not None and self.nbytes > limit:
-                # mlx-lm trims right after admitting a request: the one last fetched is
-                # in flight, and its cache is inserted when it ends (trim_hot's ``first``)
                 first = extra = None
                 if (
                     self._last is not None

@@ -27,6 +27,7 @@ from ..blocks import Block
 from ..errors import PinCapacityError
 from ..hashing import TOKEN_BYTES, tail_key
 from .base import KeepsPins, Metered
+from .losses import SESSION_ENDED
 from .stack import TierStack
 
 
@@ -163,6 +164,7 @@ class Controls:
         listener = tiers.governor.listener
         for name in tiers.governor.reported if listener is not None else ():
             listener.removed(name, drop)  # tiers that do not report their own removals
+        tiers.losses.lost(tiers.all[-1].name, present, SESSION_ENDED)  # from every tier
         return len(present)
 
     def stats(self) -> dict[str, int]:

@@ -32,6 +32,19 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A template that strips reasoning from every assistant message but the last, as
+# reasoning models' templates do: an agent's next turn re-renders the previous one.
+STRIP_THINKING_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and loop.index0 != ns.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 # Recurrent decay: A = -exp(A_log) and dt = softplus(x + dt_bias); a small A and
 # a small dt keep exp(dt * A) close to 1, so the state remembers the prefix.
@@ -207,6 +220,7 @@ def save_model(
     *,
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
+    chat_template: str = CHAT_TEMPLATE,
     **overrides: Any,
 ) -> Path:
     """Write a tiny model directory that ``mlx_lm.load`` and ``mlx_lm.server`` open offline.
@@ -219,6 +233,8 @@ def save_model(
         arch: a key of ``ARCHS``.
         seed: weight seed, as in ``build_model``.
         dtype: weight dtype, as in ``build_model``.
+        chat_template: the tokenizer's chat template (``STRIP_THINKING_TEMPLATE``:
+            reasoning stripped from earlier assistant turns).
         **overrides: config fields that replace the preset's.
 
     Returns:
@@ -231,7 +247,7 @@ def save_model(
     config = model_config(arch, **overrides)
     model = build_model(arch, seed=seed, dtype=dtype, **overrides)
     save_weights(path, model)
-    ids = save_tokenizer(path, _vocab_size(config))
+    ids = save_tokenizer(path, _vocab_size(config), chat_template=chat_template)
     config["eos_token_id"] = ids[EOS_TOKEN]
     save_config(config, path / "config.json")
     return path
