@@ -27,6 +27,7 @@ from ..errors import MissReason
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from ..memory import give_back
 from ..shared import SharedRegistry
+from ..shared.fetch import fetch_shared
 from ..stats import Stats, ram_stats
 from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
@@ -121,9 +122,15 @@ class PrefixCache:
             (cache list for the model, number of tokens it holds)
         """
         quiet.open_window(self.config.background_quiet_ms / 1000)  # its prefill follows
-        if shared:
-            return self._fetch_shared(tokens, extra)
         data = nonempty(tokens)
+        if shared:
+            return fetch_shared(
+                self.shared_prefixes,
+                data,
+                lambda: self._open_root(extra),
+                lambda: self.fetch(tokens, extra=extra),
+                lambda: self.match(tokens, extra=extra),
+            )
         with self._lock:
             self._check_open()
             root = self._root(extra)
@@ -558,29 +565,6 @@ class PrefixCache:
         keys = chain_keys(root, data, self.config.block_size)
         return [*keys, *tail_keys(root, keys, data, self.config.block_size)]
 
-    def _fetch_shared(
-        self, tokens: Sequence[int], extra: Mapping[str, str] | None
-    ) -> tuple[list[Any], int]:
-        """``fetch(shared=True)``: a live shared prefix covering at least what the
-        tiers would restore is used as is (nothing restored or copied); else the
-        private restore is handed to the registry (a new shared prefix, or the
-        suffix of a live one); the private fetch where the model cannot share."""
-        data = nonempty(tokens)
-        registry = self.shared_prefixes
-        with registry.lock:
-            reason = registry.unavailable()
-            if reason is not None:
-                registry.fell_back(reason)
-                return self.fetch(tokens, extra=extra)
-            with self._lock:
-                self._check_open()
-                root = self._root(extra)
-            live, usable = registry.live(root, data)
-            if live is not None and usable >= self.match(tokens, extra=extra):
-                return registry.reuse(live, usable), usable
-            restored, num_cached = self.fetch(tokens, extra=extra)
-            return registry.adopt(root, data, restored, num_cached, live, usable)
-
     def _shared_stats(self) -> dict[str, object]:
         """``{"shared": counters and live prefixes}`` once a shared fetch was asked for."""
         registry = self.shared_prefixes
@@ -589,6 +573,11 @@ class PrefixCache:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
+
+    def _open_root(self, extra: Mapping[str, str] | None) -> bytes:
+        with self._lock:
+            self._check_open()
+            return self._root(extra)
 
     def _root(self, extra: Mapping[str, str] | None) -> bytes:
         items = tuple(sorted(extra.items())) if extra else ()

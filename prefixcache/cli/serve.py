@@ -25,7 +25,7 @@ from ..config import (
 )
 from ..errors import SsdDirError, SsdFormatError
 from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
-from .common import Command, UsageError
+from .common import Command, UsageError, on_off, port, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--explain-header",
-        type=_on_off,
+        type=on_off,
         metavar="on|off",
         help="X-Prefixcache-Explain on every completion: where its prompt left the stored "
         "sequences, and why (default: on)",
@@ -144,45 +144,16 @@ def _add_guard_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-tokens-limit",
-        type=_positive_int,
+        type=positive_int,
         default=MAX_TOKENS_LIMIT,
         help=f"refuse a max_tokens above this with 400 (default: {MAX_TOKENS_LIMIT})",
     )
     group.add_argument(
         "--client-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         help="seconds a client may stay silent while sending a request (default: 30)",
     )
-
-
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
-    return value
-
-
-def port(text: str) -> int:
-    """argparse type of a TCP port: 0 (any free one) to 65535."""
-    if not text.strip().isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"not a port (0-65535): {text!r}")
-    return int(text)
 
 
 # restore_headroom by default: room for the prompt's rest and its first token, so

@@ -108,9 +108,7 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
     class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
         def __init__(self, model_provider: Any, prompt_cache: Any):
             del prompt_cache  # the empty LRUPromptCache mlx-lm's run() made
-            cli = model_provider.cli_args
-            kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
-            cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
+            cfg = _with_kv(config, model_provider.cli_args)
             self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
             self._options, self._options_lock = dict[int, RequestOptions](), threading.Lock()
             self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
@@ -153,6 +151,12 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 self.tiered.close()
 
     return TieredResponseGenerator
+
+
+def _with_kv(config: CacheConfig, cli: Any) -> CacheConfig:
+    """``config`` with mlx-lm's K/V quantization flags (``--kv-bits`` ...)."""
+    kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
+    return config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
 
 
 def _open_on_load(provider: Any, tiered: TieredPromptCache, events_url: str | None) -> None:
