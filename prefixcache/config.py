@@ -29,7 +29,7 @@ __all__ = [
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
-Eviction = Literal["cost", "lru", "density", "frequency"]
+Eviction = Literal["cost", "lru", "fifo", "density", "frequency", "adaptive"]
 EVICTIONS = ("cost", "lru")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")

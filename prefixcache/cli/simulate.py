@@ -24,7 +24,7 @@ from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
 
-POLICIES = ("lru", "cost", "density", "frequency", "optimal")
+POLICIES = ("fifo", "lru", "cost", "density", "frequency", "adaptive", "optimal")
 _TIER_FLAGS = {"hot": "hot_bytes", "ssd": "ssd_bytes", "remote": "remote_bytes"}
 
 
