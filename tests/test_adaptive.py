@@ -51,7 +51,7 @@ def test_reach_is_unknown_until_enough_reuses():
 
 @pytest.mark.parametrize(
     ("share", "regime"),
-    [(None, "recent"), (0.05, "keep"), (0.3, "sample"), (0.7, "full"), (0.95, "recent")],
+    [(None, "recent"), (0.05, "keep"), (0.3, "sample"), (0.7, "full"), (1.0, "full")],
 )
 def test_regime_follows_the_reach(share, regime):
     policy = AdaptivePolicy(8, {}, {})

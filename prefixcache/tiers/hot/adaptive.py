@@ -6,12 +6,12 @@ admitted). How the floor moves and which newcomers come in follows the
 cache's reach (reach.py: the share of first reuses that come within one
 capacity of new blocks), re-measured all along:
 
-- ``recent`` (reach 0.9 or more, and until the reach is known): every use
+- ``recent`` (until the reach is known: a fresh or small cache): every use
   counts as one, so the floor rising to each victim's priority makes it LRU
-  (GreedyDual with one cost): the cache holds nearly every chain until its
-  next use, and counts would only keep old popular blocks longer than the
-  reuses need (a block of count c outlives c turnovers of the cache).
-- ``full`` (reach 0.5 to 0.9): the floor rises
+  (GreedyDual with one cost). Not chosen again once the reach is known: the
+  priorities that counts gave (a block of count c outlives c turnovers of
+  the cache) would keep old popular blocks past their use.
+- ``full`` (reach 0.5 or more): the floor rises
   to each victim's priority (aging), every newcomer comes in. The cache holds
   most chains until their next use already: recency with a bias to reuse.
 - ``sample`` (0.1 to 0.5): the cache holds a chain for less time than its
@@ -41,7 +41,6 @@ from .reach import Reach
 
 KEEP_BELOW = 0.1  # reach under which nothing ages (plain LFU)
 FULL_FROM = 0.5  # reach from which every newcomer comes in
-RECENT_FROM = 0.9  # reach from which counts no longer weigh (LRU)
 SAMPLE = 0.1  # share of new chains admitted in the ``sample`` regime
 
 
@@ -93,7 +92,7 @@ class AdaptivePolicy:
         if share is None:
             return "recent"
         if share >= FULL_FROM:
-            return "recent" if share >= RECENT_FROM else "full"
+            return "full"
         return "keep" if share < KEEP_BELOW else "sample"
 
     def _seen(self, key: Hashable) -> int:
