@@ -30,7 +30,7 @@ __all__ = [
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
 Eviction = Literal["cost", "lru", "fifo", "density", "frequency", "adaptive"]
-EVICTIONS = ("cost", "lru")
+EVICTIONS = ("cost", "lru", "adaptive")
 QueueFullPolicy = Literal["drop", "inline"]
 QUEUE_FULL_POLICIES = ("drop", "inline")
 MIN_WRITE_QUEUE_BYTES = 4 << 20  # the default queue bound's floor
@@ -59,7 +59,10 @@ class CacheConfig:
             expected hits per block held, learnt from the traffic, and a
             newcomer worth less than that is not kept (tiers/hot/density.py);
             ``frequency``: the leaf of least use count over an aging floor, and
-            a newcomer used no more than that is not kept (frequency.py).
+            a newcomer used no more than that is not kept (frequency.py);
+            ``adaptive``: ``frequency``'s victim, its aging and a sampled
+            admission of new chains set by the reach it measures (LRU until
+            then: tiers/hot/adaptive.py); ``fifo``: the leaf stored first.
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.

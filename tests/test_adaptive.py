@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
+from conftest import live_logits, max_diff, prefill, prompt, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
 
+from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
 from prefixcache.tiers.hot.adaptive import AdaptivePolicy, sampled
 from prefixcache.tiers.hot.reach import Reach
@@ -180,3 +184,31 @@ def test_large_cache_degenerates_to_lru(tmp_path):
     assert big.result.cached_tokens == _run(requests, "lru", 4000).result.cached_tokens
     small = _run(requests, "adaptive", 8, fixed_share=0.3)
     assert small.hot.eviction.num_refused > 0  # control: a sampling cache does refuse
+
+
+def test_a_sampling_library_cache_keeps_the_system_prompt_and_restores_it_exactly():
+    """The real cache on a tiny llama, held in the ``sample`` regime with a budget of
+    8 blocks: other users' chains under the system prompt stay out once it is full,
+    the system prompt stays in, and a hit on it gives the live run's logits."""
+    model = tiny_model("llama")
+    system = prompt(1, 64)  # 4 blocks of 16
+    config = CacheConfig(block_size=16, hot_cache_only=True, eviction="adaptive")
+    with PrefixCache(model, config.replace(hot_max_bytes=8 * 8192), model_id="tiny") as pc:
+        hot = pc.hot
+        reach = Reach(decide_after=1 << 30)
+        reach.share = 0.3
+        hot.eviction.adaptive = AdaptivePolicy(8, hot._lru, hot._children, reach=reach)
+        for user in range(12):
+            tokens = system + prompt(100 + user, 48)
+            cache = make_prompt_cache(model)
+            prefill(model, tokens, cache)
+            pc.store(tokens, cache)
+        assert hot.eviction.num_refused > 0  # later users' chains stayed out
+        probe = system + prompt(999, 20)
+        cache, num_cached = pc.fetch(probe)
+        assert num_cached == 64
+        got = prefill(model, probe[64:], cache)
+        assert max_diff(got, live_logits(model, probe, 64)) == 0.0
+        other = live_logits(model, prompt(2, 64) + probe[64:], 64)
+        assert max_diff(got, other) > 0.0  # control: another prefix gives other logits
+        mx.clear_cache()
