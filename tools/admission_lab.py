@@ -14,10 +14,15 @@ its LRU and optimum equal kvcache-simulator's). Hit rate over the last half.
 - ``adaptive``: the library's adaptive policy (tiers/hot/adaptive.py) on
   block counts: GreedyDual over counts, its regime chosen by the measured
   reach; ``--force keep|sample|full`` holds one regime (the ablation).
+- ``bound``: what an online policy could know: conversations (requests
+  sharing their first two blocks) going on after k turns, the gap to the
+  next turn and how well the previous gap predicts it; and the optimum's and
+  LRU's hit tokens by the gap since the conversation's previous turn.
 
     python tools/admission_lab.py TRACE distances
     python tools/admission_lab.py TRACE gate --p 1,0.5,0.25,0.12,0.06 [--seen] [--oracle]
     python tools/admission_lab.py TRACE adaptive [--force sample] [--variant shift]
+    python tools/admission_lab.py TRACE bound --capacity 1024
 """
 
 from __future__ import annotations
@@ -25,8 +30,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
+import math
+import statistics
+from collections import Counter
 from dataclasses import dataclass
+from itertools import pairwise
 
+import policy_lab
 from policy_lab import Plan, _count, build_plan
 from trace_variants import make_variant
 
@@ -63,6 +73,45 @@ def distances(plan: Plan) -> None:
         print(f"{name}: quantiles 10/25/50/75/90% {qs}")
         shares = [f"{1 << k}:{bisect.bisect(xs, 1 << k) / len(xs):.2f}" for k in range(8, 18)]
         print(f"{name}: F(C) " + " ".join(shares))
+
+
+def bound(requests, plan: Plan, capacity: int) -> None:
+    gap, seen, last = [], Counter(), {}
+    gaps: dict[tuple[int, ...], list[int]] = {}  # per conversation: requests between turns
+    for i, r in enumerate(requests):
+        conv = tuple(r.hash_ids[:2])
+        seen[conv] += 1
+        gap.append(i - last.get(conv, i))
+        if conv in last:
+            gaps.setdefault(conv, []).append(i - last[conv])
+        last[conv] = i
+    turns = Counter(seen.values())
+    for k in range(1, 6):
+        at_k = sum(c for t, c in turns.items() if t >= k)
+        print(f"after {k} turns: {at_k} conversations, {1 - turns[k] / at_k:.2f} go on")
+    firsts = sorted(g[0] for g in gaps.values())
+    print(
+        "first gap, 10/25/50/75/90%:",
+        [firsts[int(q * len(firsts))] for q in (0.1, 0.25, 0.5, 0.75, 0.9)],
+    )
+    pairs = [(math.log(x + 1), math.log(y + 1)) for g in gaps.values() for x, y in pairwise(g)]
+    xs, ys = zip(*pairs, strict=True)
+    print(f"{len(pairs)} gap pairs, log correlation {statistics.correlation(xs, ys):.2f}")
+    edges = (0, 1, 50, 200, 500, 1000, 1 << 30)
+    for policy in ("optimal", "lru"):
+        by_gap = Counter()
+
+        def spy(plan_: Plan, i: int, present, by_gap=by_gap) -> tuple[int, int, int]:
+            found = _count(plan_, i, present)
+            if i >= plan_.warmup:
+                by_gap[bisect.bisect(edges, gap[i]) - 1] += found[1]
+            return found
+
+        policy_lab._count = spy
+        rate = policy_lab.run_heap(plan, capacity, policy)
+        policy_lab._count = _count
+        shares = " ".join(f"<{edges[b + 1]}: {n / 1e6:.1f}M" for b, n in sorted(by_gap.items()))
+        print(f"{policy} {capacity}: {100 * rate:.2f}%, hit tokens by gap (requests): {shares}")
 
 
 @dataclass
@@ -179,7 +228,7 @@ FORCED = {
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("trace")
-    p.add_argument("what", choices=("distances", "gate", "adaptive"))
+    p.add_argument("what", choices=("distances", "gate", "adaptive", "bound"))
     p.add_argument("--capacity", default=CAPACITIES)
     p.add_argument("--variant", default="none")
     p.add_argument("--p", default="1,0.5,0.25,0.12,0.06,0.03")
@@ -187,9 +236,13 @@ def main() -> None:
     p.add_argument("--oracle", action="store_true")
     p.add_argument("--force", choices=sorted(FORCED))
     a = p.parse_args()
-    plan = build_plan(make_variant(read_trace(a.trace), a.variant))
+    requests = make_variant(read_trace(a.trace), a.variant)
+    plan = build_plan(requests)
     if a.what == "distances":
         distances(plan)
+        return
+    if a.what == "bound":
+        bound(requests, plan, int(a.capacity.split(",")[0]))
         return
     for capacity in (int(c) for c in a.capacity.split(",")):
         if a.what == "gate":
