@@ -11,23 +11,25 @@ capacity of new blocks), re-measured all along:
   (GreedyDual with one cost). Not chosen again once the reach is known: the
   priorities that counts gave (a block of count c outlives c turnovers of
   the cache) would keep old popular blocks past their use.
-- ``full`` (reach 0.5 or more): the floor rises
-  to each victim's priority (aging), every newcomer comes in. The cache holds
-  most chains until their next use already: recency with a bias to reuse.
+- ``full`` (reach 0.5 or more): the floor rises to each victim's priority
+  (aging), every newcomer comes in. The cache holds most chains until their
+  next use already: recency with a bias to reuse.
 - ``sample`` (0.1 to 0.5): the cache holds a chain for less time than its
   typical next use. A new chain (a block under a branch point, seen for the
   first time) comes in only for a fixed sample of keys (``sample``, by the
-  key's own bits), and what comes in then lives about 1/``sample`` times
-  longer: admitted chains reach their next use, where every chain admitted
-  would be gone before it. Extensions of a held chain's end, blocks seen
-  before (their second sighting), pinned blocks and a chain's first block
-  come in always; the rest of a refused chain (its parent not held) does not.
+  key's own bits); what comes in lives about 1/``sample`` times longer. A
+  block seen before comes in always (its second sighting: TinyLFU's
+  doorkeeper, here most of the gain: a chain that came back once comes back
+  again more often), and so do the end of a held chain going on, a chain's
+  first block and pinned blocks; the rest of a refused chain (its parent not
+  held) does not.
 - ``keep`` (under 0.1): no chain lasts until its next use whatever comes in;
   the hits left are on blocks used all the time (shared prefixes). No aging:
   the most used blocks stay (plain LFU).
 
-On Mooncake's conversation trace, each regime is the best of the three at the
-budgets where it is chosen (docs/capacity.md, tools/admission_lab.py).
+On Mooncake's conversation trace the reach picks, at each budget, a regime
+within 0.1 point of the best one held fixed (docs/capacity.md,
+tools/admission_lab.py).
 O(log n) per use and per eviction, O(1) per admission.
 """
 
