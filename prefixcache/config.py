@@ -129,7 +129,10 @@ class CacheConfig:
             remote restore with (0: measured by ``PrefixCache.prefill``).
         ssd_admit_after: a block is written to the SSD tier only once it has
             been used this many times (stored, then restored); 1 writes every
-            block, 2 admits on the second sighting (docs/operating.md).
+            block, 2 admits on the second sighting (docs/operating.md); 0:
+            decided by the SSD's measured reach (tiers/governor.py: every block
+            while the SSD holds most blocks until their reuse, else those seen
+            before and a 10% sample of new ones).
         ssd_write_budget: bytes the SSD tier may write per day (a leaky bucket
             shared by every process of the directory); 0: no budget.
         warm_bytes: on open, load pinned blocks and the most recently used
@@ -213,11 +216,13 @@ class CacheConfig:
             "remote_connect_timeout_ms",
             "remote_timeout_ms",
             "remote_breaker_failures",
-            "ssd_admit_after",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        admit = self.ssd_admit_after
+        if not isinstance(admit, int) or isinstance(admit, bool) or admit < 0:
+            raise ValueError(f"ssd_admit_after must be an int >= 0, got {admit!r}")
         for name in (
             "hot_max_bytes",
             "ssd_max_bytes",

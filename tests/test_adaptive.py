@@ -1,4 +1,5 @@
-"""Adaptive eviction: the reach it measures, the regime it picks, what its admission keeps."""
+"""Adaptive eviction and SSD admission by reach: the reach measured, the regime picked,
+what admission keeps."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
+from prefixcache.stats import Stats
+from prefixcache.tiers.governor import WriteGovernor
 from prefixcache.tiers.hot.adaptive import AdaptivePolicy, sampled
 from prefixcache.tiers.hot.reach import Reach
 from prefixcache.tiers.hot.tier import HotTier
+from prefixcache.tiers.pins import Pins
 from prefixcache.traces.reader import read_trace
 from prefixcache.traces.shapes import PRESETS
 from prefixcache.traces.simulator import SimConfig, Simulation
@@ -212,3 +216,43 @@ def test_a_sampling_library_cache_keeps_the_system_prompt_and_restores_it_exactl
         other = live_logits(model, prompt(2, 64) + probe[64:], 64)
         assert max_diff(got, other) > 0.0  # control: another prefix gives other logits
         mx.clear_cache()
+
+
+def test_ssd_admission_by_reach():
+    config = CacheConfig(hot_cache_only=True, ssd_admit_after=0, ssd_max_bytes=1 << 30)
+    governor = WriteGovernor(config, Stats(), Pins(), HotTier(1 << 20))
+    keys = [i.to_bytes(16, "little") for i in range(400)]
+    for key in keys:
+        governor.seen(key)
+    assert all(governor.admitted(k) for k in keys)  # reach unknown: every block
+    governor.reach.share = 0.3
+    inside = [k for k in keys if sampled(k, 0.1)]
+    assert 10 < len(inside) < 80
+    assert [k for k in keys if governor.admitted(k)] == inside  # new ones: the sample
+    governor.seen(keys[0])
+    assert governor.admitted(keys[0])  # seen twice: admitted
+    governor.reach.share = 0.05
+    assert [k for k in keys if governor.admitted(k)] == [keys[0]]  # only what came back
+    governor.reach.share = 0.7
+    assert all(governor.admitted(k) for k in keys)
+    # control: admission after 2 sightings ignores the reach
+    counted = WriteGovernor(config.replace(ssd_admit_after=2), Stats(), Pins(), HotTier(1))
+    assert counted.reach is None and not counted.admitted(keys[1])
+
+
+def test_ssd_admission_by_reach_in_a_simulation(tmp_path):
+    """A small SSD behind a small hot tier, on conversations every fourth request and
+    one-off chains between: admission by reach, once known, writes less than
+    admitting every block (control)."""
+    requests = read_trace(_write(tmp_path / "t.jsonl", _flood_trace()))
+
+    def run(admit: int) -> Simulation:
+        sim = Simulation(SimConfig(LLAMA, 2 * BLOCK, 8 * BLOCK, ssd_admit_after=admit))
+        if admit == 0:
+            sim.governor.reach.share = 0.3  # as a measured reach of 0.3 would hold it
+            sim.governor.reach.decide_after = 1 << 30
+        return sim.run(requests)
+
+    every, by_reach = run(1), run(0)
+    assert by_reach.ssd_bytes_written < every.ssd_bytes_written / 3
+    assert by_reach.hit_tokens["ssd"] >= every.hit_tokens["ssd"]
