@@ -7,9 +7,9 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
-Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
-comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
-(recent.py) count in ``nbytes`` and go before any snapshot or block.
+Which leaf goes (``lru``, ``fifo``, ``cost``, ``density``, ``frequency``, ``adaptive``),
+and whether a newcomer comes in, is the policy object's choice (eviction.py). Kept whole,
+sequences (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the facade holds its lock around every call.
 """
 
