@@ -31,8 +31,8 @@ __all__ = [
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
-Eviction = Literal["cost", "lru", "density", "frequency"]
-EVICTIONS = ("cost", "lru")
+Eviction = Literal["cost", "lru", "fifo", "density", "frequency", "adaptive"]
+EVICTIONS = ("cost", "lru", "adaptive")
 QueueFullPolicy = Literal["drop", "inline"]
 EventsFormat = Literal["vllm", "sglang"]
 EVENTS_FORMATS = ("vllm", "sglang")
@@ -63,7 +63,10 @@ class CacheConfig:
             expected hits per block held, learnt from the traffic, and a
             newcomer worth less than that is not kept (tiers/hot/density.py);
             ``frequency``: the leaf of least use count over an aging floor, and
-            a newcomer used no more than that is not kept (frequency.py).
+            a newcomer used no more than that is not kept (frequency.py);
+            ``adaptive``: ``frequency``'s victim, its aging and a sampled
+            admission of new chains set by the reach it measures (LRU until
+            then: tiers/hot/adaptive.py); ``fifo``: the leaf stored first.
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.
@@ -131,7 +134,10 @@ class CacheConfig:
             remote restore with (0: measured by ``PrefixCache.prefill``).
         ssd_admit_after: a block is written to the SSD tier only once it has
             been used this many times (stored, then restored); 1 writes every
-            block, 2 admits on the second sighting (docs/operating.md).
+            block, 2 admits on the second sighting (docs/operating.md); 0:
+            decided by the SSD's measured reach (tiers/governor.py: every block
+            while the SSD holds most blocks until their reuse, else those seen
+            before and a 10% sample of new ones).
         ssd_write_budget: bytes the SSD tier may write per day (a leaky bucket
             shared by every process of the directory); 0: no budget.
         warm_bytes: on open, load pinned blocks and the most recently used
@@ -232,11 +238,13 @@ class CacheConfig:
             "remote_connect_timeout_ms",
             "remote_timeout_ms",
             "remote_breaker_failures",
-            "ssd_admit_after",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        admit = self.ssd_admit_after
+        if not isinstance(admit, int) or isinstance(admit, bool) or admit < 0:
+            raise ValueError(f"ssd_admit_after must be an int >= 0, got {admit!r}")
         for name in (
             "hot_max_bytes",
             "ssd_max_bytes",

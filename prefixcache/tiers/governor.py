@@ -12,6 +12,13 @@ Before a block is put on a ``metered`` tier (the SSD tier), the stack asks
   uses of its new blocks: the conversation was used again, and under
   ``write_back`` its newest blocks often leave hot before the next turn could
   restore them. Pinned blocks are admitted at once.
+- **Admission by reach** (``ssd_admit_after=0``): the SSD's reach is measured
+  from the sightings (hot/reach.py, its capacity in blocks: ``ssd_max_bytes``
+  over the mean block written). Every block is written while the reach is
+  unknown or 0.5 and more (the SSD holds most blocks until their reuse);
+  below, a block seen before and a 10% sample of new ones (by key), and
+  under 0.1 only blocks seen before: a small SSD keeps what comes back
+  instead of every passing block, a large one loses no block used twice.
 - **Budget** (``ssd_write_budget``, bytes per day, the tier's leaky bucket):
   over budget a write waits in hot (the block stays dirty and is tried again
   at its eviction or the next ``flush``) or, at its last chance (eviction), is
@@ -31,6 +38,8 @@ from ..blocks import Block
 from ..config import CacheConfig
 from ..stats import Stats
 from .base import BlockListener, ChainEntry, Metered, ReportsEvents, Tier
+from .hot.adaptive import FULL_FROM, KEEP_BELOW, SAMPLE, sampled
+from .hot.reach import Reach
 from .hot.tier import HotTier
 from .losses import NOT_ADMITTED, NOT_WRITTEN, Losses
 from .pins import Pins
@@ -90,8 +99,12 @@ class WriteGovernor:
         self.stats, self.pins, self.hot = stats, pins, hot
         # a write refused at its last chance, or dropped, is a loss (explain)
         self.losses = losses if losses is not None else Losses()
-        counting = config.ssd_admit_after > 1 or config.ssd_write_budget > 0
+        by_reach = config.ssd_admit_after == 0
+        counting = config.ssd_admit_after != 1 or config.ssd_write_budget > 0
         self.sightings = Sightings() if counting else None
+        self.reach = Reach() if by_reach else None
+        self.ssd_max_bytes = config.ssd_max_bytes
+        self._written = [0, 0]  # blocks and bytes decided on: the mean block's size
         self.listener: BlockListener | None = None
         self.reported: set[str] = set()  # tiers whose accepted puts are reported here
 
@@ -115,19 +128,36 @@ class WriteGovernor:
 
     def seen(self, key: bytes, uses: int = 1) -> None:
         """``key`` was used (stored new, or restored): ``uses`` times."""
-        if self.sightings is not None:
-            self.sightings.add(key, uses)
+        if self.sightings is None:
+            return
+        if self.reach is not None:
+            seen = self.reach.seen_again if self.sightings.count(key) else self.reach.first_seen
+            seen(key, self._capacity())
+        self.sightings.add(key, uses)
+
+    def _capacity(self) -> int:
+        """The SSD's capacity in blocks of the mean size decided on so far."""
+        num, nbytes = self._written
+        return max(1, self.ssd_max_bytes * num // nbytes) if nbytes else 1
 
     def admitted(self, key: bytes) -> bool:
-        if self.admit_after <= 1 or self.pins.holds(key):
+        if self.admit_after == 1 or self.pins.holds(key):
             return True
-        return self.sightings is not None and self.sightings.count(key) >= self.admit_after
+        count = self.sightings.count(key) if self.sightings is not None else 0
+        if self.reach is None:
+            return count >= self.admit_after
+        share = self.reach.share
+        if share is None or share >= FULL_FROM or count >= 2:
+            return True
+        return share >= KEEP_BELOW and sampled(key, SAMPLE)
 
     def decide(self, tier: Metered, block: Block, *, last_chance: bool) -> bool | None:
         """True: write it now; None: let it wait in hot; False: never (counted skipped).
 
         ``last_chance``: the block is leaving hot (evicted), so it cannot wait.
         """
+        self._written[0] += 1
+        self._written[1] += block.nbytes
         if not self.admitted(block.key):
             return self._refuse(last_chance, deferred=False)
         left = tier.write_budget_left()

@@ -7,10 +7,10 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
-Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
-comes in at all, is the policy object's choice (eviction.py); with tenant shares, the
-victim is the tenant's whose bytes are most over its floor (tenants.py). Sequences kept whole
-(recent.py) count in ``nbytes`` and go before any snapshot or block.
+Which leaf goes (``lru``, ``fifo``, ``cost``, ``density``, ``frequency``, ``adaptive``),
+and whether a newcomer comes in, is the policy object's choice (eviction.py); with tenant
+shares, the victim is the tenant's whose bytes are most over its floor (tenants.py). Kept
+whole, sequences (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the facade holds its lock around every call.
 """
 
@@ -54,7 +54,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self.on_evict = on_evict
         self.shed = shed
         self.num_shed = 0
-        self._sheddable: dict[bytes, None] = {}  # keys to try ``shed`` on, oldest first
+        self._sheddable: dict[bytes, None] = {}  # keys of one child held, oldest first
         self.nbytes = 0
         self.num_evictions = 0
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
@@ -193,9 +193,10 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self.eviction.added(block, first_to_go=at_cold_end)
         if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
-        self._children.setdefault(block.parent, {})[block.key] = None
-        if self.shed is not None:
-            self._sheddable[block.key] = None
+        kids = self._children.setdefault(block.parent, {})
+        kids[block.key] = None
+        self._inside(block.parent, len(kids))
+        self._inside(block.key, len(self._children.get(block.key, ())))
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
@@ -240,13 +241,18 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
                 num += 1
         return num
 
+    def _inside(self, key: bytes, num_children: int) -> None:
+        """Keep ``_sheddable`` to held keys of one child: a chain's end is what a next
+        turn resumes from, a branch point what every branch does."""
+        if self.shed is not None and num_children == 1 and key in self._lru:
+            self._sheddable[key] = None
+        elif self.shed is not None:
+            self._sheddable.pop(key, None)
+
     def _shed_one(self) -> bool:
-        """Drop the snapshot of the oldest block inside a chain that has one."""
-        for key in list(self._sheddable):
-            if len(self._children.get(key, ())) != 1:
-                # a chain's end: what a next turn resumes from; a branch point:
-                # what every new branch resumes from
-                continue
+        """Drop the snapshot of the oldest block inside a chain that has one (O(1))."""
+        while self._sheddable:
+            key = next(iter(self._sheddable))
             del self._sheddable[key]
             block = self._lru[key]
             lean = self.shed(block) if self.shed is not None else None
@@ -279,6 +285,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._sheddable.pop(key, None)
         kids = self._children[block.parent]
         del kids[key]
+        self._inside(block.parent, len(kids))
         if not kids:
             del self._children[block.parent]
         self.eviction.removed(block)
