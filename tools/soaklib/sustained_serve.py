@@ -86,7 +86,7 @@ def cli(*args: str) -> dict:
 
 
 def sample(server: Served, ssd: Path, began: float, clients: Clients) -> dict:
-    from .common import payload_bytes
+    from .common import on_disk_now
 
     m = metrics(server)
     ttfts, share = clients.take()
@@ -100,7 +100,7 @@ def sample(server: Served, ssd: Path, began: float, clients: Clients) -> dict:
         "ram_total": m.get("ram_bytes", 0),
         "ram_max": m.get("ram_max_bytes", 0),
         "queue_depth": m.get("ssd_write_queue_blocks", 0),
-        "ssd_on_disk": payload_bytes(str(ssd)),
+        "ssd_on_disk": on_disk_now(str(ssd)),
         "blocks_written": m.get("ssd_writes_total", 0),
         "dropped_writes": m.get("ssd_dropped_writes_total", 0),
         "hit_share": share,
