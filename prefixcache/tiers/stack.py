@@ -283,6 +283,8 @@ class TierStack:
             self.private.discard(block.key)
             self.stats.num_discarded += 1
         elif dirty:
+            for parent in self.hot.take_dirty(above=block):  # a deferred one is marked again
+                self.spill(parent, last_chance=False)
             self.spill(block)
         elif not self.lower:
             self.stats.num_discarded += 1
