@@ -137,9 +137,22 @@ def run_one(model, name: str, num: int, args, redis_url: str | None) -> Run:
             run.wrong += ok is False
             if k % every == 0:
                 run.samples.append(sample(pc))
+                progress(run, k, time.perf_counter() - start)
         run.seconds = time.perf_counter() - start
         run.stats = pc.stats()
     return run
+
+
+def progress(r: Run, k: int, seconds: float) -> None:
+    """One line per sample on stderr: what a run cut short still shows."""
+    s = r.samples[-1]
+    print(
+        f"  {r.config} {k}/{r.requests} in {seconds:.0f} s: MLX {s['mlx_active'] / MiB:.1f} "
+        f"MiB, RSS {s['rss'] / MiB:.1f} MiB, RAM {s['ram'] / MiB:.2f} MiB, SSD queue "
+        f"{s['ssd_queue'] / MiB:.2f} MiB, remote queue {s['remote_queue'] / MiB:.2f} MiB",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def row(r: Run) -> str:
