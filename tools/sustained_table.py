@@ -18,8 +18,9 @@ One run per configuration and request count:
 Per run: MLX active memory and RSS at the end and their growth after warm-up
 (from the first sample past a tenth of the run), the cache's RAM at most
 against its bound (``stats()["ram"]``), each writer's queue at most, the
-blocks hot evicted dirty (``num_spills``) against those the SSD tier wrote
-and dropped, and the remote tier's writes and drops. Exit status 1 if a
+blocks spilled from hot and queued (``num_spills``: a spill the full queue
+dropped is not among them) against those the SSD tier wrote and dropped
+(queue full, counted), and the remote tier's writes and drops. Exit status 1 if a
 restore was wrong, the RAM passed its bound, or MLX active memory grew more
 than 12 MiB or RSS more than 48 MiB after warm-up.
 
@@ -172,7 +173,7 @@ def row(r: Run) -> str:
 
 HEADER = (
     "| config | requests | req/s | MLX active MiB | MLX growth | RSS growth | RAM max / bound "
-    "MiB | SSD queue max MiB (blocks) | hot evicted dirty | SSD written | SSD dropped | "
+    "MiB | SSD queue max MiB (blocks) | spills queued | SSD written | SSD dropped | "
     "remote written / dropped | remote queue max MiB | loading max MiB | checked / wrong |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
