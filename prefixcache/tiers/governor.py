@@ -30,8 +30,9 @@ import numpy as np
 from ..blocks import Block
 from ..config import CacheConfig
 from ..stats import Stats
-from .base import BlockListener, Metered, ReportsEvents, Tier
+from .base import BlockListener, ChainEntry, Metered, ReportsEvents, Tier
 from .hot.tier import HotTier
+from .losses import NOT_ADMITTED, NOT_WRITTEN, Losses
 from .pins import Pins
 
 _RESERVE = 0.1  # share of the budget only pinned blocks and shared prefixes may use
@@ -76,10 +77,19 @@ class Sightings:
 class WriteGovernor:
     """Decides whether a block goes to a metered tier now, later, or never."""
 
-    def __init__(self, config: CacheConfig, stats: Stats, pins: Pins, hot: HotTier) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        stats: Stats,
+        pins: Pins,
+        hot: HotTier,
+        losses: Losses | None = None,
+    ) -> None:
         self.admit_after = config.ssd_admit_after
         self.reserve = int(config.ssd_write_budget * _RESERVE)
         self.stats, self.pins, self.hot = stats, pins, hot
+        # a write refused at its last chance, or dropped, is a loss (explain)
+        self.losses = losses if losses is not None else Losses()
         counting = config.ssd_admit_after > 1 or config.ssd_write_budget > 0
         self.sightings = Sightings() if counting else None
         self.listener: BlockListener | None = None
@@ -92,9 +102,13 @@ class WriteGovernor:
             verdict = self.decide(tier, block, last_chance=last_chance)
             if verdict is None:
                 self.hot.mark_dirty(block.key)
+            if verdict is False:
+                self.losses.lost(tier.name, [block.key], NOT_ADMITTED)
             if not verdict:
                 return verdict
         accepted = tier.put(block)
+        if not accepted:
+            self.losses.lost(tier.name, [block.key], NOT_WRITTEN)
         if accepted and self.listener is not None and tier.name in self.reported:
             self.listener.stored(tier.name, [block])
         return accepted
@@ -137,11 +151,30 @@ class WriteGovernor:
 
 
 def watch(tiers: Sequence[Tier], governor: WriteGovernor, listener: BlockListener) -> None:
-    """Report every block stored in and removed from ``tiers`` to ``listener``: each
-    tier that does not report its own (not ``ReportsEvents``) is reported by the stack."""
+    """Report every block stored in and removed from ``tiers`` to ``listener`` too (beside
+    the listeners watching already): each tier that does not report its own (not
+    ``ReportsEvents``) is reported by the stack."""
+    if governor.listener is not None:
+        listener = Listeners(governor.listener, listener)
     governor.listener = listener
     for tier in tiers:
         if isinstance(tier, ReportsEvents):
             tier.watch(listener)
         else:
             governor.reported.add(tier.name)
+
+
+class Listeners:
+    """Two listeners heard as one, in order (the stack's record of losses, then e.g.
+    the KV events publisher)."""
+
+    def __init__(self, first: BlockListener, second: BlockListener) -> None:
+        self.first, self.second = first, second
+
+    def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None:
+        self.first.stored(tier, blocks)
+        self.second.stored(tier, blocks)
+
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        self.first.removed(tier, keys)
+        self.second.removed(tier, keys)

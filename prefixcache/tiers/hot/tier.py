@@ -8,7 +8,8 @@ child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
 Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
-comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
+comes in at all, is the policy object's choice (eviction.py); with tenant shares, the
+victim is the tenant's whose bytes are most over its floor (tenants.py). Sequences kept whole
 (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the facade holds its lock around every call.
 """
@@ -25,6 +26,7 @@ from .credit import CostHook
 from .eviction import Eviction
 from .reader import HostViews, HotReader
 from .recent import Kept, RecentSequences
+from .tenants import TenantShares
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
@@ -44,6 +46,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         pins: Pins | None = None,
         cost: CostHook | None = None,
         policy: str = "",
+        tenants: TenantShares | None = None,
     ):
         self.max_bytes = max_bytes
         self.pins = pins if pins is not None else Pins()
@@ -59,6 +62,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
+        self.tenants = tenants  # floors and caps per tenant (tenants.py), or None
         self.eviction = Eviction(
             self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, policy=policy
         )
@@ -151,6 +155,8 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             if key in self._lru:
                 self._lru.move_to_end(key)
                 self.eviction.used(key)
+                if self.tenants is not None:  # its tenant's own recency
+                    self.tenants.used(key)
 
     def prepare_views(self, blocks: Iterable[Block]) -> None:
         """Make now, on the storing thread, the host views a restore of ``blocks``
@@ -172,10 +178,16 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         if block.key in self._lru:
             self.touch([block.key])
             return True
+        shares = self.tenants  # None: no tenant shares (tenants.py), nothing charged
+        tenant = shares.claim(block) if shares is not None else None
         room = self.max_bytes - self.nbytes
-        if block.nbytes > self.max_bytes or not self.eviction.admits(
-            block, room=room, max_bytes=self.max_bytes
+        if (
+            block.nbytes > self.max_bytes
+            or (tenant is not None and not tenant.fits(block.nbytes))
+            or not self.eviction.admits(block, room=room, max_bytes=self.max_bytes)
         ):
+            if tenant is not None:
+                tenant.num_refused += 1
             return False
         self._lru[block.key] = block
         self.eviction.added(block, first_to_go=at_cold_end)
@@ -189,6 +201,10 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             self._dirty.add(block.key)
         if self.listener is not None:
             self.listener.stored(self.name, [block])
+        if shares is not None and tenant is not None:  # over its cap: its own blocks go
+            shares.added(block, tenant, first_to_go=at_cold_end)
+            while own := shares.over_cap(tenant, block.key, self._children, self.pins):
+                self._evict(own)
         self.evict_to(self.max_bytes, keep=block.key)
         return True
 
@@ -201,8 +217,11 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
-            leaf = self.eviction.victim(keep)
-            if leaf is None:  # every leaf is pinned
+            if self.tenants is not None:
+                leaf = self.tenants.victim(keep, self._children, self.pins)
+            else:
+                leaf = self.eviction.victim(keep)
+            if leaf is None:  # every leaf is pinned (or, with tenants, under its floor)
                 break
             self._evict(leaf)
             num += 1
@@ -234,21 +253,25 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             if lean is not None:
                 self._lru[key] = lean  # same key: its LRU place is kept
                 self.nbytes -= block.nbytes - lean.nbytes
+                if self.tenants is not None:
+                    self.tenants.resized(key, lean.nbytes - block.nbytes)
                 self.num_shed += 1
                 return True
         return False
 
     def _evict(self, key: bytes) -> None:
         dirty = key in self._dirty
-        block = self.pop(key)
+        block = self.pop(key, evicted=True)
         self.num_evictions += 1
         if block is not None and self.on_evict is not None:
             self.on_evict(block, dirty)
 
-    def pop(self, key: bytes) -> Block | None:
+    def pop(self, key: bytes, *, evicted: bool = False) -> Block | None:
         block = self._lru.pop(key, None)
         if block is None:
             return None
+        if self.tenants is not None:
+            self.tenants.released(block, evicted=evicted)
         self.views.forget(key)
         self.nbytes -= self.recent.forget(key)
         self.nbytes -= block.nbytes
