@@ -106,6 +106,7 @@ def windowed_run(tmp_path, sub_port: int) -> dict:
         prefill(model, prompt(8, BLOCK), one, step=BLOCK)
         for i in range(30):  # one-block chains: push the others out of hot, then SSD
             pc.store(prompt(100 + i, BLOCK), one)
+            pc.ssd.flush()  # indexed one by one: SSD evictions, not one batch over the cap
         pc.flush()
         pc.services.events.flush()
         root = pc.namespace.with_extra({"cache_salt": "tenant-a"}).root_key()

@@ -53,8 +53,9 @@ def radix_tree(messages: list[list[bytes]], mangle=None) -> CacheTree:
 
 def test_radixview_decoder_and_tree_on_our_frames(llama, tmp_path, subscriber):  # noqa: F811
     """Two chats on a shared 2-block prefix, then the first chat's last block evicted
-    from hot to the SSD tier: radixview draws one prefix node and two branches, and
-    each block's medium as it now stands (GPU: hot, STORAGE: SSD)."""
+    from hot to the SSD tier, its ancestors written there first (they stay in hot
+    too): radixview draws one prefix node and two branches, and each block's medium
+    as it last heard (GPU: hot, STORAGE: SSD)."""
     port, sub = subscriber
     shared = prompt(1, 2 * BLOCK)
     chats = [shared + prompt(2, 2 * BLOCK), shared + prompt(3, 2 * BLOCK)]
@@ -68,7 +69,7 @@ def test_radixview_decoder_and_tree_on_our_frames(llama, tmp_path, subscriber): 
         keys = [chain_keys(pc.namespace.root_key(), token_bytes(t), BLOCK) for t in chats]
         with pc._lock:  # evict exactly the first chat's leaf: it spills to SSD
             pc.hot.evict_chain([keys[0][-1]], 0)
-        pc.ssd.flush()  # its write done (the other blocks stay dirty in hot only)
+        pc.ssd.flush()  # its writes done (the second chat stays dirty in hot only)
         pc.services.events.flush()
         messages = frames(sub)  # before close writes the dirty blocks to SSD
     hashes = [[block_hash(k) for k in chain] for chain in keys]
@@ -83,8 +84,8 @@ def test_radixview_decoder_and_tree_on_our_frames(llama, tmp_path, subscriber): 
         assert nodes[branch]["parent"] == prefix and nodes[branch]["blocks"] == 2
     media = {n: [b["medium"] for b in tree.blocks_of(n)] for n in nodes}
     assert media == {
-        prefix: ["GPU", "GPU"],
-        f"{hashes[0][2]}..{hashes[0][3]}": ["GPU", "STORAGE"],  # its leaf spilled to SSD
+        prefix: ["STORAGE", "STORAGE"],  # written before the evicted leaf
+        f"{hashes[0][2]}..{hashes[0][3]}": ["STORAGE", "STORAGE"],  # its leaf and parent
         f"{hashes[1][2]}..{hashes[1][3]}": ["GPU", "GPU"],
     }
 

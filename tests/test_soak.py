@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
 
-from soaklib import corrupt, crash, diskfull, memory, procs, threads
+from soaklib import common, corrupt, crash, diskfull, memory, procs, threads
 from soaklib.common import BLOCK, Tally, Workload, make_prompts, open_cache, prefill
 
 from prefixcache.blocks import Block
@@ -96,3 +96,32 @@ def test_disk_full(tmp_path):
 def test_memory_small_run(tmp_path):
     setup = memory.MemorySetup(requests=120, every=20, pool=40)
     assert_clean(memory.run(setup, str(tmp_path)))
+
+
+def test_on_disk_sample_never_counts_an_evicted_block_beside_its_replacement(tmp_path):
+    """The sustained scenario's sample read 264 B over the SSD cap where the tier never
+    was: its walk counted a block evicted behind it and the one written in its room
+    ahead of it. The sample of one instant does not; the plain walk (control) does."""
+    blocks = tmp_path / "blocks"
+    for name in ("00", "ff"):
+        (blocks / name).mkdir(parents=True)
+        (blocks / name / f"{name}.safetensors").write_bytes(b"x" * 100)
+    newest = max(os.stat(p).st_ctime_ns for p in blocks.glob("*/*"))
+    while common.coarse_now_ns() <= newest:  # the files are older than the sample's instant
+        pass
+
+    def walk_while_evicting():
+        files = common.walk_files(str(tmp_path))
+        path, st = next(files)
+        yield path, st
+        os.unlink(path)  # evicted behind the walk; the cap (200 B) is never passed
+        ahead = blocks / ("ff" if os.path.basename(os.path.dirname(path)) == "00" else "00")
+        (ahead / "new.safetensors").write_bytes(b"x" * 100)  # its replacement, ahead
+        yield from files
+
+    before = common.coarse_now_ns()
+    assert common.bytes_before(walk_while_evicting(), before) == 200
+    os.unlink(next(blocks.glob("*/new.safetensors")))
+    (blocks / "00" / "00.safetensors").write_bytes(b"x" * 100)
+    (blocks / "ff" / "ff.safetensors").write_bytes(b"x" * 100)
+    assert common.bytes_before(walk_while_evicting(), None) == 300  # the plain walk: over

@@ -23,6 +23,7 @@ from conftest import prefill, prompt
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.stats import prometheus_text
 from prefixcache.tiers import quiet
+from prefixcache.tiers.ssd.index import decode_or_none
 from prefixcache.tiers.ssd.tier import SsdTier
 
 BLOCK = 16
@@ -145,3 +146,25 @@ def test_a_stalled_disk_gets_counted_back_pressure_not_ram(tmp_path, llama, poli
     finally:
         hold.set()
         ssd.close()
+
+
+def detached(ssd: SsdTier) -> tuple[int, int]:
+    """(blocks indexed, those whose parent is neither their root nor indexed)."""
+    rows = [decode_or_none(key, raw) for key, raw in ssd.index.rows()]
+    keys = {m.key for m in rows}
+    return len(rows), sum(m.parent != m.root and m.parent not in keys for m in rows)
+
+
+def test_write_back_writes_a_chains_upper_blocks_before_its_leaves(fast_dir, llama):
+    """Hot keeps the system prompts' blocks (every request uses them) and evicts the
+    user turns under them. What the writer has put on disk, before any flush of
+    hot (a process killed now loses hot), must be reachable from its root: each
+    block's parent is on disk too. Written alone, every leaf was unreachable."""
+    with PrefixCache(llama, config(fast_dir), model_id="t") as pc:
+        ssd = pc.tiers.named("ssd")
+        for tokens in requests(150):
+            serve(pc, llama, tokens)
+        ssd.flush()  # the writer's queue only; hot is not flushed
+        num, unreachable = detached(ssd)
+        assert pc.stats()["num_spills"] > 0 and num > 0
+        assert unreachable == 0, f"{unreachable} of {num} blocks on disk lack their parent"

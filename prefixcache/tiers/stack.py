@@ -3,11 +3,11 @@
 Read path: a chain is matched through the tiers in order (``chain``,
 ``children``), and lower-tier hits are promoted upward (``promote``, called off
 the request's path). Write path: new blocks go into hot (``place``); under
-``write_back`` a dirty block spills to the lower tiers when hot evicts it,
-under ``write_through`` it is put there at once, and an ``eager`` tier takes
-every block at once. With no lower tier (``hot_cache_only``) an evicted block
-is discarded. A ``persist=False`` block stays hot only (private). A metered
-tier's writes pass the stack's governor (admission and the write budget).
+``write_back`` a dirty block spills to the lower tiers when hot evicts it (its
+dirty ancestors first), under ``write_through`` it is put there at once, and an
+``eager`` tier takes every block at once. With no lower tier (``hot_cache_only``)
+an evicted block is discarded. A ``persist=False`` block stays hot only (private).
+A metered tier's writes pass the stack's governor (admission and the write budget).
 Which tier lost which block, and why, is remembered to explain misses (losses.py).
 """
 
@@ -253,10 +253,9 @@ class TierStack:
         return held
 
     def remove_lower(self, keys: Sequence[bytes]) -> None:
-        """Drop ``keys`` from every lower tier (queued copies land first, then go).
-
-        Every tier is asked, also one that does not know it holds them (the remote
-        tier remembers only so many of its writes: the server may hold more)."""
+        """Drop ``keys`` from every lower tier (queued copies land first, then go); every
+        tier is asked, also one that does not know it holds them (the remote tier
+        remembers only so many of its writes: the server may hold more)."""
         for tier in self.lower:
             if any(tier.contains(k) for k in keys):  # a queued copy must land first
                 tier.flush()
@@ -290,8 +289,9 @@ class TierStack:
         if block.key in self.private:
             self.private.discard(block.key)
             self.stats.num_discarded += 1
-        elif dirty:
-            self.spill(block)
+        elif dirty:  # after its ancestors still dirty in hot (one deferred is marked again)
+            for each in [*self.hot.take_dirty(above=block), block]:
+                self.spill(each, last_chance=each is block)
         elif not self.lower:
             self.stats.num_discarded += 1
             if len(self._evicted) == self._evicted.maxlen:

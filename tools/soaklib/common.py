@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -170,24 +171,37 @@ def open_cache(model, ssd_dir: str | None, **changes: object) -> PrefixCache:
     return PrefixCache(model, config(ssd_dir, **changes), model_id=MODEL_ID)
 
 
-def payload_bytes(ssd_dir: str, *, before_ns: int | None = None) -> int:
-    """Bytes of every file under ``ssd_dir/blocks`` (payloads and temp files).
+def payload_bytes(ssd_dir: str) -> int:
+    """Bytes of every file under ``ssd_dir/blocks`` (payloads and temp files); exact only
+    while nothing writes: a walk is not one instant."""
+    return bytes_before(walk_files(ssd_dir), None)
 
-    With ``before_ns`` (a CLOCK_REALTIME_COARSE reading taken before the walk,
-    the clock file times come from), files whose change time is not older are
-    skipped: the sum then never counts a file written during the walk beside
-    one removed during it, so it is never above what was on disk at that time.
-    """
-    total = 0
+
+def on_disk_now(ssd_dir: str) -> int:
+    """Bytes on disk under ``ssd_dir/blocks`` at one instant, at most (for sampling while
+    the tier writes). A plain walk can count a block evicted behind it and the block
+    that took its room ahead of it, over the cap though the tier never was."""
+    before = coarse_now_ns()
+    return bytes_before(walk_files(ssd_dir), before)
+
+
+def bytes_before(files: Iterable[tuple[str, os.stat_result]], before_ns: int | None) -> int:
+    """The sizes of ``files``; with ``before_ns`` (a CLOCK_REALTIME_COARSE reading taken
+    before the walk, the clock file times come from) only of those whose change time is
+    older: every file counted was then on disk at that size, so the sum is at most what
+    the disk held at that instant."""
+    return sum(st.st_size for _, st in files if before_ns is None or st.st_ctime_ns < before_ns)
+
+
+def walk_files(ssd_dir: str) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, stat) of every file under ``ssd_dir/blocks``; one gone meanwhile is skipped."""
     for d, _, files in os.walk(os.path.join(ssd_dir, "blocks")):
         for name in files:
+            path = os.path.join(d, name)
             try:
-                st = os.stat(os.path.join(d, name))
+                yield path, os.stat(path)
             except FileNotFoundError:
                 continue
-            if before_ns is None or st.st_ctime_ns < before_ns:
-                total += st.st_size
-    return total
 
 
 def coarse_now_ns() -> int:

@@ -97,8 +97,7 @@ def run(setup: ProcSetup, base_dir: str | None = None) -> Result:
             r.start()
         while any(p.poll() is None for p in procs):
             operate(tmp, setup, rng, tally, seen)
-            before = common.coarse_now_ns()
-            max_seen = max(max_seen, common.payload_bytes(tmp, before_ns=before))
+            max_seen = max(max_seen, common.on_disk_now(tmp))
         for p, r in zip(procs, readers, strict=True):
             r.join()
             err = p.stderr.read()

@@ -167,7 +167,7 @@ def sample(pc, ssd_dir: str, start: float, k: int, ttfts: list[float], hits: flo
         "ram_total": ram["nbytes"],
         "ram_max": ram["max_bytes"],
         "queue_depth": ssd["queue_depth"],
-        "ssd_on_disk": common.payload_bytes(ssd_dir),
+        "ssd_on_disk": common.on_disk_now(ssd_dir),
         "blocks_written": ssd["num_writes"],
         "dropped_writes": ssd["num_dropped_writes"],
         "hit_share": hits,

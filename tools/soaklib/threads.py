@@ -112,10 +112,7 @@ class _Run:
 
     def sampler(self) -> None:
         while not self.stop.wait(0.001):  # bytes on disk every millisecond (plus the walk)
-            before = common.coarse_now_ns()
-            self.max_sampled = max(
-                self.max_sampled, common.payload_bytes(self.ssd_dir, before_ns=before)
-            )
+            self.max_sampled = max(self.max_sampled, common.on_disk_now(self.ssd_dir))
 
 
 def run(setup: ThreadSetup, base_dir: str | None = None) -> Result:

@@ -302,13 +302,19 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         """``key`` is stored below already (nothing to spill when it goes)."""
         self._dirty.discard(key)
 
-    def take_dirty(self) -> list[Block]:
-        """Dirty blocks (not yet on SSD) root-first, marked clean."""
-        blocks = sorted(
-            (self._lru[k] for k in self._dirty if k in self._lru), key=lambda b: b.index
-        )
-        self._dirty.clear()
-        return blocks
+    def take_dirty(self, above: Block | None = None) -> list[Block]:
+        """Dirty blocks (not yet on SSD) root-first, marked clean: all, or the ancestors
+        of ``above`` up to the first clean one (written before it: a block on disk
+        whose parent is not cannot be reached from its root after a crash)."""
+        if above is None:
+            keys = list(self._dirty)
+        else:
+            keys, key = [], above.parent
+            while key in self._dirty:  # a root is no block: never dirty
+                keys.append(key)
+                key = self._lru[key].parent
+        self._dirty.difference_update(keys)
+        return sorted((self._lru[k] for k in keys if k in self._lru), key=lambda b: b.index)
 
     def drop_superseded(self, block: Block) -> None:
         """Drop tails that ``block`` extends and holds every payload of: cutting

@@ -90,7 +90,7 @@ class SsdIndex:
 
     def transact(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
         """One transaction; a write's dropped files go after its commit, under the write
-        lock: a write reserving the freed room must not land beside them (over the cap)."""
+        lock (threads and processes): no write may land beside them (over the cap)."""
         if not write:
             return self._shared.txn(fn)
         with self._shared.write_lock:

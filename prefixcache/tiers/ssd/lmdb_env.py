@@ -5,6 +5,8 @@ path shares one (reference counted). Transactions run through
 :meth:`SharedEnv.txn`, which grows the map on ``MapFullError`` and adopts
 another process's growth on ``MapResizedError``. Resizing requires that no
 transaction of this process is open, which a small shared/exclusive gate ensures.
+Write transactions take :class:`WriteLock` (threads and, through a file lock,
+processes) for as long as the caller needs past the commit.
 A read-only opener shares a writable environment already
 open, or opens the path read-only: it then writes nothing to the data file and
 may be shared by other readers only.
@@ -13,7 +15,9 @@ may be shared by other readers only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, TypeVar
@@ -56,6 +60,42 @@ class _Gate:
                 self._cond.notify_all()
 
 
+class WriteLock:
+    """A thread lock that, on a writable environment, also holds an exclusive ``flock``
+    of ``write.lock`` beside it: a write transaction and the unlinks that follow its
+    commit are one step for every process on the directory (SsdIndex.transact)."""
+
+    def __init__(self, path: str, mode: int, readonly: bool) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0  # re-entries of the holding thread: the flock is taken once
+        self._fd = None
+        if not readonly:
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(os.path.join(path, "write.lock"), flags, mode)
+
+    def __enter__(self) -> WriteLock:
+        self._lock.acquire()
+        if self._depth == 0 and self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            except BaseException:
+                self._lock.release()
+                raise
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._lock.release()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class SharedEnv:
     """A reference-counted environment with its named databases."""
 
@@ -63,14 +103,19 @@ class SharedEnv:
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(
-        self, path: str, env: lmdb.Environment, dbs: dict[str, object], readonly: bool = False
+        self,
+        path: str,
+        env: lmdb.Environment,
+        dbs: dict[str, object],
+        readonly: bool = False,
+        mode: int = 0o600,
     ) -> None:
         self.path, self.env, self.dbs, self.readonly = path, env, dbs, readonly
         self._gate = _Gate()
         self._refs = 1
         # held from a write transaction's start to the end of what follows its
         # commit (the unlinks of dropped files): see SsdIndex.transact
-        self.write_lock = threading.RLock()
+        self.write_lock = WriteLock(path, mode, readonly)
 
     @classmethod
     def acquire(
@@ -110,10 +155,11 @@ class SharedEnv:
                     name: env.open_db(name.encode(), dupsort=name in dupsort, create=not readonly)
                     for name in dbs
                 }
+                shared = cls(path, env, handles, readonly, mode)
             except BaseException:
                 env.close()
                 raise
-            shared = cls._open[path] = cls(path, env, handles, readonly)
+            cls._open[path] = shared
             return shared
 
     @classmethod
@@ -135,6 +181,7 @@ class SharedEnv:
             self._refs -= 1
             if self._refs == 0:
                 del self._open[self.path]
+                self.write_lock.close()
                 self.env.close()
 
     def txn(self, fn: Callable[[lmdb.Transaction], T], *, write: bool = False) -> T:
