@@ -33,7 +33,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape", default="llama-3.1-8b", help="a preset or a config.json (or its folder)"
     )
-    p.add_argument("--kv-bits", type=int, default=16, choices=(4, 8, 16))
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8, 16, 32),
+        help="K/V bits (default: the shape's: bf16, or a config.json's torch_dtype)",
+    )
     p.add_argument("--hot", type=parse_bytes, help="hot tier budget (bytes: 64G)")
     p.add_argument("--ssd", type=parse_bytes, help="SSD tier budget")
     p.add_argument("--remote", type=parse_bytes, help="remote tier budget")
@@ -55,7 +60,8 @@ def run(args: Args) -> int:
     from ..traces.shapes import shape_named
 
     try:
-        shape = shape_named(args.shape).with_kv_bits(args.kv_bits)
+        shape = shape_named(args.shape)
+        shape = shape if args.kv_bits is None else shape.with_kv_bits(args.kv_bits)
     except ValueError as err:
         raise UsageError(str(err)) from None
     points = []  # every option checked before the trace is read
