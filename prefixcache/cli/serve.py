@@ -102,6 +102,11 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
     group.add_argument(
+        "--record-trace",
+        help="append each request to FILE in Mooncake's trace format (replay it with "
+        "`prefixcache simulate` or `replay`; no token ids are written)",
+    )
+    group.add_argument(
         "--pin-system-prompts",
         action="store_true",
         default=None,
@@ -233,18 +238,37 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from ..serve.main import run_mlx_server
 
+    recorder = _recorder(args, config)
     set_mx_cache_limit(args)
     shared = getattr(args, "shared_prefix", False)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
-    return run_mlx_server(
-        args.model,
-        args.mlx_lm_args,
-        config,
-        args.metrics_port,
-        shared=shared,
-        limits=limits,
-        client_timeout=args.client_timeout,
-    )
+    try:
+        return run_mlx_server(
+            args.model,
+            args.mlx_lm_args,
+            config,
+            args.metrics_port,
+            shared=shared,
+            limits=limits,
+            client_timeout=args.client_timeout,
+            recorder=recorder,
+        )
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def _recorder(args: argparse.Namespace, config: CacheConfig):
+    """The ``--record-trace`` recorder at the cache's block size (None without it)."""
+    path = getattr(args, "record_trace", None)
+    if path is None:
+        return None
+    from ..serve.recorder import TraceRecorder
+
+    try:
+        return TraceRecorder(path, config.block_size)
+    except OSError as err:
+        raise UsageError(f"--record-trace {path!r}: {err.strerror or err}") from None
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

@@ -125,9 +125,9 @@ def _complete(url: str, text: str, max_tokens: int) -> Sent:
         for line in reply:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
             chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):  # the first chunk with output
+                ttft = time.perf_counter() - start
             usage = chunk.get("usage") or usage
     if usage is None or ttft is None:
         raise OSError(f"{url}: a streamed completion came back without usage")
