@@ -4,8 +4,10 @@ LRUPromptCache, with the cached tokens of every request known in advance."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+from test_serve_e2e import running
 
 from prefixcache.cli import main
 from prefixcache.tiny.models import save_model
@@ -121,3 +123,25 @@ def test_replay_bad_trace_and_model_are_one_line(tmp_path, model_dir, capsys):
 def _write_line(ids: list[int], n: int) -> str:
     line = {"timestamp": 0, "input_length": n, "output_length": 1, "hash_ids": ids}
     return json.dumps(line | {"block_tokens": BLOCK}) + "\n"
+
+
+def test_replay_through_a_server_counts_what_it_reports(tmp_path, model_dir, capsys):
+    """``--url``: the same trace sent as text the server tokenizes back to the trace's
+    tokens; requests 1.5 s apart at ``--speed 2`` come one at a time (exact counts)."""
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for t, (ids, n) in enumerate(TRACE):
+            line = {"timestamp": 3000 * t, "input_length": n, "output_length": 3}
+            f.write(json.dumps(line | {"hash_ids": ids, "block_tokens": BLOCK}) + "\n")
+    argv = [sys.executable, "-m", "prefixcache", "serve", "--model", str(model_dir)]
+    argv += ["--hot-cache-only", "--block-size", str(BLOCK)]
+    with running(argv, tmp_path / "serve.log") as server:
+        replay = ["replay", str(path), "--model", str(model_dir), "--url", server.url]
+        assert main([*replay, "--block-tokens", str(BLOCK), "--speed", "2", "--json"]) == 0
+    (doc,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert doc["system"] == server.url and doc["requests"] == 5
+    assert doc["prompt_tokens"] == 48 and doc["cached_tokens"] == sum(EXPECTED)
+    assert 0 < doc["ttft_p50"] <= doc["ttft_p90"]
+    # negative control: nothing listens there any more
+    assert main([*replay, "--block-tokens", str(BLOCK)]) == 2
+    assert f"--url '{server.url}'" in capsys.readouterr().err
