@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .shapes import ModelShape
 
@@ -122,8 +122,9 @@ def ttft_saved(doc: dict, shape: ModelShape, block_tokens: int, device: DevicePr
     """``ttft_saved_seconds`` (over the trace) and ``..._per_request`` for a simulate
     document (``None`` for the offline optimum, which counts no FLOPs)."""
     flops = doc.get("prefill_flops_saved")
+    out: dict[str, object] = {"device": device.name, "device_profile": asdict(device)}
     if flops is None or doc.get("cached_tokens") is None:
-        return {"device": device.name, "ttft_saved_seconds": None}
+        return out | {"ttft_saved_seconds": None}
     per_token = shape.block_bytes(block_tokens) / block_tokens
     cached = doc["cached_tokens"]
     load = sum(
@@ -131,8 +132,7 @@ def ttft_saved(doc: dict, shape: ModelShape, block_tokens: int, device: DevicePr
         for tier, share in doc["hit_share"].items()
     )
     saved = flops / device.prefill_flops_per_s - load
-    return {
-        "device": device.name,
+    return out | {
         "ttft_saved_seconds": saved,
         "ttft_saved_per_request": saved / max(1, doc["requests"]),
     }
