@@ -8,10 +8,11 @@ so equal hash ids give equal text and equal tokens on the server.
 
 Each request is sent to ``/v1/completions`` (streamed, ``temperature`` 0) when
 its arrival comes (``timestamp / speed`` after the start), concurrently with
-the ones still running. TTFT is the time from sending to the first streamed
-chunk; the cached tokens are what the server reports in ``usage``
-(``prompt_tokens_details.cached_tokens``: mlx-lm's server and ``prefixcache
-serve`` both do).
+the ones still running. TTFT is the time from its arrival (when it was due:
+a request the client could not send at once, with ``MAX_IN_FLIGHT`` running,
+counts its wait) to the first streamed chunk with output; the cached tokens
+are what the server reports in ``usage`` (``prompt_tokens_details.cached_tokens``:
+mlx-lm's server and ``prefixcache serve`` both do).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from .replay import Replayed
 from .simulator import SimResult
 
 _WORD = re.compile(r" [A-Za-z]+")
-MAX_IN_FLIGHT = 64
+MAX_IN_FLIGHT = 256
 TIMEOUT = 600.0
 
 
@@ -94,7 +95,7 @@ def replay_http(
         arrival = began + (requests[i].timestamp_ms - first) / 1000 / speed
         threading.Event().wait(max(0.0, arrival - time.perf_counter()))
         try:
-            return _complete(url, texts[i], max_tokens)
+            return _complete(url, texts[i], max_tokens, arrival)
         except OSError as err:
             failed.append(err)
             return None
@@ -106,7 +107,7 @@ def replay_http(
     return _tally(url, requests, [s for s in sent if s is not None], began)
 
 
-def _complete(url: str, text: str, max_tokens: int) -> Sent:
+def _complete(url: str, text: str, max_tokens: int, arrival: float) -> Sent:
     body = {
         "prompt": text,
         "max_tokens": max_tokens,
@@ -119,7 +120,6 @@ def _complete(url: str, text: str, max_tokens: int) -> Sent:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    start = time.perf_counter()
     ttft, usage = None, None
     with urllib.request.urlopen(req, timeout=TIMEOUT) as reply:
         for line in reply:
@@ -127,7 +127,7 @@ def _complete(url: str, text: str, max_tokens: int) -> Sent:
                 continue
             chunk = json.loads(line[6:])
             if ttft is None and chunk.get("choices"):  # the first chunk with output
-                ttft = time.perf_counter() - start
+                ttft = time.perf_counter() - arrival
             usage = chunk.get("usage") or usage
     if usage is None or ttft is None:
         raise OSError(f"{url}: a streamed completion came back without usage")
