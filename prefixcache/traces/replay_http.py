@@ -32,7 +32,7 @@ from .replay import Replayed
 from .simulator import SimResult
 
 _WORD = re.compile(r" [A-Za-z]+")
-MAX_IN_FLIGHT = 256
+MAX_IN_FLIGHT = 32  # mlx-lm's HTTP server queues few connections: more are reset
 TIMEOUT = 600.0
 
 
