@@ -178,6 +178,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         ((*model, "--ssd-dir", p["file"]), {}, p["file"]),
         ((*model, "--kv-bits", "7", "--port", "0"), {}, "--kv-bits: kv_bits must be"),
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
+        ((*model, "--record-trace", f"{p['missing']}/t.jsonl"), {}, "--record-trace"),
         (("demo", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         (("make-model", p["file"]), {}, f"'{p['file']}' exists and is not a directory"),
         (("pin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
