@@ -21,6 +21,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from .simulator import SimResult
 _WORD = re.compile(r" [A-Za-z]+")
 MAX_IN_FLIGHT = 32  # mlx-lm's HTTP server queues few connections: more are reset
 TIMEOUT = 600.0
+RETRIES = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,7 @@ def replay_http(
         arrival = began + (requests[i].timestamp_ms - first) / 1000 / speed
         threading.Event().wait(max(0.0, arrival - time.perf_counter()))
         try:
-            return _complete(url, texts[i], max_tokens, arrival)
+            return _complete_retrying(url, texts[i], max_tokens, arrival)
         except OSError as err:
             failed.append(err)
             return None
@@ -105,6 +107,20 @@ def replay_http(
     if failed:
         raise failed[0]
     return _tally(url, requests, [s for s in sent if s is not None], began)
+
+
+def _complete_retrying(url: str, text: str, max_tokens: int, arrival: float) -> Sent:
+    """``_complete``, sent again when the server resets the connection before any
+    reply (its listen queue overflowed at a burst of arrivals); the wait counts in TTFT."""
+    for attempt in range(RETRIES):
+        try:
+            return _complete(url, text, max_tokens, arrival)
+        except (ConnectionResetError, urllib.error.URLError) as err:
+            reset = isinstance(getattr(err, "reason", err), ConnectionResetError)
+            if not reset or attempt == RETRIES - 1:
+                raise
+            threading.Event().wait(0.05 * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _complete(url: str, text: str, max_tokens: int, arrival: float) -> Sent:
