@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from .errors import LayoutMismatchError, MissReason, UnsupportedCacheError
 
 if TYPE_CHECKING:
+    from .cache.explanation import Explanation, Why
     from .cache.prefix_cache import PrefixCache
     from .codecs import Codec, register_codec
     from .config import CacheConfig
@@ -20,18 +21,22 @@ _EXPORTS = {
     "CacheConfig": ".config",
     "CacheStats": ".stats_types",
     "Codec": ".codecs",
+    "Explanation": ".cache.explanation",
     "PrefixCache": ".cache.prefix_cache",
     "prometheus_text": ".stats",
     "register_codec": ".codecs",
+    "Why": ".cache.explanation",
 }
 __all__ = [
     "CacheConfig",
     "CacheStats",
     "Codec",
+    "Explanation",
     "LayoutMismatchError",
     "MissReason",
     "PrefixCache",
     "UnsupportedCacheError",
+    "Why",
     "prometheus_text",
     "register_codec",
 ]

@@ -15,10 +15,12 @@ from typing import Literal
 
 from . import settings
 from .connections import check_events, check_remote, check_remote_trust, redact_url
-from .settings import ENV_PREFIX, parse_bytes
+from .errors import ConfigError
+from .settings import ENV_PREFIX, parse_byte_map, parse_bytes
 
 __all__ = [
     "ENV_PREFIX",
+    "EVENTS_FORMATS",
     "EVICTIONS",
     "QUEUE_FULL_POLICIES",
     "WRITE_POLICIES",
@@ -29,9 +31,11 @@ __all__ = [
 
 WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
-Eviction = Literal["cost", "lru", "density", "frequency"]
-EVICTIONS = ("cost", "lru")
+Eviction = Literal["cost", "lru", "fifo", "density", "frequency", "adaptive"]
+EVICTIONS = ("cost", "lru", "adaptive")
 QueueFullPolicy = Literal["drop", "inline"]
+EventsFormat = Literal["vllm", "sglang"]
+EVENTS_FORMATS = ("vllm", "sglang")
 QUEUE_FULL_POLICIES = ("drop", "inline")
 MIN_WRITE_QUEUE_BYTES = 4 << 20  # the default queue bound's floor
 
@@ -59,7 +63,10 @@ class CacheConfig:
             expected hits per block held, learnt from the traffic, and a
             newcomer worth less than that is not kept (tiers/hot/density.py);
             ``frequency``: the leaf of least use count over an aging floor, and
-            a newcomer used no more than that is not kept (frequency.py).
+            a newcomer used no more than that is not kept (frequency.py);
+            ``adaptive``: ``frequency``'s victim, its aging and a sampled
+            admission of new chains set by the reach it measures (LRU until
+            then: tiers/hot/adaptive.py); ``fifo``: the leaf stored first.
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.
@@ -95,8 +102,9 @@ class CacheConfig:
             sequence: tiers/recent.py).
         snapshot_interval: during prefill, a restore point every N blocks: a
             recurrent-state snapshot, and sliding-window K/V in the blocks its
-            window covers; 0 (the default) picks N from ``snapshot_ratio``. The
-            end of every stored sequence is a restore point whatever N is.
+            window covers; 0 (the default) picks N from ``snapshot_ratio`` and adds
+            points after 1, 2, 4 ... blocks below N (cache/points.py). The end
+            of every stored sequence is a restore point whatever N is.
         snapshot_ratio: with ``snapshot_interval=0``, what interval points keep
             (snapshot and window K/V bytes) is at most this multiple of the
             full-attention K/V bytes of the blocks they sit on (N = ceil(point
@@ -126,7 +134,10 @@ class CacheConfig:
             remote restore with (0: measured by ``PrefixCache.prefill``).
         ssd_admit_after: a block is written to the SSD tier only once it has
             been used this many times (stored, then restored); 1 writes every
-            block, 2 admits on the second sighting (docs/operating.md).
+            block, 2 admits on the second sighting (docs/operating.md); 0:
+            decided by the SSD's measured reach (tiers/governor.py: every block
+            while the SSD holds most blocks until their reuse, else those seen
+            before and a 10% sample of new ones).
         ssd_write_budget: bytes the SSD tier may write per day (a leaky bucket
             shared by every process of the directory); 0: no budget.
         warm_bytes: on open, load pinned blocks and the most recently used
@@ -135,8 +146,14 @@ class CacheConfig:
         events_url: publish BlockStored / BlockRemoved events (vLLM's KV-events
             layout) on a ZeroMQ PUB socket at this address (``tcp://*:5557``
             binds); None: no events. Needs the ``events`` extra.
+        events_format: ``vllm`` (vLLM's current structures: maps, media ``GPU`` /
+            ``STORAGE`` with ``locality``, cache groups) or ``sglang`` (SGLang's:
+            positional arrays, media ``GPU`` / ``DISK`` / ``EXTERNAL``), for
+            consumers that decode with one project's own structures.
         pin_system_prompts: ``prefixcache serve`` pins every request's system
             prompt (its first segment).
+        explain_header: ``prefixcache serve`` sends ``X-Prefixcache-Explain`` on
+            every completion: where its prompt left the stored sequences, and why.
         remote_secret: shared by the hosts of one cache: every remote value is
             authenticated (HMAC-SHA256) and token ids are encrypted (AES-GCM);
             at least 16 characters; never logged. None: values are checksummed only.
@@ -144,6 +161,13 @@ class CacheConfig:
         remote_tls_ca: CA certificate file that verifies the server (``rediss``).
         remote_tls_cert: client certificate file (``rediss``, TLS client auth).
         remote_tls_key: the client certificate's key file, if not in ``remote_tls_cert``.
+        hot_tenant_floors: ``NAME=SIZE`` pairs (``b=64M,c=64M``): bytes of the hot
+            tier each tenant keeps whatever the others do; eviction takes from
+            the tenant most over its floor first (tiers/hot/tenants.py). A
+            tenant is a store's ``tenant``, else its ``cache_salt``. Empty (the
+            default): no tenant shares, nothing charged.
+        hot_tenant_caps: ``NAME=SIZE`` pairs: bytes of the hot tier a tenant may
+            hold; a store over it evicts that tenant's own blocks.
     """
 
     block_size: int = 256
@@ -180,12 +204,16 @@ class CacheConfig:
     ssd_write_budget: int = 0
     warm_bytes: int = 0
     events_url: str | None = None
+    events_format: EventsFormat = "vllm"
     pin_system_prompts: bool = False
+    explain_header: bool = True
     remote_secret: str | None = None
     remote_secret_file: str | None = None
     remote_tls_ca: str | None = None
     remote_tls_cert: str | None = None
     remote_tls_key: str | None = None
+    hot_tenant_floors: str = ""
+    hot_tenant_caps: str = ""
 
     def __repr__(self) -> str:
         """Every field but the secret; a password in ``remote_url`` redacted."""
@@ -210,11 +238,13 @@ class CacheConfig:
             "remote_connect_timeout_ms",
             "remote_timeout_ms",
             "remote_breaker_failures",
-            "ssd_admit_after",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        admit = self.ssd_admit_after
+        if not isinstance(admit, int) or isinstance(admit, bool) or admit < 0:
+            raise ValueError(f"ssd_admit_after must be an int >= 0, got {admit!r}")
         for name in (
             "hot_max_bytes",
             "ssd_max_bytes",
@@ -240,12 +270,13 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
-        # write_policy, eviction, queue_full: their Literal types, checked above
+        # write_policy, eviction, queue_full, events_format: their Literal types, above
         check_remote(self.remote_url, self.remote_prefix)
         check_events(self.events_url)
         check_remote_trust(self)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
+        check_shares(self.hot_tenant_floors, self.hot_tenant_caps, self.hot_max_bytes, "hot")
 
     @property
     def write_queue_limit(self) -> int:
@@ -254,6 +285,16 @@ class CacheConfig:
         if self.write_queue_bytes is None:
             return max(self.hot_max_bytes // 8, MIN_WRITE_QUEUE_BYTES)
         return self.write_queue_bytes
+
+    @property
+    def tenant_floors(self) -> dict[str, int]:
+        """``hot_tenant_floors`` as bytes by tenant."""
+        return settings.parse_byte_map(self.hot_tenant_floors)
+
+    @property
+    def tenant_caps(self) -> dict[str, int]:
+        """``hot_tenant_caps`` as bytes by tenant."""
+        return settings.parse_byte_map(self.hot_tenant_caps)
 
     @property
     def ssd_path(self) -> str:
@@ -276,3 +317,36 @@ class CacheConfig:
                 ``field`` names it.
         """
         return settings.from_env(cls, os.environ if environ is None else environ, overrides)
+
+
+def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) -> None:
+    """Check a tier's tenant floors and caps (``NAME=SIZE`` pairs) against its budget.
+
+    Raises:
+        ConfigError: a malformed pair, a floor above the budget, floors summing
+            above it, or a cap below its tenant's floor, naming the value.
+    """
+    names = {f"{tier}_tenant_floors": floors_text, f"{tier}_tenant_caps": caps_text}
+    parsed: dict[str, dict[str, int]] = {}
+    for name, text in names.items():
+        try:
+            parsed[name] = parse_byte_map(text)
+        except ValueError as err:
+            raise ConfigError(f"{name}={text!r}: {err}", field=name) from None
+    floors_field, caps_field = names
+    floors, caps = parsed[floors_field], parsed[caps_field]
+    budget = f"{tier}_max_bytes={max_bytes}"
+    for tenant, floor in floors.items():
+        if floor > max_bytes:
+            message = f"{floors_field}: tenant {tenant!r} floor {floor} is above {budget}"
+            raise ConfigError(message, field=floors_field)
+    if sum(floors.values()) > max_bytes:
+        message = f"{floors_field}={floors_text!r} sums to {sum(floors.values())}, above {budget}"
+        raise ConfigError(message, field=floors_field)
+    for tenant, cap in caps.items():
+        if cap < floors.get(tenant, 0):
+            message = (
+                f"{caps_field}: tenant {tenant!r} cap {cap} is below its floor "
+                f"{floors[tenant]} ({floors_field})"
+            )
+            raise ConfigError(message, field=caps_field)

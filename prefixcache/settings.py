@@ -66,6 +66,27 @@ def parse_bytes(text: str | int) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+def parse_byte_map(text: str) -> dict[str, int]:
+    """Parse ``NAME=SIZE`` pairs separated by commas (``b=64M,c=1G``) into bytes by name;
+    an empty text is an empty map.
+
+    Raises:
+        ValueError: a pair without ``=``, an empty or repeated name, or a bad size,
+            naming the pair.
+    """
+    out: dict[str, int] = {}
+    for pair in text.split(",") if text.strip() else ():
+        name, eq, size = (part.strip() for part in pair.partition("="))
+        if not eq or not name or name in out:
+            why = "a repeated name" if name in out else "not NAME=SIZE"
+            raise ValueError(f"{why}: {pair.strip()!r} (e.g. b=64M,c=1G)")
+        try:
+            out[name] = parse_bytes(size)
+        except ValueError as err:
+            raise ValueError(f"{pair.strip()!r}: {err}") from None
+    return out
+
+
 def env_name(field: str) -> str:
     """The variable of a field: ``block_size`` -> ``PREFIXCACHE_BLOCK_SIZE``."""
     return ENV_PREFIX + field.upper()

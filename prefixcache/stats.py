@@ -263,12 +263,32 @@ def prometheus_text(stats: Mapping[str, object]) -> str:
                 f"# TYPE {_MISSES} counter",
             ]
             lines += [f'{_MISSES}{{reason="{r}"}} {n}' for r, n in value.items()]
+        elif key == "tenants" and isinstance(value, dict):
+            lines += _tenant_lines(value)
         elif isinstance(value, dict):
             for sub, sub_value in value.items():
                 lines += _one(f"{key}.{sub}", sub_value, seen)
         else:
             lines += _one(key, value, seen)
     return "\n".join(lines) + "\n"
+
+
+def _tenant_lines(tenants: Mapping[str, Mapping[str, Mapping[str, int]]]) -> list[str]:
+    """``prefixcache_tenant_<key>{tenant=,tier=}`` per figure of ``stats()["tenants"]``:
+    ``num_*`` counts but ``num_blocks`` are counters (``_total``), the rest gauges."""
+    series: dict[str, list[str]] = {}
+    for tenant, tiers in tenants.items():
+        label = tenant.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        for tier, figures in tiers.items():
+            for key, value in figures.items():
+                series.setdefault(key, []).append(f'{{tenant="{label}",tier="{tier}"}} {value}')
+    lines = []
+    for key, values in series.items():
+        counter = key.startswith("num_") and key != "num_blocks"
+        name = "prefixcache_tenant_" + _gauge(key)[0] + ("_total" if counter else "")
+        lines += [f"# HELP {name} per tenant and tier: {key} (docs/stats.md)"]
+        lines += [f"# TYPE {name} {_C if counter else _G}", *(name + v for v in values)]
+    return lines
 
 
 def _one(key: str, value: object, seen: set[str]) -> list[str]:

@@ -130,6 +130,26 @@ class EventStats(TypedDict):
     num_subscribers: int
 
 
+class TenantTierStats(TypedDict):
+    """``stats()["tenants"][name]["hot"]``: one tenant's share of a tier (tenant shares)."""
+
+    num_blocks: int
+    nbytes: int
+    floor_bytes: int
+    cap_bytes: int  # -1: no cap
+    num_stored: int  # = num_blocks + num_evicted + num_removed
+    num_evicted: int
+    num_cap_evictions: int  # of num_evicted: for this tenant's own cap
+    num_removed: int
+    num_refused: int
+
+
+class TenantStats(TypedDict):
+    """``stats()["tenants"][name]``: one tenant, per tier."""
+
+    hot: TenantTierStats
+
+
 class _Optional(TypedDict, total=False):
     """The tiers below hot and the services, each present only when configured."""
 
@@ -138,6 +158,7 @@ class _Optional(TypedDict, total=False):
     warm: WarmStats
     events: EventStats
     shared: dict[str, int]  # once a fetch(shared=True) ran: docs/shared-prefix.md
+    tenants: dict[str, TenantStats]  # with tenant shares (hot_tenant_floors / _caps)
 
 
 class CacheStats(_Optional):

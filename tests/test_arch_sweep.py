@@ -49,15 +49,18 @@ def test_architecture_restores_exactly(arch):
     assert result.max_diff == 0.0
 
 
-def test_a_state_heavy_hybrid_reuses_within_its_snapshot_budget():
+def test_a_state_heavy_hybrid_reuses_from_its_first_sighting():
     """bailing_moe_v3 (three recurrent layers to one attention layer): a snapshot
-    (19 KB) outweighs 13 blocks of its K/V (96 bytes a token), so under the default
-    snapshot_ratio the first prefill's restore points fall past the 96-token prefix
-    and the second prompt reuses nothing (exactly); a budget 8 times larger puts a
-    point on it. The third prompt resumes at the junction either way
-    (test_checkpoints.py)."""
+    (19 KB) outweighs 13 blocks of its K/V (96 bytes a token), so the budgeted
+    interval puts no point inside the 96-token prefix; the early points (after 1,
+    2, 4 blocks) do, and the second prompt resumes at 64 exactly. Control: the same
+    interval set explicitly keeps no early point and reuses nothing. A budget 8
+    times larger puts an interval point on the prefix's end."""
     default = check("bailing_moe_v3", 2048)
-    assert (default.outcome, default.reused_hot, default.max_diff) == ("no reuse", 0, 0.0)
+    assert (default.outcome, default.reused_hot, default.reused_ssd) == ("pass", 64, 64)
+    assert default.max_diff == 0.0
+    explicit = check("bailing_moe_v3", 2048, interval=13)
+    assert (explicit.outcome, explicit.reused_hot, explicit.max_diff) == ("no reuse", 0, 0.0)
     larger = check("bailing_moe_v3", 2048, ratio=8.0)
     assert (larger.outcome, larger.reused_hot, larger.reused_ssd) == ("pass", SHARED, SHARED)
     assert larger.max_diff == 0.0
@@ -114,28 +117,30 @@ def test_a_layer_never_written_is_stored_as_nothing():
 
 @pytest.mark.parametrize(("arch", "step"), [("bailing_moe_v3", 2048), ("llama4", 16)])
 def test_the_second_sighting_keeps_the_prefix_for_the_third(arch, step):
-    """The sweep's two no-reuse cases: the second prompt (first reuse: none) keeps
-    the state where it leaves the first (the junction at 96), so a third prompt
-    restores all 96 tokens, exactly; another prefix's restored state differs."""
+    """Where the first prefill keeps no point at the 96-token junction (an early
+    point at 64 only), the second prompt keeps the state where it leaves the first,
+    so a third prompt restores all 96 tokens, exactly; another prefix's restored
+    state differs."""
     model = build(arch)
     shared = prompt(1, SHARED)
     with PrefixCache(model, CacheConfig(block_size=16, hot_cache_only=True)) as pc:
         chunks = Chunks(model)
         pc.model = chunks
-        ends = []
+        ends, starts = [], []
         for seed in (2, 3):
             chunks.sizes.clear()
             pc.prefill(shared + prompt(seed, 37), prefill_step_size=step)
-            ends.append(list(accumulate(chunks.sizes)))
-        assert len(shared) + 37 - sum(chunks.sizes) == 0  # the second reused nothing
+            starts.append(len(shared) + 37 - sum(chunks.sizes))
+            ends.append(list(accumulate(chunks.sizes, initial=starts[-1]))[1:])
+        assert starts == [0, 64]  # the second resumed at the early point only
         third = shared + prompt(4, 29)
         chunks.sizes.clear()
         _, logits = pc.prefill(third, prefill_step_size=step)
         reused = len(third) - sum(chunks.sizes)
         assert reused == SHARED
         later = list(accumulate(chunks.sizes, initial=reused))[:-1]
-        # the state at 96 is the second prompt's, chunked as its prefill chunked it
-        alike = [e for e in ends[1] if e < SHARED] + later
+        # the state at 96: the first prompt's chunks to 64, the second's from there
+        alike = [e for e in ends[0] if e <= 64] + [e for e in ends[1] if e < SHARED] + later
         want = live(model, third, alike)
         assert diff(logits, want) == 0.0
         other = live(model, prompt(5, SHARED) + third[SHARED:], alike)

@@ -160,7 +160,8 @@ def test_snapshot_interval_bounds_snapshots():
 
 @pytest.mark.parametrize("ratio", [1.0, 0.25])
 def test_default_interval_bounds_snapshot_bytes_by_the_kv(ratio):
-    """snapshot_interval=0: interval snapshots cost at most ``ratio`` x the K/V under them."""
+    """snapshot_interval=0: interval snapshots cost at most ``ratio`` x the K/V under
+    them, plus one snapshot at each early point (after 1, 2, 4 ... blocks)."""
     model = tiny_model("qwen3_next")
     tokens = prompt(1, 130)
     with hot_pc(model, snapshot_interval=0, snapshot_ratio=ratio) as pc:
@@ -178,11 +179,14 @@ def test_default_interval_bounds_snapshot_bytes_by_the_kv(ratio):
 
         with_state = [b.index for b in blocks if state(b)]
         full = [i for i in range(130 // BLOCK) if (i + 1) % interval == 0]
-        # the interval, the end minus 11 (a tail at 112..119), the end (a tail at 128..130)
-        assert with_state == sorted([*full, (130 - 11) // BLOCK, 130 // BLOCK])
+        early = [i for i in range(interval - 1) if (i + 1) & i == 0]  # after 1, 2, 4 ... blocks
+        # the interval's points, the early ones below it, the end minus 11 (a tail at
+        # 112..119), the end (a tail at 128..130)
+        points = sorted({*full, *early})
+        assert with_state == sorted([*points, (130 - 11) // BLOCK, 130 // BLOCK])
         interior = sum(state(b) for b in blocks if b.num_tokens == BLOCK)
         kv = sum(b.nbytes - state(b) for b in blocks if b.num_tokens == BLOCK)
-        assert interior <= ratio * kv
+        assert interior <= ratio * kv + len(early) * layout.state_bytes
 
 
 def test_default_step_of_a_recurrent_model_snapshots_every_interval():

@@ -100,6 +100,7 @@ def failing_base(name: str, p: dict[str, str]) -> tuple[str, ...]:
         "unpin": ("unpin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "simulate": ("simulate", p["missing"], "--hot", "1G"),
         "replay": ("replay", p["missing"], "--model", p["tiny"], "--hot", "1M"),
+        "explain": ("explain", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
     }
     assert name in bases, f"add a failing base for the new command {name!r}"
     return bases[name]
@@ -153,6 +154,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (redis_down, {"PREFIXCACHE_REMOTE_PREFIX": "a b"}, "PREFIXCACHE_REMOTE_PREFIX='a b'"),
         (redis_down, {}, "remote server redis://127.0.0.1:1"),
         (("ls", *d, "--model", "no/such"), {}, "no model matches --model 'no/such'"),
+        (("stats", *d, "--tenant", "nobody"), {}, "--tenant 'nobody'"),
         (("ls", "--ssd-dir", p["plain"]), {}, "is not a prefixcache SSD tier"),
         (("show", "zzzz", *d), {}, "'zzzz' is not a block key"),
         (("show", "ffff", *d), {}, "no block matches 'ffff'"),
@@ -177,6 +179,10 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         ((*model, "--remote-timeout-ms", "0"), {}, "--remote-timeout-ms: remote_timeout_ms"),
         ((*model, "--ssd-dir", p["file"]), {}, p["file"]),
         ((*model, "--kv-bits", "7", "--port", "0"), {}, "--kv-bits: kv_bits must be"),
+        ((*model, "--hot-tenant-floors", "b"), {}, "--hot-tenant-floors: hot_tenant_floors='b'"),
+        ((*model, "--hot-tenant-caps", "b=1K", "--hot-tenant-floors", "b=2K"), {}, "cap 1024"),
+        (model, {"PREFIXCACHE_HOT_TENANT_FLOORS": "b=9T"}, "PREFIXCACHE_HOT_TENANT_FLOORS='b=9T'"),
+        ((*model, "--tenant-header", "X Tenant"), {}, "--tenant-header 'X Tenant'"),
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         ((*model, "--record-trace", f"{p['missing']}/t.jsonl"), {}, "--record-trace"),
         (("demo", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
@@ -186,6 +192,9 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (("pin", "--text", "hi", "--model", p["tiny"], "--ttl", "-5"), {}, "--ttl"),
         (("unpin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
         (("make-model", p["plain"], "--arch", "nonsense"), {}, "--arch: invalid choice"),
+        (("explain", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
+        (("explain", "--model", p["tiny"], *d), {}, "give the prompt as FILE or --text"),
+        (("explain", "--text", "hi", "--model", p["tiny"], "--ssd-dir", p["plain"]), {}, "is not"),
         (("simulate", p["missing"], "--hot", "1G"), {}, p["missing"]),
         (("simulate", p["file"], "--hot", "1G"), {}, f"{p['file']}: line 1: not JSON"),
         (("simulate", p["file"], "--shape", "nosuch"), {}, "unknown shape 'nosuch'"),

@@ -206,3 +206,42 @@ def test_a_store_makes_the_host_views_a_restore_copies_from():
             assert np.array_equal(view.reshape(-1), want)
         pc.trim_hot(0)
         assert not made
+
+
+def test_snapshots_are_shed_inside_chains_only_oldest_first():
+    """Blocks with one child lose their snapshot first, oldest first; chain ends and
+    branch points keep theirs (where prompts resume). Control: then blocks go."""
+    shed = []
+
+    def lean(b: Block) -> Block | None:
+        if b.nbytes == 60:
+            return None
+        shed.append(b.key[:2])
+        return Block(b.key, b.parent, b.root, b.index, b"", {}, 60)
+
+    hot = HotTier(max_bytes=10_000, shed=lean)
+    parent = ROOT
+    for i in range(5):
+        name = f"a{i}".encode().ljust(16, b".")
+        hot.put(Block(name, parent, ROOT, i, b"", {}, 100))
+        parent = name
+    branch_point = b"a2".ljust(16, b".")
+    hot.put(Block(b"b".ljust(16, b"."), branch_point, ROOT, 3, b"", {}, 100))
+    assert hot.evict_to(hot.nbytes - 3 * 40) == 0
+    assert shed == [b"a0", b"a1", b"a3"]  # a2 branches, a4 and b end chains
+    assert hot.evict_to(hot.nbytes - 1) == 1  # nothing left to shed: a leaf goes
+    assert shed == [b"a0", b"a1", b"a3"]
+
+
+def test_fifo_evicts_the_first_stored_leaf_even_if_used():
+    def first_gone(policy: str) -> bytes:
+        gone = []
+        hot = HotTier(3 * 64, on_evict=lambda b, d: gone.append(b.key[:1]), policy=policy)
+        for name in "abc":
+            hot.put(Block(name.encode().ljust(16, b"."), ROOT, ROOT, 0, b"", {}, 64))
+        hot.touch([b"a".ljust(16, b".")])
+        hot.put(Block(b"d".ljust(16, b"."), ROOT, ROOT, 0, b"", {}, 64))
+        return gone[0]
+
+    assert first_gone("fifo") == b"a"
+    assert first_gone("lru") == b"b"  # control: a use renews a block under LRU

@@ -86,3 +86,32 @@ def test_sessions_persistence_and_pinned_system_prompts_through_serve(model_dir,
     pinned = cli("ls", "--pinned", "--ssd-dir", str(ssd), "--json")["rows"]
     assert max(r["prefix_tokens"] for r in pinned) == system  # its system prompt, no more
     assert len(pinned) == -(-system // 16) and all(r["pinned_until"] is None for r in pinned)
+
+
+def test_tenant_header_and_floors_reach_the_cache_and_its_metrics(model_dir, tmp_path):  # noqa: F811
+    from test_serve_e2e import _free_port
+
+    port = _free_port()
+    argv = [
+        *_ours(model_dir, tmp_path / "ssd"),
+        "--hot-cache-only",
+        "--hot-tenant-floors",
+        "bob=64K",
+        "--tenant-header",
+        "X-Tenant",
+        "--metrics-port",
+        str(port),
+    ]
+    with running(argv, tmp_path / "serve.log") as server:
+        assert ask(server, "Bob asks.", headers={"X-Tenant": "bob"}) == 0
+        assert ask(server, "Bob asks again.", headers={"X-Tenant": "bob"}) > 0
+        url = server.url + "/v1/chat/completions"
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_TOKENS}
+        reply = requests.post(url, json=body, headers={"X-Tenant": "x" * 300}, timeout=TIMEOUT)
+        assert reply.status_code == 400 and "X-Tenant" in reply.json()["error"]
+        text = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT).text
+    series = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    assert int(series['prefixcache_tenant_blocks{tenant="bob",tier="hot"}']) > 0
+    assert int(series['prefixcache_tenant_floor_bytes{tenant="bob",tier="hot"}']) == 64 << 10
+    assert int(series['prefixcache_tenant_stored_total{tenant="bob",tier="hot"}']) > 0
+    assert not any('tenant=""' in name for name in series)  # every store named bob

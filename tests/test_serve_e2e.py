@@ -189,14 +189,18 @@ def test_serve_multi_turn_matches_plain_and_survives_restart(model_dir, tmp_path
     assert second["ssd_block_hits"] > 0 and second["hot_block_hits"] == 0, second
 
 
-@pytest.mark.parametrize("path", ["batched", "sequential"])
-def test_serve_hybrid_reuses_at_least_what_plain_mlx_lm_does(tmp_path, path):
-    """A recurrent hybrid (qwen3_next): three conversations on one system prompt,
-    two turns each, interleaved. Against plain ``mlx_lm.server`` on the same requests:
-    replies identical, and every request reuses at least as many tokens. Through
-    mlx-lm's batched path (segments cut at checkpoints) and its sequential one (a
-    ``seed`` in the request; the prefill stops at checkpoints)."""
-    model = save_model(tmp_path / "qwen3_next", "qwen3_next")
+@pytest.mark.parametrize(
+    ("arch", "path"),
+    [("qwen3_next", "batched"), ("qwen3_next", "sequential"), ("deepseek_v41", "batched")],
+)
+def test_serve_hybrid_reuses_at_least_what_plain_mlx_lm_does(tmp_path, arch, path):
+    """A recurrent hybrid (qwen3_next) and deepseek_v41 (windows, compressed groups):
+    three conversations on one system prompt, two turns each, interleaved. Against
+    plain ``mlx_lm.server`` on the same requests: replies identical, and every request
+    reuses at least as many tokens. Through mlx-lm's batched path (segments cut at
+    checkpoints) and its sequential one (a ``seed`` in the request; the prefill stops
+    at checkpoints)."""
+    model = save_model(tmp_path / arch, arch)
     extra = {"seed": 0} if path == "sequential" else {}
     questions = [QUESTIONS[0][:2], QUESTIONS[1][:2], ("Where is the ticket office?", "Why?")]
 

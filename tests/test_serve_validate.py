@@ -1,14 +1,20 @@
-"""What serve accepts of a request (serve/validate.py, request_options.py) and how its
-generation loop is restarted (serve/supervisor.py), without a server: real threads."""
+"""What serve accepts of a request (serve/validate.py, request_options.py, the handler's
+limits) and how its generation loop is restarted (serve/supervisor.py), without a
+server: real threads."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import threading
 from queue import Queue
+from types import SimpleNamespace
 
 import pytest
+from mlx_lm.server import ModelProvider
 
+from prefixcache.serve.generator import GuardedGenerator
+from prefixcache.serve.handler import GuardedHandler
 from prefixcache.serve.request_options import MAX_NAME, check_name, parse
 from prefixcache.serve.supervisor import GenerationFailed, Supervisor
 from prefixcache.serve.validate import (
@@ -19,6 +25,8 @@ from prefixcache.serve.validate import (
     parse_body,
     read_body,
 )
+from prefixcache.tiny.models import save_model
+from prefixcache.tiny.vision import save_vision_model
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -149,3 +157,20 @@ def test_supervisor_fails_the_requests_in_flight_and_starts_the_loop_again():
     assert waiting.get_nowait() == "served"
     assert supervisor.num_restarts == 1 and not supervisor.restarting
     assert len(supervisor.replies) == 0
+
+
+def test_images_pass_until_the_model_is_loaded(tmp_path):
+    """mlx-lm answers /health while it loads the model: an image request then is not
+    refused for want of a processor (mlx-lm refuses it itself if the model has none)."""
+    text, vision = save_model(tmp_path / "text", "llama"), save_vision_model(tmp_path / "vision")
+    cli = {"model": None, "adapter_path": None, "draft_model": None, "pipeline": False}
+    cli |= {"trust_remote_code": False, "chat_template": "", "use_default_chat_template": False}
+    provider = ModelProvider(argparse.Namespace(**cli))  # the fields mlx-lm's main() parses
+    generator = GuardedGenerator.__new__(GuardedGenerator)  # only its model_provider is read
+    generator.model_provider = provider
+    handler = SimpleNamespace(response_generator=generator, limits=LIMITS)
+    images = [GuardedHandler._limits(handler).images]  # not loaded yet
+    for path in (str(text), str(vision)):
+        provider.load(path)
+        images.append(GuardedHandler._limits(handler).images)
+    assert images == [True, False, True]

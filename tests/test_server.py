@@ -22,6 +22,7 @@ from prefixcache.cli import serve, setup_arg_parser
 from prefixcache.config import CacheConfig
 from prefixcache.serve import fit as mlx_fit
 from prefixcache.serve.fit import MlxLmVersionError, ModelPair
+from prefixcache.serve.images import IMAGE_BASE, chain_tokens, image_start
 from prefixcache.serve.prefetch import QueuedPrefetch
 from prefixcache.serve.prompt_cache import TieredPromptCache
 from prefixcache.tiny.models import build_model
@@ -240,17 +241,40 @@ def test_bad_insert_is_refused_without_raising(llama, caplog):
     assert len([r for r in caplog.records if "not stored" in r.message]) == 1
 
 
-def test_image_prompts_cache_the_text_before_the_first_image(llama):
-    # mlx-lm's vision cache key: image patch tokens replaced by a negative id per image
-    text, image = prompt(4, 40), [-(1 << 59)] * 8
+def test_image_prompts_are_keyed_by_image_and_never_cut_inside_one(llama):
+    # mlx-lm's vision cache key: an image's patch tokens all hold one negative id
+    text, image, other = prompt(4, 40), [-(1 << 59)] * 8, [-(1 << 58)] * 8
     with TieredPromptCache(lambda key: llama, HOT) as tiered:
         cache = make_prompt_cache(llama)
-        llama(mx.array([text + [7] * 8]), cache=cache)  # patches embedded as some token
-        tiered.insert_cache(KEY, text + image, cache)
+        llama(mx.array([text + [7] * 8 + text[:20]]), cache=cache)  # patches as some token
+        tiered.insert_cache(KEY, text + image + text[:20], cache)
         restored, rest = tiered.fetch_nearest_cache(KEY, text + image + text)
-        assert rest == text[39:] + image + text and restored[0].offset == 39  # tail, cut back
+        assert rest == text[20:] and restored[0].offset == 68  # past the image
+        restored, rest = tiered.fetch_nearest_cache(KEY, text + other + text)
+        assert rest == other + text and restored[0].offset == 40  # up to the other image
         assert tiered.fetch_nearest_cache(KEY, image + text) == (None, image + text)
-        assert tiered.stats()["num_rejected"] == 0
+        cache = make_prompt_cache(llama)
+        llama(mx.array([text[:30] + [7] * 6]), cache=cache)
+        tiered.insert_cache(KEY, text[:30] + image[:6], cache)  # ends inside the image
+        restored, rest = tiered.fetch_nearest_cache(KEY, text[:30] + image + text)
+        assert rest == image + text and restored[0].offset == 30  # not inside it
+        stats = tiered.stats()
+        assert stats["cached_tokens"] == 68 + 40 + 30  # one restore each, none undone
+        assert stats["num_rejected"] == 0
+
+
+def test_image_chain_tokens():
+    image, other = [-(1 << 59)] * 3, [-5] * 3
+    mapped = chain_tokens([1, *image, 2, *other, *image])
+    assert mapped[0] == 1 and mapped[4] == 2
+    patches = mapped[1:4] + mapped[5:]
+    assert all(IMAGE_BASE <= t < 1 << 32 for t in patches)
+    assert mapped[1:4] == mapped[8:] and len(set(mapped[1:4])) == 3  # per image and place
+    assert not set(mapped[1:4]) & set(mapped[5:8])  # another image, other tokens
+    assert chain_tokens(text := prompt(0, 9)) is text
+    assert [image_start([1, *image, 2], n) for n in range(6)] == [0, 1, 1, 1, 4, 5]
+    with pytest.raises(ValueError, match=str(1 << 31)):
+        chain_tokens([-1, 1 << 31])
 
 
 class OddCache(KVCache):
@@ -449,7 +473,8 @@ class Provider:
 
 
 def prompt_of(tokenizer, request, args):
-    return (list(request),)
+    """mlx-lm's ``_tokenize`` result: prompt, segments, their types, state, images."""
+    return (list(request), [list(request)], ["assistant"], "normal", None)
 
 
 def test_a_request_taken_at_once_is_not_prefetched_one_left_waiting_is(tmp_path, llama):

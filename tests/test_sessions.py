@@ -197,8 +197,8 @@ def test_write_budget_defers_then_drops_and_is_counted(tmp_path, llama, convo):
 def test_budget_string_errors_name_the_value():
     with pytest.raises(ValueError, match=r"PREFIXCACHE_SSD_WRITE_BUDGET='10QB': not a byte size"):
         CacheConfig.from_env({"PREFIXCACHE_SSD_WRITE_BUDGET": "10QB"})
-    with pytest.raises(ValueError, match="ssd_admit_after must be a positive int, got 0"):
-        CacheConfig(ssd_admit_after=0)
+    with pytest.raises(ValueError, match="ssd_admit_after must be an int >= 0, got -1"):
+        CacheConfig(ssd_admit_after=-1)
     with pytest.raises(ValueError, match="events_url must start with"):
         CacheConfig(events_url="http://x")
     assert (

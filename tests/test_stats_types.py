@@ -28,6 +28,8 @@ from prefixcache.stats_types import (
     RamStats,
     RemoteStats,
     SsdStats,
+    TenantStats,
+    TenantTierStats,
     WarmStats,
 )
 
@@ -69,18 +71,19 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
         remote_url=url,
         warm_bytes=1 << 20,
         events_url="tcp://127.0.0.1:0",
+        hot_tenant_floors="b=1M",
     )
     tokens = prompt(0, 40)
     cache = make_prompt_cache(llama)
     llama(mx.array([tokens]), cache=cache)
     with PrefixCache(llama, config, model_id="m") as pc:
-        pc.store(tokens, cache)
+        pc.store(tokens, cache, tenant="b")
         pc.fetch(tokens)
         shared, _ = pc.fetch(tokens, shared=True)
         stats = pc.stats()
         release(shared)
     declared = typing.get_type_hints(CacheStats)
-    optional = {"ssd", "remote", "warm", "events", "shared"}
+    optional = {"ssd", "remote", "warm", "events", "shared", "tenants"}
     assert set(stats) == set(declared) == CacheStats.__required_keys__ | optional
     for name in [n for n, kind in declared.items() if kind is int]:
         assert type(stats[name]) is int, name
@@ -88,6 +91,10 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
     for tier, typed in parts:
         assert set(stats[tier]) == set(typing.get_type_hints(typed)), tier
         assert all(type(v) is int for v in stats[tier].values()), (tier, stats[tier])
+    tenant = stats["tenants"]["b"]["hot"]
+    assert set(stats["tenants"]["b"]) == set(typing.get_type_hints(TenantStats))
+    assert set(tenant) == set(typing.get_type_hints(TenantTierStats))
+    assert all(type(v) is int for v in tenant.values()) and tenant["num_blocks"] > 0
     for service, typed in (("warm", WarmStats), ("events", EventStats)):
         hints = typing.get_type_hints(typed)
         assert set(stats[service]) == set(hints), service
@@ -101,7 +108,14 @@ def test_a_hot_only_cache_has_no_lower_tier_keys(llama):
     with PrefixCache(llama, CacheConfig(hot_cache_only=True), model_id="m") as pc:
         stats = pc.stats()
     assert set(stats) == CacheStats.__required_keys__
-    assert set(CacheStats.__optional_keys__) == {"ssd", "remote", "warm", "events", "shared"}
+    assert set(CacheStats.__optional_keys__) == {
+        "ssd",
+        "remote",
+        "warm",
+        "events",
+        "shared",
+        "tenants",
+    }
 
 
 def test_stats_type_checks_with_mypy(tmp_path):
@@ -144,6 +158,7 @@ def test_docs_list_every_key_and_no_other():
         "remote": RemoteStats,
         "warm": WarmStats,
         "events": EventStats,
+        "tenants": TenantTierStats,
     }
     for section, declared in typed.items():
         assert sorted(docs[section]) == sorted(typing.get_type_hints(declared)), section

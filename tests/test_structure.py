@@ -31,6 +31,12 @@ OVER_TARGET: dict[str, str] = {
     "one class, each a few lines handing the work down",
     "prefixcache/tiers/ssd/tier.py": "the SSD tier: every hook of the tier contract over one "
     "index, one writer and one payload directory",
+    "prefixcache/tiers/hot/tier.py": "the hot tier: every hook of the tier contract over one "
+    "LRU and its children map, with the eviction policy's and the tenant shares' hooks",
+    "prefixcache/config.py": "every setting in one frozen dataclass: each field's default, "
+    "meaning and rule in one place, read as flags and PREFIXCACHE_* variables",
+    "prefixcache/stats.py": "the counters of one cache and the Prometheus name of every "
+    "stats() key, the labelled per-reason and per-tenant series included",
 }
 
 

@@ -130,7 +130,7 @@ def test_simulate_sweep_writes_csv_and_plot(tmp_path, capsys):
     assert all(d["hit_rate"] <= docs[-1]["hit_rate"] + 1e-9 for d in docs)
     assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 6
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    assert main([*args, "--eviction", "fifo"]) == 2  # not a policy: one line, exit 2
+    assert main([*args, "--eviction", "mru"]) == 2  # not a policy: one line, exit 2
 
 
 def _plain_lru(trace, capacity: int) -> int:

@@ -150,14 +150,20 @@ def test_prefill_keeps_the_windows_where_stored_sequences_branch(gemma):
 
 
 @pytest.mark.parametrize("ratio", [1.0, 0.5])
-def test_default_interval_bounds_window_bytes_by_the_global_kv(gemma, ratio):
-    """snapshot_interval=0: the window payloads kept cost at most ``ratio`` x the
-    global layers' K/V bytes."""
+@pytest.mark.parametrize("early", [True, False], ids=["budgeted", "explicit_interval"])
+def test_default_interval_bounds_window_bytes_by_the_global_kv(gemma, ratio, early):
+    """snapshot_interval=0: the interval's window payloads cost at most ``ratio`` x
+    the global layers' K/V bytes, and the early points (after 1, 2, 4 ... blocks
+    below the interval) one point's window each. The same interval set explicitly
+    keeps no early point: the interval's bound alone."""
     with hot_pc(gemma, snapshot_ratio=ratio) as pc:
         layout = pc.layout
         point = layout.window_token_bytes * (layout.window // BLOCK + 1) * BLOCK
         interval = math.ceil(point / (ratio * layout.kv_token_bytes * BLOCK))
         assert layout.snapshot_interval == interval == round(3 / ratio)
+    settings = {} if early else {"snapshot_interval": interval}
+    with hot_pc(gemma, snapshot_ratio=ratio, **settings) as pc:
+        layout = pc.layout
         pc.prefill(prompt(1, 2 * interval * BLOCK))
         prefixes = layout.window_prefixes
 
@@ -166,7 +172,8 @@ def test_default_interval_bounds_window_bytes_by_the_global_kv(gemma, ratio):
 
         window = sum(window_bytes(b) for b in pc.hot)
         kv = sum(b.nbytes - window_bytes(b) for b in pc.hot)
-        assert 0 < window <= ratio * kv
+        powers = [b for b in range(1, interval) if b & (b - 1) == 0] if early else []
+        assert 0 < window <= ratio * kv + len(powers) * point
 
 
 @pytest.mark.parametrize("headers", [True, False], ids=["planned", "control_no_headers"])

@@ -48,7 +48,7 @@ def subscribe(port: int, ready, out) -> None:
     import msgspec
     import zmq
 
-    from prefixcache.background.events import KVEventBatch
+    from prefixcache.background.kv_events import MEDIUM_GPU, MEDIUM_STORAGE, KVEventBatch
 
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -56,12 +56,16 @@ def subscribe(port: int, ready, out) -> None:
     sub.connect(f"tcp://127.0.0.1:{port}")
     ready.set()
     decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+    tier = {MEDIUM_GPU: "hot", MEDIUM_STORAGE: "ssd"}  # vLLM's media, both LOCAL here
     seqs, counts, num_events = [], Counter(), 0
     while sub.poll(3000):
         _topic, seq, payload = sub.recv_multipart()
         seqs.append(int.from_bytes(seq, "big"))
         for event in decode(payload).events:
-            counts[(type(event).__name__, event.medium)] += len(event.block_hashes)
+            if type(event).__name__ == "AllBlocksCleared":  # the first batch's
+                num_events += 1
+                continue
+            counts[(type(event).__name__, tier[event.medium])] += len(event.block_hashes)
             num_events += 1
     sub.close(linger=0)
     gaps = sum(b - a - 1 for a, b in itertools.pairwise(seqs) if b != a + 1)

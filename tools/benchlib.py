@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import resource
+import time
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -190,6 +191,21 @@ def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     return out
 
 
+class Clock:
+    """Wall time, this process's CPU time (all its threads) and page faults of a
+    block of code."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        self.faults = minor_faults()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+        self.faults = minor_faults() - self.faults
+
+
 def minor_faults() -> int:
     """Page faults this process has taken without I/O (fresh or recycled memory
     shows here: a fresh 4 KiB page costs one, a huge page one per 2 MiB)."""
@@ -234,6 +250,20 @@ def chat_model_shape(hidden: int) -> dict[str, int]:
         "num_attention_heads": hidden // 32,
         "num_key_value_heads": max(1, hidden // 64),
     }
+
+
+def rows_in(root: str, script: str, argv: list[str]) -> list[dict[str, object]]:
+    """Run ``script`` with ``argv`` in a child process importing the prefixcache of
+    the checkout at ``root`` (before and after, back to back); its rows, which it
+    prints as JSON on its last line."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+    cmd = [sys.executable, script, "--json", *argv]
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def add_csv_arg(p) -> None:

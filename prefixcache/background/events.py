@@ -1,23 +1,23 @@
 """KV events: every block stored in or removed from a tier, published on a ZeroMQ socket.
 
-The message layout is vLLM's KV-events layout (``vllm.distributed.kv_events``),
-so consumers built for it (Dynamo's KV router, llm-d's indexer, vLLM's example
-subscriber) read it: each message is three frames ``[topic, seq, payload]``
-(``seq``: 8-byte big-endian batch number from 0), and the payload is a
-msgspec-msgpack ``KVEventBatch`` ``[ts, [events...], data_parallel_rank]`` whose
-events are tagged arrays::
+Each message is three frames ``[topic, seq, payload]`` (``seq``: 8-byte
+big-endian batch number from 0) whose payload is a batch in vLLM's current
+layout (kv_events.py: Dynamo's KV router, llm-d's indexer and radixview read
+it as it is) or, with ``form="sglang"``, SGLang's own (sglang_events.py). A block is published
+once per cache group of the layout (``groups``: e.g. a sliding window and full
+attention) with the tier's medium and locality; ``extra_keys`` carries, on a
+chain's first block only, the values of the namespace's extra keys
+(``cache_salt``) that went into its hash, as vLLM does. The parent of a
+chain's first block is None. Only full blocks are published (a tail, shorter
+than a block, has no place in the layout). A publisher's first batch starts
+with ``AllBlocksCleared``: a consumer that kept what an earlier process
+published (a restarted server) drops it, since that process's hot tier is
+gone; blocks are announced as tiers store them.
 
-    ["BlockStored", [hash], parent_hash | None, [token ids], block_size, None, medium]
-    ["BlockRemoved", [hash, ...], medium]
-
-``medium`` is the tier: ``hot``, ``ssd`` or ``remote``. A block hash is the
-first 8 bytes of the block's 128-bit chain key as an unsigned big-endian int
-(``block_hash``); the parent of a chain's first block is None. Only full
-blocks are published (a tail, shorter than a block, has no place in the
-layout). Events are queued by whichever thread stores or evicts (the caller,
-the SSD writer) and sent in that order by one publisher thread that owns the
-socket, in batches. The socket is an XPUB: it works as a PUB for subscribers
-and tells us when one subscribes (:meth:`EventPublisher.wait_for_subscriber`).
+Events are queued by whichever thread stores or evicts (the caller, the SSD
+writer) and sent in that order by one publisher thread that owns the socket,
+in batches. The socket is an XPUB: it works as a PUB for subscribers and
+tells us when one subscribes (:meth:`EventPublisher.wait_for_subscriber`).
 Needs the ``events`` extra (pyzmq, msgspec).
 """
 
@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from ..tiers.base import ChainEntry
 try:
     import msgspec
     import zmq
+
+    from .kv_events import FULL_ATTENTION, Extra, VllmForm, block_hash
+    from .sglang_events import SglangForm
 except ImportError as err:  # the optional extra is not installed
     raise ImportError(
         f"events_url needs pyzmq and msgspec: pip install 'prefixcache[events]' ({err})"
@@ -48,35 +52,6 @@ _BATCH = 1024  # events per message at most
 _MAX_QUEUED = 1 << 20  # events waiting; beyond, new ones are dropped (counted)
 
 
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-def block_hash(key: bytes) -> int:
-    """The published hash of a block key: its first 8 bytes, unsigned big-endian."""
-    return int.from_bytes(key[:8], "big")
-
-
 class EventPublisher:
     """Publishes the blocks the tiers report (a ``BlockListener``) on ``url``.
 
@@ -86,18 +61,31 @@ class EventPublisher:
             other connects).
         block_size: tokens per block (full blocks only are published).
         topic: the first frame of every message.
+        groups: the layout's cache groups, ``(kv_cache_spec_kind, sliding window)``
+            each; a block is published once per group (``group_idx``).
+        form: ``"vllm"`` (kv_events.py) or ``"sglang"`` (sglang_events.py).
 
     Raises:
         ValueError: the socket cannot bind or connect to ``url``.
     """
 
-    def __init__(self, url: str, block_size: int, *, topic: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        block_size: int,
+        *,
+        topic: str = "",
+        groups: Sequence[tuple[str, int | None]] = (FULL_ATTENTION,),
+        form: str = "vllm",
+    ) -> None:
         self.url, self.block_size, self.topic = url, block_size, topic.encode()
+        self.form = SglangForm(block_size) if form == "sglang" else VllmForm(block_size, groups)
+        self._extra: dict[bytes, Extra] = {}  # root -> its extra keys
         self.num_events = self.num_dropped = self.num_batches = 0
         self.num_subscribers = 0
         self._num_in = 0  # events ever queued
         self._cond = threading.Condition()
-        self._queue: deque[BlockStored | BlockRemoved] = deque()
+        self._queue: deque[Any] = deque()
         self._stop = False
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -111,24 +99,26 @@ class EventPublisher:
     # -- BlockListener ---------------------------------------------------------
 
     def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None:
-        bs = self.block_size
-        events = [
-            BlockStored(
-                [block_hash(b.key)],
-                block_hash(b.parent) if b.index else None,
-                np.frombuffer(b.tokens, dtype="<u4").tolist(),
-                bs,
-                None,
-                tier,
-            )
-            for b in blocks
-            if len(b.tokens) == TOKEN_BYTES * bs
-        ]
+        events: list[Any] = []
+        for b in blocks:
+            if len(b.tokens) != TOKEN_BYTES * self.block_size:
+                continue
+            first = b.index == 0
+            extra = self._extra.get(b.root, ()) if first else ()
+            parent = None if first else block_hash(b.parent)
+            tokens = np.frombuffer(b.tokens, dtype="<u4").tolist()
+            events += self.form.stored(tier, block_hash(b.key), parent, tokens, extra)
         self._put(events)
 
     def removed(self, tier: str, keys: Sequence[bytes]) -> None:
         if keys:
-            self._put([BlockRemoved([block_hash(k) for k in keys], tier)])
+            self._put(self.form.removed(tier, [block_hash(k) for k in keys]))
+
+    def note_namespace(self, root: bytes, extra: Sequence[tuple[str, str]]) -> None:
+        """Tell the extra keys (``cache_salt``...) of the namespace under ``root``:
+        published with its chains' first blocks."""
+        if extra:
+            self._extra[root] = tuple(sorted(extra))
 
     # -- the publisher ---------------------------------------------------------
 
@@ -158,7 +148,7 @@ class EventPublisher:
             "num_subscribers": self.num_subscribers,
         }
 
-    def _put(self, events: list[BlockStored | BlockRemoved]) -> None:
+    def _put(self, events: list[Any]) -> None:
         if not events:
             return
         with self._cond:
@@ -201,7 +191,9 @@ class EventPublisher:
                     self._cond.wait(0.01)
                     continue
                 batch = [self._queue.popleft() for _ in range(min(_BATCH, len(self._queue)))]
-            payload = encode(KVEventBatch(time.time(), batch))
+            if seq == 0:  # what an earlier process published is void: its hot tier is gone
+                batch.insert(0, self.form.cleared())
+            payload = encode(self.form.batch(time.time(), batch))
             sock.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
             with self._cond:
                 seq += 1

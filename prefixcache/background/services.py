@@ -13,7 +13,7 @@ publisher last, once the final flush's events are queued.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..config import CacheConfig
@@ -36,6 +36,7 @@ class Services:
         lock: its lock.
         stats: its counters.
         root: its base namespace's root key (where counters are recorded).
+        groups: its layout's cache groups (named in KV events).
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class Services:
         lock: CacheLock,
         stats: Stats,
         root: Callable[[], bytes],
+        groups: Sequence[tuple[str, int | None]] = (),
     ) -> None:
         self.tiers, self.lock, self.counters, self.root = tiers, lock, stats, root
         self._saved: dict[str, object] = stats.as_dict()  # counters as last saved
@@ -52,7 +54,9 @@ class Services:
         if config.events_url is not None:
             from .events import EventPublisher  # pyzmq and msgspec only when asked for
 
-            self.events = EventPublisher(config.events_url, config.block_size)
+            self.events = EventPublisher(
+                config.events_url, config.block_size, groups=groups, form=config.events_format
+            )
             watch(tiers.all, tiers.governor, self.events)
         seconds = config.counters_save_seconds
         self.saver = (  # a killed process loses at most `seconds` of counters
@@ -79,10 +83,17 @@ class Services:
         if self.events is not None:
             self.events.close()
 
+    def note_namespace(self, root: bytes, extra: Sequence[tuple[str, str]]) -> None:
+        """A namespace with extra keys (``cache_salt``...): its values go into the events."""
+        if self.events is not None:
+            self.events.note_namespace(root, extra)
+
     def save_counters(self) -> None:
         """Add the counters since the last save to the lower tiers' record of this model
         (under the cache's lock)."""
         now = self.counters.as_dict()
+        if self.tiers.hot.tenants is not None:  # per tenant, for `prefixcache stats`
+            now["tenants"] = self.tiers.hot.tenants.counters()
         self.tiers.save_counters(self.root(), counter_delta(now, self._saved))
         self._saved = now
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 from ..blocks import Block, join_layers
 from ..codecs import Codec, codec_for
 from ..hashing import TOKEN_BYTES, tail_key
+from .points import RestorePoints
 from .window import WindowPolicy
 
 DEFAULT_STEP = 2048  # mlx-lm's generate_step default prefill_step_size
@@ -82,7 +83,7 @@ def cut_blocks(
     cache: Sequence[Any],
     *,
     block_size: int,
-    snapshot_interval: int,
+    points: RestorePoints,
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
     window: WindowPolicy | None = None,
@@ -93,7 +94,7 @@ def cut_blocks(
         keys, root: chain keys of the full blocks of ``data``; the namespace root key.
         data, cache: the tokens (uint32 bytes) and the live cache list holding them.
         block_size: tokens per block.
-        snapshot_interval, window: restore points' interval; which blocks keep window K/V.
+        points, window: the restore points; which blocks keep window K/V.
         stored, resident: whether a key is held by any tier; its hot block or None.
     """
     length = len(data) // TOKEN_BYTES
@@ -104,7 +105,7 @@ def cut_blocks(
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        arrays = _block(codecs, cache, i, block_size, length, snapshot_interval, window)
+        arrays = _block(codecs, cache, i, block_size, length, points, window)
         if old is None:
             tokens = data[i * block_size * TOKEN_BYTES : (i + 1) * block_size * TOKEN_BYTES]
             parent = keys[i - 1] if i else root
@@ -177,12 +178,12 @@ def _block(
     i: int,
     block_size: int,
     length: int,
-    interval: int,
+    points: RestorePoints,
     window: WindowPolicy | None,
 ) -> dict[str, mx.array]:
-    """Block ``i``'s payload: recurrent state at every ``interval``-th boundary and where
-    the cache ends (``length``); window K/V where ``window`` keeps it."""
-    snapshot = (i + 1) % interval == 0 or (i + 1) * block_size == length
+    """Block ``i``'s payload: recurrent state at a restore point and where the cache
+    ends (``length``); window K/V where ``window`` keeps it."""
+    snapshot = points.at(i + 1) or (i + 1) * block_size == length
     arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
     if window is not None and not window.keeps(i, length):
         arrays = window.strip(arrays)  # never evaluated: costs nothing

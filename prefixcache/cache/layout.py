@@ -29,6 +29,7 @@ from ..codecs import Codec, UnusedKVCache, codec_for
 from ..config import CacheConfig
 from ..errors import LayoutMismatchError, MissReason
 from .costs import RecomputeCost
+from .points import RestorePoints
 from .window import WindowPolicy, window_tokens, windows
 
 
@@ -63,6 +64,17 @@ class ModelLayout:
 
     def __len__(self) -> int:
         return len(self.signature)
+
+    @functools.cached_property
+    def groups(self) -> tuple[tuple[str, int | None], ...]:
+        """The cache groups as vLLM's KV events name them: one per kind of layer,
+        ``(kv_cache_spec_kind, sliding window or None)``, in layer order."""
+        out: list[tuple[str, int | None]] = []
+        for cache in self.template:
+            group = _group(cache)
+            if group not in out:
+                out.append(group)
+        return tuple(out)
 
     @property
     def checkpointed(self) -> bool:
@@ -116,13 +128,20 @@ class ModelLayout:
         return max(1, math.ceil(point / (cfg.snapshot_ratio * kv_block)))
 
     @functools.cached_property
+    def restore_points(self) -> RestorePoints:
+        """The restore points: every ``snapshot_interval``-th boundary, and the early
+        ones below it when the interval comes from the snapshot budget (points.py)."""
+        interval = self.snapshot_interval
+        return RestorePoints(interval, early=not self.config.snapshot_interval)
+
+    @functools.cached_property
     def window_policy(self) -> WindowPolicy | None:
         """Which blocks keep the window layers' K/V (None: no window layer)."""
         if not self.window_prefixes:
             return None
         bs = self.config.block_size
         return WindowPolicy(
-            self.window_prefixes, self.window, self.window_keep, bs, self.snapshot_interval
+            self.window_prefixes, self.window, self.window_keep, bs, self.restore_points
         )
 
     def without_state(self, block: Block) -> Block | None:
@@ -197,6 +216,19 @@ class ModelLayout:
                 f"layer {i} is quantized with bits={layer.bits} group_size={layer.group_size}; "
                 f"this PrefixCache has kv_bits={cfg.kv_bits} kv_group_size={cfg.kv_group_size}"
             )
+
+
+def _group(cache: Any) -> tuple[str, int | None]:
+    """vLLM's ``KVCacheSpecKind`` of a layer's cache, and its window."""
+    if isinstance(cache, RotatingKVCache):
+        return "sliding_window", cache.max_size
+    if isinstance(cache, ChunkedKVCache):
+        return "chunked_local_attention", cache.chunk_size
+    if isinstance(cache, ArraysCache):
+        return "mamba", None
+    if isinstance(cache, KVCache | QuantizedKVCache):
+        return "full_attention", None
+    return "unknown", None
 
 
 def _sizes(caches: Sequence[Any]) -> tuple[int, int, int]:

@@ -60,6 +60,26 @@ class Plan:
 
 
 @dataclass(frozen=True, slots=True)
+class Nearest:
+    """The stored sequence nearest a prompt, from the tiers' metadata (``Lookup.nearest``).
+
+    Attributes:
+        keys: the chain keys of the prompt's full blocks.
+        depth: how many of them the tiers hold, matched token by token.
+        reason: why the chain stops there (the next block's miss reason), or None.
+        child: what a tier lists under the chain's end sharing the most tokens
+            with the prompt after it (a tail, or a block the prompt diverges
+            inside), or None; ``common``: the tokens it shares.
+    """
+
+    keys: list[bytes]
+    depth: int
+    reason: MissReason | None
+    child: ChainEntry | None
+    common: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Point:
     """A candidate restore point: ``num_tokens`` from the chain's first ``depth``
     blocks and, if any, ``child`` (held by ``tier``); ``cut`` when the last block
@@ -90,11 +110,16 @@ class Lookup:
 
     def __init__(self, config: CacheConfig, layout: ModelLayout, tiers: TierStack):
         self.config, self.layout, self.tiers = config, layout, tiers
+        # the last plan's prompt, root, keys, matched depth, reason (for ``nearest``;
+        # no entries: they would keep evicted hot blocks' arrays alive)
+        self._last: tuple[bytes, bytes, list[bytes], int, MissReason | None] | None = None
 
     def plan(self, data: bytes, root: bytes, *, exclude: Container[bytes] = ()) -> Plan:
         """The deepest restorable prefix of the prompt ``data`` (uint32 bytes),
         leaving at least one token to prefill; ``exclude``: keys not to use."""
         stand = self._stand(data, root, exclude)
+        if not exclude:
+            self._last = (data, root, stand.keys, len(stand.entries), stand.reason)
         limit = len(data) // TOKEN_BYTES - 1
         shared = self._shared(stand)
         reason, deepest = None, 0  # why the deepest point failed, and its tokens
@@ -128,9 +153,29 @@ class Lookup:
         """Checkpoints of a prompt of ``num_tokens`` restored at ``num_cached`` that
         shares ``shared`` with stored sequences (see ``PrefixCache.checkpoints``)."""
         points = {shared, num_tokens - self.config.checkpoint_tail}
-        step = self.layout.snapshot_interval * self.config.block_size
-        points.update(range((num_cached // step + 1) * step, num_tokens, step))
+        points.update(
+            self.layout.restore_points.between(num_cached, num_tokens, self.config.block_size)
+        )
         return sorted(p for p in points if num_cached < p < num_tokens)
+
+    def nearest(self, data: bytes, root: bytes, *, again: bool = False) -> Nearest:
+        """Where the prompt ``data`` leaves the stored sequences (for ``explain``);
+        ``again``: nothing was stored since the last plan, which may be of it (its
+        matched chain is taken as it was)."""
+        last = self._last
+        if again and last is not None and last[0] == data and last[1] == root:
+            keys, depth, reason = last[2], last[3], last[4]
+        else:
+            stand = self._stand(data, root, ())
+            keys, depth, reason = stand.keys, len(stand.entries), stand.reason
+        rest = data[depth * self.config.block_size * TOKEN_BYTES :]
+        parent = keys[depth - 1] if depth else root
+        best, common = None, 0
+        for child, _ in self.tiers.children(parent) if rest else ():
+            shared = common_tokens(child.tokens, rest)
+            if best is None or shared > common:
+                best, common = child, shared
+        return Nearest(keys, depth, reason, best, common)
 
     def shared(self, data: bytes, root: bytes) -> int:
         """Tokens of ``data`` that some stored sequence shares, restorable or not."""

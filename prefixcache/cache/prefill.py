@@ -45,6 +45,7 @@ class Cache(Protocol):
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> int: ...
 
     def store(
@@ -55,6 +56,7 @@ class Cache(Protocol):
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> int: ...
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None: ...
@@ -68,6 +70,7 @@ def prefill(
     extra: Mapping[str, str] | None = None,
     session: str | None = None,
     persist: bool = True,
+    tenant: str | None = None,
 ) -> tuple[list[Any], mx.array]:
     """Fetch the cached prefix, prefill the rest, capture at every checkpoint, store.
 
@@ -76,7 +79,7 @@ def prefill(
     where the cache is captured (the state there is kept); the finished cache
     is stored. After each chunk mlx-lm's KV quantization schedule is applied
     (as ``generate_step`` does), the cache is evaluated and the chunk's speed
-    reported (``note_prefill``). ``session`` and ``persist`` go to every
+    reported (``note_prefill``). ``session``, ``persist`` and ``tenant`` go to every
     ``capture`` and ``store``.
 
     Returns:
@@ -100,7 +103,7 @@ def prefill(
         mx.eval(logits, [c.state for c in cache])
         del out
         pc.note_prefill(end - start, time.perf_counter() - began)
-        keep = {"extra": extra, "session": session, "persist": persist}
+        keep = {"extra": extra, "session": session, "persist": persist, "tenant": tenant}
         if end == len(tokens):
             pc.store(tokens, cache, **keep)
         elif end in checkpoints:

@@ -23,9 +23,11 @@ import mlx.nn as nn
 from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
+from ..errors import MissReason
 from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
 from ..memory import give_back
 from ..shared import SharedRegistry
+from ..shared.fetch import fetch_shared
 from ..stats import Stats, ram_stats
 from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
@@ -36,10 +38,13 @@ from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
 from .capture import cut_blocks
+from .explain import Explainer
+from .explanation import Explanation
 from .layout import ModelLayout
 from .lookup import Lookup
 from .model_id import model_fingerprint
 from .restore import restore
+from .tenancy import Tenancy, check_tenant
 
 
 class PrefixCache:
@@ -72,7 +77,8 @@ class PrefixCache:
             model_id or model_fingerprint(model), self.layout.signature, self.layout.kv_quant
         )
         self._roots: dict[tuple[tuple[str, str], ...], bytes] = {}
-        self._last_shared: tuple[bytes, bytes, int] | None = None  # (prompt, root, shared)
+        # the last fetch: (prompt, root, shared, restored, why not more)
+        self._last_shared: tuple[bytes, bytes, int, int, MissReason | None] | None = None
         self._last_keys: tuple[bytes, bytes, list[bytes]] | None = None  # (prompt, root, restored)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
@@ -80,12 +86,19 @@ class PrefixCache:
         self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
+        self.tenancy = Tenancy(self.tiers.hot.tenants)  # who a store charges (tenancy.py)
+        self.explainer = Explainer(self.lookup, self.namespace, self._roots)
         self._closed = False
         self._final_stats: CacheStats | None = None
         bound = min(self.config.prefetch_bytes, self.config.hot_max_bytes // 2)
         self.prefetcher = Prefetcher(self.tiers, self._lock, self._stats, bound)
         self.services = Services(
-            self.config, self.tiers, self._lock, self._stats, lambda: self._root(None)
+            self.config,
+            self.tiers,
+            self._lock,
+            self._stats,
+            lambda: self._root(None),
+            self.layout.groups,
         )
         cfg = self.config
         self.shared_prefixes = SharedRegistry(
@@ -109,15 +122,21 @@ class PrefixCache:
             (cache list for the model, number of tokens it holds)
         """
         quiet.open_window(self.config.background_quiet_ms / 1000)  # its prefill follows
-        if shared:
-            return self._fetch_shared(tokens, extra)
         data = nonempty(tokens)
+        if shared:
+            return fetch_shared(
+                self.shared_prefixes,
+                data,
+                lambda: self._open_root(extra),
+                lambda: self.fetch(tokens, extra=extra),
+                lambda: self.match(tokens, extra=extra),
+            )
         with self._lock:
             self._check_open()
             root = self._root(extra)
             self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
             got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
-            self._last_shared = (data, root, got.shared)
+            self._last_shared = (data, root, got.shared, got.num_tokens, got.reason)
             self._last_keys = (data, root, got.keys)
             self.controls.used(got.keys)
             self.prefetcher.used(got.keys)
@@ -156,6 +175,7 @@ class PrefixCache:
         session: str | None = None,
         persist: bool = True,
         hand_over: bool = False,
+        tenant: str | None = None,
     ) -> int:
         """Keep what ``cache`` (holding exactly ``tokens``) adds: every new full block
         and the tail (the tokens after the last full block), with every layer's
@@ -169,16 +189,16 @@ class PrefixCache:
         lower tier (docs/operating.md). ``hand_over=True``: the caller is done
         with ``cache`` (mlx-lm's server at insert); with ``restore_headroom=0``
         the hot tier may keep views of its arrays while it has room, and a
-        fetch they hold gets them without a copy (tiers/recent.py).
+        fetch they hold gets them without a copy (tiers/recent.py). ``tenant``: who
+        the new blocks are charged to under tenant shares (cache/tenancy.py).
 
         Raises:
             UnsupportedCacheError: a layer's cache type has no codec.
             LayoutMismatchError: the cache does not fit this model's layout.
             ValueError: the cache does not hold exactly ``len(tokens)`` tokens.
         """
-        return self._store(
-            tokens, cache, extra, session=session, persist=persist, hand_over=hand_over
-        )
+        keep = {"session": session, "persist": persist, "tenant": tenant}
+        return self._store(tokens, cache, extra, hand_over=hand_over, **keep)
 
     # -- the checkpoint protocol --------------------------------------------
 
@@ -239,6 +259,7 @@ class PrefixCache:
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> int:
         """``store`` for a cache in the middle of a prefill, at a checkpoint: keeps the
         state at exactly ``len(tokens_so_far)`` (a tail carrying it, or the block
@@ -248,7 +269,8 @@ class PrefixCache:
             the errors of ``store``: a cache that does not hold exactly
             ``tokens_so_far`` cannot be kept there.
         """
-        return self._store(tokens_so_far, cache, extra, session=session, persist=persist)
+        keep = {"session": session, "persist": persist, "tenant": tenant}
+        return self._store(tokens_so_far, cache, extra, **keep)
 
     def prefill(
         self,
@@ -258,6 +280,7 @@ class PrefixCache:
         extra: Mapping[str, str] | None = None,
         session: str | None = None,
         persist: bool = True,
+        tenant: str | None = None,
     ) -> tuple[list[Any], mx.array]:
         """``fetch``, prefill the rest capturing at every checkpoint, ``store``.
 
@@ -267,7 +290,7 @@ class PrefixCache:
         """
         from .prefill import prefill  # the loop on the public verbs above
 
-        keep = {"extra": extra, "session": session, "persist": persist}
+        keep = {"extra": extra, "session": session, "persist": persist, "tenant": tenant}
         return prefill(self, tokens, prefill_step_size=prefill_step_size, **keep)
 
     def note_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -276,6 +299,24 @@ class PrefixCache:
         fetching a prefix against recomputing it at this speed."""
         with self._lock:
             self.tiers.note_prefill(num_tokens, seconds)
+
+    def explain(
+        self,
+        tokens: Sequence[int],
+        *,
+        extra: Mapping[str, str] | None = None,
+        tokenizer: Any = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> Explanation:
+        """Where ``tokens`` leave the nearest stored sequence and why no more is
+        restored; ``tokenizer`` decodes the excerpts, and with ``messages`` (and
+        ``tools``) places the divergence in a message (cache/explain.py)."""
+        data = nonempty(tokens)
+        with self._lock:
+            self._check_open()
+            record = self.explainer.explain(data, self._root(extra), self._last_shared, tokenizer)
+        return self.explainer.placed(record, tokens, messages, tokenizer, tools)  # unlocked
 
     # -- operator controls --------------------------------------------------
 
@@ -321,6 +362,15 @@ class PrefixCache:
             self._check_open()
             return self.controls.unpin(self._keys(data, extra))
 
+    def begin_session(self, session: str, *, tenant: str) -> None:
+        """Name ``tenant`` the owner of ``session``, charged for its stores (tenancy.py)."""
+        check_session(session)
+        check_tenant(tenant)
+        with self._lock:
+            self._check_open()
+            self.controls.begin(session)
+            self.tenancy.begin(session, tenant)
+
     def end_session(self, session: str) -> int:
         """Drop at once, from every tier, the blocks only ``session`` holds (prefixes
         another store shares stay, and so do pinned blocks); returns how many.
@@ -332,6 +382,7 @@ class PrefixCache:
             self._check_open()
             held = self.tiers.hot.nbytes
             num = self.controls.end(session)
+            self.tenancy.end(session)
             give_back.note_freed(held - self.tiers.hot.nbytes)  # removed, not evicted
         give_back.maybe()
         return num
@@ -398,7 +449,14 @@ class PrefixCache:
         written = tiers["ssd"].get("written_bytes", 0) if "ssd" in tiers else 0
         out = self._stats.as_dict() | self.controls.stats() | {"ssd_bytes_written": written}
         out["ram"] = ram_stats(tiers, self.prefetcher.loading_bytes)
+        if tenants := self.tenancy.stats():
+            out["tenants"] = tenants
         return cast(CacheStats, out | tiers | self.services.stats() | self._shared_stats())
+
+    def tenant_stats(self, tenant: str) -> dict[str, dict[str, int]]:
+        """``stats()["tenants"][tenant]``; ValueError naming an unknown ``tenant``."""
+        with self._lock:
+            return self.tenancy.stats_of(tenant)
 
     def flush(self) -> None:
         """Finish the promotions and prefetches under way, persist every dirty hot
@@ -450,10 +508,12 @@ class PrefixCache:
         *,
         session: str | None,
         persist: bool,
+        tenant: str | None,
         hand_over: bool = False,
     ) -> int:
         data = token_bytes(tokens)
         check_session(session)
+        check_tenant(tenant)
         with self._lock:
             self._check_open()
             self.layout.validate(cache, len(data) // TOKEN_BYTES)
@@ -466,7 +526,7 @@ class PrefixCache:
                 data,
                 cache,
                 block_size=bs,
-                snapshot_interval=self.layout.snapshot_interval,
+                points=self.layout.restore_points,
                 stored=self.tiers.contains,
                 resident=self.hot.get,
                 window=self.layout.window_policy,
@@ -474,10 +534,11 @@ class PrefixCache:
             self._last_shared = None  # what is stored changed
             tail = cut.tail
             continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
-            self.tiers.place(cut.new, persist=persist, continues=continues)
-            self.tiers.replace(cut.upgraded)
-            if tail is not None:
-                self.tiers.place_tail(tail, persist=persist, continues=continues)
+            with self.tenancy.charging(tenant, session, extra):
+                self.tiers.place(cut.new, persist=persist, continues=continues)
+                self.tiers.replace(cut.upgraded)
+                if tail is not None:
+                    self.tiers.place_tail(tail, persist=persist, continues=continues)
             stored = [*cut.new, *([tail] if tail else [])]
             self.hot.prepare_views([*stored, *cut.upgraded])
             walked = [*keys, *tail_keys(root, keys, data, bs)]
@@ -504,29 +565,6 @@ class PrefixCache:
         keys = chain_keys(root, data, self.config.block_size)
         return [*keys, *tail_keys(root, keys, data, self.config.block_size)]
 
-    def _fetch_shared(
-        self, tokens: Sequence[int], extra: Mapping[str, str] | None
-    ) -> tuple[list[Any], int]:
-        """``fetch(shared=True)``: a live shared prefix covering at least what the
-        tiers would restore is used as is (nothing restored or copied); else the
-        private restore is handed to the registry (a new shared prefix, or the
-        suffix of a live one); the private fetch where the model cannot share."""
-        data = nonempty(tokens)
-        registry = self.shared_prefixes
-        with registry.lock:
-            reason = registry.unavailable()
-            if reason is not None:
-                registry.fell_back(reason)
-                return self.fetch(tokens, extra=extra)
-            with self._lock:
-                self._check_open()
-                root = self._root(extra)
-            live, usable = registry.live(root, data)
-            if live is not None and usable >= self.match(tokens, extra=extra):
-                return registry.reuse(live, usable), usable
-            restored, num_cached = self.fetch(tokens, extra=extra)
-            return registry.adopt(root, data, restored, num_cached, live, usable)
-
     def _shared_stats(self) -> dict[str, object]:
         """``{"shared": counters and live prefixes}`` once a shared fetch was asked for."""
         registry = self.shared_prefixes
@@ -536,6 +574,11 @@ class PrefixCache:
         if self._closed:
             raise RuntimeError("PrefixCache is closed")
 
+    def _open_root(self, extra: Mapping[str, str] | None) -> bytes:
+        with self._lock:
+            self._check_open()
+            return self._root(extra)
+
     def _root(self, extra: Mapping[str, str] | None) -> bytes:
         items = tuple(sorted(extra.items())) if extra else ()
         root = self._roots.get(items)
@@ -544,6 +587,7 @@ class PrefixCache:
             root = self._roots[items] = namespace.root_key()
             # once per root per process: `prefixcache stats` per model
             self.tiers.note_namespace(root, namespace.to_json())
+            self.services.note_namespace(root, items)
         return root
 
 

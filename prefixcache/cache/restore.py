@@ -29,6 +29,7 @@ from ..errors import LayoutMismatchError, MissReason, Shortfall
 from ..hashing import TOKEN_BYTES
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Place, Placed, PlacedRun
+from ..memory.restore_buffers import batched
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
 from .lookup import Lookup, Plan
@@ -186,7 +187,9 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
                 _add_block(builders, users, index, *loader.payload(index), checked)
     finally:
         loader.stop()
-    mx.eval([b.allocate() for b in builders])  # every buffer still to make, at once
+    with batched(mx.cpu) as batch:  # every buffer still to make, in one load
+        lazy = [b.allocate() for b in builders]
+    mx.eval(lazy, batch.arrays)
     copies = Copies()  # the hot blocks' copies: on a few threads when large
     for b in builders:
         b.queue_copies(copies)
@@ -250,9 +253,10 @@ def _reserve_first(
     tokens = len(plan.entries[index].tokens) // TOKEN_BYTES
     specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
     layers = split_layers(specs)
-    reserved = {i: builders[i].reserve(index, layers.get(i, {})) for i in users[index]}
-    mx.eval(list(reserved.values()))  # every buffer at once, then open for the readers
-    for i in (i for i, arrays in reserved.items() if arrays):
+    with batched(mx.cpu) as batch:  # every buffer at once, then open for the readers
+        lazy = [builders[i].reserve(index, layers.get(i, {})) for i in users[index]]
+    mx.eval(lazy, batch.arrays)
+    for i in users[index]:  # a builder that reserved nothing opens nothing
         builders[i].buffers()
 
 
@@ -277,7 +281,9 @@ def _add_block(
     layers = split_layers(arrays)
     streamed = not resident and not (placed and all(builders[i].takes_host for i in mine))
     if streamed:  # allocate every layer's buffer (unwritten) before the copies
-        mx.async_eval([builders[i].reserve(index, layers.get(i, {})) for i in mine])
+        with batched(mx.cpu) as batch:
+            lazy = [builders[i].reserve(index, layers.get(i, {})) for i in mine]
+        mx.async_eval(lazy, batch.arrays)
     for layer in mine:
         builder, part = builders[layer], layers.get(layer, {})
         if not builder.takes_host:

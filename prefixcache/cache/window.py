@@ -5,9 +5,9 @@ at L tokens needs its first K tokens and its last W - K before L, nothing
 else; a chunked layer (ChunkedKVCache of ``chunk_size`` C, Llama 4) its last
 C. So a block's window payload is kept only where a restore can use it: inside
 the window of a restore point. Restore points are those of recurrent
-snapshots: the exact end of every stored sequence or checkpoint and every
-``snapshot_interval``-th block boundary. A point P keeps the window of every
-restore ending in ``[P - block_size, P]`` (a prompt equal to a stored sequence
+snapshots: the exact end of every stored sequence or checkpoint and the
+interval's points (points.py). A point P keeps the window of every restore
+ending in ``[P - block_size, P]`` (a prompt equal to a stored sequence
 is restored one token short; one diverging in the last block, cut back inside
 it). Every other block carries no window payload for those layers; a restore
 there stops at the deepest point every layer covers (``window_not_covered``).
@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from ..codecs import codec_for
+from .points import RestorePoints
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,24 +36,23 @@ class WindowPolicy:
         window: the widest window's tokens after its ``keep`` ones (W - K).
         keep: the most tokens a window layer keeps at the front (K).
         block_size: tokens per block.
-        interval: blocks between interval restore points.
+        points: the restore points (points.py).
     """
 
     prefixes: tuple[str, ...]
     window: int
     keep: int
     block_size: int
-    interval: int
+    points: RestorePoints
 
     def keeps(self, index: int, point: int) -> bool:
         """Whether block ``index`` keeps its window payload: it holds front tokens,
-        or lies in the window of the next interval boundary or of ``point`` (where
+        or lies in the window of the next restore point or of ``point`` (where
         the cache it is cut from ends: a stored sequence's end, a checkpoint)."""
         bs = self.block_size
         if index * bs < self.keep:
             return True
-        step = self.interval * bs
-        boundary = -(-(index + 1) * bs // step) * step  # first boundary at or after the block
+        boundary = self.points.next(index + 1) * bs  # the first point at or after the block
         return self._within(index, boundary) or self._within(index, point)
 
     def _within(self, index: int, point: int) -> bool:

@@ -205,3 +205,35 @@ def count(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"not a count: {text!r}")
     return int(text)
+
+
+def on_off(text: str) -> bool:
+    """argparse type of a switch: on or off."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
+def positive_int(text: str) -> int:
+    """argparse type of an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    """argparse type of a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port: 0 (any free one) to 65535."""
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"not a port (0-65535): {text!r}")
+    return int(text)

@@ -73,6 +73,19 @@ def _texts(num: int, words: int) -> list[str]:
     return [" ".join(corpus[(i * words) % len(corpus) :][:words]) for i in range(num)]
 
 
+def demo_turns(
+    num_conversations: int, num_turns: int, system_words: int, turn_words: int
+) -> tuple[str, list[tuple[int, str]]]:
+    """The demo's chats: the system prompt they share, and the user turns in the
+    order the demo sends them (turn by turn, the conversations interleaved), each
+    ``(conversation, text)``."""
+    system, *users = _texts(1 + num_conversations * num_turns, system_words)
+    users = [" ".join(u.split()[:turn_words]) for u in users]
+    return system, [
+        (conv, users.pop()) for _ in range(num_turns) for conv in range(num_conversations)
+    ]
+
+
 def run_demo(
     *,
     model_path: str | None = None,
@@ -89,23 +102,22 @@ def run_demo(
         model, tokenizer, model_path = _load(model_path, tmp)
         ssd_dir = ssd_dir or f"{tmp}/ssd"
         config = CacheConfig(block_size=64, ssd_dir=ssd_dir, hot_max_bytes=256 << 20)
-        system, *users = _texts(1 + num_conversations * num_turns, system_words)
-        users = [" ".join(u.split()[:turn_words]) for u in users]
+        system, turns = demo_turns(num_conversations, num_turns, system_words, turn_words)
         chats = [[{"role": "system", "content": system}] for _ in range(num_conversations)]
         print_fn(f"model: {model_path}")
         print_fn(f"cache: block_size={config.block_size} ssd_dir={ssd_dir}")
         print_fn(_HEADER)
         rows = []
         with PrefixCache(model, config, model_id=f"demo:{model_path}") as pc:
-            for turn in range(num_turns):
-                for conv, chat in enumerate(chats):
-                    chat.append({"role": "user", "content": users.pop()})
-                    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-                    row = _turn(model, pc, prompt, reply_tokens)
-                    reply = tokenizer.decode(row.pop("reply"))
-                    chat.append({"role": "assistant", "content": reply})
-                    rows.append(row | {"conv": conv, "turn": turn})
-                    print_fn(_format(rows[-1]))
+            for i, (conv, text) in enumerate(turns):
+                chat = chats[conv]
+                chat.append({"role": "user", "content": text})
+                prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+                row = _turn(model, pc, prompt, reply_tokens)
+                reply = tokenizer.decode(row.pop("reply"))
+                chat.append({"role": "assistant", "content": reply})
+                rows.append(row | {"conv": conv, "turn": i // num_conversations})
+                print_fn(_format(rows[-1]))
         print_fn("after a restart (a new PrefixCache on the same ssd_dir):")
         with PrefixCache(model, config, model_id=f"demo:{model_path}") as pc:
             chats[0].append({"role": "user", "content": "And one more question."})

@@ -17,10 +17,11 @@ import time
 
 from ..config import parse_bytes
 from ..stats import Stats, add_counters
+from ..tiers.hot.tenants import COUNTERS
 from ..tiers.ssd.admin.inventory import Entry, Inventory, NamespaceInfo, end_token
 from ..tiers.ssd.admin.view import SsdView
 from ..tiers.ssd.version import FORMAT_NAME, FORMAT_VERSION
-from .common import Doc, count, duration, emit, model_roots, ssd_command
+from .common import Doc, UsageError, count, duration, emit, model_roots, ssd_command
 from .remote import with_remote
 from .report import format_age, format_bytes, table
 from .stats_text import stats_text
@@ -90,8 +91,28 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
             add_counters, [ns["counters"] or {} for ns in namespaces], _counters(None)
         ),
     }
+    doc["tenants"] = _tenants(doc["counters"], args.tenant)
     emit(args, doc, lambda: stats_text(doc))
     return 0
+
+
+def _tenants(counters: Doc, only: str | None) -> Doc:
+    """The saved per-tenant counters (``"<tenant>.<counter>"``) by tenant; ``only``:
+    that tenant's (UsageError naming it when none was saved)."""
+    out: Doc = {}
+    for name, value in counters.get("tenants", {}).items():
+        tenant, _, key = name.rpartition(".")
+        out.setdefault(tenant, dict.fromkeys(COUNTERS, 0))[key] = value  # 0s are not saved
+    if only is None:
+        return out
+    if only not in out:
+        known = ", ".join(repr(t) for t in sorted(out)) or "none saved"
+        raise UsageError(f"--tenant {only!r}: no counters of that tenant ({known})")
+    return {only: out[only]}
+
+
+def add_stats_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tenant", help="only this tenant's counters (tenant shares)")
 
 
 def _governance_doc(view: SsdView, budget: int) -> Doc:
@@ -254,6 +275,6 @@ def _pin_end(until: float | None, now: float) -> str:
 
 _STATS_HELP = "blocks, tokens, bytes and hit counters per model (--remote-url: per server)"
 COMMANDS = (
-    with_remote(ssd_command("stats", _STATS_HELP, cmd_stats)),
+    with_remote(ssd_command("stats", _STATS_HELP, cmd_stats, add_stats_args)),
     ssd_command("ls", "list blocks (or chains), filtered and sorted", cmd_ls, add_ls_args),
 )

@@ -94,7 +94,7 @@ def _unpin(args: argparse.Namespace) -> int:
     return 0 if num_blocks else 1
 
 
-def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
+def read_prompt(args: argparse.Namespace, purpose: str = "pin") -> tuple[str, str]:
     """The prompt's text and where it came from (``FILE x``, ``--text``, stdin).
 
     Raises:
@@ -116,7 +116,7 @@ def read_prompt(args: argparse.Namespace) -> tuple[str, str]:
         except UnicodeDecodeError as err:
             raise ValueError(f"{source}: cannot read it as UTF-8: {err}") from None
     if not text.strip():
-        raise ValueError(f"the prompt is empty ({source}): nothing to pin")
+        raise ValueError(f"the prompt is empty ({source}): nothing to {purpose}")
     return text, source
 
 

@@ -10,14 +10,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 
 import mlx.core as mx
 
-from ..config import ENV_PREFIX, EVICTIONS, WRITE_POLICIES, CacheConfig, parse_bytes
+from ..config import (
+    ENV_PREFIX,
+    EVENTS_FORMATS,
+    EVICTIONS,
+    WRITE_POLICIES,
+    CacheConfig,
+    parse_bytes,
+)
 from ..errors import SsdDirError, SsdFormatError
 from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
-from .common import Command, UsageError
+from .common import Command, UsageError, on_off, port, positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,7 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--eviction",
         choices=EVICTIONS,
-        help="hot eviction: cost (default: recency and recompute cost per byte) or lru",
+        help="hot eviction: cost (default: recency and recompute cost per byte), lru, adaptive",
     )
     group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
     group.add_argument(
@@ -101,10 +109,25 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
+    group.add_argument("--hot-tenant-floors", help="hot bytes each tenant keeps, e.g. b=2G,c=1G")
+    group.add_argument("--hot-tenant-caps", help="hot bytes a tenant may hold, e.g. a=4G")
     group.add_argument(
-        "--record-trace",
-        help="append each request to FILE in Mooncake's trace format (replay it with "
-        "`prefixcache simulate` or `replay`; no token ids are written)",
+        "--tenant-header", help="the request header naming its tenant, e.g. X-Tenant"
+    )
+    group.add_argument(
+        "--events-format",
+        choices=EVENTS_FORMATS,
+        help="KV events as vLLM's structures (default) or SGLang's",
+    )
+    group.add_argument(
+        "--explain-header",
+        type=on_off,
+        metavar="on|off",
+        help="X-Prefixcache-Explain on every completion: where its prompt left the stored "
+        "sequences, and why (default: on)",
+    )
+    group.add_argument(
+        "--record-trace", help="append each request to FILE as a Mooncake trace (no token ids)"
     )
     group.add_argument(
         "--pin-system-prompts",
@@ -124,39 +147,16 @@ def _add_guard_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--max-tokens-limit",
-        type=_positive_int,
+        type=positive_int,
         default=MAX_TOKENS_LIMIT,
         help=f"refuse a max_tokens above this with 400 (default: {MAX_TOKENS_LIMIT})",
     )
     group.add_argument(
         "--client-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         help="seconds a client may stay silent while sending a request (default: 30)",
     )
-
-
-def _positive_int(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
-    return int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
-    return value
-
-
-def port(text: str) -> int:
-    """argparse type of a TCP port: 0 (any free one) to 65535."""
-    if not text.strip().isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"not a port (0-65535): {text!r}")
-    return int(text)
 
 
 # restore_headroom by default: room for the prompt's rest and its first token, so
@@ -185,8 +185,12 @@ _CONFIG_FLAGS = (
     "ssd_write_budget",
     "warm_bytes",
     "events_url",
+    "events_format",
     "pin_system_prompts",
+    "explain_header",
     "eviction",
+    "hot_tenant_floors",
+    "hot_tenant_caps",
 )
 
 
@@ -238,10 +242,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     from ..serve.main import run_mlx_server
 
-    recorder = _recorder(args, config)
     set_mx_cache_limit(args)
     shared = getattr(args, "shared_prefix", False)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
+    tenant_header = check_header(getattr(args, "tenant_header", None))
+    recorder = _recorder(args, config)  # last: the file opens once every check passed
     try:
         return run_mlx_server(
             args.model,
@@ -251,6 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
             shared=shared,
             limits=limits,
             client_timeout=args.client_timeout,
+            tenant_header=tenant_header,
             recorder=recorder,
         )
     finally:
@@ -260,15 +266,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _recorder(args: argparse.Namespace, config: CacheConfig):
     """The ``--record-trace`` recorder at the cache's block size (None without it)."""
-    path = getattr(args, "record_trace", None)
-    if path is None:
-        return None
     from ..serve.recorder import TraceRecorder
 
+    path = getattr(args, "record_trace", None)
     try:
-        return TraceRecorder(path, config.block_size)
+        return None if path is None else TraceRecorder(path, config.block_size)
     except OSError as err:
         raise UsageError(f"--record-trace {path!r}: {err.strerror or err}") from None
+
+
+def check_header(name: str | None) -> str | None:
+    """``--tenant-header``'s value if it is an HTTP header name; else UsageError naming it."""
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name):
+        raise UsageError(f"--tenant-header {name!r} is not an HTTP header name (e.g. X-Tenant)")
+    return name
 
 
 def check_ssd_dir(config: CacheConfig) -> bool:

@@ -24,7 +24,7 @@ from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
 
-POLICIES = ("lru", "cost", "density", "frequency", "optimal")
+POLICIES = ("fifo", "lru", "cost", "density", "frequency", "adaptive", "optimal")
 _TIER_FLAGS = {"hot": "hot_bytes", "ssd": "ssd_bytes", "remote": "remote_bytes"}
 
 
@@ -45,7 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eviction", default="lru", help=f"one or more of {','.join(POLICIES)} (comma-separated)"
     )
-    p.add_argument("--ssd-admit-after", type=int, default=1)
+    p.add_argument(
+        "--ssd-admit-after", type=int, default=1, help="uses before an SSD write; 0: by its reach"
+    )
     p.add_argument("--ssd-write-budget", type=parse_bytes, default=0, help="bytes per day")
     p.add_argument("--unlimited", action="store_true", help="every given tier unbounded")
     p.add_argument("--sweep", help="TIER=SIZE,SIZE,...: one point per size")
@@ -106,6 +108,8 @@ def _configs(args: Args, shape: object) -> list:
     for policy in policies:
         if policy not in POLICIES:
             raise UsageError(f"--eviction: {policy!r} is not one of {', '.join(POLICIES)}")
+    if args.ssd_admit_after < 0:
+        raise UsageError(f"--ssd-admit-after: expected an int >= 0, got {args.ssd_admit_after}")
     if "optimal" in policies and (args.ssd is not None or args.remote is not None):
         raise UsageError("--eviction optimal: a hot tier alone (the one-tier optimum)")
     unbounded = 0 if args.unlimited else None

@@ -31,6 +31,11 @@ def stats_text(doc: Doc) -> str:
         )
     rows = [_model_row(m) for m in doc["models"]]
     lines += ["", table(_MODEL_HEADS, rows, "lrrrrrrrr")] if rows else ["", "(no blocks)"]
+    if doc.get("tenants"):
+        heads = ("tenant", "stored", "evicted", "for its cap", "removed", "refused")
+        keys = ("num_stored", "num_evicted", "num_cap_evictions", "num_removed", "num_refused")
+        rows = [[repr(t), *(c.get(k, 0) for k in keys)] for t, c in doc["tenants"].items()]
+        lines += ["", "hot tier per tenant (blocks):", table(heads, rows, "lrrrrr")]
     reasons = {k: v for k, v in doc["counters"]["miss_reasons"].items() if v}
     if reasons:
         lines.append("")

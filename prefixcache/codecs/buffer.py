@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import LayoutMismatchError
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Placed, host_bytes, host_view
-from ..memory.restore_buffers import advise_huge, empty
+from ..memory.restore_buffers import Slot, advise_huge, current, empty, resolve
 
 
 class TokenBuffer:
@@ -43,7 +43,7 @@ class TokenBuffer:
         # dtype and (B, heads, capacity, dim) of ``array``, set before ``_host``
         self._dtype: mx.Dtype | None = None
         self._dims = (0, 0, 0, 0)
-        self._fresh: mx.array | None = None  # allocated ahead (``allocate``), not yet opened
+        self._fresh: mx.array | Slot | None = None  # allocated ahead, not yet opened
 
     def add(self, start: int, x: mx.array | HostArray | Placed) -> None:
         """Queue ``x`` (B, heads, n, dim) for tokens ``[start, start + n)``.
@@ -93,7 +93,7 @@ class TokenBuffer:
         if len(x.shape) != 4 or self._fresh is not None:
             return []  # _write reports a bad shape
         self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
-        return [self._fresh]
+        return [] if type(self._fresh) is Slot else [self._fresh]  # a batch's: it returns it
 
     def destination(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> np.ndarray | None:
         """Where a streamed tensor of ``dtype`` and ``shape`` for tokens from
@@ -118,7 +118,7 @@ class TokenBuffer:
         if len(x.shape) != 4:
             return []  # materialize reports it
         self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
-        return [self._fresh]
+        return [] if type(self._fresh) is Slot else [self._fresh]  # a batch's: it returns it
 
     def materialize(self) -> mx.array | None:
         """Write the queued segments; returns the buffer or None if empty.
@@ -147,19 +147,17 @@ class TokenBuffer:
         queued segments as runs to copy: (host bytes in order, first token, end)."""
         if self._host is None and self._fresh is not None and not self._pending:
             fresh, self._fresh = self._fresh, None  # reserved: open it
-            self._open(fresh)
+            self._open(resolve(fresh))
         if not self._pending:
             return []
         if self._host is None:
             x = self._pending[0][1]
             if len(x.shape) != 4:
                 raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
-            fresh, self._fresh = self._fresh, None
-            self._open(
-                fresh
-                if fresh is not None
-                else _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
-            )
+            fresh, self._fresh = resolve(self._fresh), None
+            if fresh is None:
+                fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+            self._open(fresh)
         return self._runs()
 
     def _runs(self) -> list[tuple[list[np.ndarray], int, int]]:
@@ -289,10 +287,14 @@ _NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16}
 _SMALL = 1 << 20
 
 
-def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array | Slot:
     """A restore buffer on the CPU stream (nothing is computed; on Apple silicon the
     memory is shared): unwritten when large (its pages are faulted in once, by the
-    copy), zeros when small (the unwritten one's set-up costs more than the writes)."""
+    copy), zeros when small (the unwritten one's set-up costs more than the writes).
+    In a restore's batch (``restore_buffers.batched``): a Slot, made with the others."""
     if math.prod(shape) * dtype.size < _SMALL:
         return mx.zeros(shape, dtype, stream=mx.cpu)
+    batch = current()
+    if batch is not None and batch.takes(shape, dtype, mx.cpu):
+        return batch.add(shape, dtype)
     return empty(shape, dtype, stream=mx.cpu)

@@ -12,11 +12,19 @@ its old bytes. Whoever takes such an array writes every byte that is read.
 Should a future MLX read through a scratch buffer instead, the result is still
 an array of the right shape (of unspecified bytes), only not faster; should
 ``mx.load`` refuse the stream, ``mx.zeros`` is used.
+
+A restore needs a buffer per layer and per K/V (32 for a 16-layer model):
+inside ``batched``, a restore's buffers come from ONE ``mx.load`` of a stream
+holding them all (``Batch``), still each in its own allocation (a cache sharing
+one buffer with another layer's would copy it on its first write: MLX writes in
+place only into a buffer no other array holds). One load wakes MLX's IO thread
+once, where one per buffer woke it 32 times (tools/bench_restore_buffers.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import json
 import logging
@@ -24,7 +32,10 @@ import math
 import mmap
 import os
 import struct
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -37,21 +48,25 @@ _works = True  # until mx.load refuses the stream once
 
 
 class _Unwritten:
-    """A read-only safetensors stream of one tensor whose data bytes are never written."""
+    """A read-only safetensors stream of tensors ``"0"``, ``"1"``, ... whose data
+    bytes are never written."""
 
     closed = False
 
-    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype, nbytes: int):
-        meta = {
-            "a": {
+    def __init__(self, specs: list[tuple[tuple[int, ...], mx.Dtype]]):
+        meta, end = {}, 0
+        for i, (shape, dtype) in enumerate(specs):
+            nbytes = math.prod(shape) * dtype.size
+            offsets = [end, end + nbytes]
+            meta[str(i)] = {
                 "dtype": SAFETENSORS_DTYPES[dtype],
                 "shape": list(shape),
-                "data_offsets": [0, nbytes],
+                "data_offsets": offsets,
             }
-        }
+            end += nbytes
         header = json.dumps(meta).encode()
         self._head = struct.pack("<Q", len(header)) + header
-        self._end = len(self._head) + nbytes
+        self._end = len(self._head) + end
         self._pos = 0
 
     def tell(self) -> int:
@@ -92,18 +107,97 @@ def _wait_at_exit() -> None:
 
 def empty(shape: tuple[int, ...], dtype: mx.Dtype, *, stream=None) -> mx.array:
     """A lazy array of ``shape`` and ``dtype`` whose bytes are unspecified."""
+    return _load([(shape, dtype)], stream)[0]
+
+
+def _usable(shape: tuple[int, ...], dtype: mx.Dtype) -> bool:
+    return _works and math.prod(shape) > 0 and dtype in SAFETENSORS_DTYPES
+
+
+def _load(specs: list[tuple[tuple[int, ...], mx.Dtype]], stream) -> list[mx.array]:
+    """Lazy arrays of ``specs`` (shape, dtype), unwritten where ``mx.load`` allows."""
     global _works
-    nbytes = math.prod(shape) * dtype.size
-    if _works and nbytes > 0 and dtype in SAFETENSORS_DTYPES:
+    if all(_usable(*spec) for spec in specs):
         _wait_at_exit()
         try:
-            return mx.load(_Unwritten(shape, dtype, nbytes), format="safetensors", stream=stream)[
-                "a"
-            ]
+            loaded = mx.load(_Unwritten(specs), format="safetensors", stream=stream)
+            return [loaded[str(i)] for i in range(len(specs))]
         except (ValueError, RuntimeError) as err:
             _works = False
             logger.info("restore buffers are zero-filled: mx.load refused a stream (%s)", err)
-    return mx.zeros(shape, dtype, stream=stream)
+    return [mx.zeros(shape, dtype, stream=stream) for shape, dtype in specs]
+
+
+class Slot:
+    """A buffer a ``Batch`` makes: ``array`` once the batch has allocated."""
+
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype):
+        self.shape, self.dtype = shape, dtype
+        self.array: mx.array | None = None
+
+
+class Batch:
+    """The buffers of one restore, made by one ``mx.load`` when the batch ends.
+
+    A restore's builders ``add`` their buffers to the batch open on their thread
+    (``current``) and get a ``Slot`` (not an array); they take its ``array``
+    after the ``with`` block, which evaluates nothing: the arrays are in
+    ``arrays`` for the caller to evaluate with its others.
+    """
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.slots: list[Slot] = []
+        self.arrays: list[mx.array] = []
+
+    def takes(self, shape: tuple[int, ...], dtype: mx.Dtype, stream) -> bool:
+        return stream == self.stream and _usable(shape, dtype)
+
+    def add(self, shape: tuple[int, ...], dtype: mx.Dtype) -> Slot:
+        slot = Slot(shape, dtype)
+        self.slots.append(slot)
+        return slot
+
+    def allocate(self) -> list[mx.array]:
+        """Make every slot's array (lazily), in one load; returns them."""
+        if self.slots:
+            arrays = _load([(s.shape, s.dtype) for s in self.slots], self.stream)
+            for slot, array in zip(self.slots, arrays, strict=True):
+                slot.array = array
+            self.arrays += arrays
+            self.slots = []
+        return self.arrays
+
+
+_current = threading.local()  # the batch of this thread's restore, if one is open
+
+
+@contextlib.contextmanager
+def batched(stream=None) -> Iterator[Batch]:
+    """Open a ``Batch`` on this thread for the buffers added inside the block; they
+    are allocated (lazily) as it ends. Not reentrant."""
+    batch = _current.batch = Batch(stream)
+    try:
+        yield batch
+    finally:
+        _current.batch = None
+    batch.allocate()
+
+
+def current() -> Batch | None:
+    """The batch open on this thread (``batched``), or None."""
+    return getattr(_current, "batch", None)
+
+
+def resolve(x: Any) -> Any:
+    """The array of a ``Slot`` (made by its batch by now), else ``x`` itself."""
+    if type(x) is Slot:
+        if x.array is None:
+            raise RuntimeError("a batched restore buffer was used before its batch ended")
+        return x.array
+    return x
 
 
 _HUGE = 2 << 20

@@ -67,12 +67,11 @@ class ModelPair(nn.Module):
         return self.model(inputs, cache=cache[:n])
 
 
-def text_prefix(tokens: Sequence[int]) -> Sequence[int]:
-    """The tokens before the first image: mlx-lm keys image patches by negative ids."""
-    if not tokens or min(tokens) >= 0:  # no image: one C-level pass
-        return tokens
-    first = next((i for i, t in enumerate(tokens) if t < 0), None)
-    return tokens if first is None else tokens[:first]
+def cache_key(tokenized: tuple[Any, ...]) -> list[int]:
+    """The tokens mlx-lm's server fetches and inserts a request's cache by, from its
+    ``_tokenize``'s result: the prompt, or its ``Vision.cache_key`` (images)."""
+    vision = tokenized[4]
+    return vision.cache_key if vision is not None else tokenized[0]
 
 
 def held_tokens(tokens: Sequence[int], prompt_cache: list[Any]) -> Sequence[int]:

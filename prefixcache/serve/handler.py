@@ -9,7 +9,10 @@ bytes again. A request the generation thread refuses is a 400, one it fails a
 500 (generator.py), where mlx-lm would say 404; 404 is left for unknown paths
 and sessions. ``/health`` says ``restarting`` (503) while the generation loop
 starts again. A client that sends nothing for ``--client-timeout`` seconds is
-disconnected.
+disconnected. ``GET /server_info`` and ``POST /detokenize`` answer as SGLang's do
+(info.py), so tools that discover a KV-event publisher from them find ours.
+``POST /v1/cache/explain`` and the ``X-Prefixcache-Explain``
+header of each reply are explain.py's.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import socket
 import threading
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, ClassVar
 
 from mlx_lm import server
 
+from . import explain
 from .generator import failure
+from .info import detokenize_ids
 from .request_options import DEFAULT, RequestOptions, check_name, parse
 from .supervisor import GenerationFailed
 from .validate import Limits, RequestError, check_body, parse_body, read_body
@@ -35,6 +40,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS = frozenset({"/v1/completions", "/v1/chat/completions", "/chat/completions"})
 SESSIONS = "/v1/sessions/"  # DELETE /v1/sessions/{session_id} ends a session
+SERVER_INFO = frozenset({"/server_info", "/get_server_info"})  # SGLang's names (info.py)
 CLIENT_TIMEOUT = 30.0  # --client-timeout default (seconds)
 DRAIN_SECONDS = 1.0  # after a 413: read the rest for this long, so the client sees the reply
 
@@ -53,9 +59,23 @@ class GuardedHandler(server.APIHandler):
 
     limits = Limits()
     timeout = CLIENT_TIMEOUT  # socketserver applies it to the connection
+    info: ClassVar[dict[str, object]] = {}  # GET /server_info (info.py), set per server
+    tenant_header: str | None = None  # the header naming a request's tenant (--tenant-header)
     _options = DEFAULT
 
+    def do_GET(self) -> None:
+        if urllib.parse.urlsplit(self.path).path in SERVER_INFO:
+            self._reply(200, self.info)
+            return
+        super().do_GET()
+
     def do_POST(self) -> None:
+        if self.path == "/detokenize":
+            self._detokenize()
+            return
+        if self.path == explain.PATH:
+            self._explain()
+            return
         if self.path not in COMPLETIONS:
             super().do_POST()  # its 404
             return
@@ -64,7 +84,7 @@ class GuardedHandler(server.APIHandler):
             raw = read_body(rfile, self.headers, self.limits.max_body_bytes)
             body = parse_body(raw)
             check_body(self.path, body, self._limits())
-            options = parse(body, self.headers)
+            options = parse(body, self.headers, self.tenant_header)
         except ValueError as err:  # RequestError or a cache field's
             self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
             return
@@ -74,10 +94,41 @@ class GuardedHandler(server.APIHandler):
         finally:
             self.rfile = rfile
 
+    def _detokenize(self) -> None:
+        """``POST /detokenize``: the text of token ids, by the loaded model's tokenizer."""
+        generator = self.response_generator
+        tokenizer = generator.model_provider.tokenizer
+        try:
+            body = parse_body(read_body(self.rfile, self.headers, self.limits.max_body_bytes))
+            if tokenizer is None:
+                raise RequestError("no model is loaded yet", 503)
+            vocab = generator.vocab_size() or len(tokenizer.vocab)
+            tokens = detokenize_ids(body, vocab)
+        except ValueError as err:  # RequestError or a bad id
+            self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
+            return
+        self._reply(200, {"text": tokenizer.decode(tokens)})
+
+    def _explain(self) -> None:
+        """``POST /v1/cache/explain``: the body of a completion request, nothing generated."""
+        try:
+            body = parse_body(read_body(self.rfile, self.headers, self.limits.max_body_bytes))
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            check_body(path, body, self._limits())
+            options = parse(body, self.headers)
+            record = explain.answer(self.response_generator, body, options.extra)
+        except ValueError as err:  # RequestError or a cache field's
+            self._refuse(err if isinstance(err, RequestError) else RequestError(str(err)))
+            return
+        self._reply(200, record.as_dict())
+
     def _limits(self) -> Limits:
         """``limits`` with what the loaded model takes (vocabulary, images)."""
         generator = self.response_generator
-        images = generator.model_provider.processor is not None
+        provider = generator.model_provider
+        # until the model is loaded (mlx-lm loads it as it starts) nothing is known:
+        # mlx-lm refuses the images itself if it has no processor for them
+        images = provider.model is None or provider.processor is not None
         return dataclasses.replace(self.limits, vocab_size=generator.vocab_size(), images=images)
 
     def handle_completion(self, request: Any, stop_words: Any) -> None:
@@ -88,7 +139,7 @@ class GuardedHandler(server.APIHandler):
         except (RequestError, GenerationFailed) as err:  # after mlx-lm began its reply
             self._fail_late(err)
         finally:
-            asked.options, failure.error = DEFAULT, None
+            asked.options, failure.error, explain.told.header = DEFAULT, None, None
 
     def _set_completion_headers(self, status_code: int = 200) -> None:
         if status_code == 404 and failure.error is not None:  # mlx-lm's answer to any failure
@@ -96,6 +147,16 @@ class GuardedHandler(server.APIHandler):
         if 400 <= status_code < 500:  # ours, mlx-lm's own checks, unknown paths
             self.response_generator.refused()
         super()._set_completion_headers(status_code)
+        self._explain_header(status_code)
+
+    def _set_stream_headers(self, status_code: int = 200) -> None:
+        super()._set_stream_headers(status_code)
+        self._explain_header(status_code)
+
+    def _explain_header(self, status_code: int) -> None:
+        """Where this request left the stored sequences (serve/explain.py), on a 200."""
+        if status_code == 200 and explain.told.header is not None:
+            self.send_header(explain.HEADER, explain.told.header)
 
     def _fail_late(self, err: RequestError | GenerationFailed) -> None:
         """A failure while mlx-lm was answering: a streamed reply ends with an error
@@ -161,6 +222,18 @@ class GuardedHandler(server.APIHandler):
         self._reply(200, {"session_id": session, "num_blocks": num})
 
 
-def configured(limits: Limits, client_timeout: float) -> type[GuardedHandler]:
-    """GuardedHandler with these limits."""
-    return type("Handler", (GuardedHandler,), {"limits": limits, "timeout": client_timeout})
+def configured(
+    limits: Limits,
+    client_timeout: float,
+    info: dict[str, object] | None = None,
+    tenant_header: str | None = None,
+) -> type[GuardedHandler]:
+    """GuardedHandler with these limits, answering ``/server_info`` with ``info``
+    (and the header naming a request's tenant)."""
+    attrs = {
+        "limits": limits,
+        "timeout": client_timeout,
+        "info": info or {},
+        "tenant_header": tenant_header,
+    }
+    return type("Handler", (GuardedHandler,), attrs)

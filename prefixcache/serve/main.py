@@ -8,6 +8,8 @@ sequential path) prefills up to each checkpoint first (segments.py).
 Argument parsing, model loading, batching and HTTP stay mlx-lm's. SIGTERM
 takes mlx-lm's Ctrl-C path, so the hot tier is flushed to SSD either way.
 Imported only to serve (it imports mlx-lm); the options are cli/serve.py's.
+With ``--events-url`` the default model's cache opens as soon as the model is
+loaded, so the KV-events publisher listens before the first request.
 
 The generator subclass builds on generator.py's (its loop supervised, each
 prompt checked) and the HTTP handler is handler.py's (each request checked
@@ -37,9 +39,11 @@ import mlx.nn as nn
 from mlx_lm import server
 
 from ..config import CacheConfig
-from .fit import ModelKey, ModelPair
+from .explain import explained
+from .fit import ModelKey, ModelPair, cache_key
 from .generator import GuardedGenerator
 from .handler import CLIENT_TIMEOUT, asked, configured
+from .info import server_info
 from .metrics import serve_metrics
 from .prefetch import QueuedPrefetch
 from .prompt_cache import TieredPromptCache
@@ -73,18 +77,21 @@ def run_mlx_server(
     shared: bool = False,
     limits: Limits | None = None,
     client_timeout: float = CLIENT_TIMEOUT,
+    tenant_header: str | None = None,
     recorder: TraceRecorder | None = None,
 ) -> int:
     """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
     (``shared``: concurrent requests on one prefix hold it once); requests are checked
     against ``limits`` (handler.py), a client silent for ``client_timeout`` seconds
-    is disconnected; ``recorder`` writes each request's trace line (recorder.py)."""
+    is disconnected; ``tenant_header`` names a request's tenant (tenant shares);
+    ``recorder`` writes each request's trace line (recorder.py)."""
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
     base = GuardedGenerator if recorder is None else recorder.recording(GuardedGenerator)
     generator_class = _generator_class(base, config, generators, shared)
     run_http = server._run_http_server
-    handler = configured(limits or Limits(), client_timeout)
+    info = server_info(config, model)
+    handler = configured(limits or Limits(), client_timeout, info, tenant_header)
     with (
         _swapped(server, "ResponseGenerator", generator_class),
         _swapped(server, "stream_generate", _sequential(server.stream_generate, generators)),
@@ -107,13 +114,11 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
     class TieredResponseGenerator(base):  # type: ignore[misc,valid-type]
         def __init__(self, model_provider: Any, prompt_cache: Any):
             del prompt_cache  # the empty LRUPromptCache mlx-lm's run() made
-            cli = model_provider.cli_args
-            kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
-            cfg = config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
+            cfg = _with_kv(config, model_provider.cli_args)
             self.tiered = TieredPromptCache(provider_models(model_provider), cfg, shared=shared)
-            self._options: dict[int, RequestOptions] = {}
-            self._options_lock = threading.Lock()
+            self._options, self._options_lock = dict[int, RequestOptions](), threading.Lock()
             self._prefetch = QueuedPrefetch(base._tokenize.__get__(self), self.tiered)
+            _open_on_load(model_provider, self.tiered, config.events_url)
             made.append(self)
             super().__init__(model_provider, self.tiered)
 
@@ -123,7 +128,8 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 self._options[id(request)] = options  # the request lives until answered
             # if it waits in mlx-lm's queue, its cached prefix moves into hot meanwhile
             self._prefetch(self.model_provider, request, generation_args, options.extra)
-            return super().generate(request, generation_args, progress_callback)
+            got = super().generate(request, generation_args, progress_callback)
+            return explained(self, request, generation_args, got)
 
         def _tokenize(self, tokenizer: Any, request: Any, args: Any):
             self._prefetch.picked(request)  # taken: no prefetch if none has started
@@ -133,8 +139,9 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
             prompt, segments, kinds = out[0], out[1], out[2]
             if config.pin_system_prompts and kinds[:1] == ["system"] and len(segments) > 1:
                 options = dataclasses.replace(options, pin_tokens=len(segments[0]))
-            self.tiered.requests.begin(prompt, options)
-            cuts = self.tiered.checkpoints(self.model_provider.model_key, prompt)
+            key = cache_key(out)  # images: mlx-lm fetches and inserts by their ids
+            self.tiered.requests.begin(key, options)
+            cuts = self.tiered.checkpoints(self.model_provider.model_key, key)
             if cuts:  # its batched path inserts the cache at each segment's end
                 segments, kinds = cut_segments(segments, kinds, cuts)
             return (prompt, segments, kinds, *out[3:])
@@ -150,6 +157,28 @@ def _generator_class(base: type, config: CacheConfig, made: list[Any], shared: b
                 self.tiered.close()
 
     return TieredResponseGenerator
+
+
+def _with_kv(config: CacheConfig, cli: Any) -> CacheConfig:
+    """``config`` with mlx-lm's K/V quantization flags (``--kv-bits`` ...)."""
+    kv = {"kv_bits": cli.kv_bits, "kv_group_size": cli.kv_group_size}
+    return config.replace(**kv, quantized_kv_start=cli.quantized_kv_start)
+
+
+def _open_on_load(provider: Any, tiered: TieredPromptCache, events_url: str | None) -> None:
+    """With KV events, open the default model's cache as soon as the generation thread
+    loads it: the publisher then listens (on the port ``/server_info`` names) before the
+    first request stores a block, so a subscriber started with the server misses none."""
+    if events_url is None:
+        return
+    load_default = provider.load_default
+
+    def load_and_open() -> None:
+        load_default()
+        if provider.model_key is not None:
+            tiered.fetch_nearest_cache(provider.model_key, [])  # no tokens: opens, fetches none
+
+    provider.load_default = load_and_open
 
 
 def _sequential(stream_generate: Callable[..., Any], made: list[Any]) -> Callable[..., Any]:

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from .fit import ModelKey
+from .fit import ModelKey, cache_key
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class QueuedPrefetch:
 
     Args:
         tokenize: mlx-lm's own ``_tokenize(tokenizer, request, args)`` (unbound
-            of any override), returning the prompt first.
+            of any override), returning its five fields (the prompt first, the
+            images last: ``fit.cache_key``).
         prompt_cache: the server's prompt cache.
         pickup: seconds a request may wait before its prefetch starts.
     """
@@ -92,12 +93,12 @@ class QueuedPrefetch:
         if getattr(provider, "model", None) is None or key is None:
             return 0  # no model loaded yet: nothing is known of the prompt
         try:
-            prompt = self.tokenize(self._tokenizer(provider, key), request, args)[0]
+            prompt = cache_key(self.tokenize(self._tokenizer(provider, key), request, args))
         except Exception as err:  # mlx-lm reports a bad request where it tokenizes it
             log.debug("prefixcache: no prefetch for a request: %s", err)
             return 0
-        if not isinstance(prompt, list) or any(t < 0 for t in prompt):
-            return 0  # images: the cache key is not the prompt
+        if not isinstance(prompt, list):
+            return 0
         return self.prompt_cache.prefetch(key, prompt, extra)
 
     def _tokenizer(self, provider: Any, key: ModelKey) -> Any:

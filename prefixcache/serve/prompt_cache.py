@@ -25,7 +25,9 @@ from ..errors import UnsupportedCacheError
 from ..tiers import quiet
 from .batch import batch_ready
 from .deferred import DEFERRED_TYPES, Deferred, DeferredInserts
-from .fit import ModelKey, check_mlx_lm_version, held_tokens, text_prefix
+from .explain import Explained
+from .fit import ModelKey, check_mlx_lm_version, held_tokens
+from .images import chain_tokens, fetch_whole_images
 from .lifecycle import STORAGE_ERRORS as _STORAGE_ERRORS
 from .lifecycle import ModelCache
 from .request_options import Requests
@@ -71,6 +73,7 @@ class TieredPromptCache:
         self.requests = Requests()  # per-request options (request_options.py)
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
         self._deferred = DeferredInserts()  # inserts before a first token (mlx_deferred.py)
+        self.explained = Explained(enabled=self.config.explain_header)  # serve's header
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -87,21 +90,21 @@ class TieredPromptCache:
         ``model`` is mlx-lm's model key (model path, adapter path, draft path).
         """
         tokens = list(tokens)
-        text = text_prefix(tokens)
         with self._lock:
             self._last = None
             self._store_deferred(tokens if model == self.model_cache.key else None)
             cache = self.model_cache.open(model)
-            if cache is None or not text:
+            if cache is None or not tokens:
                 return None, tokens
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
-                restored, num_cached = cache.fetch(text, extra=extra, shared=self.shared)
+                restored, num_cached = fetch_whole_images(cache, tokens, extra, self.shared)
             except _STORAGE_ERRORS as err:
                 self.model_cache.storage_error("fetch", err)
                 return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens
             self._last = (model, tokens, num_cached)
+            self.explained.put(tokens, cache, chain_tokens(tokens), extra)
         if num_cached == 0 and not self.shared:
             return None, tokens
         return (restored if self.shared else batch_ready(restored)), tokens[num_cached:]
@@ -110,7 +113,7 @@ class TieredPromptCache:
         """Where the server's prefill of ``tokens`` should stop so the cache keeps state
         there (``PrefixCache.checkpoints``; empty when the layout needs none)."""
         tokens = list(tokens)
-        text = text_prefix(tokens)
+        text = chain_tokens(tokens)
         with self._lock:
             self._store_deferred(tokens if model == self.model_cache.key else None)
             cache = self.model_cache.open(model)
@@ -129,7 +132,7 @@ class TieredPromptCache:
         """Start promoting the lower-tier blocks of ``tokens``' restore into hot
         (``PrefixCache.prefetch``), for the model whose cache is open only: a
         request for another model never switches it from the HTTP thread."""
-        text = text_prefix(list(tokens))
+        text = chain_tokens(list(tokens))
         with self._lock:
             cache = self.model_cache.cache
             if cache is None or model != self.model_cache.key or self.shared or not text:
@@ -186,13 +189,13 @@ class TieredPromptCache:
 
     def _store(self, item: Deferred) -> None:
         cache = self.model_cache.open(item.model)
-        text = text_prefix(item.tokens)
+        text = chain_tokens(item.tokens)
         if cache is None or not text:
             return
         opts = item.options
         try:
             held = held_tokens(text, item.cache)
-            keep = {"extra": opts.extra, "session": opts.session, "persist": opts.persist}
+            keep = {n: getattr(opts, n) for n in ("extra", "session", "persist", "tenant")}
             # mlx-lm is done with the cache; a shared fetch never reads kept sequences
             cache.store(held, item.cache, hand_over=not self.shared, **keep)
             if opts.pin_tokens and len(held) >= opts.pin_tokens:
@@ -208,27 +211,24 @@ class TieredPromptCache:
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Evict hot blocks down to ``n_bytes`` (dirty ones spill to SSD).
 
-        Blocks are shared between sequences, so there is no per-sequence unit
-        to drop: ``n_sequences=0`` empties the hot tier, other counts keep it.
-        The blocks of the request last fetched go first where its insert at the
-        end puts them back into hot (``PrefixCache.trim_hot``'s ``first``): it is
-        in flight and its cache holds them too (as mlx-lm's LRU drops the entry a
-        request was copied from).
+        Blocks are shared between sequences, so there is no per-sequence unit to
+        drop: ``n_sequences=0`` empties the hot tier, other counts keep it. The
+        blocks of the request last fetched go first where its insert at the end puts
+        them back into hot (``PrefixCache.trim_hot``'s ``first``): mlx-lm trims right
+        after admitting it, so it is in flight and its cache holds them too.
         """
         limit = None if n_bytes is None else max(0, n_bytes)
         if n_sequences is not None and n_sequences <= 0:
             limit = 0
         with self._lock:
             if limit is not None and self.model_cache.cache is not None and self.nbytes > limit:
-                # mlx-lm trims right after admitting a request: the one last fetched is
-                # in flight, and its cache is inserted when it ends (trim_hot's ``first``)
                 first = extra = None
                 if (
                     self._last is not None
                     and self._last[0] == self.model_cache.key
                     and not self.shared
                 ):
-                    first = text_prefix(self._last[1])
+                    first = chain_tokens(self._last[1])
                     extra = self.requests.for_fetch(self._last[1]).extra
                 try:
                     self.model_cache.cache.trim_hot(limit, first=first, extra=extra)

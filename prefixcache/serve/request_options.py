@@ -6,7 +6,9 @@ A request to the server may carry, besides mlx-lm's own fields:
   so requests with different salts never share a block;
 - ``"session_id": "..."`` in the JSON body, or an ``X-Session-Id`` header:
   the blocks it stores are tagged with that session (``end_session``);
-- ``"cache": {"persist": false}``: its blocks stay hot only.
+- ``"cache": {"persist": false}``: its blocks stay hot only;
+- the header ``serve --tenant-header`` names (e.g. ``X-Tenant``): the tenant
+  its stores are charged to under tenant shares (``hot_tenant_floors``).
 
 mlx-lm's server hands its prompt cache only tokens, so the options travel
 beside them (see docs/operating.md, "How serve carries request fields"): the
@@ -36,13 +38,14 @@ class RequestOptions:
     session: str | None = None
     persist: bool = True
     pin_tokens: int = 0  # tokens of the system prompt to pin (0: none)
+    tenant: str | None = None
 
     @property
     def extra(self) -> dict[str, str] | None:
         return {"cache_salt": self.salt} if self.salt is not None else None
 
-    def owner(self) -> tuple[str | None, str | None, bool]:
-        return self.salt, self.session, self.persist
+    def owner(self) -> tuple[str | None, str | None, bool, str | None]:
+        return self.salt, self.session, self.persist, self.tenant
 
 
 DEFAULT = RequestOptions()
@@ -69,8 +72,11 @@ def check_name(field: str, value: object) -> str | None:
     )
 
 
-def parse(body: Mapping[str, object], headers: Mapping[str, str]) -> RequestOptions:
-    """The options of a request body and its headers.
+def parse(
+    body: Mapping[str, object], headers: Mapping[str, str], tenant_header: str | None = None
+) -> RequestOptions:
+    """The options of a request body and its headers (``tenant_header``: the header
+    naming its tenant, if the server has one).
 
     Raises:
         ValueError: a field has the wrong type or is out of bounds (the message names it).
@@ -89,7 +95,8 @@ def parse(body: Mapping[str, object], headers: Mapping[str, str]) -> RequestOpti
     persist = cache.get("persist", True)
     if not isinstance(persist, bool):
         raise ValueError(f"cache.persist must be true or false, got {persist!r}")
-    return RequestOptions(salt, session, persist)
+    tenant = check_name(tenant_header, headers.get(tenant_header)) if tenant_header else None
+    return RequestOptions(salt, session, persist, tenant=tenant)
 
 
 @dataclass(slots=True)

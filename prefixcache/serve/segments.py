@@ -10,9 +10,10 @@ later request can resume from. So:
   the prompt's checkpoints (``cut_segments``), so its own end-of-segment
   inserts keep the state there;
 - the sequential path (``stream_generate``, used for KV quantization, seeds,
-  images): ``CheckpointedPrefill`` prefills the prompt up to each checkpoint
-  in mlx-lm's chunks, inserts the cache there, and hands the rest to mlx-lm's
-  own loop.
+  images): ``CheckpointedPrefill`` prefills the prompt (its image rows too)
+  up to each checkpoint in mlx-lm's chunks, inserts the cache there, and
+  hands the rest to mlx-lm's own loop. A checkpoint inside an image moves to
+  the image's first patch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 
 from .fit import ModelKey, ModelPair
+from .images import image_start
 
 
 def cut_segments(
@@ -75,28 +77,56 @@ class CheckpointedPrefill:
     def __call__(self, model: Any, tokenizer: Any, prompt: Any, *args: Any, **kwargs: Any):
         cache = kwargs.get("prompt_cache")
         last = self.prompt_cache.last_fetch()
-        if cache is None or kwargs.get("input_embeddings") is not None or last is None:
+        if cache is None or last is None:
             return self.stream_generate(model, tokenizer, prompt, *args, **kwargs)
         key, tokens, num_cached = last
-        if list(prompt) != tokens[num_cached:]:  # not the prompt of that fetch
+        prompt = list(prompt)
+        if not _is_rest(prompt, tokens[num_cached:]):  # not the prompt of that fetch
             return self.stream_generate(model, tokenizer, prompt, *args, **kwargs)
         draft = kwargs.get("draft_model")
         runner = ModelPair(model, draft) if draft is not None else model
+        embeddings = kwargs.get("input_embeddings")  # (len(prompt), hidden): images
         stream = kwargs.get("stream")
+        start = num_cached
         with mx.stream(stream) if stream is not None else nullcontext():
-            for stop in self.prompt_cache.checkpoints(key, tokens, num_cached):
-                _prefill(runner, tokens[num_cached:stop], cache, kwargs)
+            stops = self.prompt_cache.checkpoints(key, tokens, start)
+            for stop in _outside_images(stops, tokens, start):
+                rows = None if embeddings is None else embeddings[num_cached - start : stop - start]
+                _prefill(runner, tokens[num_cached:stop], cache, kwargs, rows)
                 self.prompt_cache.insert_cache(key, tokens[:stop], cache)
                 num_cached = stop
-        return self.stream_generate(model, tokenizer, tokens[num_cached:], *args, **kwargs)
+        if embeddings is not None:
+            kwargs["input_embeddings"] = embeddings[num_cached - start :]
+        return self.stream_generate(model, tokenizer, prompt[num_cached - start :], *args, **kwargs)
 
 
-def _prefill(model: Any, tokens: Sequence[int], cache: list[Any], options: dict) -> None:
-    """``tokens`` through ``model`` in mlx-lm's prefill chunks, quantizing as it does."""
+def _is_rest(prompt: Sequence[int], key: Sequence[int]) -> bool:
+    """``prompt`` is the rest ``key`` left to prefill (an image's patches: negative in
+    ``key``, the image token in ``prompt``)."""
+    if len(prompt) != len(key):
+        return False
+    return all(p == k for p, k in zip(prompt, key, strict=True) if k >= 0)
+
+
+def _outside_images(stops: Sequence[int], key: Sequence[int], start: int) -> list[int]:
+    """``stops`` moved to the first patch of an image they fall inside (a restore never
+    ends inside an image: images.py), those past ``start``."""
+    return sorted({s for s in (image_start(key, stop) for stop in stops) if s > start})
+
+
+def _prefill(
+    model: Any, tokens: Sequence[int], cache: list[Any], options: dict, embeddings: Any = None
+) -> None:
+    """``tokens`` (or their ``embeddings`` rows) through ``model`` in mlx-lm's prefill
+    chunks, quantizing as it does."""
     step = options.get("prefill_step_size", 2048)
     bits, group = options.get("kv_bits"), options.get("kv_group_size", 64)
     start_q = options.get("quantized_kv_start", 0)
     for start in range(0, len(tokens), step):
-        model(mx.array([tokens[start : start + step]]), cache=cache)
+        inputs = mx.array([tokens[start : start + step]])
+        if embeddings is None:
+            model(inputs, cache=cache)
+        else:  # the model embeds nothing itself: mlx-lm's prefill passes both
+            model(inputs, cache=cache, input_embeddings=embeddings[start : start + step][None])
         maybe_quantize_kv_cache(cache, start_q, group, bits)
         mx.eval([c.state for c in cache])

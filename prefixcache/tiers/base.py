@@ -39,6 +39,7 @@ class ChainEntry(Protocol):
 
     key: bytes
     parent: bytes
+    root: bytes
     index: int
     tokens: bytes
     nbytes: int
@@ -207,6 +208,11 @@ class Persistent(ABC):
     @abstractmethod
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         """Add a cache's counters since its last save to the tier's own record."""
+
+    def namespaces(self) -> Mapping[bytes, str]:
+        """Root key -> namespace JSON of the namespaces the tier recorded, where it
+        reads them cheaply (``explain`` looks for a prompt under the others); else {}."""
+        return {}
 
     def recent(self, max_bytes: int) -> Sequence[ChainEntry]:
         """Blocks to load into hot first after a restart (warm start): pinned chains,

@@ -27,6 +27,7 @@ from ..blocks import Block
 from ..errors import PinCapacityError
 from ..hashing import TOKEN_BYTES, tail_key
 from .base import KeepsPins, Metered
+from .losses import SESSION_ENDED
 from .stack import TierStack
 
 
@@ -139,6 +140,10 @@ class Controls:
         if len(self._owner) > self._prune_at:
             self._prune()
 
+    def begin(self, session: str) -> None:
+        """``session`` is known from now (``end`` accepts it before any store)."""
+        self._held.setdefault(session, set())
+
     def end(self, session: str) -> int:
         """Drop the blocks only ``session`` holds from every tier; how many.
 
@@ -159,6 +164,7 @@ class Controls:
         listener = tiers.governor.listener
         for name in tiers.governor.reported if listener is not None else ():
             listener.removed(name, drop)  # tiers that do not report their own removals
+        tiers.losses.lost(tiers.all[-1].name, present, SESSION_ENDED)  # from every tier
         return len(present)
 
     def stats(self) -> dict[str, int]:

@@ -12,6 +12,13 @@ Before a block is put on a ``metered`` tier (the SSD tier), the stack asks
   uses of its new blocks: the conversation was used again, and under
   ``write_back`` its newest blocks often leave hot before the next turn could
   restore them. Pinned blocks are admitted at once.
+- **Admission by reach** (``ssd_admit_after=0``): the SSD's reach is measured
+  from the sightings (hot/reach.py, its capacity in blocks: ``ssd_max_bytes``
+  over the mean block written). Every block is written while the reach is
+  unknown or 0.5 and more (the SSD holds most blocks until their reuse);
+  below, a block seen before and a 10% sample of new ones (by key), and
+  under 0.1 only blocks seen before: a small SSD keeps what comes back
+  instead of every passing block, a large one loses no block used twice.
 - **Budget** (``ssd_write_budget``, bytes per day, the tier's leaky bucket):
   over budget a write waits in hot (the block stays dirty and is tried again
   at its eviction or the next ``flush``) or, at its last chance (eviction), is
@@ -30,8 +37,11 @@ import numpy as np
 from ..blocks import Block
 from ..config import CacheConfig
 from ..stats import Stats
-from .base import BlockListener, Metered, ReportsEvents, Tier
+from .base import BlockListener, ChainEntry, Metered, ReportsEvents, Tier
+from .hot.adaptive import FULL_FROM, KEEP_BELOW, SAMPLE, sampled
+from .hot.reach import Reach
 from .hot.tier import HotTier
+from .losses import NOT_ADMITTED, NOT_WRITTEN, Losses
 from .pins import Pins
 
 _RESERVE = 0.1  # share of the budget only pinned blocks and shared prefixes may use
@@ -76,12 +86,25 @@ class Sightings:
 class WriteGovernor:
     """Decides whether a block goes to a metered tier now, later, or never."""
 
-    def __init__(self, config: CacheConfig, stats: Stats, pins: Pins, hot: HotTier) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        stats: Stats,
+        pins: Pins,
+        hot: HotTier,
+        losses: Losses | None = None,
+    ) -> None:
         self.admit_after = config.ssd_admit_after
         self.reserve = int(config.ssd_write_budget * _RESERVE)
         self.stats, self.pins, self.hot = stats, pins, hot
-        counting = config.ssd_admit_after > 1 or config.ssd_write_budget > 0
+        # a write refused at its last chance, or dropped, is a loss (explain)
+        self.losses = losses if losses is not None else Losses()
+        by_reach = config.ssd_admit_after == 0
+        counting = config.ssd_admit_after != 1 or config.ssd_write_budget > 0
         self.sightings = Sightings() if counting else None
+        self.reach = Reach() if by_reach else None
+        self.ssd_max_bytes = config.ssd_max_bytes
+        self._written = [0, 0]  # blocks and bytes decided on: the mean block's size
         self.listener: BlockListener | None = None
         self.reported: set[str] = set()  # tiers whose accepted puts are reported here
 
@@ -92,28 +115,49 @@ class WriteGovernor:
             verdict = self.decide(tier, block, last_chance=last_chance)
             if verdict is None:
                 self.hot.mark_dirty(block.key)
+            if verdict is False:
+                self.losses.lost(tier.name, [block.key], NOT_ADMITTED)
             if not verdict:
                 return verdict
         accepted = tier.put(block)
+        if not accepted:
+            self.losses.lost(tier.name, [block.key], NOT_WRITTEN)
         if accepted and self.listener is not None and tier.name in self.reported:
             self.listener.stored(tier.name, [block])
         return accepted
 
     def seen(self, key: bytes, uses: int = 1) -> None:
         """``key`` was used (stored new, or restored): ``uses`` times."""
-        if self.sightings is not None:
-            self.sightings.add(key, uses)
+        if self.sightings is None:
+            return
+        if self.reach is not None:
+            seen = self.reach.seen_again if self.sightings.count(key) else self.reach.first_seen
+            seen(key, self._capacity())
+        self.sightings.add(key, uses)
+
+    def _capacity(self) -> int:
+        """The SSD's capacity in blocks of the mean size decided on so far."""
+        num, nbytes = self._written
+        return max(1, self.ssd_max_bytes * num // nbytes) if nbytes else 1
 
     def admitted(self, key: bytes) -> bool:
-        if self.admit_after <= 1 or self.pins.holds(key):
+        if self.admit_after == 1 or self.pins.holds(key):
             return True
-        return self.sightings is not None and self.sightings.count(key) >= self.admit_after
+        count = self.sightings.count(key) if self.sightings is not None else 0
+        if self.reach is None:
+            return count >= self.admit_after
+        share = self.reach.share
+        if share is None or share >= FULL_FROM or count >= 2:
+            return True
+        return share >= KEEP_BELOW and sampled(key, SAMPLE)
 
     def decide(self, tier: Metered, block: Block, *, last_chance: bool) -> bool | None:
         """True: write it now; None: let it wait in hot; False: never (counted skipped).
 
         ``last_chance``: the block is leaving hot (evicted), so it cannot wait.
         """
+        self._written[0] += 1
+        self._written[1] += block.nbytes
         if not self.admitted(block.key):
             return self._refuse(last_chance, deferred=False)
         left = tier.write_budget_left()
@@ -137,11 +181,30 @@ class WriteGovernor:
 
 
 def watch(tiers: Sequence[Tier], governor: WriteGovernor, listener: BlockListener) -> None:
-    """Report every block stored in and removed from ``tiers`` to ``listener``: each
-    tier that does not report its own (not ``ReportsEvents``) is reported by the stack."""
+    """Report every block stored in and removed from ``tiers`` to ``listener`` too (beside
+    the listeners watching already): each tier that does not report its own (not
+    ``ReportsEvents``) is reported by the stack."""
+    if governor.listener is not None:
+        listener = Listeners(governor.listener, listener)
     governor.listener = listener
     for tier in tiers:
         if isinstance(tier, ReportsEvents):
             tier.watch(listener)
         else:
             governor.reported.add(tier.name)
+
+
+class Listeners:
+    """Two listeners heard as one, in order (the stack's record of losses, then e.g.
+    the KV events publisher)."""
+
+    def __init__(self, first: BlockListener, second: BlockListener) -> None:
+        self.first, self.second = first, second
+
+    def stored(self, tier: str, blocks: Sequence[ChainEntry]) -> None:
+        self.first.stored(tier, blocks)
+        self.second.stored(tier, blocks)
+
+    def removed(self, tier: str, keys: Sequence[bytes]) -> None:
+        self.first.removed(tier, keys)
+        self.second.removed(tier, keys)

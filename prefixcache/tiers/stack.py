@@ -6,9 +6,9 @@ the request's path). Write path: new blocks go into hot (``place``); under
 ``write_back`` a dirty block spills to the lower tiers when hot evicts it,
 under ``write_through`` it is put there at once, and an ``eager`` tier takes
 every block at once. With no lower tier (``hot_cache_only``) an evicted block
-is discarded, and remembered to explain the next miss. A ``persist=False``
-block stays hot only (private). A metered tier's writes pass the stack's
-governor (admission and the write budget).
+is discarded. A ``persist=False`` block stays hot only (private). A metered
+tier's writes pass the stack's governor (admission and the write budget).
+Which tier lost which block, and why, is remembered to explain misses (losses.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from ..hashing import TOKEN_BYTES
 from ..memory import give_back
 from ..stats import Stats
 from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
-from .governor import WriteGovernor
+from .governor import WriteGovernor, watch
+from .hot.tenants import tenant_shares
 from .hot.tier import CostHook, HotTier, ShedHook
+from .losses import EVICTED, NOT_ADMITTED, Losses
 from .pins import Pins
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
@@ -51,6 +53,7 @@ class TierStack:
             self.pins,
             cost,
             policy=config.eviction,
+            tenants=tenant_shares(config.tenant_floors, config.tenant_caps),
         )
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]
@@ -64,7 +67,9 @@ class TierStack:
         self._evicted: deque[bytes] = deque(maxlen=_EVICTED_MEMORY)
         self._evicted_set: set[bytes] = set()
         self.private: set[bytes] = set()  # hot blocks stored with persist=False
-        self.governor = WriteGovernor(config, stats, self.pins, self.hot)
+        self.losses = Losses()  # which tier lost which recent keys, and why (explain)
+        self.governor = WriteGovernor(config, stats, self.pins, self.hot, self.losses)
+        watch(self.all, self.governor, self.losses)
 
     def named(self, name: str) -> Tier | None:
         return next((t for t in self.all if t.name == name), None)
@@ -165,8 +170,10 @@ class TierStack:
             if cold and not self.lower:  # its parent is gone: no fetch can reach it
                 self._on_hot_evict(block, False)
                 continue
-            if not self.hot.put(block, dirty=dirty, at_cold_end=cold) and dirty:
-                self.spill(block)  # larger than the whole hot budget
+            if not self.hot.put(block, dirty=dirty, at_cold_end=cold):
+                self.losses.lost("hot", [block.key], NOT_ADMITTED)
+                if dirty:
+                    self.spill(block)  # larger than the whole hot budget
             if not cold:
                 warm.append(block.key)
         self.hot.touch(warm)  # ancestors end up more recent than descendants
@@ -279,6 +286,7 @@ class TierStack:
 
     def _on_hot_evict(self, block: Block, dirty: bool) -> None:
         give_back.note_freed(block.nbytes)  # freed here, or once its write is done
+        self.losses.lost("hot", [block.key], EVICTED)  # before its spill: a write lands later
         if block.key in self.private:
             self.private.discard(block.key)
             self.stats.num_discarded += 1

@@ -32,6 +32,19 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# A template that strips reasoning from every assistant message but the last, as
+# reasoning models' templates do: an agent's next turn re-renders the previous one.
+STRIP_THINKING_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and loop.index0 != ns.last and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 # Recurrent decay: A = -exp(A_log) and dt = softplus(x + dt_bias); a small A and
 # a small dt keep exp(dt * A) close to 1, so the state remembers the prefix.
@@ -135,7 +148,7 @@ def _init_weights(model: nn.Module, seed: int) -> None:
 
 
 @functools.cache
-def _tokenizer_json(vocab_size: int) -> str:
+def _tokenizer_json(vocab_size: int, specials: tuple[str, ...] = SPECIAL_TOKENS) -> str:
     """Train a byte-level BPE tokenizer on the shipped corpus (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -144,7 +157,7 @@ def _tokenizer_json(vocab_size: int) -> str:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -157,30 +170,48 @@ def _vocab_size(config: dict[str, Any]) -> int:
     return config.get("text_config", config)["vocab_size"]
 
 
-def save_tokenizer(path: str | Path, vocab_size: int = VOCAB_SIZE) -> None:
+def save_tokenizer(
+    path: str | Path,
+    vocab_size: int = VOCAB_SIZE,
+    *,
+    specials: tuple[str, ...] = SPECIAL_TOKENS,
+    chat_template: str = CHAT_TEMPLATE,
+    **config_fields: Any,
+) -> dict[str, int]:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and the special tokens map.
+
+    Args:
+        specials: the special tokens, ``SPECIAL_TOKENS`` first.
+        chat_template: the Jinja chat template.
+        **config_fields: more fields of ``tokenizer_config.json``.
+
+    Returns:
+        The id of each special token.
 
     Raises:
         ValueError: if ``vocab_size`` cannot hold the 256 bytes and the specials.
     """
-    min_size = 256 + len(SPECIAL_TOKENS)
+    min_size = 256 + len(specials)
     if vocab_size < min_size:
         raise ValueError(f"vocab_size {vocab_size} < {min_size} (bytes + special tokens)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    text = _tokenizer_json(vocab_size, specials)
+    (path / "tokenizer.json").write_text(text, encoding="utf-8")
     special = {"eos_token": EOS_TOKEN, "pad_token": SPECIAL_TOKENS[0]}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special,
         "bos_token": None,
         "unk_token": None,
-        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "additional_special_tokens": list(specials[1:]),
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
+        **config_fields,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    return {t["content"]: t["id"] for t in json.loads(text)["added_tokens"]}
 
 
 def save_model(
@@ -189,6 +220,7 @@ def save_model(
     *,
     seed: int = 0,
     dtype: mx.Dtype = mx.float32,
+    chat_template: str = CHAT_TEMPLATE,
     **overrides: Any,
 ) -> Path:
     """Write a tiny model directory that ``mlx_lm.load`` and ``mlx_lm.server`` open offline.
@@ -201,6 +233,8 @@ def save_model(
         arch: a key of ``ARCHS``.
         seed: weight seed, as in ``build_model``.
         dtype: weight dtype, as in ``build_model``.
+        chat_template: the tokenizer's chat template (``STRIP_THINKING_TEMPLATE``:
+            reasoning stripped from earlier assistant turns).
         **overrides: config fields that replace the preset's.
 
     Returns:
@@ -213,9 +247,7 @@ def save_model(
     config = model_config(arch, **overrides)
     model = build_model(arch, seed=seed, dtype=dtype, **overrides)
     save_weights(path, model)
-    save_tokenizer(path, _vocab_size(config))
-    tokenizer = json.loads(_tokenizer_json(_vocab_size(config)))
-    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    ids = save_tokenizer(path, _vocab_size(config), chat_template=chat_template)
     config["eos_token_id"] = ids[EOS_TOKEN]
     save_config(config, path / "config.json")
     return path

@@ -93,7 +93,9 @@ def _gdn_state(k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv: int) ->
 
 
 PRESETS: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", 16, 0, 0, 8, 64, 0, 0, 1.24e9, 32),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 0, 0, 8, 128, 0, 0, 8.0e9, 32),
+    "qwen3-0.6b": ModelShape("qwen3-0.6b", 28, 0, 0, 8, 128, 0, 0, 0.6e9, 16),
     "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", 48, 0, 0, 4, 128, 0, 0, 3.3e9, 32),
     # Qwen3-Next-80B-A3B: 12 full-attention layers, 36 gated-delta-net layers
     "qwen3-next-80b-a3b": ModelShape(

@@ -119,6 +119,7 @@ class Simulation:
             hot_cache_only=True,
             ssd_admit_after=config.ssd_admit_after,
             ssd_write_budget=config.ssd_write_budget,
+            ssd_max_bytes=config.ssd_bytes or huge,
         )
         self.governor = WriteGovernor(governed, stats, pins, self.hot)
         self.result = SimResult()

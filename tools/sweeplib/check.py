@@ -23,6 +23,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.errors import LayoutMismatchError, UnsupportedCacheError
+from prefixcache.tiny import muse_cpu
 from prefixcache.tiny.models import build_from_config
 
 from . import configs
@@ -88,6 +89,8 @@ def build(arch: str) -> Any:
     Raises:
         ImportError, ValueError, ...: the module cannot be built or run here.
     """
+    if arch == "muse_spark":  # its fused kernels are Metal's: run their MLX versions
+        muse_cpu.install()
     module = configs.load(arch)
     if module is None:
         raise ImportError(f"mlx_lm.models.{arch} defines no ModelArgs and Model")
@@ -114,12 +117,14 @@ def diff(a: mx.array, b: mx.array) -> float:
 
 
 def run_tier(
-    model: Any, tier: str, step: int, ssd_dir: str, ratio: float
+    model: Any, tier: str, step: int, ssd_dir: str, ratio: float, interval: int = 0
 ) -> tuple[int, float, float]:
     """(tokens reused, |restored - live|, |live - live on another prefix|) on one tier;
-    ``ratio``: the cache's ``snapshot_ratio`` (how far apart the first prefill keeps
-    restore points for recurrent and window layers)."""
-    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, snapshot_ratio=ratio)
+    ``ratio``, ``interval``: the cache's ``snapshot_ratio`` and ``snapshot_interval``
+    (where the first prefill keeps restore points for recurrent and window layers)."""
+    config = CacheConfig(
+        block_size=BLOCK, hot_cache_only=True, snapshot_ratio=ratio, snapshot_interval=interval
+    )
     if tier == "ssd":
         config = config.replace(
             hot_cache_only=False, ssd_dir=ssd_dir, hot_max_bytes=1, write_policy="write_through"
@@ -150,10 +155,11 @@ def check(
     on_built: Callable[[str], None] | None = None,
     *,
     ratio: float = 1.0,
+    interval: int = 0,
 ) -> Result:
     """Build ``arch`` and run the exactness check on both tiers (prefill step ``step``,
-    ``snapshot_ratio`` ``ratio``); ``on_built`` hears the cache classes once the model
-    runs (a later crash is then no build failure)."""
+    ``snapshot_ratio`` ``ratio``, ``snapshot_interval`` ``interval``); ``on_built``
+    hears the cache classes once the model runs (a later crash is then no build failure)."""
     try:
         model = build(arch)
     except Exception as err:  # any failure to build or run the module is its outcome
@@ -165,7 +171,7 @@ def check(
     try:
         with tempfile.TemporaryDirectory(prefix="arch-sweep-") as tmp:
             for tier in ("hot", "ssd"):
-                reused[tier], gap, control = run_tier(model, tier, step, tmp, ratio)
+                reused[tier], gap, control = run_tier(model, tier, step, tmp, ratio, interval)
                 worst = max(worst, gap)
                 if control == 0.0 and reused[tier]:
                     msg = "control: another prefix gives the same logits"

@@ -3,12 +3,15 @@
 Victims are always leaves (no child in the hot tier) and never pinned:
 
 - ``lru``: the least recently used leaf.
+- ``fifo``: the leaf stored first (a use does not renew it).
 - ``cost``: among the least recently used leaves, the one of least credit
   (credit.py: recency plus what the block saves per byte).
 - ``density``: the sampled leaf of least hit density (density.py); a newcomer
   worth less than that victim is refused, once the tier is full.
 - ``frequency``: the leaf of least use count plus an aging floor (frequency.py,
   GreedyDual over counts); a newcomer not used more than the victim is refused.
+- ``adaptive``: ``frequency``'s victim, with its aging and a sampled admission
+  of new chains set by the cache's measured reach (adaptive.py, reach.py).
 
 The hot tier owns one :class:`Eviction`, hands it its own LRU order and
 children map, and tells it what happens to its blocks (added, used,
@@ -23,6 +26,7 @@ from collections.abc import Callable
 
 from ...blocks import Block
 from ..pins import Pins
+from .adaptive import AdaptivePolicy
 from .credit import CostHook, Credits
 from .density import DensityPolicy
 from .frequency import FrequencyPolicy
@@ -40,8 +44,9 @@ class Eviction:
         pins: the pins in force.
         held: the bytes the tier holds now.
         cost: recompute FLOPs of a block: ``cost`` eviction (None: not).
-        policy: ``density`` or ``frequency`` (made at the first block: sized in
-            blocks), else ``lru`` or ``cost`` as ``cost`` is given.
+        policy: ``density``, ``frequency`` or ``adaptive`` (made at the first
+            block: sized in blocks), ``fifo``, else ``lru`` or ``cost`` as ``cost``
+            is given.
     """
 
     def __init__(
@@ -59,14 +64,26 @@ class Eviction:
         self.policy = policy
         self.density: DensityPolicy | None = None
         self.frequency: FrequencyPolicy | None = None
+        self.adaptive: AdaptivePolicy | None = None
+        # the order victims are scanned in: storing order for fifo, else the tier's LRU
+        self.scan = OrderedDict[bytes, None]() if policy == "fifo" else order
         self.num_refused = 0
 
     def admits(self, block: Block, *, room: int, max_bytes: int) -> bool:
         """Whether ``block`` may come in (``room``: bytes free before it). Only the
-        density and frequency policies refuse, a newcomer worth less than its victim."""
-        if self.policy not in ("density", "frequency"):
+        density and frequency policies refuse, a newcomer worth less than its victim,
+        and the adaptive one, a new chain outside its sample."""
+        if self.policy not in ("density", "frequency", "adaptive"):
             return True
         capacity = max(1, max_bytes // max(1, block.nbytes))
+        if self.policy == "adaptive":
+            if self.adaptive is None:
+                self.adaptive = AdaptivePolicy(capacity, self.order, self.children)
+            full, pinned = block.nbytes > room, self.pins.holds(block.key)
+            if self.adaptive.admits(block, full=full, pinned=pinned):
+                return True
+            self.num_refused += 1
+            return False
         if self.density is None and self.policy == "density":
             self.density = DensityPolicy(capacity)
         if self.frequency is None and self.policy == "frequency":
@@ -91,6 +108,10 @@ class Eviction:
         return False
 
     def added(self, block: Block, *, first_to_go: bool) -> None:
+        if self.scan is not self.order:
+            self.scan[block.key] = None
+            if first_to_go:
+                self.scan.move_to_end(block.key, last=False)
         if self.credits is not None:
             self.credits.added(block, first_to_go=first_to_go)
         if self.density is not None:
@@ -98,6 +119,8 @@ class Eviction:
             self.density.add(block.key, depth=block.index)
         if self.frequency is not None:
             self.frequency.set(block.key, self.frequency.count(block.key))
+        if self.adaptive is not None:
+            self.adaptive.added(block.key)
 
     def used(self, key: bytes) -> None:
         if self.credits is not None:
@@ -106,9 +129,13 @@ class Eviction:
             self.density.hit(key)
         if self.frequency is not None:
             self.frequency.set(key, self.frequency.count(key))
+        if self.adaptive is not None:
+            self.adaptive.used(key)
 
     def removed(self, block: Block) -> None:
         """``block`` left the tier (its key already out of the children map)."""
+        if self.scan is not self.order:
+            self.scan.pop(block.key, None)
         if self.credits is not None:
             self.credits.removed(block.key)
         if self.density is not None:
@@ -119,6 +146,8 @@ class Eviction:
             self.frequency.forget(block.key)
             if block.parent in self.order and not self.children.get(block.parent):
                 self.frequency.leaf(block.parent)
+        if self.adaptive is not None:
+            self.adaptive.removed(block.key, block.parent)
 
     def victim(self, keep: bytes | None = None) -> bytes | None:
         """The leaf to evict (never a pinned one, ``keep`` only if nothing else), or None.
@@ -128,6 +157,8 @@ class Eviction:
         """
         if self.density is not None:
             return self.density.victim(_Excluded(self.pins, keep))
+        if self.adaptive is not None:
+            return self.adaptive.victim(_Excluded(self.pins, keep), _Excluded(self.pins))  # type: ignore[return-value]
         if self.frequency is not None:
             found = self.frequency.least(_Excluded(self.pins, keep)) or self.frequency.least(
                 _Excluded(self.pins)
@@ -138,7 +169,7 @@ class Eviction:
             return found[1]  # type: ignore[return-value]
         met, found = [], []
         want = 1 if self.credits is None else _CANDIDATES
-        for key in self.order:
+        for key in self.scan:
             if self.children.get(key):
                 continue
             if self.pins.holds(key):
@@ -148,7 +179,7 @@ class Eviction:
             if len(found) == want:
                 break
         for key in met:
-            self.order.move_to_end(key)
+            self.scan.move_to_end(key)
         if not found or self.credits is None:
             return found[0] if found else None
         others = [k for k in found if k != keep]

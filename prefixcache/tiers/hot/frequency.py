@@ -35,7 +35,8 @@ class FrequencyPolicy:
         self.uses: dict[Hashable, int] = {}
         self._priority: dict[Hashable, float] = {}
         self._heap: list[tuple[float, int, Hashable]] = []
-        self._serial = 0  # heap tie-break: the older entry first
+        self._serial = 0  # heap tie-break: the least recently used first
+        self._used_at: dict[Hashable, int] = {}  # key -> serial of its last use
         self._added = 0
         self._period = HALVE_EVERY * max(1, capacity)
 
@@ -57,15 +58,18 @@ class FrequencyPolicy:
     def set(self, key: Hashable, uses: int) -> None:
         """``key`` (held) was used: its priority is now the floor plus ``uses``."""
         self._priority[key] = self.floor + uses
+        self._serial += 1
+        self._used_at[key] = self._serial
         self.leaf(key)
 
     def leaf(self, key: Hashable) -> None:
-        """``key`` may be a leaf now: put it on the heap (checked when popped)."""
-        self._serial += 1
-        heapq.heappush(self._heap, (self._priority[key], self._serial, key))
+        """``key`` may be a leaf now: put it on the heap (checked when popped), in its
+        place by its last use (with every count 1, the order is LRU's)."""
+        heapq.heappush(self._heap, (self._priority[key], self._used_at[key], key))
 
     def forget(self, key: Hashable) -> None:
         self._priority.pop(key, None)
+        self._used_at.pop(key, None)
 
     def least(self, exclude: Container[Hashable]) -> tuple[float, Hashable] | None:
         """The leaf of least priority not in ``exclude`` (left on the heap), or None."""
@@ -73,8 +77,8 @@ class FrequencyPolicy:
         heap = self._heap
         while heap:
             item = heap[0]
-            prio, _, key = item
-            if self._priority.get(key) != prio or self.kids.get(key) or key not in self.held:
+            prio, used_at, key = item
+            if self._used_at.get(key) != used_at or self.kids.get(key) or key not in self.held:
                 heapq.heappop(heap)  # stale: used again since, removed, or not a leaf
                 continue
             if key in exclude:

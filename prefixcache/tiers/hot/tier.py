@@ -7,9 +7,10 @@ Before any block goes, interval snapshots go: a block inside a chain (one
 child) is replaced by its ``shed`` version (without recurrent state), oldest
 first, so snapshots are evicted before the chain they sit on. Chain ends and
 branch points (two children or more) keep theirs: that is where prompts resume.
-Which leaf goes (``lru``, ``cost``, ``density``, ``frequency``), and whether a newcomer
-comes in at all, is the policy object's choice (eviction.py). Sequences kept whole
-(recent.py) count in ``nbytes`` and go before any snapshot or block.
+Which leaf goes (``lru``, ``fifo``, ``cost``, ``density``, ``frequency``, ``adaptive``),
+and whether a newcomer comes in, is the policy object's choice (eviction.py); with tenant
+shares, the victim is the tenant's whose bytes are most over its floor (tenants.py). Kept
+whole, sequences (recent.py) count in ``nbytes`` and go before any snapshot or block.
 Not thread-safe by itself: the facade holds its lock around every call.
 """
 
@@ -25,6 +26,7 @@ from .credit import CostHook
 from .eviction import Eviction
 from .reader import HostViews, HotReader
 from .recent import Kept, RecentSequences
+from .tenants import TenantShares
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
 ShedHook = Callable[[Block], "Block | None"]  # the block without its snapshot, or None
@@ -44,6 +46,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         pins: Pins | None = None,
         cost: CostHook | None = None,
         policy: str = "",
+        tenants: TenantShares | None = None,
     ):
         self.max_bytes = max_bytes
         self.pins = pins if pins is not None else Pins()
@@ -51,7 +54,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self.on_evict = on_evict
         self.shed = shed
         self.num_shed = 0
-        self._sheddable: dict[bytes, None] = {}  # keys to try ``shed`` on, oldest first
+        self._sheddable: dict[bytes, None] = {}  # keys of one child held, oldest first
         self.nbytes = 0
         self.num_evictions = 0
         self._lru: OrderedDict[bytes, Block] = OrderedDict()
@@ -59,6 +62,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
+        self.tenants = tenants  # floors and caps per tenant (tenants.py), or None
         self.eviction = Eviction(
             self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, policy=policy
         )
@@ -151,6 +155,8 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             if key in self._lru:
                 self._lru.move_to_end(key)
                 self.eviction.used(key)
+                if self.tenants is not None:  # its tenant's own recency
+                    self.tenants.used(key)
 
     def prepare_views(self, blocks: Iterable[Block]) -> None:
         """Make now, on the storing thread, the host views a restore of ``blocks``
@@ -172,23 +178,34 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         if block.key in self._lru:
             self.touch([block.key])
             return True
+        shares = self.tenants  # None: no tenant shares (tenants.py), nothing charged
+        tenant = shares.claim(block) if shares is not None else None
         room = self.max_bytes - self.nbytes
-        if block.nbytes > self.max_bytes or not self.eviction.admits(
-            block, room=room, max_bytes=self.max_bytes
+        if (
+            block.nbytes > self.max_bytes
+            or (tenant is not None and not tenant.fits(block.nbytes))
+            or not self.eviction.admits(block, room=room, max_bytes=self.max_bytes)
         ):
+            if tenant is not None:
+                tenant.num_refused += 1
             return False
         self._lru[block.key] = block
         self.eviction.added(block, first_to_go=at_cold_end)
         if at_cold_end:
             self._lru.move_to_end(block.key, last=False)
-        self._children.setdefault(block.parent, {})[block.key] = None
-        if self.shed is not None:
-            self._sheddable[block.key] = None
+        kids = self._children.setdefault(block.parent, {})
+        kids[block.key] = None
+        self._inside(block.parent, len(kids))
+        self._inside(block.key, len(self._children.get(block.key, ())))
         self.nbytes += block.nbytes
         if dirty:
             self._dirty.add(block.key)
         if self.listener is not None:
             self.listener.stored(self.name, [block])
+        if shares is not None and tenant is not None:  # over its cap: its own blocks go
+            shares.added(block, tenant, first_to_go=at_cold_end)
+            while own := shares.over_cap(tenant, block.key, self._children, self.pins):
+                self._evict(own)
         self.evict_to(self.max_bytes, keep=block.key)
         return True
 
@@ -201,8 +218,11 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         while self.nbytes > max_bytes:
             if self._shed_one():
                 continue
-            leaf = self.eviction.victim(keep)
-            if leaf is None:  # every leaf is pinned
+            if self.tenants is not None:
+                leaf = self.tenants.victim(keep, self._children, self.pins)
+            else:
+                leaf = self.eviction.victim(keep)
+            if leaf is None:  # every leaf is pinned (or, with tenants, under its floor)
                 break
             self._evict(leaf)
             num += 1
@@ -221,34 +241,43 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
                 num += 1
         return num
 
+    def _inside(self, key: bytes, num_children: int) -> None:
+        """Keep ``_sheddable`` to held keys of one child: a chain's end is what a next
+        turn resumes from, a branch point what every branch does."""
+        if self.shed is not None and num_children == 1 and key in self._lru:
+            self._sheddable[key] = None
+        elif self.shed is not None:
+            self._sheddable.pop(key, None)
+
     def _shed_one(self) -> bool:
-        """Drop the snapshot of the oldest block inside a chain that has one."""
-        for key in list(self._sheddable):
-            if len(self._children.get(key, ())) != 1:
-                # a chain's end: what a next turn resumes from; a branch point:
-                # what every new branch resumes from
-                continue
+        """Drop the snapshot of the oldest block inside a chain that has one (O(1))."""
+        while self._sheddable:
+            key = next(iter(self._sheddable))
             del self._sheddable[key]
             block = self._lru[key]
             lean = self.shed(block) if self.shed is not None else None
             if lean is not None:
                 self._lru[key] = lean  # same key: its LRU place is kept
                 self.nbytes -= block.nbytes - lean.nbytes
+                if self.tenants is not None:
+                    self.tenants.resized(key, lean.nbytes - block.nbytes)
                 self.num_shed += 1
                 return True
         return False
 
     def _evict(self, key: bytes) -> None:
         dirty = key in self._dirty
-        block = self.pop(key)
+        block = self.pop(key, evicted=True)
         self.num_evictions += 1
         if block is not None and self.on_evict is not None:
             self.on_evict(block, dirty)
 
-    def pop(self, key: bytes) -> Block | None:
+    def pop(self, key: bytes, *, evicted: bool = False) -> Block | None:
         block = self._lru.pop(key, None)
         if block is None:
             return None
+        if self.tenants is not None:
+            self.tenants.released(block, evicted=evicted)
         self.views.forget(key)
         self.nbytes -= self.recent.forget(key)
         self.nbytes -= block.nbytes
@@ -256,6 +285,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._sheddable.pop(key, None)
         kids = self._children[block.parent]
         del kids[key]
+        self._inside(block.parent, len(kids))
         if not kids:
             del self._children[block.parent]
         self.eviction.removed(block)

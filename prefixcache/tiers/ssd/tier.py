@@ -189,6 +189,9 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         self.records.add_counters(root, delta)
 
+    def namespaces(self) -> Mapping[bytes, str]:
+        return self.records.namespaces()
+
     def get_meta(self, key: bytes) -> BlockMeta | None:
         """The index fields of a block (queued or indexed); never reads the payload."""
         item = self.writer.pending(key)
