@@ -99,6 +99,7 @@ def failing_base(name: str, p: dict[str, str]) -> tuple[str, ...]:
         "pin": ("pin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "unpin": ("unpin", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
         "simulate": ("simulate", p["missing"], "--hot", "1G"),
+        "replay": ("replay", p["missing"], "--model", p["tiny"], "--hot", "1M"),
         "explain": ("explain", "--text", "hi", "--model", p["missing"], "--ssd-dir", p["ssd"]),
     }
     assert name in bases, f"add a failing base for the new command {name!r}"
@@ -183,6 +184,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (model, {"PREFIXCACHE_HOT_TENANT_FLOORS": "b=9T"}, "PREFIXCACHE_HOT_TENANT_FLOORS='b=9T'"),
         ((*model, "--tenant-header", "X Tenant"), {}, "--tenant-header 'X Tenant'"),
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
+        ((*model, "--record-trace", f"{p['missing']}/t.jsonl"), {}, "--record-trace"),
         (("demo", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         (("make-model", p["file"]), {}, f"'{p['file']}' exists and is not a directory"),
         (("pin", "--text", "hi", "--model", p["missing"], *d), {}, f"--model '{p['missing']}'"),
@@ -197,6 +199,8 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (("simulate", p["file"], "--hot", "1G"), {}, f"{p['file']}: line 1: not JSON"),
         (("simulate", p["file"], "--shape", "nosuch"), {}, "unknown shape 'nosuch'"),
         (("simulate", p["file"], "--sweep", "disk=1G"), {}, "--sweep: expected TIER=SIZE"),
+        (("replay", p["file"], "--model", p["tiny"], "--hot", "1M"), {}, "line 1: not JSON"),
+        (("replay", p["file"], "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         (("ls", *d, "--no-such-flag"), {}, "unrecognized arguments: --no-such-flag"),
         (("nosuch",), {}, "invalid choice: 'nosuch'"),
         ((), {}, "required: COMMAND"),

@@ -24,14 +24,14 @@ from .. import __version__
 from ..config import CacheConfig
 from ..errors import CacheDirError, ConfigError, MissingExtraError, SsdFormatError
 from ..settings import check_env
-from . import explain, inspect, local, maintain, pin, serve, show, simulate
+from . import explain, inspect, local, maintain, pin, replay, serve, show, simulate
 from .common import EXIT_CLOSED_PIPE, EXIT_INTERRUPTED, EXIT_USAGE, Command, Parser, UsageError
 
 log = logging.getLogger(__name__)
 
 COMMANDS: dict[str, Command] = {
     command.name: command
-    for module in (local, serve, inspect, show, maintain, pin, explain, simulate)
+    for module in (local, serve, inspect, show, maintain, pin, explain, simulate, replay)
     for command in module.COMMANDS
 }
 # What a command's input can be wrong with: one line and exit 2, no traceback.

@@ -127,6 +127,9 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         "sequences, and why (default: on)",
     )
     group.add_argument(
+        "--record-trace", help="append each request to FILE as a Mooncake trace (no token ids)"
+    )
+    group.add_argument(
         "--pin-system-prompts",
         action="store_true",
         default=None,
@@ -243,16 +246,33 @@ def run_serve(args: argparse.Namespace) -> int:
     shared = getattr(args, "shared_prefix", False)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit)
     tenant_header = check_header(getattr(args, "tenant_header", None))
-    return run_mlx_server(
-        args.model,
-        args.mlx_lm_args,
-        config,
-        args.metrics_port,
-        shared=shared,
-        limits=limits,
-        client_timeout=args.client_timeout,
-        tenant_header=tenant_header,
-    )
+    recorder = _recorder(args, config)  # last: the file opens once every check passed
+    try:
+        return run_mlx_server(
+            args.model,
+            args.mlx_lm_args,
+            config,
+            args.metrics_port,
+            shared=shared,
+            limits=limits,
+            client_timeout=args.client_timeout,
+            tenant_header=tenant_header,
+            recorder=recorder,
+        )
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+def _recorder(args: argparse.Namespace, config: CacheConfig):
+    """The ``--record-trace`` recorder at the cache's block size (None without it)."""
+    from ..serve.recorder import TraceRecorder
+
+    path = getattr(args, "record_trace", None)
+    try:
+        return None if path is None else TraceRecorder(path, config.block_size)
+    except OSError as err:
+        raise UsageError(f"--record-trace {path!r}: {err.strerror or err}") from None
 
 
 def check_header(name: str | None) -> str | None:

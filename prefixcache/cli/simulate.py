@@ -33,7 +33,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape", default="llama-3.1-8b", help="a preset or a config.json (or its folder)"
     )
-    p.add_argument("--kv-bits", type=int, default=16, choices=(4, 8, 16))
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8, 16, 32),
+        help="K/V bits (default: the shape's: bf16, or a config.json's torch_dtype)",
+    )
     p.add_argument("--hot", type=parse_bytes, help="hot tier budget (bytes: 64G)")
     p.add_argument("--ssd", type=parse_bytes, help="SSD tier budget")
     p.add_argument("--remote", type=parse_bytes, help="remote tier budget")
@@ -49,15 +54,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="sweep", help="a sweep's OUT.csv and OUT.png")
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--limit", type=int, help="the first N requests only")
+    p.add_argument(
+        "--device",
+        help="estimate the TTFT saved on: this (measured now) or m1-max, m2-ultra, m3-max, m4-max",
+    )
     p.add_argument("--json", action="store_true")
 
 
 def run(args: Args) -> int:
+    from ..traces.device import profile_named, ttft_saved
     from ..traces.reader import TraceError, read_trace
     from ..traces.shapes import shape_named
 
     try:
-        shape = shape_named(args.shape).with_kv_bits(args.kv_bits)
+        device = None if args.device is None else profile_named(args.device)
+        shape = shape_named(args.shape)
+        shape = shape if args.kv_bits is None else shape.with_kv_bits(args.kv_bits)
     except ValueError as err:
         raise UsageError(str(err)) from None
     points = []  # every option checked before the trace is read
@@ -73,6 +85,8 @@ def run(args: Args) -> int:
         docs = list(pool.map(_point, [(p, requests) for p in points]))
     if args.sweep:
         docs[-1]["eviction"] = "ceiling"
+    if device is not None:
+        docs = [d | ttft_saved(d, shape, args.block_tokens, device) for d in docs]
     for doc in docs:
         if args.json:
             print(json.dumps(doc))
@@ -171,6 +185,7 @@ def _print(docs: list[dict]) -> None:
                 f"{100 * d['hit_rate_last_half']:.2f}%",
                 " ".join(f"{t} {100 * v:.0f}%" for t, v in share.items() if v),
                 format_bytes(d["ssd_bytes_written_per_day"]),
+                *_ttft(d),
             ]
         )
     heads = [
@@ -183,7 +198,18 @@ def _print(docs: list[dict]) -> None:
         "hits from",
         "SSD writes/day",
     ]
-    print(table(heads, rows, "lrrrrrlr"))
+    if "device" in docs[0]:
+        heads.append(f"TTFT saved/request ({docs[0]['device']})")
+    print(table(heads, rows, "lrrrrrlrr"[: len(heads)]))
+
+
+def _ttft(d: dict) -> list[str]:
+    if "device" not in d:
+        return []
+    saved = d.get("ttft_saved_per_request")
+    if saved is None:
+        return ["-"]
+    return [f"{1000 * saved:.1f} ms" if abs(saved) < 1 else f"{saved:,.1f} s"]
 
 
 def _write(out: str, docs: list[dict]) -> None:

@@ -19,7 +19,9 @@ the cache through three narrow overrides (request_options.py,
 docs/operating.md): the HTTP handler parses them before mlx-lm's
 ``handle_completion`` (a bad one is a 400 naming it), ``generate`` (same
 thread) files them under the request object, and ``_tokenize`` (the
-generation thread, just before the fetch) registers them with the prompt.
+generation thread, just before the fetch) registers them with the prompt. With
+``--record-trace`` the base generator is the recorder's (recorder.py), which
+writes each request's Mooncake line when its reply ends.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .info import server_info
 from .metrics import serve_metrics
 from .prefetch import QueuedPrefetch
 from .prompt_cache import TieredPromptCache
+from .recorder import TraceRecorder
 from .request_options import DEFAULT, RequestOptions
 from .segments import CheckpointedPrefill, cut_segments
 from .validate import Limits
@@ -75,14 +78,17 @@ def run_mlx_server(
     limits: Limits | None = None,
     client_timeout: float = CLIENT_TIMEOUT,
     tenant_header: str | None = None,
+    recorder: TraceRecorder | None = None,
 ) -> int:
     """Run mlx-lm's server ``main()`` on ``model`` (and its own options) with our cache
     (``shared``: concurrent requests on one prefix hold it once); requests are checked
     against ``limits`` (handler.py), a client silent for ``client_timeout`` seconds
-    is disconnected; ``tenant_header`` names a request's tenant (tenant shares)."""
+    is disconnected; ``tenant_header`` names a request's tenant (tenant shares);
+    ``recorder`` writes each request's trace line (recorder.py)."""
     generators: list[Any] = []
     argv = ["prefixcache serve", "--model", model, *mlx_lm_args]
-    generator_class = _generator_class(GuardedGenerator, config, generators, shared)
+    base = GuardedGenerator if recorder is None else recorder.recording(GuardedGenerator)
+    generator_class = _generator_class(base, config, generators, shared)
     run_http = server._run_http_server
     info = server_info(config, model)
     handler = configured(limits or Limits(), client_timeout, info, tenant_header)

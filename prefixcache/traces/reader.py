@@ -8,8 +8,10 @@ One JSON object a line::
 ``timestamp`` is the arrival in milliseconds, ``input_length`` and
 ``output_length`` are tokens, ``hash_ids`` are the prompt's prefix blocks of
 ``TRACE_BLOCK_TOKENS`` tokens each (identical ids are identical prefixes; the
-last block may be partial). A line that is not such an object raises
-:class:`TraceError` naming the file and the line number; blank lines are skipped.
+last block may be partial). An optional ``block_tokens`` field gives another
+block size (``prefixcache serve --record-trace`` writes its cache's). A line
+that is not such an object raises :class:`TraceError` naming the file and the
+line number; blank lines are skipped.
 
 A trace carries no text: :func:`request_tokens` makes a request's token ids,
 the same for the same block id in every request (a seeded string per id),
@@ -42,26 +44,31 @@ class TraceRequest:
         input_length: prompt tokens.
         output_length: generated tokens.
         hash_ids: the prompt's prefix block ids, root first.
+        trace_block_tokens: tokens per hash id in the trace (Mooncake's: 512).
     """
 
     timestamp_ms: int
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    trace_block_tokens: int = TRACE_BLOCK_TOKENS
 
     def block_tokens(self, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
         """Tokens of each block at ``block_tokens`` per block (the last one may be short)."""
         n = len(self.hash_ids)
         if n == 0:
             return []
-        total = scaled_length(self.input_length, n, block_tokens)
+        total = scaled_length(self.input_length, n, block_tokens, self.trace_block_tokens)
         return [block_tokens] * (n - 1) + [total - (n - 1) * block_tokens]
 
 
-def scaled_length(input_length: int, num_blocks: int, block_tokens: int) -> int:
+def scaled_length(
+    input_length: int, num_blocks: int, block_tokens: int, trace_block: int = TRACE_BLOCK_TOKENS
+) -> int:
     """The prompt's length at ``block_tokens`` per block: ``input_length`` scaled from
-    512-token blocks, within the blocks it has (the last one holds at least a token)."""
-    scaled = math.ceil(input_length * block_tokens / TRACE_BLOCK_TOKENS)
+    ``trace_block``-token blocks, within the blocks it has (the last one holds at
+    least a token)."""
+    scaled = math.ceil(input_length * block_tokens / trace_block)
     return min(num_blocks * block_tokens, max((num_blocks - 1) * block_tokens + 1, scaled))
 
 
@@ -103,12 +110,14 @@ def parse_line(line: str, where: str) -> TraceRequest:
     ):
         raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
     timestamp, input_length, output_length = (int(v) for v in numbers)
-    if ids and input_length > len(ids) * TRACE_BLOCK_TOKENS:
+    size = record.get("block_tokens", TRACE_BLOCK_TOKENS)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise TraceError(f"{where}: block_tokens must be an integer >= 1, got {size!r}")
+    if ids and input_length > len(ids) * size:
         raise TraceError(
-            f"{where}: input_length {input_length} exceeds {len(ids)} blocks of "
-            f"{TRACE_BLOCK_TOKENS} tokens"
+            f"{where}: input_length {input_length} exceeds {len(ids)} blocks of {size} tokens"
         )
-    return TraceRequest(timestamp, input_length, output_length, tuple(ids))
+    return TraceRequest(timestamp, input_length, output_length, tuple(ids), size)
 
 
 def block_token_ids(block_id: int, num_tokens: int, *, vocab_size: int, seed: int = 0) -> list[int]:

@@ -6,7 +6,9 @@ for recurrent layers, the state a checkpoint holds (a block can only be
 resumed from where a checkpoint was kept). Presets for models people run on
 MLX (``PRESETS``), or a Hugging Face ``config.json`` (:func:`shape_from_config`).
 ``kv_bits`` quantizes K/V (with a scale and a bias per group of 64, as
-mlx-lm's QuantizedKVCache); recurrent state stays at ``state_bytes_per_value``.
+mlx-lm's QuantizedKVCache) or, at 32, keeps it in float32 (a model run in
+float32, as the tiny test models are); recurrent state stays at
+``state_bytes_per_value``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ModelShape:
         state_values: values of one recurrent layer's state (conv + recurrent).
         active_params: parameters a token goes through (2 FLOPs each).
         q_heads: query heads (attention FLOPs per context token).
-        kv_bits: K/V bits (16: bf16; 4 or 8: quantized).
+        kv_bits: K/V bits (16: bf16; 32: float32; 4 or 8: quantized).
         state_bytes_per_value: bytes of a recurrent state value.
     """
 
@@ -51,14 +53,14 @@ class ModelShape:
     state_bytes_per_value: int = 2
 
     def with_kv_bits(self, bits: int) -> ModelShape:
-        if bits not in (4, 8, 16):
-            raise ValueError(f"kv_bits must be 4, 8 or 16, got {bits!r}")
+        if bits not in (4, 8, 16, 32):
+            raise ValueError(f"kv_bits must be 4, 8, 16 or 32, got {bits!r}")
         return replace(self, kv_bits=bits)
 
     def _kv_bytes(self, tokens: int, layers: int) -> int:
         values = 2 * layers * self.kv_heads * self.head_dim * tokens
-        if self.kv_bits == 16:
-            return 2 * values
+        if self.kv_bits >= 16:
+            return values * self.kv_bits // 8
         return values * self.kv_bits // 8 + 2 * 2 * (values // KV_GROUP)  # bf16 scale + bias
 
     def block_bytes(self, num_tokens: int) -> int:
@@ -142,6 +144,7 @@ def shape_from_config(config: dict, name: str) -> ModelShape:
     inter = int(config.get("intermediate_size") or 4 * hidden)
     vocab = int(config.get("vocab_size") or 0)
     params = layers * (4 * hidden * hidden + 3 * hidden * inter) + vocab * hidden
+    dtype = config.get("torch_dtype") or config.get("dtype")
     return ModelShape(
         name,
         layers - num_window,
@@ -153,4 +156,5 @@ def shape_from_config(config: dict, name: str) -> ModelShape:
         0,
         float(params),
         heads,
+        32 if dtype == "float32" else 16,
     )
