@@ -97,7 +97,26 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="replay the systems request by request (each request's first system rotating)"
         " instead of one after another; background SSD writes are waited for after each",
     )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a CacheConfig field of ours, as its PREFIXCACHE_* variable takes it (repeat):"
+        " e.g. explain_header=false, events_url=tcp://127.0.0.1:5599",
+    )
     return p
+
+
+def config_env(pairs: list[str]) -> dict[str, str]:
+    """``--config`` pairs as ``PREFIXCACHE_*`` variables; a pair without ``=`` exits."""
+    env = {}
+    for pair in pairs:
+        field, sep, value = pair.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"bench_serve: --config {pair!r} is not FIELD=VALUE")
+        env[f"PREFIXCACHE_{field.upper()}"] = value
+    return env
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +226,11 @@ def main() -> None:
     # as ``prefixcache serve`` sets it: restore_headroom SERVE_HEADROOM (the batch takes
     # the restored buffer), hot_max_bytes its default (the budget is
     # --prompt-cache-bytes: trim_to)
-    hot = CacheConfig(
-        block_size=args.block_size, hot_cache_only=True, restore_headroom=SERVE_HEADROOM
+    hot = CacheConfig.from_env(
+        config_env(args.config),
+        block_size=args.block_size,
+        hot_cache_only=True,
+        restore_headroom=SERVE_HEADROOM,
     )
     lru = hot.replace(eviction="lru")
     with tempfile.TemporaryDirectory() as tmp:
