@@ -72,7 +72,7 @@ class PlainDictTier(Tier):
 class DictTier(ListsChildren, PlainDictTier):
     """And what it holds under a parent: tails come here and are found."""
 
-    def children(self, parent: bytes) -> list[Entry]:
+    def children(self, parent: bytes, near: bytes | None = None) -> list[Entry]:
         return [e for e in self.entries.values() if e.parent == parent]
 
 

@@ -171,7 +171,7 @@ class Lookup:
         rest = data[depth * self.config.block_size * TOKEN_BYTES :]
         parent = keys[depth - 1] if depth else root
         best, common = None, 0
-        for child, _ in self.tiers.children(parent) if rest else ():
+        for child, _ in self.tiers.children(parent, rest) if rest else ():
             shared = common_tokens(child.tokens, rest)
             if best is None or shared > common:
                 best, common = child, shared
@@ -199,7 +199,8 @@ class Lookup:
         found = stand.children.get(level)
         if found is None:
             parent = stand.entries[level - 1].key if level else stand.root
-            found = stand.children[level] = self.tiers.children(parent)
+            rest = stand.data[level * self.config.block_size * TOKEN_BYTES :]
+            found = stand.children[level] = self.tiers.children(parent, rest)
         return found
 
     def _shared(self, stand: _Standing) -> int:

@@ -166,7 +166,7 @@ def _gc_text(doc: Doc) -> str:
         f"{doc['num_tokens']} tokens) from {doc['remote_url']}: "
         f"{doc['num_selected']} selected, {doc['num_descendants']} below them; "
         f"{doc['num_stray_keys']} stray keys, {doc['num_dangling_names']} dangling names "
-        "in children sets"
+        "in children listings"
     )
 
 

@@ -172,8 +172,11 @@ class ListsChildren(ABC):
     them only to tiers of this kind (``class MyTier(ListsChildren, Tier)``)."""
 
     @abstractmethod
-    def children(self, parent: bytes) -> Sequence[ChainEntry]:
-        """Entries held under ``parent`` (a block key or a root key)."""
+    def children(self, parent: bytes, near: bytes | None = None) -> Sequence[ChainEntry]:
+        """Entries held under ``parent`` (a block key or a root key). With ``near``
+        (the token bytes that follow ``parent`` in a prompt) a tier may list only
+        the entries nearest to it: at least those sharing the most leading tokens
+        with it (the remote tier, whose lists grow with every host's traffic)."""
 
 
 class KeepsPins(ABC):

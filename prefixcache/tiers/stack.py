@@ -95,12 +95,12 @@ class TierStack:
             owners += [tier] * len(got)
         return entries, owners
 
-    def children(self, parent: bytes) -> list[tuple[ChainEntry, Tier]]:
-        """Every entry some tier lists under ``parent``, with the tier it is loaded
-        from (the first that lists it)."""
+    def children(self, parent: bytes, near: bytes | None = None) -> list[tuple[ChainEntry, Tier]]:
+        """Every entry some tier lists under ``parent`` (``near``: ListsChildren.children),
+        with the tier it is loaded from (the first that lists it)."""
         out: dict[bytes, tuple[ChainEntry, Tier]] = {}
         for tier in self.all:
-            for entry in tier.children(parent) if isinstance(tier, ListsChildren) else ():
+            for entry in tier.children(parent, near) if isinstance(tier, ListsChildren) else ():
                 out.setdefault(entry.key, (entry, tier))
         return list(out.values())
 
@@ -189,9 +189,9 @@ class TierStack:
         parent = blocks[0].parent
         if parent == blocks[0].root or not self.contains(parent):
             return False
-        new = {b.key for b in blocks}
-        size = TOKEN_BYTES * self.config.block_size
-        return not any(e.key not in new and len(e.tokens) == size for e, _ in self.children(parent))
+        new, size = {b.key for b in blocks}, TOKEN_BYTES * self.config.block_size
+        kids = self.children(parent, blocks[0].tokens)
+        return not any(e.key not in new and len(e.tokens) == size for e, _ in kids)
 
     def place_tail(self, block: Block, *, persist: bool = True, continues: bool = False) -> None:
         """Place a tail block (fewer tokens than a block, outside the chain) as a block.

@@ -99,7 +99,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             out.append(block)
         return out
 
-    def children(self, parent: bytes) -> list[Block]:
+    def children(self, parent: bytes, near: bytes | None = None) -> list[Block]:
         """Hot blocks whose parent is ``parent``: full blocks and tails (partial reuse)."""
         kids = self._children.get(parent)
         return [self._lru[k] for k in kids] if kids else []

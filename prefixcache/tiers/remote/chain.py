@@ -1,15 +1,15 @@
-"""A prompt's chain on the remote server: its blocks' metas and children, one round
-trip per shard.
+"""A prompt's chain on the remote server: its blocks' metas, one round trip per
+shard, and a parent's children nearest to the prompt.
 
 A chain lookup asks every shard that holds one of the prompt's blocks, in
-parallel, for the metas of its blocks (GET) and their children sets
-(SMEMBERS; a block's set lives beside it, same hash tag), and the set of the
-block before the first asked. Wherever the chain stops, the children of the
-last block found (tails, blocks the prompt diverges inside) are then known by
-name without another round trip; their metas take one more, in parallel per
-shard, only when there are some. A shard that does not answer is a miss for
-its blocks (``remote_unavailable``); the others are used up to the first
-block the chain lacks.
+parallel, for the metas of its blocks (GET). A shard that does not answer is
+a miss for its blocks (``remote_unavailable``); the others are used up to the
+first block the chain lacks. The children of a block (tails, blocks the
+prompt diverges inside) are read from its listing (listing.py: a sorted set
+beside it, same hash tag), only the ones nearest to the rest of the prompt:
+one round trip for their names, one more for the metas the chain lookup did
+not bring, in parallel per shard. What a lookup costs the server does not
+grow with the number of children a block has.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import redis
 from ...errors import MissReason, PayloadError
 from .client import RemoteClient, RemoteUnavailable
 from .format import RemoteMeta, decode_meta
+from .listing import name_in, nearest, order
 from .names import Names
 from .shards import Shard, refusal
 
@@ -35,7 +36,6 @@ class Chain:
     keys: Sequence[bytes]
     start: int
     metas: list[RemoteMeta]  # of keys[start:], consecutive
-    children: dict[bytes, set[bytes]] = field(default_factory=dict)  # key -> child names
     stop: MissReason | None = None  # why the chain stopped, when not a plain absence
     seen: dict[bytes, RemoteMeta] = field(default_factory=dict)  # key -> meta (children too)
     bad: set[bytes] = field(default_factory=set)  # names whose metas were unusable (counted)
@@ -44,14 +44,13 @@ class Chain:
 def look_up(
     client: RemoteClient, names: Names, keys: Sequence[bytes], start: int, on_bad: OnBad
 ) -> Chain:
-    """The metas of ``keys[start:]`` while consecutive, and the children sets of
-    ``keys[start - 1:]``: one pipeline per shard, the shards in parallel."""
+    """The metas of ``keys[start:]`` while consecutive: one pipeline per shard, the
+    shards in parallel."""
     jobs: dict[Shard | None, list[tuple[str, int, str]]] = {}
-    for i in range(max(start - 1, 0), len(keys)):
-        shard = client.shard_of(names.meta(keys[i]))
-        if i >= start:
-            jobs.setdefault(shard, []).append(("GET", i, names.meta(keys[i])))
-        jobs.setdefault(shard, []).append(("SMEMBERS", i, names.children(keys[i])))
+    for i in range(start, len(keys)):
+        jobs.setdefault(client.shard_of(names.meta(keys[i])), []).append(
+            ("GET", i, names.meta(keys[i]))
+        )
     shards = list(jobs)
     replies = client.each([(shard, _pipeline(jobs[shard])) for shard in shards])
     raws: dict[int, bytes | None] = {}
@@ -61,11 +60,8 @@ def look_up(
         if isinstance(reply, RemoteUnavailable):
             down.update(i for _, i, _ in jobs[shard])
             continue
-        for (command, i, _), value in zip(jobs[shard], reply, strict=True):
-            if command == "GET":
-                raws[i] = value
-            elif not isinstance(value, Exception):
-                found.children[keys[i]] = set(value)
+        for (_, i, _), value in zip(jobs[shard], reply, strict=True):
+            raws[i] = value
     for i in range(start, len(keys)):
         if i in down:
             found.stop = MissReason.REMOTE_UNAVAILABLE
@@ -87,17 +83,18 @@ def look_up(
 
 
 def children_of(
-    client: RemoteClient, names: Names, parent: bytes, found: Chain | None, on_bad: OnBad
+    client: RemoteClient,
+    names: Names,
+    parent: bytes,
+    found: Chain | None,
+    on_bad: OnBad,
+    near: bytes | None = None,
 ) -> list[RemoteMeta]:
-    """The metas of ``parent``'s children: their names from ``found`` (else one
-    more round trip), the metas ``found`` lacks in one round trip per shard."""
-    members = found.children.get(parent) if found is not None else None
-    if members is None:
-        key = names.children(parent)
-        try:
-            members = client.call(client.shard_of(key), lambda r: r.smembers(key))
-        except RemoteUnavailable:
-            return []
+    """The metas of ``parent``'s children: with ``near`` (token bytes), only those
+    nearest to it in the listing (the ones sharing the most leading tokens with
+    it among them), else all; their names in one round trip, the metas ``found``
+    lacks in one more per shard."""
+    members = listed(client, names, parent, near)
     known = {names.name(k): m for k, m in found.seen.items()} if found is not None else {}
     bad = found.bad if found is not None else set()
     out = [known[n] for n in members if n in known]
@@ -128,6 +125,28 @@ def children_of(
                 if found is not None:
                     found.seen[meta.key] = meta
     return out
+
+
+def listed(client: RemoteClient, names: Names, parent: bytes, near: bytes | None) -> list[bytes]:
+    """Names in ``parent``'s listing: the nearest to ``near``, or all when None."""
+    listing = names.children(parent)
+    if near is None:
+        commands: list[tuple[object, ...]] = [("ZRANGE", listing, 0, -1)]
+    else:
+        commands = nearest(listing, order(names, parent, near))
+
+    def run(r: redis.Redis) -> list:
+        with r.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return pipe.execute()
+
+    try:
+        replies = client.call(client.shard_of(listing), run)
+    except RemoteUnavailable:
+        return []
+    size = len(names.name(parent))
+    return list(dict.fromkeys(name_in(m, size) for reply in replies for m in reply))
 
 
 def _pipeline(commands: list[tuple[str, object, str]]) -> Callable[[redis.Redis], list]:

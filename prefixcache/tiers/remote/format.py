@@ -2,13 +2,14 @@
 
 A block is stored under the namespace ``prefix`` and its name (its chain key;
 with ``remote_secret`` a keyed hash of it), in braces: a Redis Cluster hash
-tag, so that a block's meta, parts and children set live on one shard and its
+tag, so that a block's meta, parts and children listing live on one shard and its
 fetch is one pipeline to one server::
 
     {prefix}:{name hex}:m        meta: plain head, then the body (block key, parent key,
                                  token ids, part digests, tensor specs), checksummed or sealed
     {prefix}:{name hex}:p:{n}    part n: header (magic, name, n, count, digest) + bytes
-    {prefix}:{name hex}:c        set of the names of the block's children (blocks and tails)
+    {prefix}:{name hex}:l        the block's children (blocks and tails), in token order
+                                 (a sorted set: listing.py)
     {prefix}:ns:{root hex}       the namespace JSON a root key stands for (inspection)
     {prefix}:counters            forged, corrupt and missing-part blocks every host met
 

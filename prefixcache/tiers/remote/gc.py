@@ -3,9 +3,10 @@
 Selected blocks: a model's (``--model``), or those not read for a while
 (``--older-than``: the server's idle time of their meta key, which every
 lookup reads), and every block below a selected one (found through the
-children sets: unreachable once their parent goes). Always: parts whose meta
-is gone (the server evicted or a host removed it) and names in children sets
-whose block is gone. The server's own LRU (``maxmemory``) keeps it under its
+children listings: unreachable once their parent goes). Always: parts whose
+meta is gone (the server evicted or a host removed it), members of children
+listings whose block is gone, and the children sets an older version kept
+(``:c``, no longer read). The server's own LRU (``maxmemory``) keeps it under its
 size: there is no ``--max-bytes`` here. Needs no secret: the metas' plain heads
 are enough.
 """
@@ -22,6 +23,7 @@ from ...errors import PayloadError
 from .client import RemoteClient
 from .format import decode_head
 from .inventory import gets, scan_metas
+from .listing import name_in
 from .names import Names, name_of
 from .removal import Stored, delete
 from .shards import Shard
@@ -39,7 +41,7 @@ class RemoteGc:
     nbytes: int = 0
     num_tokens: int = 0
     stray_keys: list[tuple[Shard, bytes]] = field(default_factory=list)  # orphan parts, sets
-    dangling: list[tuple[Shard, bytes, bytes]] = field(default_factory=list)  # set, member
+    dangling: list[tuple[Shard, bytes, bytes]] = field(default_factory=list)  # listing, member
 
 
 def plan_gc(
@@ -66,7 +68,7 @@ def plan_gc(
     kids = _children(client, names, where)
     todo, below = list(chosen), set(chosen)
     while todo:
-        for child in kids.get(todo.pop(), ()):
+        for child in kids.get(todo.pop(), {}).values():
             if child in heads and child not in below:
                 below.add(child)
                 todo.append(child)
@@ -77,14 +79,15 @@ def plan_gc(
         plan.nbytes += head.nbytes if head else 0
         plan.num_tokens += head.num_tokens if head else 0
     for owner, members in kids.items():  # names of blocks gone or going
-        listing = names.of_name(owner, "c").encode()
+        listing = names.of_name(owner, "l").encode()
         if owner in below:
             plan.stray_keys.append((where[owner], listing))
             continue
-        for child in members:
+        for entry, child in members.items():
             if child not in heads or child in below:
-                plan.dangling.append((where[owner], listing, child))
+                plan.dangling.append((where[owner], listing, entry))
     plan.stray_keys += _stray_parts(client, names.prefix, heads)
+    plan.stray_keys += _old_sets(client, names.prefix)
     return plan
 
 
@@ -94,7 +97,7 @@ def run_gc(client: RemoteClient, names: Names, plan: RemoteGc) -> int:
     for shard, key in plan.stray_keys:
         client.call(shard, lambda r, key=key: r.unlink(key))
     for shard, listing, member in plan.dangling:
-        client.call(shard, lambda r, listing=listing, member=member: r.srem(listing, member))
+        client.call(shard, lambda r, listing=listing, member=member: r.zrem(listing, member))
     return num
 
 
@@ -122,17 +125,24 @@ def _idle(client: RemoteClient, shard: Shard, names: Names, name: bytes) -> floa
     return float(idle or 0)
 
 
-def _children(client: RemoteClient, names: Names, where: dict) -> dict[bytes, set[bytes]]:
-    """Every children set under the prefix: owner name -> member names."""
-    out: dict[bytes, set[bytes]] = {}
+def _children(client: RemoteClient, names: Names, where: dict) -> dict[bytes, dict[bytes, bytes]]:
+    """Every children listing under the prefix: owner name -> {member: child name}."""
+    out: dict[bytes, dict[bytes, bytes]] = {}
     for shard in client.shards.all():
-        keys = client.call(shard, _scan(f"{names.prefix}:{{*}}:c"))
+        keys = client.call(shard, _scan(f"{names.prefix}:{{*}}:l"))
         for key in keys:
             owner = name_of(key)
             if owner is not None:
-                out[owner] = set(client.call(shard, lambda r, key=key: r.smembers(key)))
+                entries = client.call(shard, lambda r, key=key: r.zrange(key, 0, -1))
+                out[owner] = {e: name_in(e, len(owner)) for e in entries}
                 where.setdefault(owner, shard)
     return out
+
+
+def _old_sets(client: RemoteClient, prefix: str) -> list[tuple[Shard, bytes]]:
+    """The children sets an older version wrote (``:c``): nothing reads them now."""
+    scan = _scan(f"{prefix}:{{*}}:c")
+    return [(s, key) for s in client.shards.all() for key in client.call(s, scan)]
 
 
 def _stray_parts(client: RemoteClient, prefix: str, heads: dict) -> list[tuple[Shard, bytes]]:

@@ -1,5 +1,5 @@
 """Key names on the remote server: a block's keys under its name in braces (a Redis
-Cluster hash tag: its meta, parts and children set live on one shard), and the
+Cluster hash tag: its meta, parts and children listing live on one shard), and the
 keys of the namespace documents and of the hosts' counters record.
 
 A block's name is its chain key, or with ``remote_secret`` a keyed hash of it
@@ -27,8 +27,8 @@ class Names:
         return f"{self.prefix}:{{{self.name(key).hex()}}}:p:{n}"
 
     def children(self, key: bytes) -> str:
-        """The set of names of ``key``'s children (``key``: a block or a root)."""
-        return f"{self.prefix}:{{{self.name(key).hex()}}}:c"
+        """The listing of ``key``'s children (``key``: a block or a root; listing.py)."""
+        return f"{self.prefix}:{{{self.name(key).hex()}}}:l"
 
     def of_name(self, name: bytes, suffix: str) -> str:
         return f"{self.prefix}:{{{name.hex()}}}:{suffix}"

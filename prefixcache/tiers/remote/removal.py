@@ -1,10 +1,10 @@
-"""Removing blocks from the remote server: a block's meta, its parts and its name in
-its parent's children set.
+"""Removing blocks from the remote server: a block's meta, its parts and its member
+in its parent's children listing.
 
-The part count comes from the meta's plain head, the parent from its body
-(readable without a secret, or with the one that sealed it; a sealed meta read
-without it leaves its name in the parent's set: a dangling name is skipped by
-every lookup and dropped by ``gc``). One round trip per shard to read the
+The part count comes from the meta's plain head, the parent and tokens from
+its body (readable without a secret, or with the one that sealed it; a sealed
+meta read without it leaves its member in the parent's listing: a dangling
+name is skipped by every lookup and dropped by ``gc``). One round trip per shard to read the
 metas, one to delete, the shards in parallel. Used by ``RemoteTier.remove``
 (on the writer thread) and ``prefixcache gc --remote-url``.
 """
@@ -19,6 +19,7 @@ import redis
 from ...errors import PayloadError
 from .client import RemoteClient, RemoteUnavailable
 from .format import decode_head, decode_meta
+from .listing import order
 from .names import Names
 from .shards import Shard
 
@@ -30,6 +31,7 @@ class Stored:
     name: bytes
     num_parts: int
     parent: bytes | None  # None: unknown (a sealed meta without the secret)
+    tokens: bytes = b""  # the block's token ids (its member in the parent's listing)
 
 
 def stored(client: RemoteClient, names: Names, stored_names: Sequence[bytes]) -> list[Stored]:
@@ -55,16 +57,16 @@ def _stored(name: bytes, raw: bytes, names: Names) -> Stored:
     except PayloadError:
         return Stored(name, 0, None)
     try:
-        parent: bytes | None = decode_meta(name, raw, names).parent
+        meta = decode_meta(name, raw, names)
     except PayloadError:
-        parent = None
-    return Stored(name, head.num_parts, parent)
+        return Stored(name, head.num_parts, None)
+    return Stored(name, head.num_parts, meta.parent, meta.tokens)
 
 
 def delete(client: RemoteClient, names: Names, blocks: Sequence[Stored]) -> int:
-    """Delete every key of ``blocks`` (and their names from their parents' sets);
+    """Delete every key of ``blocks`` (and their members from their parents' listings);
     how many blocks' keys were deleted."""
-    groups: dict[Shard | None, list[tuple[str, ...]]] = {}
+    groups: dict[Shard | None, list[tuple[object, ...]]] = {}
     owners: dict[Shard | None, int] = {}
     for block in blocks:
         meta = names.of_name(block.name, "m")
@@ -74,7 +76,8 @@ def delete(client: RemoteClient, names: Names, blocks: Sequence[Stored]) -> int:
         owners[shard] = owners.get(shard, 0) + 1
         if block.parent is not None:
             listing = names.children(block.parent)
-            groups.setdefault(client.shard_of(listing), []).append(("SREM", listing, block.name))
+            entry = _member(names, block)
+            groups.setdefault(client.shard_of(listing), []).append(("ZREM", listing, entry))
     shards = list(groups)
     replies = client.each([(s, _run(groups[s])) for s in shards])
     return sum(
@@ -84,7 +87,13 @@ def delete(client: RemoteClient, names: Names, blocks: Sequence[Stored]) -> int:
     )
 
 
-def _run(commands: list[tuple[str, ...]]) -> Callable[[redis.Redis], list]:
+def _member(names: Names, block: Stored) -> bytes:
+    """``block``'s member in its parent's listing (listing.py)."""
+    assert block.parent is not None
+    return order(names, block.parent, block.tokens) + block.name
+
+
+def _run(commands: list[tuple[object, ...]]) -> Callable[[redis.Redis], list]:
     def run(client: redis.Redis) -> list:
         with client.pipeline(transaction=False) as pipe:
             for command in commands:

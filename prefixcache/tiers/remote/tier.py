@@ -8,8 +8,9 @@ encodes and sends them in batches. Tails go remote too (``ListsChildren``: a
 parent's children are listed in a set beside it), so a conversation resumes
 on another host to the exact token.
 
-``held`` looks a prompt's chain up in one round trip per shard (the metas and
-the children sets); ``reader`` fetches payloads on a background thread
+``held`` looks a prompt's chain up in one round trip per shard (the metas);
+``children`` reads only the listed children nearest to the prompt (listing.py),
+so neither grows with what the server holds; ``reader`` fetches payloads on a background thread
 (verified parts, read straight into the restore buffers); a remote hit is
 promoted into hot and ssd by the stack. The server bounds its memory itself
 (``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a counted
@@ -79,6 +80,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
         secret = load_secret(config)
         self.names = Names(config.remote_prefix, Seal(secret) if secret else None)
         self.prefix = config.remote_prefix
+        self.block_bytes = config.block_size * TOKEN_BYTES  # the longest child's tokens
         self.client = client if client is not None else RemoteClient(config)
         self.writes = RemoteWrites(self.client, self.names, config.remote_max_bytes)
         self.gate = CostGate(config.prefill_tokens_per_s)
@@ -122,13 +124,17 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
             self.reads.unusable(key, e)
             return None
 
-    def children(self, parent: bytes) -> list[RemoteMeta]:
-        """Blocks and tails stored under ``parent`` (named in the last lookup's
-        sets: no round trip for the names; one per shard for their metas)."""
+    def children(self, parent: bytes, near: bytes | None = None) -> list[RemoteMeta]:
+        """Blocks and tails stored under ``parent``; with ``near``, the few nearest
+        to it (one round trip for their names, one per shard for the metas the
+        last lookup did not bring)."""
         miss = self._miss
         if miss is not None and miss[1] is MissReason.REMOTE_GATE:  # refused for this prompt
             return []
-        return children_of(self.client, self.names, parent, self.reads.last, self.reads.unusable)
+        at = near[: self.block_bytes] if near is not None else None
+        return children_of(
+            self.client, self.names, parent, self.reads.last, self.reads.unusable, at
+        )
 
     def miss_reason(self, key: bytes) -> MissReason | None:
         miss = self._miss

@@ -2,8 +2,8 @@
 
 A block's parts go before its meta in its shard's pipeline (a reader that finds
 the meta finds the parts, unless the server evicted them since), and its name
-is added to its parent's children set (``SADD``, on the parent's shard) so
-that tails and the blocks a prompt diverges inside are found from the parent.
+is added to its parent's listing (``ZADD``, on the parent's shard; listing.py)
+so that tails and the blocks a prompt diverges inside are found from the parent.
 A shard that is down (or whose breaker is open) drops its blocks and only
 them. The same object writes the namespace documents, adds this host's counts
 to the server's counters record, removes blocks, and keeps the client-side
@@ -22,12 +22,13 @@ import redis
 from ..writer import WriteItem
 from .client import RemoteClient, RemoteUnavailable
 from .format import block_meta, encode_parts
+from .listing import member
 from .names import Names, counters_key, namespace_key
 from .removal import delete, stored
 from .shards import Shard
 
 MEMORY_CHECK_S = 1.0  # how often the writer reads the servers' memory use (budget)
-Command = tuple[str, str, bytes | bytearray]
+Command = tuple[object, ...]
 
 
 class RemoteWrites:
@@ -60,10 +61,12 @@ class RemoteWrites:
             todo += [("SET", names.part(key, n), part) for n, part in enumerate(parts)]
             todo.append(("SET", names.meta(key), meta))  # after its parts
             blocks.setdefault(shard, []).append(item)
-            listing = names.children(item.block.parent)
+            block = item.block
+            listing = names.children(block.parent)
             parent = client.shard_of(listing)
             if parent is not None:
-                commands.setdefault(parent, []).append(("SADD", listing, names.name(key)))
+                entry = member(names, block.parent, block.tokens, key)
+                commands.setdefault(parent, []).append(("ZADD", listing, 0, entry))
         shards = list(commands)
         replies = client.each([(shard, _pipeline(commands[shard])) for shard in shards])
         sent = []
@@ -137,8 +140,8 @@ def _memory(client: redis.Redis) -> dict:
 def _pipeline(commands: list[Command]) -> Callable[[redis.Redis], list]:
     def run(client: redis.Redis) -> list:
         with client.pipeline(transaction=False) as pipe:
-            for command, name, value in commands:
-                pipe.execute_command(command, name, value)
+            for command in commands:
+                pipe.execute_command(*command)
             return pipe.execute()
 
     return run

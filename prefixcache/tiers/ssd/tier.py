@@ -171,7 +171,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier
         except (OSError, PayloadError):
             return None
 
-    def children(self, parent: bytes) -> list[BlockMeta]:
+    def children(self, parent: bytes, near: bytes | None = None) -> list[BlockMeta]:
         """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined)."""
         found = {key: self.reads.decoded(key, raw) for key, raw in self.index.children(parent)}
         for item in self.writer.pending_children(parent):

@@ -1,0 +1,70 @@
+"""The remote tier under sustained traffic: what a lookup costs the server does not
+grow with what the server holds.
+
+A shared system prompt's last block gets a child under every user turn that
+follows it. Its listing is read only near the prompt being looked up (a
+sorted set in token order, listing.py): the GETs of one fetch stay within a
+bound that does not depend on how many prompts were stored, and the child
+that shares the most with the prompt is still found, also with a secret.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from conftest import live_logits, max_diff, prefill
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.tiers.remote.listing import NEAREST
+
+BLOCK = 16
+SYSTEM = [(7 * i + 3) % 512 for i in range(2 * BLOCK)]  # 2 blocks every prompt starts with
+
+
+def cache_for(tmp_path, name: str, url: str, model, **changes) -> PrefixCache:
+    config = CacheConfig(
+        block_size=BLOCK, ssd_dir=str(tmp_path / name), ssd_min_free_bytes=0, remote_url=url
+    )
+    return PrefixCache(model, config.replace(**changes), model_id="tiny")
+
+
+def serve(pc: PrefixCache, model, tokens: list[int]) -> tuple[int, mx.array]:
+    """Fetch, prefill the rest, store: (tokens restored, logits)."""
+    cache, n = pc.fetch(tokens)
+    logits = prefill(model, tokens[n:], cache, step=BLOCK)
+    pc.store(tokens, cache)
+    return n, logits
+
+
+def gets(server) -> int:
+    return server.client().info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+
+
+@pytest.mark.parametrize("secret", [None, "a shared secret of the hosts"])
+def test_a_fetch_reads_a_bounded_part_of_a_growing_listing(tmp_path, llama, redis_server, secret):
+    rng = random.Random(5)
+    turns = [[rng.randrange(512) for _ in range(20)] for _ in range(150)]  # a block + a tail
+    writer = cache_for(tmp_path, "a", redis_server.url, llama, remote_secret=secret)
+    for turn in turns:
+        serve(writer, llama, SYSTEM + turn)
+    writer.close()  # every block on the server
+    reader = cache_for(tmp_path, "b", redis_server.url, llama, remote_secret=secret)
+    sizes = [redis_server.client().zcard(k) for k in redis_server.client().keys("*:l")]
+    assert max(sizes) >= 150  # the system prompt's last block lists every user turn
+    # another host's prompt: the system prompt, then 10 of turn 77's first tokens
+    tokens = SYSTEM + turns[77][:10] + [1, 2, 3]
+    before = gets(redis_server)
+    n, logits = serve(reader, llama, tokens)
+    used = gets(redis_server) - before
+    # the chain's metas (3 asked), the nearest children's metas at the stop level and
+    # at the root: never the 150 children
+    assert used <= 3 + 2 * 2 * NEAREST, used
+    assert n == 2 * BLOCK + 10  # turn 77's block, cut after the 10 tokens it shares
+    assert reader.stats()["remote_block_hits"] == 3
+    assert max_diff(logits, live_logits(llama, tokens, n)) == 0.0
+    other = list(tokens)
+    other[5] = (other[5] + 1) % 512  # negative control: another prefix, other logits
+    assert max_diff(logits, live_logits(llama, other, n)) > 0
+    reader.close()
