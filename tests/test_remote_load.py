@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prefill
 
@@ -51,8 +52,11 @@ def test_a_fetch_reads_a_bounded_part_of_a_growing_listing(tmp_path, llama, redi
         serve(writer, llama, SYSTEM + turn)
     writer.close()  # every block on the server
     reader = cache_for(tmp_path, "b", redis_server.url, llama, remote_secret=secret)
-    sizes = [redis_server.client().zcard(k) for k in redis_server.client().keys("*:l")]
-    assert max(sizes) >= 150  # the system prompt's last block lists every user turn
+    client = redis_server.client()
+    listings = [client.zrange(k, 0, -1) for k in client.keys("*:l")]
+    assert max(len(members) for members in listings) >= 150  # every user turn under one block
+    ids = np.array(turns[77][:4], "<u4").tobytes()  # no token ids on the server
+    assert not any(ids in m for members in listings for m in members)
     # another host's prompt: the system prompt, then 10 of turn 77's first tokens
     tokens = SYSTEM + turns[77][:10] + [1, 2, 3]
     before = gets(redis_server)
