@@ -35,6 +35,7 @@ CACHE_ACL = (
     "+zrange",
     "+zrangebylex",
     "+zrevrangebylex",
+    "+zremrangebylex",
     "+unlink",
     "+hincrby",
     "+hgetall",

@@ -5,7 +5,9 @@ A shared system prompt's last block gets a child under every user turn that
 follows it. Its listing is read only near the prompt being looked up (a
 sorted set in token order, listing.py): the GETs of one fetch stay within a
 bound that does not depend on how many prompts were stored, and the child
-that shares the most with the prompt is still found, also with a secret.
+that shares the most with the prompt is still found, also with a secret. A
+listing keeps about ``LISTING_MAX`` members, however many children came and
+went.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prefill
+from ssd_child import ROOT, block_key, make_block
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.blocks import Block
+from prefixcache.tiers.remote import RemoteTier
 from prefixcache.tiers.remote.listing import NEAREST
 
 BLOCK = 16
@@ -54,7 +59,9 @@ def test_a_fetch_reads_a_bounded_part_of_a_growing_listing(tmp_path, llama, redi
     reader = cache_for(tmp_path, "b", redis_server.url, llama, remote_secret=secret)
     client = redis_server.client()
     listings = [client.zrange(k, 0, -1) for k in client.keys("*:l")]
-    assert max(len(members) for members in listings) >= 150  # every user turn under one block
+    # every user turn under one block, but the few the thinning took (each new
+    # member removes about size / 16,384 of them: one or none in all here)
+    assert max(len(members) for members in listings) >= 148
     ids = np.array(turns[77][:4], "<u4").tobytes()  # no token ids on the server
     assert not any(ids in m for members in listings for m in members)
     # another host's prompt: the system prompt, then 10 of turn 77's first tokens
@@ -72,3 +79,30 @@ def test_a_fetch_reads_a_bounded_part_of_a_growing_listing(tmp_path, llama, redi
     other[5] = (other[5] + 1) % 512  # negative control: another prefix, other logits
     assert max_diff(logits, live_logits(llama, other, n)) > 0
     reader.close()
+
+
+def children_under(parent: bytes, num: int, seed: int) -> list[Block]:
+    """``num`` blocks of random tokens under ``parent`` (one block's arrays)."""
+    arrays = make_block(seed, 1).arrays
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(0, 512, 16, "<u4").tobytes() for _ in range(num)]
+    keys = [block_key(seed, i + 2) for i in range(num)]
+    return [Block.make(k, parent, ROOT, 1, t, arrays) for k, t in zip(keys, tokens, strict=True)]
+
+
+def test_a_listing_stays_near_its_bound(redis_server):
+    client = redis_server.client()
+    bounded = RemoteTier(CacheConfig(remote_url=redis_server.url))
+    bounded.writes.listing_max = 32
+    for block in children_under(block_key(80, 0), 640, 80):
+        assert bounded.put(block)
+    bounded.flush()
+    size = client.zcard(bounded.names.children(block_key(80, 0)))
+    assert 8 <= size <= 96, size  # about 32: each new member thins a 32nd of the order space
+    bounded.close()
+    plain = RemoteTier(CacheConfig(remote_url=redis_server.url))  # the default, 16,384
+    for block in children_under(block_key(81, 0), 640, 81):
+        assert plain.put(block)
+    plain.flush()
+    assert client.zcard(plain.names.children(block_key(81, 0))) > 600
+    plain.close()

@@ -13,6 +13,17 @@ order string lie right before and after it: ``ZRANGEBYLEX`` and
 ``ZREVRANGEBYLEX`` with a limit read ``NEAREST`` on each side in O(log n) of
 the set's size. A set as large as the traffic made it (a system prompt's last
 block under every user turn) costs a lookup no more than a small one.
+
+A listing stays near ``LISTING_MAX`` members: with each member it adds, the
+writer removes the members whose order string starts in a range of
+``1 / LISTING_MAX`` of the order space placed by the new member's name (a
+hash: the same blocks thin the same way on every run; ``ZREMRANGEBYLEX``).
+The first bytes of an order string are a hash too, so that is about
+``size / LISTING_MAX`` members, old or new, live or evicted. A hot listing
+is never evicted by the server, and without this it would keep the name of
+every child it ever had. A member removed this way is a miss for its block's
+partial reuse (its meta and parts stay; the chain lookup reads them by key),
+never a wrong block.
 """
 
 from __future__ import annotations
@@ -24,6 +35,8 @@ from .names import Names
 
 ORDER_BYTES = 4
 NEAREST = 4  # members read on each side of a prompt's place in the set
+LISTING_MAX = 1 << 14  # members a listing keeps, about
+_SPACE = 1 << (8 * ORDER_BYTES)  # the first position's values
 _LABEL = b"prefixcache remote listing"
 
 
@@ -54,3 +67,14 @@ def nearest(listing: str, at: bytes, num: int = NEAREST) -> list[tuple[object, .
         ("ZRANGEBYLEX", listing, b"[" + at, b"+", "LIMIT", 0, num),
         ("ZREVRANGEBYLEX", listing, b"(" + at, b"-", "LIMIT", 0, num),
     ]
+
+
+def thinning(listing: str, entry: bytes, size: int = LISTING_MAX) -> tuple[object, ...]:
+    """The command that removes the members starting in a ``1 / size`` of the
+    order space placed by ``entry``'s last bytes (its name's): about
+    ``members / size`` of them."""
+    width = max(1, _SPACE // size)
+    low = int.from_bytes(entry[-ORDER_BYTES:], "big") * (_SPACE - width) // _SPACE
+    high = low + width
+    end = b"+" if high >= _SPACE else b"(" + high.to_bytes(ORDER_BYTES, "big")
+    return ("ZREMRANGEBYLEX", listing, b"[" + low.to_bytes(ORDER_BYTES, "big"), end)

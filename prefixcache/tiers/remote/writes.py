@@ -2,8 +2,9 @@
 
 A block's parts go before its meta in its shard's pipeline (a reader that finds
 the meta finds the parts, unless the server evicted them since), and its name
-is added to its parent's listing (``ZADD``, on the parent's shard; listing.py)
-so that tails and the blocks a prompt diverges inside are found from the parent.
+is added to its parent's listing (``ZADD``, on the parent's shard, after the
+listing's thinning: listing.py) so that tails and the blocks a prompt diverges
+inside are found from the parent.
 A shard that is down (or whose breaker is open) drops its blocks and only
 them. The same object writes the namespace documents, adds this host's counts
 to the server's counters record, removes blocks, and keeps the client-side
@@ -22,7 +23,7 @@ import redis
 from ..writer import WriteItem
 from .client import RemoteClient, RemoteUnavailable
 from .format import block_meta, encode_parts
-from .listing import member
+from .listing import LISTING_MAX, member, thinning
 from .names import Names, counters_key, namespace_key
 from .removal import delete, stored
 from .shards import Shard
@@ -42,6 +43,7 @@ class RemoteWrites:
 
     def __init__(self, client: RemoteClient, names: Names, max_bytes: int):
         self.client, self.names, self.max_bytes = client, names, max_bytes
+        self.listing_max = LISTING_MAX  # members a children listing keeps, about
         self._memory_checked, self._memory_used = -MEMORY_CHECK_S, 0
         self._reported: dict[str, int] = {}  # counts already added to the server's record
 
@@ -66,7 +68,8 @@ class RemoteWrites:
             parent = client.shard_of(listing)
             if parent is not None:
                 entry = member(names, block.parent, block.tokens, key)
-                commands.setdefault(parent, []).append(("ZADD", listing, 0, entry))
+                thin = thinning(listing, entry, self.listing_max)  # first: the new one stays
+                commands.setdefault(parent, []).extend([thin, ("ZADD", listing, 0, entry)])
         shards = list(commands)
         replies = client.each([(shard, _pipeline(commands[shard])) for shard in shards])
         sent = []
