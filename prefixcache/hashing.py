@@ -101,6 +101,14 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
+def nonempty(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as uint32 bytes; a prompt needs at least one token."""
+    data = token_bytes(tokens)
+    if not data:
+        raise ValueError("tokens is empty: a prompt needs at least one token")
+    return data
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 

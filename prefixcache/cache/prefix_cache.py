@@ -24,7 +24,7 @@ from ..background.prefetch import Job, Prefetcher, job_of
 from ..background.services import Services
 from ..config import CacheConfig
 from ..errors import MissReason
-from ..hashing import TOKEN_BYTES, Namespace, chain_keys, token_bytes
+from ..hashing import TOKEN_BYTES, Namespace, chain_keys, nonempty, token_bytes
 from ..memory import give_back
 from ..shared import SharedRegistry
 from ..shared.fetch import fetch_shared
@@ -108,7 +108,12 @@ class PrefixCache:
     # -- the scheduler's verbs ---------------------------------------------
 
     def fetch(
-        self, tokens: Sequence[int], *, extra: Mapping[str, str] | None = None, shared: bool = False
+        self,
+        tokens: Sequence[int],
+        *,
+        extra: Mapping[str, str] | None = None,
+        shared: bool = False,
+        headroom: int | None = None,
     ) -> tuple[list[Any], int]:
         """A fresh cache holding the deepest restorable prefix of ``tokens``.
 
@@ -116,7 +121,8 @@ class PrefixCache:
         prompt is a candidate; the deepest one every layer can be rebuilt at
         wins (lookup.py). Always leaves at least one token to prefill.
         ``shared=True``: one K/V copy for every sequence on the prefix
-        (``prefixcache.shared``, docs/shared-prefix.md).
+        (``prefixcache.shared``, docs/shared-prefix.md). ``headroom``: this
+        fetch's ``restore_headroom`` (default: the config's).
 
         Returns:
             (cache list for the model, number of tokens it holds)
@@ -135,7 +141,8 @@ class PrefixCache:
             self._check_open()
             root = self._root(extra)
             self.prefetcher.fetching(data, root)  # what is still queued for it: not loaded
-            got = restore(self.lookup, data, root, headroom=self.config.restore_headroom)
+            room = self.config.restore_headroom if headroom is None else headroom
+            got = restore(self.lookup, data, root, headroom=room)
             self._last_shared = (data, root, got.shared, got.num_tokens, got.reason)
             self._last_keys = (data, root, got.keys)
             self.controls.used(got.keys)
@@ -589,11 +596,3 @@ class PrefixCache:
             self.tiers.note_namespace(root, namespace.to_json())
             self.services.note_namespace(root, items)
         return root
-
-
-def nonempty(tokens: Sequence[int]) -> bytes:
-    """``tokens`` as uint32 bytes; a prompt needs at least one token."""
-    data = token_bytes(tokens)
-    if not data:
-        raise ValueError("tokens is empty: a prompt needs at least one token")
-    return data

@@ -13,6 +13,14 @@ restored with room for the prompt's rest: ``restore_headroom``, 1 in
 buffer as it is, and the prefill writes in place: the gather is the only copy.
 A batch of several prompts is merged as mlx-lm merges it. mlx-lm's merge of a
 cache whose buffer is too short also stays right: the first step then copies.
+
+The room is given only to a request the server takes while its batch is idle
+(``TieredPromptCache.batch_busy``, set by generator.py: mlx-lm waits for a
+request only then). One taken while others are in flight queues behind them
+or joins them (merged, so copied, anyway), and mlx-lm trims the prompt cache
+after each admission to its budget less the bytes of every cache in the batch,
+queued ones included: under overload, a buffer for its whole prompt held by
+each queued request emptied the hot tier (docs/capacity.md).
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ class GuardedGenerator(server.ResponseGenerator):
         taken = super()._next_request(timeout)
         if taken is None:
             return None
+        if hasattr(self.prompt_cache, "batch_busy"):  # TieredPromptCache's (serve/batch.py)
+            self.prompt_cache.batch_busy = timeout is None  # mlx-lm waits only when idle
         reply, *rest = taken
         return (self.supervisor.replies.track(reply), *rest)
 

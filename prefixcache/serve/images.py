@@ -66,17 +66,22 @@ def image_start(key: Sequence[int], num_cached: int) -> int:
 
 
 def fetch_whole_images(
-    cache: PrefixCache, key: Sequence[int], extra: Mapping[str, str] | None, shared: bool
+    cache: PrefixCache,
+    key: Sequence[int],
+    extra: Mapping[str, str] | None,
+    shared: bool,
+    headroom: int | None = None,
 ) -> tuple[list[Any] | None, int]:
-    """``cache.fetch`` of mlx-lm's ``key`` (as ``chain_tokens``), ending before any
-    image it would cut: where ``match`` (which restores nothing) ends inside one,
-    the fetch ends at its first patch."""
+    """``cache.fetch`` of mlx-lm's ``key`` (as ``chain_tokens``; ``headroom``: the
+    fetch's), ending before any image it would cut: where ``match`` (which restores
+    nothing) ends inside one, the fetch ends at its first patch."""
     text = chain_tokens(key)
     end = len(text)
     if text is not key:  # images: where the fetch may end (match restores nothing)
         while (cut := image_start(key, num := cache.match(text[:end], extra=extra))) < num:
             end = cut + 1  # fetch leaves the last token to prefill
-    restored, num_cached = cache.fetch(text[:end], extra=extra, shared=shared)
+    restored, num_cached = cache.fetch(text[:end], extra=extra, shared=shared, headroom=headroom)
     while (cut := image_start(key, num_cached)) < num_cached:  # blocks gone meanwhile
-        restored, num_cached = cache.fetch(text[: cut + 1], extra=extra, shared=shared)
+        fetched = cache.fetch(text[: cut + 1], extra=extra, shared=shared, headroom=headroom)
+        restored, num_cached = fetched
     return restored, num_cached

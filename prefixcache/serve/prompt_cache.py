@@ -4,10 +4,9 @@ mlx-lm's server keeps a RAM-only, whole-prompt ``LRUPromptCache``.
 ``TieredPromptCache`` answers the same calls from blocks shared between
 conversations, hot in RAM and, unless hot-only, on SSD across restarts.
 
-mlx-lm calls it on its generation thread, where an exception ends the loop and
-fails every request in flight. So no failure of the cache's storage gets there:
-a request the cache cannot serve is a miss, an insert it cannot keep is
-dropped; each is counted and logged once.
+mlx-lm calls it on its generation thread, where an exception ends the loop and fails every
+request in flight. So no failure of the cache's storage gets there: a request the cache
+cannot serve is a miss, an insert it cannot keep is dropped; each is counted and logged once.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ class TieredPromptCache:
     same weights under another path) finds them again.
 
     Args:
-        model_for: model key -> the loaded model (a ``ModelPair`` when the key
-            has a draft model).
+        model_for: model key -> the loaded model (a ``ModelPair`` when the key has a draft model).
         config: PrefixCache settings; defaults to ``CacheConfig.from_env()``.
         shared: fetch with ``shared=True``: concurrent requests on one prefix
             hold its K/V once and decode against it together (a miss gets
@@ -74,6 +72,7 @@ class TieredPromptCache:
         self.num_unattributed = 0  # inserts several tenants' requests could own: not stored
         self._deferred = DeferredInserts()  # inserts before a first token (mlx_deferred.py)
         self.explained = Explained(enabled=self.config.explain_header)  # serve's header
+        self.batch_busy = False  # requests were in flight when this one was taken (batch.py)
 
     @property
     def cache(self) -> PrefixCache | None:
@@ -99,7 +98,8 @@ class TieredPromptCache:
             try:
                 # only what was restored: the server reports it as cached_tokens
                 extra = self.requests.for_fetch(tokens).extra
-                restored, num_cached = fetch_whole_images(cache, tokens, extra, self.shared)
+                room = 0 if self.batch_busy else None  # busy: no room for the rest
+                restored, num_cached = fetch_whole_images(cache, tokens, extra, self.shared, room)
             except _STORAGE_ERRORS as err:
                 self.model_cache.storage_error("fetch", err)
                 return (cache.shared_prefixes.blank_caches() if self.shared else None), tokens

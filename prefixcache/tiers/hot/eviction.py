@@ -3,7 +3,7 @@
 Victims are always leaves (no child in the hot tier) and never pinned:
 
 - ``lru``: the least recently used leaf.
-- ``fifo``: the leaf stored first (a use does not renew it).
+- ``fifo``: the leaf stored first (a use does not renew it; fifo.py, O(log n)).
 - ``cost``: among the least recently used leaves, the one of least credit
   (credit.py: recency plus what the block saves per byte).
 - ``density``: the sampled leaf of least hit density (density.py); a newcomer
@@ -29,6 +29,7 @@ from ..pins import Pins
 from .adaptive import AdaptivePolicy
 from .credit import CostHook, Credits
 from .density import DensityPolicy
+from .fifo import FifoOrder
 from .frequency import FrequencyPolicy
 
 _CANDIDATES = 32  # least recently used leaves weighed by cost-aware eviction
@@ -65,8 +66,7 @@ class Eviction:
         self.density: DensityPolicy | None = None
         self.frequency: FrequencyPolicy | None = None
         self.adaptive: AdaptivePolicy | None = None
-        # the order victims are scanned in: storing order for fifo, else the tier's LRU
-        self.scan = OrderedDict[bytes, None]() if policy == "fifo" else order
+        self.fifo = FifoOrder(children, pins) if policy == "fifo" else None
         self.num_refused = 0
 
     def admits(self, block: Block, *, room: int, max_bytes: int) -> bool:
@@ -108,10 +108,8 @@ class Eviction:
         return False
 
     def added(self, block: Block, *, first_to_go: bool) -> None:
-        if self.scan is not self.order:
-            self.scan[block.key] = None
-            if first_to_go:
-                self.scan.move_to_end(block.key, last=False)
+        if self.fifo is not None:
+            self.fifo.added(block.key, first_to_go=first_to_go)
         if self.credits is not None:
             self.credits.added(block, first_to_go=first_to_go)
         if self.density is not None:
@@ -134,8 +132,8 @@ class Eviction:
 
     def removed(self, block: Block) -> None:
         """``block`` left the tier (its key already out of the children map)."""
-        if self.scan is not self.order:
-            self.scan.pop(block.key, None)
+        if self.fifo is not None:
+            self.fifo.removed(block.key, block.parent)
         if self.credits is not None:
             self.credits.removed(block.key)
         if self.density is not None:
@@ -167,9 +165,11 @@ class Eviction:
                 return None
             self.frequency.evicted(found[0])
             return found[1]  # type: ignore[return-value]
+        if self.fifo is not None:
+            return self.fifo.victim()
         met, found = [], []
         want = 1 if self.credits is None else _CANDIDATES
-        for key in self.scan:
+        for key in self.order:
             if self.children.get(key):
                 continue
             if self.pins.holds(key):
@@ -179,7 +179,7 @@ class Eviction:
             if len(found) == want:
                 break
         for key in met:
-            self.scan.move_to_end(key)
+            self.order.move_to_end(key)
         if not found or self.credits is None:
             return found[0] if found else None
         others = [k for k in found if k != keep]
