@@ -2,10 +2,12 @@
 
 A store's tenant is, in order: the ``tenant`` it names (``prefixcache serve
 --tenant-header``), the owner its session was begun with (``begin_session``),
-its ``cache_salt`` (``extra``), else the default tenant (the empty name). The
-hot tier's :class:`~prefixcache.tiers.hot.tenants.TenantShares` charges what
-the store puts there to it; without tenant shares configured nothing is
-charged and this only remembers session owners.
+its ``cache_salt`` (``extra``), else the default tenant (the empty name). Its
+new blocks carry the name (``Block.tenant``) into every tier: the hot tier's
+:class:`~prefixcache.tiers.hot.tenants.TenantShares` charges what the store
+puts there to it, the SSD tier records it in each block's index entry
+(tiers/ssd/shares.py). Without tenant shares configured on any tier nothing is
+charged (blocks carry the default tenant) and this only remembers session owners.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
-from ..tiers.hot.tenants import DEFAULT, TenantShares
+from ..tiers.base import SharesTenants
+from ..tiers.hot.tenants import DEFAULT
+from ..tiers.stack import TierStack
 
 SALT = "cache_salt"  # the ``extra`` key a request's salt is kept under (serve's request options)
 MAX_NAME = 256
@@ -34,8 +38,10 @@ def check_tenant(tenant: str | None) -> str | None:
 class Tenancy:
     """Session owners and the tenant each store charges (the facade's lock held)."""
 
-    def __init__(self, shares: TenantShares | None) -> None:
-        self.shares = shares
+    def __init__(self, tiers: TierStack) -> None:
+        self.shares = tiers.hot.tenants
+        self.on = tiers.config.tenant_shares  # any tier has floors or caps
+        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants)]
         self._owners: dict[str, str] = {}  # session -> its tenant
 
     def begin(self, session: str, tenant: str) -> None:
@@ -54,6 +60,13 @@ class Tenancy:
             return extra[SALT]
         return DEFAULT
 
+    def owner(
+        self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None
+    ) -> str:
+        """The tenant a store's new blocks carry: :meth:`of`, or the default tenant
+        without tenant shares (no salt is written into a lower tier's records)."""
+        return self.of(tenant, session, extra) if self.on else DEFAULT
+
     def charging(
         self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None
     ) -> AbstractContextManager[None]:
@@ -63,10 +76,17 @@ class Tenancy:
         return self.shares.charging(self.of(tenant, session, extra))
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{tenant: {"hot": figures}}`` (empty without tenant shares)."""
-        if self.shares is None:
+        """``{tenant: {tier: figures}}`` (empty without tenant shares)."""
+        if not self.on:
             return {}
-        return {name: {"hot": figures} for name, figures in self.shares.stats().items()}
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self.shares is not None:
+            for name, figures in self.shares.stats().items():
+                out.setdefault(name, {})["hot"] = figures
+        for tier in self.lower:
+            for name, figures in tier.tenant_stats().items():
+                out.setdefault(name, {})[tier.name] = figures
+        return dict(sorted(out.items()))
 
     def stats_of(self, tenant: str) -> dict[str, dict[str, int]]:
         """One tenant's figures by tier.
@@ -75,9 +95,13 @@ class Tenancy:
             ValueError: no tenant shares are configured, or no config or store
                 named ``tenant``.
         """
-        if self.shares is None:
+        if not self.on:
             raise ValueError(
                 f"unknown tenant {tenant!r}: no tenant shares are configured "
-                "(hot_tenant_floors, hot_tenant_caps)"
+                "(hot_tenant_floors, hot_tenant_caps, ssd_tenant_floors, ssd_tenant_caps)"
             )
-        return {"hot": self.shares.check(tenant).stats()}
+        out = self.stats()
+        if tenant not in out:
+            known = ", ".join(repr(n) for n in out) or "none"
+            raise ValueError(f"unknown tenant {tenant!r}: known tenants are {known}")
+        return out[tenant]
