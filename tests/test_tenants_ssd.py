@@ -148,6 +148,19 @@ def test_counts_add_up_across_processes_and_a_restart(open_tier, tmp_path):
     assert after == before
 
 
+def test_gc_removing_dangling_entries_counts_them_removed_for_their_tenant(open_tier):
+    from prefixcache.tiers.ssd.admin.maintenance import reconcile
+
+    tier = open_tier(ssd_tenant_floors=f"b={2 * FILE}")
+    b = put_chain(tier, "b", 11, 3)
+    put_chain(tier, "a", 12, 2)
+    Path(tier.payload_file(b[-1].key)).unlink()  # its entry now dangles
+    assert reconcile(tier.index) == (0, 1)
+    figures = add_up(tier)
+    assert figures["b"]["num_removed"] == 1 and figures["b"]["num_blocks"] == 2
+    assert figures["a"]["num_removed"] == 0 and figures["a"]["num_blocks"] == 2
+
+
 def test_an_index_of_the_old_format_opens_and_nothing_stored_is_lost(open_tier, tmp_path):
     path = tmp_path / "ssd"
     shutil.copytree(V1_INDEX, path)
@@ -161,6 +174,7 @@ def test_an_index_of_the_old_format_opens_and_nothing_stored_is_lost(open_tier, 
     assert {decode_meta(k, v).tenant for k, v in raws} == {""}
     index = SsdIndex(str(path / "index"), str(path / "blocks"), readonly=True)
     assert len(list(index.rows())) == 6 and index.tenants() == {}  # read as it is
+    assert index.format_version == 1
     index.close()
     tier = open_tier(path, ssd_tenant_floors=f"b={2 * FILE}")  # upgraded on open
     figures = add_up(tier)
@@ -172,6 +186,7 @@ def test_an_index_of_the_old_format_opens_and_nothing_stored_is_lost(open_tier, 
     again = open_tier(path)
     assert add_up(again)[""]["num_stored"] == 6 and again.tenant_stats()["b"]["num_blocks"] == 2
     assert again.index.transact(lambda t: t.get(b"version", db=again.index._db["meta"])) == b"2"
+    assert again.index.format_version == 2
 
 
 # -- through the library ----------------------------------------------------------------
@@ -200,7 +215,7 @@ def test_ssd_floors_keep_b_s_system_prompt_when_a_floods_hot_and_ssd(tmp_path):
             stored(pc, model, system, tenant="b")
             for i in range(30):  # a: one-off prompts of 48 tokens, several times the SSD
                 stored(pc, model, prompt(100 + i, 48), tenant="a")
-            pc.flush()
+                pc.flush()  # written store by store (one batch of all: refused past the cap)
             return pc.match([*system, 1, 2, 3]), pc.stats()
 
     hits, stats = b_after_flood("floors", ssd_tenant_floors="b=32K")
@@ -211,6 +226,50 @@ def test_ssd_floors_keep_b_s_system_prompt_when_a_floods_hot_and_ssd(tmp_path):
     assert sum(t["ssd"]["nbytes"] for t in stats["tenants"].values()) == stats["ssd"]["nbytes"]
     hits, stats = b_after_flood("bare")  # negative control: no floors, nothing charged
     assert hits == 0 and "tenants" not in stats
+
+
+def test_stats_cli_and_prometheus_show_the_ssd_figures_per_tenant(tmp_path):
+    from test_cli import cli, cli_all
+
+    from prefixcache.stats import prometheus_text
+
+    model = tiny_model("llama")
+    ssd = str(tmp_path / "ssd")
+    config = CacheConfig(
+        block_size=16,
+        hot_max_bytes=16 << 10,
+        ssd_dir=ssd,
+        ssd_max_bytes=64 << 10,
+        ssd_min_free_bytes=0,
+        ssd_tenant_caps="a=24K",
+    )
+    with PrefixCache(model, config, model_id="t") as pc:
+        stored(pc, model, prompt(11, 32), tenant="b")
+        for i in range(6):  # each store's spills written before the next: batches under the cap
+            stored(pc, model, prompt(20 + i, 32), tenant="a")
+            pc.flush()
+        live = pc.stats()
+    text = prometheus_text(live)
+    a = live["tenants"]["a"]["ssd"]
+    assert a["num_cap_evictions"] > 0 and a["nbytes"] <= 24 << 10
+    line = (
+        f'prefixcache_tenant_cap_evictions_total{{tenant="a",tier="ssd"}} {a["num_cap_evictions"]}'
+    )
+    assert line in text.splitlines()
+    doc, only_a, shown = cli_all(
+        ("stats", "--ssd-dir", ssd, "--json"),
+        ("stats", "--ssd-dir", ssd, "--tenant", "a", "--json"),
+        ("stats", "--ssd-dir", ssd),
+    )
+    for name in ("a", "b"):
+        figures = {k: v for k, v in live["tenants"][name]["ssd"].items() if "_bytes" not in k}
+        assert doc["ssd_tenants"][name] == figures
+    assert only_a["ssd_tenants"].keys() == {"a"}
+    assert "ssd tier per tenant (blocks):" in shown and "'b'" in shown
+    err = cli("stats", "--ssd-dir", ssd, "--tenant", "nobody", code=2)
+    assert err.strip().splitlines() == [
+        "prefixcache stats: --tenant 'nobody': no counters of that tenant ('a', 'b')"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -228,3 +287,29 @@ def test_bad_ssd_shares_are_refused_naming_the_value(changes, named):
         CacheConfig(ssd_max_bytes=1 << 20, **changes)
     assert err.value.field in changes
     assert "\n" not in str(err.value)
+
+
+def test_bench_tenants_ssd_floors_match_running_alone_and_lose_nothing():
+    sys.path.insert(0, str(HERE.parent / "tools"))
+    import bench_tenants
+
+    argv = ["--tier", "ssd", "--hot", "32K", "--ssd", "128K", "--rounds", "2", "--flood", "4"]
+    args = bench_tenants.setup_arg_parser().parse_args([*argv, "--system-tokens", "32"])
+    model = tiny_model("llama")
+    trace = bench_tenants.make_trace(args, 8192)
+    base = {"block_size": 16, "hot_max_bytes": args.hot, "ssd_max_bytes": args.ssd}
+    base |= {"ssd_min_free_bytes": 0, "ssd_admit_after": 1, "queue_full": "inline"}
+    alone = [r for r in trace if r.tenant != "a"]
+
+    def run(requests, name, **shares):
+        config = CacheConfig(**base, **shares)
+        return bench_tenants.run(model, requests, config, name, "ssd")
+
+    solo = run(alone, "alone")
+    bare = run(trace, "no shares")
+    fair = run(trace, "floors", ssd_tenant_floors="b=32K,c=32K")
+    assert fair.shares["b"].percent == solo.shares["b"].percent > 0
+    assert fair.shares["c"].percent == solo.shares["c"].percent
+    assert bare.shares["b"].percent < solo.shares["b"].percent  # the control: A's flood
+    assert fair.counts["lost"] == 0 == fair.counts["unmatched"]
+    assert fair.counts["num_evicted"] > 0

@@ -17,9 +17,12 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
 from ..tiers.base import SharesTenants
-from ..tiers.hot.tenants import DEFAULT
+from ..tiers.hot.tenants import COUNTERS, DEFAULT
 from ..tiers.stack import TierStack
 
+_NOTHING = {"num_blocks": 0, "nbytes": 0, "floor_bytes": 0, "cap_bytes": -1} | dict.fromkeys(
+    COUNTERS, 0
+)  # a tenant's figures on a tier where it holds nothing and has no share
 SALT = "cache_salt"  # the ``extra`` key a request's salt is kept under (serve's request options)
 MAX_NAME = 256
 
@@ -83,10 +86,12 @@ class Tenancy:
         if self.shares is not None:
             for name, figures in self.shares.stats().items():
                 out.setdefault(name, {})["hot"] = figures
-        for tier in self.lower:
-            for name, figures in tier.tenant_stats().items():
-                out.setdefault(name, {})[tier.name] = figures
-        return dict(sorted(out.items()))
+        lower = {tier.name: tier.tenant_stats() for tier in self.lower}
+        names = sorted({*out, *(name for figures in lower.values() for name in figures)})
+        for name in names:  # every tenant on every lower tier that charges tenants
+            for tier, figures in lower.items():
+                out.setdefault(name, {})[tier] = figures.get(name) or dict(_NOTHING)
+        return {name: out[name] for name in names}
 
     def stats_of(self, tenant: str) -> dict[str, dict[str, int]]:
         """One tenant's figures by tier.

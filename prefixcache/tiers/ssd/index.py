@@ -299,12 +299,14 @@ class SsdIndex:
         opened to write, or refuse another format (version.py)."""
         meta = self._db["meta"]
         version = self.transact(lambda t: recorded_version(t, meta, self.path))
+        self.format_version = version or FORMAT_VERSION  # what it is once open
         if version == FORMAT_VERSION:
             return
         if readonly:
             if version is None:
                 raise SsdFormatError(f"SSD tier index {self.path} records no format version")
             return  # an older version reads as it is: its entries' tenant is the default
+        self.format_version = FORMAT_VERSION
         self.transact(lambda t: upgrade(t, meta, self.path, self.entries.rebuild), write=True)
 
     def clear_dead_writes(self) -> int:
