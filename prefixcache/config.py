@@ -364,6 +364,7 @@ def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) ->
             raise ConfigError(f"{name}={text!r}: {err}", field=name) from None
     floors_field, caps_field = names
     floors, caps = parsed[floors_field], parsed[caps_field]
+    check_names(parsed)
     budget = f"{tier}_max_bytes={max_bytes}"
     for tenant, floor in floors.items():
         if floor > max_bytes:
@@ -379,3 +380,14 @@ def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) ->
                 f"{floors[tenant]} ({floors_field})"
             )
             raise ConfigError(message, field=caps_field)
+
+
+def check_names(parsed: Mapping[str, Mapping[str, int]]) -> None:
+    """ConfigError naming a tenant of these shares (setting -> tenant -> bytes) whose
+    name is over 256 UTF-8 bytes: longer names are charged under a digest
+    (cache/tenancy.py), so no share could name them."""
+    for name, shares in parsed.items():
+        for tenant in shares:
+            if len(tenant.encode(errors="surrogatepass")) > 256:
+                message = f"{name}: tenant {tenant[:40]!r}... is over 256 bytes"
+                raise ConfigError(message, field=name)

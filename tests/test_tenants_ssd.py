@@ -272,6 +272,28 @@ def test_stats_cli_and_prometheus_show_the_ssd_figures_per_tenant(tmp_path):
     ]
 
 
+def test_a_salt_too_long_for_the_index_is_charged_under_its_digest(tmp_path):
+    model = tiny_model("llama")
+    salt = "\U0001f600" * 200  # 800 UTF-8 bytes: over what the index's keys take (511)
+    config = CacheConfig(
+        block_size=16,
+        hot_max_bytes=16 << 10,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        ssd_tenant_floors="b=16K",
+    )
+    with PrefixCache(model, config, model_id="t") as pc:
+        for i in range(3):
+            stored(pc, model, prompt(30 + i, 32), extra={"cache_salt": salt})
+        pc.flush()
+        stats = pc.stats()
+    assert stats["ssd"]["enabled"] == 1 and stats["ssd"]["num_failures"] == 0
+    (name,) = [n for n in stats["tenants"] if n.startswith("#")]
+    assert len(name) == 33 and stats["tenants"][name]["ssd"]["num_stored"] > 0
+    with pytest.raises(ConfigError, match="is over 256 bytes"):
+        CacheConfig(ssd_tenant_floors=f"{salt}=1K")
+
+
 @pytest.mark.parametrize(
     ("changes", "named"),
     [

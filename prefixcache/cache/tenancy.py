@@ -16,6 +16,8 @@ import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
+import xxhash
+
 from ..tiers.base import SharesTenants
 from ..tiers.hot.tenants import COUNTERS, DEFAULT
 from ..tiers.stack import TierStack
@@ -38,6 +40,13 @@ def check_tenant(tenant: str | None) -> str | None:
     return tenant
 
 
+def bounded(name: str) -> str:
+    """``name``, or for one over ``MAX_NAME`` UTF-8 bytes (a long salt) ``#`` and its
+    digest: the SSD index keeps tenants' names in its keys, which LMDB bounds."""
+    raw = name.encode(errors="surrogatepass")
+    return name if len(raw) <= MAX_NAME else "#" + xxhash.xxh3_128_hexdigest(raw)
+
+
 class Tenancy:
     """Session owners and the tenant each store charges (the facade's lock held)."""
 
@@ -54,13 +63,13 @@ class Tenancy:
         self._owners.pop(session, None)
 
     def of(self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None) -> str:
-        """The tenant a store with these options charges."""
+        """The tenant a store with these options charges (``bounded``)."""
         if tenant is not None:
-            return tenant
+            return bounded(tenant)
         if session is not None and session in self._owners:
-            return self._owners[session]
+            return bounded(self._owners[session])
         if extra and SALT in extra:
-            return extra[SALT]
+            return bounded(extra[SALT])
         return DEFAULT
 
     def owner(
