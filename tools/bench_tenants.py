@@ -110,9 +110,9 @@ def budget(args: argparse.Namespace) -> int:  # of the tier the shares are on (-
 
 
 def run(model, trace: list[Request], config: CacheConfig, system: str, tier: str = "hot") -> Result:
-    """Replay ``trace`` (fetch, prefill the rest, store) through one cache (with
-    ``tier="ssd"``, its SSD tier in a temporary directory); ``tier``: the tier
-    whose shares are reported."""
+    """Replay ``trace`` (fetch, prefill the rest, store, flush) through one cache
+    (with ``tier="ssd"``, its SSD tier in a temporary directory); ``tier``: the
+    tier whose shares are reported."""
     result = Result(system)
     with tempfile.TemporaryDirectory(prefix="bench-tenants-") as path:
         config = config.replace(ssd_dir=path) if tier == "ssd" else config
@@ -125,7 +125,7 @@ def run(model, trace: list[Request], config: CacheConfig, system: str, tier: str
                 share = result.shares.setdefault(req.tenant, Share())
                 share.prompt_tokens += len(req.tokens)
                 share.cached_tokens += cached
-            pc.flush()
+                pc.flush()  # its SSD writes land before the next request's (hot-only: none)
             stats = pc.stats()
     tenants = stats.get("tenants", {})
     held_by = stats[tier]["nbytes"] if tier == "ssd" else config.hot_max_bytes
