@@ -148,6 +148,39 @@ def test_counts_add_up_across_processes_and_a_restart(open_tier, tmp_path):
     assert after == before
 
 
+def test_two_processes_writing_at_once_keep_one_right_set_of_figures(tmp_path):
+    path = str(tmp_path / "ssd")
+    floors = f"b={6 * FILE}"
+    shares = [str(12 * FILE), floors]
+    child = [sys.executable, str(HERE / "ssd_child.py"), "write", path]
+    procs = [
+        subprocess.Popen(
+            [*child, str(seed), "60", "--wait", "--shares", tenant, *shares],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed, tenant in ((20, "a"), (21, "b"))
+    ]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "ready"
+    for proc in procs:  # both write, and evict, at once
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip().endswith("done")
+    config = {"ssd_max_bytes": 12 * FILE, "ssd_min_free_bytes": 0, "ssd_tenant_floors": floors}
+    with SsdTier(CacheConfig(ssd_dir=path, **config)) as tier:
+        figures = add_up(tier)
+        assert figures["a"]["num_stored"] + figures["a"]["num_refused"] == 60
+        assert figures["b"]["num_stored"] + figures["b"]["num_refused"] == 60
+        assert figures["b"]["num_blocks"] >= 6  # its floor, whichever process evicted
+        assert tier.index.totals()["nbytes"] <= 12 * FILE
+        for meta in tier.iter_meta():
+            check_block(tier.load(meta.key))
+
+
 def test_gc_removing_dangling_entries_counts_them_removed_for_their_tenant(open_tier):
     from prefixcache.tiers.ssd.admin.maintenance import reconcile
 
