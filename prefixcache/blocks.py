@@ -47,10 +47,12 @@ class Block(BlockHeader):
         arrays: flat payload ``"{layer}.{name}" -> mx.array``; each array is
             contiguous and owned by the block (never a view of a live cache).
         nbytes: payload bytes of the arrays.
+        tenant: the tenant charged for it in every tier (tenant shares), "" for none.
     """
 
     arrays: dict[str, mx.array] = field(repr=False)
     nbytes: int = 0
+    tenant: str = ""
 
     @classmethod
     def make(
@@ -61,9 +63,10 @@ class Block(BlockHeader):
         index: int,
         tokens: bytes,
         arrays: dict[str, mx.array],
+        tenant: str = "",
     ) -> Block:
         nbytes = sum(a.nbytes for a in arrays.values())
-        return cls(key, parent, root, index, tokens, arrays, nbytes)
+        return cls(key, parent, root, index, tokens, arrays, nbytes, tenant)
 
     def to_block(self) -> Block:
         return self
@@ -104,6 +107,8 @@ class BlockMeta(BlockHeader):
         checksum: xxh3-64 of the payload file's bytes (0 while still queued).
         created: time.time() when the block was indexed (or queued).
         last_used: time.time() of the last load or touch (LRU order).
+        tenant: the tenant charged for it (tenant shares); "" for none, and for
+            every entry of an index written before tenants were recorded.
     """
 
     nbytes: int
@@ -111,6 +116,7 @@ class BlockMeta(BlockHeader):
     checksum: int
     created: float
     last_used: float
+    tenant: str = ""
 
     @classmethod
     def of(
@@ -128,11 +134,14 @@ class BlockMeta(BlockHeader):
             checksum,
             now,
             now,
+            block.tenant,
         )
 
 
-# Index entry: fixed header, the token ids, then xxh3-64 of everything before it.
-META_FORMAT = 1
+# Index entry: fixed header, the token ids, the tenant's name (UTF-8; format 2 on),
+# then xxh3-64 of everything before it. Format 1 entries (no tenant) still decode.
+META_FORMAT = 2
+_META_FORMATS = (1, 2)
 _META_HEAD = struct.Struct("<BxxxI16s16sQQQddI")
 
 
@@ -150,7 +159,7 @@ def encode_meta(meta: BlockMeta) -> bytes:
         meta.last_used,
         len(meta.tokens) // TOKEN_BYTES,
     )
-    body = head + meta.tokens
+    body = head + meta.tokens + meta.tenant.encode()
     return body + xxhash.xxh3_64_digest(body)
 
 
@@ -169,13 +178,19 @@ def decode_meta(key: bytes, value: bytes) -> BlockMeta:
     fmt, index, parent, root, nbytes, file_bytes, checksum, created, last_used, num_tokens = (
         _META_HEAD.unpack_from(body)
     )
-    if fmt != META_FORMAT:
-        raise ValueError(f"index entry format {fmt}, expected {META_FORMAT}")
-    tokens = body[_META_HEAD.size :]
-    if len(tokens) != TOKEN_BYTES * num_tokens:
+    if fmt not in _META_FORMATS:
+        raise ValueError(f"index entry format {fmt}, expected one of {_META_FORMATS}")
+    end = _META_HEAD.size + TOKEN_BYTES * num_tokens
+    tokens, rest = body[_META_HEAD.size : end], body[end:]
+    if len(tokens) != TOKEN_BYTES * num_tokens or (rest and fmt == 1):
         raise ValueError(
-            f"index entry has {len(tokens)} token bytes, expected {TOKEN_BYTES * num_tokens}"
+            f"index entry has {len(body) - _META_HEAD.size} token bytes, "
+            f"expected {TOKEN_BYTES * num_tokens}"
         )
+    try:
+        tenant = rest.decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"index entry's tenant is not UTF-8: {rest!r}") from None
     return BlockMeta(
-        key, parent, root, index, tokens, nbytes, file_bytes, checksum, created, last_used
+        key, parent, root, index, tokens, nbytes, file_bytes, checksum, created, last_used, tenant
     )

@@ -168,6 +168,11 @@ class CacheConfig:
             default): no tenant shares, nothing charged.
         hot_tenant_caps: ``NAME=SIZE`` pairs: bytes of the hot tier a tenant may
             hold; a store over it evicts that tenant's own blocks.
+        ssd_tenant_floors: as ``hot_tenant_floors``, for the SSD tier's payload
+            file bytes (within ``ssd_max_bytes``); kept in its index, so every
+            process sharing the directory sees the same figures (tiers/ssd/shares.py).
+        ssd_tenant_caps: as ``hot_tenant_caps``, for the SSD tier: a write over
+            it evicts that tenant's own blocks there first, else is refused (counted).
     """
 
     block_size: int = 256
@@ -214,6 +219,8 @@ class CacheConfig:
     remote_tls_key: str | None = None
     hot_tenant_floors: str = ""
     hot_tenant_caps: str = ""
+    ssd_tenant_floors: str = ""
+    ssd_tenant_caps: str = ""
 
     def __repr__(self) -> str:
         """Every field but the secret; a password in ``remote_url`` redacted."""
@@ -276,7 +283,7 @@ class CacheConfig:
         check_remote_trust(self)
         if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError(f"kv_bits must be None or one of 2,3,4,5,6,8, got {self.kv_bits!r}")
-        check_shares(self.hot_tenant_floors, self.hot_tenant_caps, self.hot_max_bytes, "hot")
+        check_tenant_shares(self)
 
     @property
     def write_queue_limit(self) -> int:
@@ -295,6 +302,22 @@ class CacheConfig:
     def tenant_caps(self) -> dict[str, int]:
         """``hot_tenant_caps`` as bytes by tenant."""
         return settings.parse_byte_map(self.hot_tenant_caps)
+
+    @property
+    def ssd_tenant_floors_bytes(self) -> dict[str, int]:
+        """``ssd_tenant_floors`` as bytes by tenant."""
+        return settings.parse_byte_map(self.ssd_tenant_floors)
+
+    @property
+    def ssd_tenant_caps_bytes(self) -> dict[str, int]:
+        """``ssd_tenant_caps`` as bytes by tenant."""
+        return settings.parse_byte_map(self.ssd_tenant_caps)
+
+    @property
+    def tenant_shares(self) -> bool:
+        """Whether any tier has tenant floors or caps (else nothing is charged)."""
+        hot = (self.hot_tenant_floors, self.hot_tenant_caps)
+        return any((*hot, self.ssd_tenant_floors, self.ssd_tenant_caps))
 
     @property
     def ssd_path(self) -> str:
@@ -319,6 +342,12 @@ class CacheConfig:
         return settings.from_env(cls, os.environ if environ is None else environ, overrides)
 
 
+def check_tenant_shares(config: CacheConfig) -> None:
+    """Check every tier's tenant floors and caps (``check_shares``)."""
+    check_shares(config.hot_tenant_floors, config.hot_tenant_caps, config.hot_max_bytes, "hot")
+    check_shares(config.ssd_tenant_floors, config.ssd_tenant_caps, config.ssd_max_bytes, "ssd")
+
+
 def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) -> None:
     """Check a tier's tenant floors and caps (``NAME=SIZE`` pairs) against its budget.
 
@@ -335,6 +364,7 @@ def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) ->
             raise ConfigError(f"{name}={text!r}: {err}", field=name) from None
     floors_field, caps_field = names
     floors, caps = parsed[floors_field], parsed[caps_field]
+    check_names(parsed)
     budget = f"{tier}_max_bytes={max_bytes}"
     for tenant, floor in floors.items():
         if floor > max_bytes:
@@ -350,3 +380,14 @@ def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) ->
                 f"{floors[tenant]} ({floors_field})"
             )
             raise ConfigError(message, field=caps_field)
+
+
+def check_names(parsed: Mapping[str, Mapping[str, int]]) -> None:
+    """ConfigError naming a tenant of these shares (setting -> tenant -> bytes) whose
+    name is over 256 UTF-8 bytes: longer names are charged under a digest
+    (cache/tenancy.py), so no share could name them."""
+    for name, shares in parsed.items():
+        for tenant in shares:
+            if len(tenant.encode(errors="surrogatepass")) > 256:
+                message = f"{name}: tenant {tenant[:40]!r}... is over 256 bytes"
+                raise ConfigError(message, field=name)

@@ -131,7 +131,8 @@ class EventStats(TypedDict):
 
 
 class TenantTierStats(TypedDict):
-    """``stats()["tenants"][name]["hot"]``: one tenant's share of a tier (tenant shares)."""
+    """``stats()["tenants"][name][tier]``: one tenant's share of a tier (tenant shares);
+    on the SSD tier, of payload file bytes, every process's (kept in its index)."""
 
     num_blocks: int
     nbytes: int
@@ -144,10 +145,12 @@ class TenantTierStats(TypedDict):
     num_refused: int
 
 
-class TenantStats(TypedDict):
-    """``stats()["tenants"][name]``: one tenant, per tier."""
+class TenantStats(TypedDict, total=False):
+    """``stats()["tenants"][name]``: one tenant, per tier (hot with hot tenant shares;
+    ssd whenever the SSD tier is on)."""
 
     hot: TenantTierStats
+    ssd: TenantTierStats
 
 
 class _Optional(TypedDict, total=False):
@@ -158,7 +161,7 @@ class _Optional(TypedDict, total=False):
     warm: WarmStats
     events: EventStats
     shared: dict[str, int]  # once a fetch(shared=True) ran: docs/shared-prefix.md
-    tenants: dict[str, TenantStats]  # with tenant shares (hot_tenant_floors / _caps)
+    tenants: dict[str, TenantStats]  # with tenant shares (hot_/ssd_tenant_floors / _caps)
 
 
 class CacheStats(_Optional):

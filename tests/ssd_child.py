@@ -5,11 +5,14 @@ a loaded block: values encode the position of each element plus a per-block
 offset (as raw bit patterns, so f16/bf16/f32 cover NaN, inf, -0, subnormals).
 
     python ssd_child.py write DIR SEED COUNT [--wait]   # prints "put i" per block
+    python ssd_child.py write DIR SEED COUNT --shares TENANT MAX_BYTES FLOORS
+        # each block TENANT's, one-block chains, under ssd_max_bytes and ssd_tenant_floors
     python ssd_child.py verify DIR                       # prints "ok N" or fails
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import mlx.core as mx
@@ -75,21 +78,28 @@ def check_block(block: Block, scale: int = 1) -> None:
     assert block.tokens == (np.arange(16, dtype="<u4") + block.index * 16).tobytes()
 
 
-def write(path: str, seed: int, count: int, wait: bool) -> None:
+def write(path: str, seed: int, count: int, wait: bool, shares: list[str]) -> None:
+    tenant, max_bytes, floors = shares or ("", str(1 << 40), "")
     tier = SsdTier(
         CacheConfig(
             ssd_dir=path,
-            ssd_max_bytes=1 << 40,
+            ssd_max_bytes=int(max_bytes),
             write_queue_bytes=1 << 20,
             queue_full="inline",
             ssd_min_free_bytes=0,
+            ssd_tenant_floors=floors,
         )
     )
     if wait:  # start together with a sibling: the parent sends a line when both are ready
         print("ready", flush=True)
         sys.stdin.readline()
     for i in range(count):
-        tier.put(make_block(seed, i))
+        block = make_block(seed, i)
+        if shares:  # a chain of one: every block a leaf, evictable
+            block = dataclasses.replace(block, parent=ROOT, tenant=tenant)
+        tier.put(block)
+        if shares and i % 4 == 3:
+            tier.flush()
         print(f"put {i}", flush=True)
     tier.close()
     print("done", flush=True)
@@ -110,6 +120,8 @@ def verify(path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "write":
-        write(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--wait" in sys.argv)
+        at = sys.argv.index("--shares") + 1 if "--shares" in sys.argv else len(sys.argv)
+        shares = sys.argv[at : at + 3]
+        write(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--wait" in sys.argv, shares)
     else:
         verify(sys.argv[2])

@@ -182,6 +182,8 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         ((*model, "--hot-tenant-floors", "b"), {}, "--hot-tenant-floors: hot_tenant_floors='b'"),
         ((*model, "--hot-tenant-caps", "b=1K", "--hot-tenant-floors", "b=2K"), {}, "cap 1024"),
         (model, {"PREFIXCACHE_HOT_TENANT_FLOORS": "b=9T"}, "PREFIXCACHE_HOT_TENANT_FLOORS='b=9T'"),
+        ((*model, "--ssd-tenant-floors", "b=9T"), {}, "--ssd-tenant-floors: ssd_tenant_floors:"),
+        ((*model, "--ssd-tenant-caps", "a=1K,a=2K"), {}, "ssd_tenant_caps='a=1K,a=2K'"),
         ((*model, "--tenant-header", "X Tenant"), {}, "--tenant-header 'X Tenant'"),
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         ((*model, "--record-trace", f"{p['missing']}/t.jsonl"), {}, "--record-trace"),

@@ -215,7 +215,7 @@ def test_other_format_version_is_refused(open_tier, tmp_path):
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         txn.put(b"version", b"99")
     env.close()
-    with pytest.raises(SsdFormatError, match=r"version 99.*version 1"):
+    with pytest.raises(SsdFormatError, match=r"version 99.*versions 1, 2"):
         SsdTier(
             CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0)
         )

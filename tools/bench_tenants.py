@@ -1,26 +1,32 @@
-"""Fair shares per tenant: tenant A floods the hot tier while B and C chat on their system prompts.
+"""Fair shares per tenant: tenant A floods a tier while B and C chat on their system prompts.
 
-One trace through a hot-only PrefixCache (real ``fetch`` / ``store`` of real
-mlx-lm caches of a tiny llama, the uncached tokens prefilled on the model):
-A replays one-off prompts adding up to ``--flood`` times the hot budget,
+One trace through a PrefixCache (real ``fetch`` / ``store`` of real mlx-lm
+caches of a tiny llama, the uncached tokens prefilled on the model), hot-only
+(``--tier hot``) or with a tiny hot tier over a bounded SSD tier in a
+temporary directory (``--tier ssd``: the shares are the SSD tier's, B's and
+C's hits come from the SSD): A replays one-off prompts adding up to
+``--flood`` times the tier's budget,
 spread evenly over ``--rounds`` rounds; each round ends with one request of
 B and one of C, each its own system prompt plus a new user message. The same
 B and C requests run alone (no A) as the reference. Systems:
 
   alone     B and C only, no tenant shares
   no shares A, B and C, no tenant shares (today's default)
-  floors    A, B and C, floors B=C=``--floor`` (hot_tenant_floors)
-  A capped  A, B and C, A capped at ``--cap`` (hot_tenant_caps), no floors
+  floors    A, B and C, floors B=C=``--floor`` (hot_/ssd_tenant_floors)
+  A capped  A, B and C, A capped at ``--cap`` (hot_/ssd_tenant_caps), no floors
 
 "hit %" per tenant: prompt tokens its fetches restored over its prompt
 tokens (a fetch always leaves one token to prefill). "A held %": A's share
-of the hot tier's bytes at the end. The accounting columns sum the per-tenant
-counters of ``stats()["tenants"]``: stored, evicted (of which for A's own cap)
-and refused blocks; "lost" is every block placed (``stored_blocks`` +
-``upgraded_blocks``) minus those the tenants counted (stored + refused) minus
-those the stack dropped before hot (a parent gone: ``num_discarded`` minus
-hot's evictions), and per tenant stored - held - evicted - removed: both 0
-when no block leaves uncounted. Hit shares and counts are exact (no timing).
+of the tier's bytes at the end. The accounting columns sum the per-tenant
+counters of ``stats()["tenants"]`` on the tier: stored, evicted (of which for
+A's own cap) and refused blocks; "lost" is, on hot, every block placed
+(``stored_blocks`` + ``upgraded_blocks``) minus those the tenants counted
+(stored + refused) minus those the stack dropped before hot (a parent gone:
+``num_discarded`` minus hot's evictions); on the SSD, the blocks its writer
+indexed or refused (``num_writes``, ``num_no_room``) minus those the tenants
+counted (stored, refused), plus writes dropped otherwise (a full queue, a
+disk failure); and per tenant stored - held - evicted - removed: all 0 when
+no block leaves uncounted. Hit shares and counts are exact (no timing).
 
 ``--overhead``: the cost of the accounting instead. The hot tier alone
 takes chains of 4 payload-light blocks from three tenants (``--puts``
@@ -33,6 +39,7 @@ clock, less the CPU time; compare only within one run).
 
     python tools/bench_tenants.py
     python tools/bench_tenants.py --rounds 16 --flood 10 --eviction lru
+    python tools/bench_tenants.py --tier ssd
     python tools/bench_tenants.py --overhead
 """
 
@@ -42,6 +49,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -88,7 +96,7 @@ def make_trace(args: argparse.Namespace, block_bytes: int) -> list[Request]:
     words = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
     systems = {t: words(args.system_tokens) for t in "bc"}
     a_bytes = args.a_tokens // args.block_size * block_bytes
-    num_a = -(-args.flood * args.hot // a_bytes)
+    num_a = -(-args.flood * budget(args) // a_bytes)
     trace: list[Request] = []
     for r in range(args.rounds):
         share = num_a * (r + 1) // args.rounds - num_a * r // args.rounds
@@ -97,36 +105,52 @@ def make_trace(args: argparse.Namespace, block_bytes: int) -> list[Request]:
     return trace
 
 
-def run(model, trace: list[Request], config: CacheConfig, system: str) -> Result:
-    """Replay ``trace`` (fetch, prefill the rest, store) through one hot-only cache."""
+def budget(args: argparse.Namespace) -> int:  # of the tier the shares are on (--tier)
+    return args.ssd if args.tier == "ssd" else args.hot
+
+
+def run(model, trace: list[Request], config: CacheConfig, system: str, tier: str = "hot") -> Result:
+    """Replay ``trace`` (fetch, prefill the rest, store, flush) through one cache
+    (with ``tier="ssd"``, its SSD tier in a temporary directory); ``tier``: the
+    tier whose shares are reported."""
     result = Result(system)
-    with PrefixCache(model, config, model_id="tiny") as pc:
-        for req in trace:
-            cache, cached = pc.fetch(req.tokens)
-            ids = mx.array([req.tokens[cached:]])
-            mx.eval([c.state for c in cache], model(ids, cache=cache))
-            pc.store(req.tokens, cache, tenant=req.tenant)
-            share = result.shares.setdefault(req.tenant, Share())
-            share.prompt_tokens += len(req.tokens)
-            share.cached_tokens += cached
-        stats = pc.stats()
+    with tempfile.TemporaryDirectory(prefix="bench-tenants-") as path:
+        config = config.replace(ssd_dir=path) if tier == "ssd" else config
+        with PrefixCache(model, config, model_id="tiny") as pc:
+            for req in trace:
+                cache, cached = pc.fetch(req.tokens)
+                ids = mx.array([req.tokens[cached:]])
+                mx.eval([c.state for c in cache], model(ids, cache=cache))
+                pc.store(req.tokens, cache, tenant=req.tenant)
+                share = result.shares.setdefault(req.tenant, Share())
+                share.prompt_tokens += len(req.tokens)
+                share.cached_tokens += cached
+                pc.flush()  # its SSD writes land before the next request's (hot-only: none)
+            stats = pc.stats()
     tenants = stats.get("tenants", {})
+    held_by = stats[tier]["nbytes"] if tier == "ssd" else config.hot_max_bytes
     if "a" in tenants:
-        result.a_held = 100.0 * tenants["a"]["hot"]["nbytes"] / config.hot_max_bytes
+        result.a_held = 100.0 * tenants["a"][tier]["nbytes"] / max(1, held_by)
     if tenants:
-        result.counts = accounting(stats)
+        result.counts = accounting(stats, tier)
     return result
 
 
-def accounting(stats) -> dict[str, int]:
+def accounting(stats, tier: str = "hot") -> dict[str, int]:
     """Blocks stored, evicted, refused by the tenants' counters, and those lost uncounted."""
-    figures = [t["hot"] for t in stats["tenants"].values()]
+    figures = [t[tier] for t in stats["tenants"].values()]
     total = {k: sum(f[k] for f in figures) for k in figures[0]}
-    before_hot = stats["num_discarded"] - stats["hot"]["num_evictions"]
-    placed = stats["stored_blocks"] + stats["upgraded_blocks"]
     unmatched = sum(
         f["num_stored"] - f["num_blocks"] - f["num_evicted"] - f["num_removed"] for f in figures
     )
+    if tier == "ssd":
+        ssd = stats["ssd"]
+        dropped = ssd["num_dropped_writes"] - ssd["num_no_room"]  # neither indexed nor refused
+        lost = abs(ssd["num_writes"] - total["num_stored"])
+        lost += abs(ssd["num_no_room"] - total["num_refused"]) + dropped
+        return total | {"lost": lost, "unmatched": unmatched}
+    before_hot = stats["num_discarded"] - stats["hot"]["num_evictions"]
+    placed = stats["stored_blocks"] + stats["upgraded_blocks"]
     lost = placed - total["num_stored"] - total["num_refused"] - before_hot
     return total | {"lost": lost, "unmatched": unmatched}
 
@@ -203,15 +227,17 @@ def overhead(args: argparse.Namespace, model, trace: list[Request], base: dict) 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--hot", type=parse_bytes, default=parse_bytes("256K"), help="hot budget")
-    p.add_argument("--flood", type=int, default=10, help="A's bytes, times the hot budget")
+    p.add_argument("--tier", choices=("hot", "ssd"), default="hot", help="the shares' tier")
+    p.add_argument("--hot", type=parse_bytes, help="hot budget (256K; --tier ssd: 32K)")
+    p.add_argument("--ssd", type=parse_bytes, default=parse_bytes("512K"), help="SSD budget")
+    p.add_argument("--flood", type=int, default=10, help="A's bytes, times the tier's budget")
     p.add_argument("--rounds", type=int, default=8, help="B's and C's requests each")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=64)
     p.add_argument("--user-tokens", type=int, default=24)
     p.add_argument("--a-tokens", type=int, default=96, help="tokens of each of A's prompts")
-    p.add_argument("--floor", type=parse_bytes, help="B's and C's floor (default: hot / 4)")
-    p.add_argument("--cap", type=parse_bytes, help="A's cap (default: hot / 4)")
+    p.add_argument("--floor", type=parse_bytes, help="B's and C's floor (default: budget / 4)")
+    p.add_argument("--cap", type=parse_bytes, help="A's cap (default: budget / 4)")
     p.add_argument("--eviction", choices=EVICTIONS, help="hot eviction (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
@@ -223,13 +249,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
+    if args.hot is None:
+        args.hot = parse_bytes("32K" if args.tier == "ssd" else "256K")
     model = build_model("llama", seed=args.seed)
     probe = make_prompt_cache(model)
     model(mx.array([[1] * args.block_size]), cache=probe)
     block_bytes = sum(c.keys[..., : args.block_size, :].nbytes * 2 for c in probe)
-    floor = args.floor or args.hot // 4
-    cap = args.cap or args.hot // 4
+    floor = args.floor or budget(args) // 4
+    cap = args.cap or budget(args) // 4
     base = {"block_size": args.block_size, "hot_cache_only": True, "hot_max_bytes": args.hot}
+    if args.tier == "ssd":  # every block spilled is admitted: the shares decide what stays
+        base |= {"hot_cache_only": False, "ssd_max_bytes": args.ssd, "ssd_min_free_bytes": 0}
+        base |= {"ssd_admit_after": 1, "queue_full": "inline"}
     if args.eviction:
         base["eviction"] = args.eviction
     trace = make_trace(args, block_bytes)
@@ -237,22 +268,25 @@ def main() -> None:
         overhead(args, model, trace, base)
         return
     num_a = sum(r.tenant == "a" for r in trace)
+    a_bytes = num_a * (args.a_tokens // args.block_size) * block_bytes
+    ssd = f"ssd {args.ssd >> 10} KiB, " if args.tier == "ssd" else ""
     print(
-        f"hot {args.hot >> 10} KiB ({args.hot // block_bytes} blocks of {block_bytes} B), "
+        f"hot {args.hot >> 10} KiB ({args.hot // block_bytes} blocks of {block_bytes} B), {ssd}"
         f"A: {num_a} one-off prompts of {args.a_tokens} tokens "
-        f"({num_a * (args.a_tokens // args.block_size) * block_bytes / args.hot:.1f}x hot), "
+        f"({a_bytes / budget(args):.1f}x {args.tier}), "
         f"B, C: {args.rounds} requests each ({args.system_tokens}-token system prompt + "
-        f"{args.user_tokens}), floors {floor >> 10} KiB, A's cap {cap >> 10} KiB"
+        f"{args.user_tokens}), {args.tier} floors {floor >> 10} KiB, A's cap {cap >> 10} KiB"
     )
+    t = args.tier
     systems = [
         ("alone", [r for r in trace if r.tenant != "a"], {}),
         ("no shares", trace, {}),
-        ("floors", trace, {"hot_tenant_floors": f"b={floor},c={floor}"}),
-        ("A capped", trace, {"hot_tenant_caps": f"a={cap}"}),
+        ("floors", trace, {f"{t}_tenant_floors": f"b={floor},c={floor}"}),
+        ("A capped", trace, {f"{t}_tenant_caps": f"a={cap}"}),
     ]
     rows = []
     for name, requests, shares in systems:
-        rows.append(row(run(model, requests, CacheConfig(**(base | shares)), name)))
+        rows.append(row(run(model, requests, CacheConfig(**(base | shares)), name, t)))
         print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     print()
     widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}

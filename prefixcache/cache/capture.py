@@ -87,6 +87,7 @@ def cut_blocks(
     stored: Callable[[bytes], bool],
     resident: Callable[[bytes], Block | None],
     window: WindowPolicy | None = None,
+    tenant: str = "",
 ) -> Cut:
     """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
 
@@ -96,6 +97,8 @@ def cut_blocks(
         block_size: tokens per block.
         points, window: the restore points; which blocks keep window K/V.
         stored, resident: whether a key is held by any tier; its hot block or None.
+        tenant: who the new blocks are charged to (tenant shares; an upgrade keeps
+            its block's owner).
     """
     length = len(data) // TOKEN_BYTES
     codecs = [codec_for(c) for c in cache]
@@ -109,14 +112,16 @@ def cut_blocks(
         if old is None:
             tokens = data[i * block_size * TOKEN_BYTES : (i + 1) * block_size * TOKEN_BYTES]
             parent = keys[i - 1] if i else root
-            new.append(Block.make(keys[i], parent, root, i, tokens, arrays))
+            new.append(Block.make(keys[i], parent, root, i, tokens, arrays, tenant))
             continue
         gained = _gained(old.arrays, arrays)
         if gained:
             merged = {**old.arrays, **gained}
-            upgraded.append(Block.make(old.key, old.parent, old.root, i, old.tokens, merged))
+            upgraded.append(
+                Block.make(old.key, old.parent, old.root, i, old.tokens, merged, old.tenant)
+            )
     # a hot tail is held; one held only below is cut again (its put is a no-op)
-    tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident)
+    tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident, tenant=tenant)
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
     mx.eval([b.arrays for b in new], [b.arrays for b in upgraded], tail and tail.arrays)
     return Cut(new, upgraded, tail)
@@ -130,6 +135,7 @@ def cut_tail(
     *,
     block_size: int,
     stored: Callable[[bytes], object],
+    tenant: str = "",
 ) -> Block | None:
     """The tail block of ``data`` (the tokens after its last full block), or None;
     its arrays are not evaluated.
@@ -141,6 +147,7 @@ def cut_tail(
         cache: the live cache list (holding ``len(data) // TOKEN_BYTES`` tokens).
         block_size: tokens per block.
         stored: whether (truthy) a tail key is held already (then None is returned).
+        tenant: who the tail is charged to (tenant shares).
     """
     length = len(data) // TOKEN_BYTES
     index = length // block_size
@@ -153,7 +160,7 @@ def cut_tail(
     if stored(key):
         return None
     arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
-    return Block.make(key, parent, root, index, tail, arrays)
+    return Block.make(key, parent, root, index, tail, arrays, tenant)
 
 
 def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -150,7 +150,8 @@ class ModelLayout:
         lean = {n: a for n, a in block.arrays.items() if not n.startswith(prefixes)}
         if len(lean) == len(block.arrays):
             return None
-        return Block.make(block.key, block.parent, block.root, block.index, block.tokens, lean)
+        b = block
+        return Block.make(b.key, b.parent, b.root, b.index, b.tokens, lean, b.tenant)
 
     def block_cost(self, block: Block) -> float:
         """FLOPs to prefill ``block``'s tokens again after those before it."""

@@ -33,7 +33,6 @@ from ..stats_types import CacheStats
 from ..tiers import lower_tiers, quiet
 from ..tiers.base import Tier
 from ..tiers.controls import Controls, check_session, tail_keys
-from ..tiers.hot.recent import Kept, kept_views, whole_bytes
 from ..tiers.hot.tier import HotTier
 from ..tiers.pins import pin_until
 from ..tiers.stack import TierStack
@@ -86,7 +85,7 @@ class PrefixCache:
         self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)
-        self.tenancy = Tenancy(self.tiers.hot.tenants)  # who a store charges (tenancy.py)
+        self.tenancy = Tenancy(self.tiers)  # who a store charges (tenancy.py)
         self.explainer = Explainer(self.lookup, self.namespace, self._roots)
         self._closed = False
         self._final_stats: CacheStats | None = None
@@ -537,34 +536,26 @@ class PrefixCache:
                 stored=self.tiers.contains,
                 resident=self.hot.get,
                 window=self.layout.window_policy,
+                tenant=self.tenancy.owner(tenant, session, extra),
             )
             self._last_shared = None  # what is stored changed
-            tail = cut.tail
-            continues = self.tiers.continues([*cut.new, *([tail] if tail else [])])
+            stored = [*cut.new, *([cut.tail] if cut.tail else [])]
+            continues = self.tiers.continues(stored)
             with self.tenancy.charging(tenant, session, extra):
                 self.tiers.place(cut.new, persist=persist, continues=continues)
                 self.tiers.replace(cut.upgraded)
-                if tail is not None:
-                    self.tiers.place_tail(tail, persist=persist, continues=continues)
-            stored = [*cut.new, *([tail] if tail else [])]
+                if cut.tail is not None:
+                    self.tiers.place_tail(cut.tail, persist=persist, continues=continues)
             self.hot.prepare_views([*stored, *cut.upgraded])
             walked = [*keys, *tail_keys(root, keys, data, bs)]
             self.controls.stored(session, persist, stored, walked)
-            if hand_over and not self.config.restore_headroom:
-                self._keep_whole(root, data, walked, cache)
+            if hand_over and not self.config.restore_headroom:  # kept whole (hot/recent.py)
+                self.hot.keep_whole(root, data, walked, cache)
             if not self.layout.keeps_state:  # else a tail's end state is its own
-                for block in [*cut.new[-1:], *([tail] if tail else [])]:
+                for block in [*cut.new[-1:], *([cut.tail] if cut.tail else [])]:
                     self.hot.drop_superseded(block)
             self._stats.num_stores += 1
             return len(cut.new)
-
-    def _keep_whole(self, root: bytes, data: bytes, keys: list[bytes], cache: Sequence[Any]):
-        """Keep ``cache``'s arrays whole in hot (tiers/recent.py), where its layers allow
-        and the blocks leave room."""
-        nbytes = whole_bytes(cache)
-        if nbytes is not None and nbytes <= self.hot.room:
-            views = kept_views(cache, len(data) // TOKEN_BYTES)
-            self.hot.keep_recent(Kept(root, data, frozenset(keys), views, nbytes))
 
     def _keys(self, data: bytes, extra: Mapping[str, str] | None) -> list[bytes]:
         """Chain keys of ``data``'s full blocks, then its tail's key if it has one."""

@@ -2,10 +2,12 @@
 
 A store's tenant is, in order: the ``tenant`` it names (``prefixcache serve
 --tenant-header``), the owner its session was begun with (``begin_session``),
-its ``cache_salt`` (``extra``), else the default tenant (the empty name). The
-hot tier's :class:`~prefixcache.tiers.hot.tenants.TenantShares` charges what
-the store puts there to it; without tenant shares configured nothing is
-charged and this only remembers session owners.
+its ``cache_salt`` (``extra``), else the default tenant (the empty name). Its
+new blocks carry the name (``Block.tenant``) into every tier: the hot tier's
+:class:`~prefixcache.tiers.hot.tenants.TenantShares` charges what the store
+puts there to it, the SSD tier records it in each block's index entry
+(tiers/ssd/shares.py). Without tenant shares configured on any tier nothing is
+charged (blocks carry the default tenant) and this only remembers session owners.
 """
 
 from __future__ import annotations
@@ -14,8 +16,15 @@ import contextlib
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
-from ..tiers.hot.tenants import DEFAULT, TenantShares
+import xxhash
 
+from ..tiers.base import SharesTenants
+from ..tiers.hot.tenants import COUNTERS, DEFAULT
+from ..tiers.stack import TierStack
+
+_NOTHING = {"num_blocks": 0, "nbytes": 0, "floor_bytes": 0, "cap_bytes": -1} | dict.fromkeys(
+    COUNTERS, 0
+)  # a tenant's figures on a tier where it holds nothing and has no share
 SALT = "cache_salt"  # the ``extra`` key a request's salt is kept under (serve's request options)
 MAX_NAME = 256
 
@@ -31,11 +40,20 @@ def check_tenant(tenant: str | None) -> str | None:
     return tenant
 
 
+def bounded(name: str) -> str:
+    """``name``, or for one over ``MAX_NAME`` UTF-8 bytes (a long salt) ``#`` and its
+    digest: the SSD index keeps tenants' names in its keys, which LMDB bounds."""
+    raw = name.encode(errors="surrogatepass")
+    return name if len(raw) <= MAX_NAME else "#" + xxhash.xxh3_128_hexdigest(raw)
+
+
 class Tenancy:
     """Session owners and the tenant each store charges (the facade's lock held)."""
 
-    def __init__(self, shares: TenantShares | None) -> None:
-        self.shares = shares
+    def __init__(self, tiers: TierStack) -> None:
+        self.shares = tiers.hot.tenants
+        self.on = tiers.config.tenant_shares  # any tier has floors or caps
+        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants)]
         self._owners: dict[str, str] = {}  # session -> its tenant
 
     def begin(self, session: str, tenant: str) -> None:
@@ -45,14 +63,21 @@ class Tenancy:
         self._owners.pop(session, None)
 
     def of(self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None) -> str:
-        """The tenant a store with these options charges."""
+        """The tenant a store with these options charges (``bounded``)."""
         if tenant is not None:
-            return tenant
+            return bounded(tenant)
         if session is not None and session in self._owners:
-            return self._owners[session]
+            return bounded(self._owners[session])
         if extra and SALT in extra:
-            return extra[SALT]
+            return bounded(extra[SALT])
         return DEFAULT
+
+    def owner(
+        self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None
+    ) -> str:
+        """The tenant a store's new blocks carry: :meth:`of`, or the default tenant
+        without tenant shares (no salt is written into a lower tier's records)."""
+        return self.of(tenant, session, extra) if self.on else DEFAULT
 
     def charging(
         self, tenant: str | None, session: str | None, extra: Mapping[str, str] | None
@@ -63,10 +88,19 @@ class Tenancy:
         return self.shares.charging(self.of(tenant, session, extra))
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
-        """``{tenant: {"hot": figures}}`` (empty without tenant shares)."""
-        if self.shares is None:
+        """``{tenant: {tier: figures}}`` (empty without tenant shares)."""
+        if not self.on:
             return {}
-        return {name: {"hot": figures} for name, figures in self.shares.stats().items()}
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        if self.shares is not None:
+            for name, figures in self.shares.stats().items():
+                out.setdefault(name, {})["hot"] = figures
+        lower = {tier.name: tier.tenant_stats() for tier in self.lower}
+        names = sorted({*out, *(name for figures in lower.values() for name in figures)})
+        for name in names:  # every tenant on every lower tier that charges tenants
+            for tier, figures in lower.items():
+                out.setdefault(name, {})[tier] = figures.get(name) or dict(_NOTHING)
+        return {name: out[name] for name in names}
 
     def stats_of(self, tenant: str) -> dict[str, dict[str, int]]:
         """One tenant's figures by tier.
@@ -75,9 +109,13 @@ class Tenancy:
             ValueError: no tenant shares are configured, or no config or store
                 named ``tenant``.
         """
-        if self.shares is None:
+        if not self.on:
             raise ValueError(
                 f"unknown tenant {tenant!r}: no tenant shares are configured "
-                "(hot_tenant_floors, hot_tenant_caps)"
+                "(hot_tenant_floors, hot_tenant_caps, ssd_tenant_floors, ssd_tenant_caps)"
             )
-        return {"hot": self.shares.check(tenant).stats()}
+        out = self.stats()
+        if tenant not in out:
+            known = ", ".join(repr(n) for n in out) or "none"
+            raise ValueError(f"unknown tenant {tenant!r}: known tenants are {known}")
+        return out[tenant]

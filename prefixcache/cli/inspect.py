@@ -20,7 +20,7 @@ from ..stats import Stats, add_counters
 from ..tiers.hot.tenants import COUNTERS
 from ..tiers.ssd.admin.inventory import Entry, Inventory, NamespaceInfo, end_token
 from ..tiers.ssd.admin.view import SsdView
-from ..tiers.ssd.version import FORMAT_NAME, FORMAT_VERSION
+from ..tiers.ssd.version import FORMAT_NAME
 from .common import Doc, UsageError, count, duration, emit, model_roots, ssd_command
 from .remote import with_remote
 from .report import format_age, format_bytes, table
@@ -74,7 +74,7 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
     totals = view.index.totals()
     doc = {
         "ssd_dir": view.path,
-        "format": {"name": FORMAT_NAME.decode(), "version": FORMAT_VERSION},
+        "format": {"name": FORMAT_NAME.decode(), "version": view.index.format_version},
         "num_blocks": len(inv.entries),
         "num_tokens": sum(e.num_tokens for e in inv.entries.values()),
         "nbytes": sum(e.file_bytes for e in inv.entries.values()),
@@ -91,24 +91,26 @@ def cmd_stats(view: SsdView, args: argparse.Namespace) -> int:
             add_counters, [ns["counters"] or {} for ns in namespaces], _counters(None)
         ),
     }
-    doc["tenants"] = _tenants(doc["counters"], args.tenant)
+    doc["tenants"], doc["ssd_tenants"] = _tenants(doc["counters"], view, args.tenant)
     emit(args, doc, lambda: stats_text(doc))
     return 0
 
 
-def _tenants(counters: Doc, only: str | None) -> Doc:
-    """The saved per-tenant counters (``"<tenant>.<counter>"``) by tenant; ``only``:
-    that tenant's (UsageError naming it when none was saved)."""
+def _tenants(counters: Doc, view: SsdView, only: str | None) -> tuple[Doc, Doc]:
+    """The hot tier's saved per-tenant counters (``"<tenant>.<counter>"``) by tenant,
+    and the SSD tier's figures per tenant (kept in its index); ``only``: that
+    tenant's (UsageError naming it when neither has it)."""
     out: Doc = {}
     for name, value in counters.get("tenants", {}).items():
         tenant, _, key = name.rpartition(".")
         out.setdefault(tenant, dict.fromkeys(COUNTERS, 0))[key] = value  # 0s are not saved
+    ssd = view.index.tenants()
     if only is None:
-        return out
-    if only not in out:
-        known = ", ".join(repr(t) for t in sorted(out)) or "none saved"
+        return out, ssd
+    if only not in out and only not in ssd:
+        known = ", ".join(repr(t) for t in sorted({*out, *ssd})) or "none saved"
         raise UsageError(f"--tenant {only!r}: no counters of that tenant ({known})")
-    return {only: out[only]}
+    return {k: v for k, v in out.items() if k == only}, {k: v for k, v in ssd.items() if k == only}
 
 
 def add_stats_args(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,7 @@ from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
 from .common import Command, UsageError, on_off, port, positive_float, positive_int
 
 log = logging.getLogger(__name__)
+TENANT_TIERS = ("hot", "ssd")  # the tiers with tenant floors and caps
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -109,8 +110,9 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
         "--warm-bytes", type=_bytes_arg, help="load this much into hot on start (default: half hot)"
     )
     group.add_argument("--events-url", help="publish KV events on ZeroMQ, e.g. tcp://*:5557")
-    group.add_argument("--hot-tenant-floors", help="hot bytes each tenant keeps, e.g. b=2G,c=1G")
-    group.add_argument("--hot-tenant-caps", help="hot bytes a tenant may hold, e.g. a=4G")
+    for tier in TENANT_TIERS:  # tenant shares
+        group.add_argument(f"--{tier}-tenant-floors", help=f"{tier} bytes each tenant keeps: b=2G")
+        group.add_argument(f"--{tier}-tenant-caps", help=f"{tier} bytes a tenant may hold: a=4G")
     group.add_argument(
         "--tenant-header", help="the request header naming its tenant, e.g. X-Tenant"
     )
@@ -189,8 +191,7 @@ _CONFIG_FLAGS = (
     "pin_system_prompts",
     "explain_header",
     "eviction",
-    "hot_tenant_floors",
-    "hot_tenant_caps",
+    *(f"{tier}_tenant_{bound}" for tier in TENANT_TIERS for bound in ("floors", "caps")),
 )
 
 

@@ -36,6 +36,15 @@ def stats_text(doc: Doc) -> str:
         keys = ("num_stored", "num_evicted", "num_cap_evictions", "num_removed", "num_refused")
         rows = [[repr(t), *(c.get(k, 0) for k in keys)] for t, c in doc["tenants"].items()]
         lines += ["", "hot tier per tenant (blocks):", table(heads, rows, "lrrrrr")]
+    if doc.get("ssd_tenants"):  # kept in the index: every process's, since it was made
+        heads = ("tenant", "held", "bytes", "stored", "evicted", "for its cap", "removed")
+        keys = ("num_blocks", "nbytes", "num_stored", "num_evicted", "num_cap_evictions")
+        rows = [
+            [repr(t), *(f[k] for k in keys), f["num_removed"], f["num_refused"]]
+            for t, f in doc["ssd_tenants"].items()
+        ]
+        heads = (*heads, "refused")
+        lines += ["", "ssd tier per tenant (blocks):", table(heads, rows, "lrrrrrrr")]
     reasons = {k: v for k, v in doc["counters"]["miss_reasons"].items() if v}
     if reasons:
         lines.append("")

@@ -227,9 +227,11 @@ class StreamedBlock(BlockHeader):
 
     arrays: Mapping[str, HostArray | Placed]
     nbytes: int
+    tenant: str = ""
 
     def to_block(self) -> Block:
         """A Block owning MLX copies of the arrays (e.g. to promote into hot)."""
         arrays = {name: a.to_mx(evaluate=False) for name, a in self.arrays.items()}
         mx.eval(list(arrays.values()))  # one evaluation for the block
-        return Block(self.key, self.parent, self.root, self.index, self.tokens, arrays, self.nbytes)
+        b = self
+        return Block(b.key, b.parent, b.root, b.index, b.tokens, arrays, b.nbytes, b.tenant)

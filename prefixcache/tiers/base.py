@@ -254,3 +254,13 @@ class CostGated(ABC):
     def miss_reason(self, key: bytes) -> MissReason | None:
         """Why the last ``held`` stopped at ``key`` if not because the tier lacks
         it (e.g. the server was unreachable); else None."""
+
+
+class SharesTenants(ABC):
+    """A lower tier that charges each block to its tenant (``Block.tenant``) and keeps
+    each tenant's figures: the ``stats()["tenants"][name][tier]`` of docs/stats.md."""
+
+    @abstractmethod
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Each tenant's figures on this tier: nbytes, num_blocks, floor_bytes,
+        cap_bytes (-1: none) and the counters of ``tiers/hot/tenants.COUNTERS``."""

@@ -48,7 +48,7 @@ class WriteItem:
         b = self.block
         arrays = {name: mx.array(arr) for name, arr in b.arrays.items()}
         mx.eval(arrays)
-        return Block(b.key, b.parent, b.root, b.index, b.tokens, arrays, b.nbytes)
+        return Block(b.key, b.parent, b.root, b.index, b.tokens, arrays, b.nbytes, b.tenant)
 
 
 class Writer:

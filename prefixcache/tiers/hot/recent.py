@@ -61,6 +61,18 @@ def kept_views(cache: Sequence[Any], num_tokens: int) -> tuple[tuple[Any, Any], 
     return views
 
 
+def kept_whole(
+    root: bytes, data: bytes, keys: Sequence[bytes], cache: Sequence[Any], room: int
+) -> Kept | None:
+    """``cache``'s arrays kept whole (views), where its layers allow and they fit in
+    ``room`` bytes; else None."""
+    nbytes = whole_bytes(cache)
+    if nbytes is None or nbytes > room:
+        return None
+    views = kept_views(cache, len(data) // TOKEN_BYTES)
+    return Kept(root, data, frozenset(keys), views, nbytes)
+
+
 class RecentSequences:
     """Kept sequences, most recent last (not thread-safe: the facade's lock)."""
 

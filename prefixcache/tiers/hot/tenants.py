@@ -126,10 +126,10 @@ class TenantShares:
 
     def claim(self, block: Block) -> Tenant:
         """The tenant a new ``block`` is charged to: the store's under way, else its
-        owner's when it was here before, else the default tenant."""
+        owner's when it was here before, else the one it carries (``Block.tenant``)."""
         name = self.current
         if name is None:
-            name = self._gone.get(block.key, DEFAULT)
+            name = self._gone.get(block.key, block.tenant or DEFAULT)
         return self.tenant(name)
 
     def added(self, block: Block, t: Tenant, *, first_to_go: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from typing import Any
 
 from ...blocks import Block
 from ..base import BlockListener, ListsChildren, ReportsEvents, Tier, TierReader
@@ -25,7 +26,7 @@ from ..pins import Pins
 from .credit import CostHook
 from .eviction import Eviction
 from .reader import HostViews, HotReader
-from .recent import Kept, RecentSequences
+from .recent import Kept, RecentSequences, kept_whole
 from .tenants import TenantShares
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
@@ -143,6 +144,14 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         if not self.recent.covered(item.root, item.data):
             self.nbytes += item.nbytes - self.recent.add(item)
             self.drop_recent(self.max_bytes)
+
+    def keep_whole(
+        self, root: bytes, data: bytes, keys: Sequence[bytes], cache: Sequence[Any]
+    ) -> None:
+        """Keep ``cache``'s arrays whole (recent.py) where its layers allow and they
+        fit the room blocks leave."""
+        if kept := kept_whole(root, data, keys, cache, self.room):
+            self.keep_recent(kept)
 
     def drop_recent(self, max_bytes: int) -> None:
         """Drop kept sequences, least recently used first, until at most ``max_bytes``

@@ -5,7 +5,8 @@ block has an entry in ``blocks`` and a link under its parent in ``children``;
 a block with no indexed child (a leaf) is also in ``lru``, keyed by its
 last use, unless it is pinned (``pins``: key -> pin end, file bytes; a pin
 record outlives its block, so a block stored again under a pinned key is
-pinned); ``meta`` holds the total payload bytes. Dropping an entry marks its
+pinned), and in its tenant's ``tenant_lru`` (shares.py); ``meta`` holds the
+total payload bytes and each tenant's figures. Dropping an entry marks its
 payload file for removal; the index unlinks it once the transaction has
 committed (``unlink_dropped``), so a crash or an abort never leaves an entry
 whose file is gone, only an orphan file that ``gc`` removes.
@@ -21,6 +22,7 @@ import time
 import lmdb
 
 from ...blocks import BlockMeta, decode_meta, encode_meta
+from . import shares
 from .files import payload_path, unlink
 
 _U64 = struct.Struct("<Q")
@@ -89,23 +91,44 @@ class Entries:
         txn.put(meta.key, encode_meta(meta), db=self.db["blocks"])
         txn.put(meta.parent, meta.key, db=self.db["children"])
         if not self.has_children(txn, meta.key) and not self.pinned(txn, meta.key):
-            txn.put(lru_key(meta), b"", db=self.db["lru"])
+            self.lru_put(txn, meta)
         parent = self.meta(txn, meta.parent)
         if parent is not None:
-            txn.delete(lru_key(parent), db=self.db["lru"])  # no longer a leaf
+            self.lru_delete(txn, parent)  # no longer a leaf
         self.add_counter(txn, b"total_bytes", meta.file_bytes)
+        charge = {"nbytes": meta.file_bytes, "num_blocks": 1, "num_stored": 1}
+        shares.add(txn, self.db["meta"], meta.tenant, charge)
 
-    def drop(self, txn: lmdb.Transaction, meta: BlockMeta) -> int:
-        """Remove an entry and its file; its parent may become a leaf. Returns file bytes."""
+    def drop(
+        self, txn: lmdb.Transaction, meta: BlockMeta, *, evicted: bool = False, cap: bool = False
+    ) -> int:
+        """Remove an entry and its file; its parent may become a leaf. Counted to its
+        tenant as evicted (``cap``: for its tenant's cap), else removed. Returns
+        file bytes."""
         txn.delete(meta.key, db=self.db["blocks"])
-        txn.delete(lru_key(meta), db=self.db["lru"])
+        self.lru_delete(txn, meta)
         txn.delete(meta.parent, meta.key, db=self.db["children"])
         parent = self.meta(txn, meta.parent)
         if parent is not None and not self.leaf_pinned(txn, parent):
-            txn.put(lru_key(parent), b"", db=self.db["lru"])
+            self.lru_put(txn, parent)
         self.add_counter(txn, b"total_bytes", -meta.file_bytes)
+        why = {"num_evicted": 1, "num_cap_evictions": int(cap)} if evicted else {"num_removed": 1}
+        release = {"nbytes": -meta.file_bytes, "num_blocks": -1}
+        shares.add(txn, self.db["meta"], meta.tenant, release | why)
         self._drop_file(meta.key)
         return meta.file_bytes
+
+    def lru_put(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
+        """Make ``meta`` a leaf in the LRU and in its tenant's."""
+        lru = lru_key(meta)
+        txn.put(lru, b"", db=self.db["lru"])
+        txn.put(shares.lru_entry(meta, lru), b"", db=self.db["tenant_lru"])
+
+    def lru_delete(self, txn: lmdb.Transaction, meta: BlockMeta) -> bool:
+        """Take ``meta`` out of the LRU and its tenant's; whether it was in the LRU."""
+        lru = lru_key(meta)
+        txn.delete(shares.lru_entry(meta, lru), db=self.db["tenant_lru"])
+        return txn.delete(lru, db=self.db["lru"])
 
     def drop_key(self, txn: lmdb.Transaction, key: bytes) -> int:
         """Drop ``key``'s entry (even an unreadable one); how many entries went (0: none)."""
@@ -139,8 +162,10 @@ class Entries:
         return self.has_children(txn, meta.key) or self.pinned(txn, meta.key)
 
     def rebuild(self, txn: lmdb.Transaction) -> int:
-        """Recompute LRU, child links, byte total; drops unreadable entries: how many."""
+        """Recompute LRUs, child links, byte totals (the tenants' too); drops unreadable
+        entries: how many."""
         txn.drop(self.db["lru"], delete=False)
+        txn.drop(self.db["tenant_lru"], delete=False)
         txn.drop(self.db["children"], delete=False)
         metas, num_bad = [], 0
         for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.db["blocks"])]:
@@ -155,9 +180,10 @@ class Entries:
             txn.put(meta.parent, meta.key, db=self.db["children"])
         for meta in metas:
             if not self.leaf_pinned(txn, meta):
-                txn.put(lru_key(meta), b"", db=self.db["lru"])
+                self.lru_put(txn, meta)
         total = sum(m.file_bytes for m in metas)
         txn.put(b"total_bytes", _U64.pack(total), db=self.db["meta"])
+        shares.recount(txn, self.db["meta"], metas)
         return num_bad
 
     def counter(self, txn: lmdb.Transaction, name: bytes) -> int:

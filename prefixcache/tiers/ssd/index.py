@@ -8,11 +8,14 @@ Named databases of one environment (one per path per process)::
     children  parent key -> child keys (dupsort) of every indexed block
     writing   key -> pid, thread id, file bytes of each payload being written
     pins      key -> pin end, file bytes
+    tenant_lru  each tenant's leaves, least recently used first (shares.py)
 
 A write reserves its bytes (:meth:`SsdIndex.reserve`: room made by evicting LRU
 leaves, within the cap and the disk's free space), writes the payload, then
 :meth:`SsdIndex.finish_writes` indexes it; every verb keeps the databases
 consistent (``Entries``). Opening clears dead processes' ``writing`` records: O(1).
+An index of the previous format version (no tenant in its entries) opens as
+it is read-only, and is upgraded once when opened to write (version.py).
 """
 
 from __future__ import annotations
@@ -30,20 +33,20 @@ import lmdb
 
 from ...blocks import BlockMeta, encode_meta
 from ...errors import SsdFormatError
-from . import budget, pinning, space
-from .entries import Entries, decode_or_none, lru_key
+from . import budget, pinning, shares, space
+from .entries import Entries, decode_or_none
 from .files import DIR_MODE, FILE_MODE
 from .lmdb_env import SharedEnv
 from .records import RECORD_DBS
 from .space import Reservation, Wanted
-from .version import check_format
+from .version import FORMAT_VERSION, recorded_version, upgrade
 
 __all__ = ["Reservation", "SsdIndex", "Wanted", "decode_or_none"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_DBS = ("meta", "blocks", "lru", "children", "writing", "pins", *RECORD_DBS)
+_DBS = ("meta", "blocks", "lru", "children", "writing", "pins", *RECORD_DBS, *shares.TENANT_DBS)
 _DUPSORT = ("children",)
 
 
@@ -67,7 +70,7 @@ class SsdIndex:
         if not readonly:
             os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         self.path = os.path.realpath(path)
-        try:
+        try:  # read-only, an index of the previous version has no tenant_lru (writes use it)
             self._shared = SharedEnv.acquire(
                 self.path,
                 map_size=map_size,
@@ -75,6 +78,7 @@ class SsdIndex:
                 dupsort=_DUPSORT,
                 readonly=readonly,
                 mode=FILE_MODE,
+                optional=shares.TENANT_DBS,
             )
         except lmdb.NotFoundError as e:
             raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
@@ -177,20 +181,27 @@ class SsdIndex:
         max_bytes: int,
         min_free_bytes: int,
         free_bytes: int,
+        limits: shares.Limits | None = None,
     ) -> Reservation:
-        """Reserve room for payloads (key, file bytes, disk footprint) about to be written.
+        """Reserve room for payloads (key, file bytes, disk footprint, tenant) about to
+        be written.
 
-        Evicts LRU leaves so that indexed + reserved file bytes stay <= ``max_bytes``
+        Evicts leaves so that indexed + reserved file bytes stay <= ``max_bytes``
         and ``free_bytes`` (free disk now) minus the footprints stays >=
-        ``min_free_bytes``. Keys that are indexed or being written already are skipped.
+        ``min_free_bytes``; ``limits``: the tenants' floors and caps (space.py).
+        Keys that are indexed or being written already are skipped.
         """
         owner = (os.getpid(), threading.get_native_id())
         return self.transact(
             lambda t: space.reserve(
-                t, self.entries, wanted, owner, max_bytes, min_free_bytes, free_bytes
+                t, self.entries, wanted, owner, max_bytes, min_free_bytes, free_bytes, limits
             ),
             write=True,
         )
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """Every tenant's figures on this tier, all processes (shares.py)."""
+        return self.transact(lambda t: shares.every(t, self._db["meta"]))
 
     def finish_writes(
         self, reserved: Sequence[bytes], written: Sequence[BlockMeta], *, write_budget: int = 0
@@ -238,8 +249,8 @@ class SsdIndex:
                     continue
                 new = dataclasses.replace(meta, last_used=now)
                 txn.put(key, encode_meta(new), db=self._db["blocks"])
-                if txn.delete(lru_key(meta), db=self._db["lru"]):
-                    txn.put(lru_key(new), b"", db=self._db["lru"])
+                if self.entries.lru_delete(txn, meta):
+                    self.entries.lru_put(txn, new)
 
         self.transact(run, write=True)
 
@@ -268,13 +279,15 @@ class SsdIndex:
         """Drop entries and their payload files; returns the keys that were indexed."""
         return self.transact(lambda t: [k for k in keys if self.entries.drop_key(t, k)], write=True)
 
-    def evict_to(self, nbytes: int) -> list[bytes]:
-        """Evict LRU leaves until at most ``nbytes`` are indexed; returns their keys."""
+    def evict_to(self, nbytes: int, limits: shares.Limits | None = None) -> list[bytes]:
+        """Evict leaves until at most ``nbytes`` are indexed (``limits``: the tenants'
+        floors, space.py); returns their keys."""
+        pick = space.tenant_leaf(limits) if limits else None
 
         def run(txn: lmdb.Transaction) -> list[bytes]:
             evicted: list[bytes] = []
             pinning.expire(txn, self.entries)
-            space.evict(txn, self.entries, lambda total, _: total <= nbytes, evicted)
+            space.evict(txn, self.entries, lambda total, _: total <= nbytes, evicted, pick)
             return evicted
 
         return self.transact(run, write=True)
@@ -282,14 +295,19 @@ class SsdIndex:
     # -- internals --------------------------------------------------------
 
     def _open_format(self, readonly: bool) -> None:
-        """Record the format in a new index, or refuse another format (version.py)."""
-        if self.transact(lambda t: check_format(t, self._db["meta"], self.path, write=False)):
+        """Record the format in a new index, upgrade an index of an older version when
+        opened to write, or refuse another format (version.py)."""
+        meta = self._db["meta"]
+        version = self.transact(lambda t: recorded_version(t, meta, self.path))
+        self.format_version = version or FORMAT_VERSION  # what it is once open
+        if version == FORMAT_VERSION:
             return
         if readonly:
-            raise SsdFormatError(f"SSD tier index {self.path} records no format version")
-        self.transact(
-            lambda t: check_format(t, self._db["meta"], self.path, write=True), write=True
-        )
+            if version is None:
+                raise SsdFormatError(f"SSD tier index {self.path} records no format version")
+            return  # an older version reads as it is: its entries' tenant is the default
+        self.format_version = FORMAT_VERSION
+        self.transact(lambda t: upgrade(t, meta, self.path, self.entries.rebuild), write=True)
 
     def clear_dead_writes(self) -> int:
         """Remove temp files and unindexed payloads of writers that died (O(#records))."""

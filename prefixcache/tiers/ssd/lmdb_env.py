@@ -127,8 +127,10 @@ class SharedEnv:
         dupsort: Sequence[str] = (),
         readonly: bool = False,
         mode: int = 0o600,
+        optional: Sequence[str] = (),
     ) -> SharedEnv:
         """Open (or share the already open) environment at ``path`` (files made ``mode``).
+        ``optional``: those of ``dbs`` left out (read-only) if they do not exist.
 
         Raises:
             ValueError: a writable open of a path this process has open read-only.
@@ -151,10 +153,7 @@ class SharedEnv:
             )
             try:
                 env.reader_check()  # free reader slots of dead processes
-                handles = {
-                    name: env.open_db(name.encode(), dupsort=name in dupsort, create=not readonly)
-                    for name in dbs
-                }
+                handles = _open_dbs(env, dbs, dupsort, readonly, optional)
                 shared = cls(path, env, handles, readonly, mode)
             except BaseException:
                 env.close()
@@ -200,3 +199,22 @@ class SharedEnv:
                 self._gate.resize(self.env, size)
             except lmdb.MapResizedError:
                 self._gate.resize(self.env, 0)
+
+
+def _open_dbs(
+    env: lmdb.Environment,
+    dbs: Sequence[str],
+    dupsort: Sequence[str],
+    readonly: bool,
+    optional: Sequence[str],
+) -> dict[str, object]:
+    """Handles of ``dbs`` (made if missing unless ``readonly``; then an ``optional``
+    one that is missing is left out)."""
+    handles = {}
+    for name in dbs:
+        try:
+            handles[name] = env.open_db(name.encode(), dupsort=name in dupsort, create=not readonly)
+        except lmdb.NotFoundError:
+            if name not in optional:
+                raise
+    return handles

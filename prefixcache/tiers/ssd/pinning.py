@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import lmdb
 
-from .entries import PIN, Entries, lru_key
+from .entries import PIN, Entries
 
 
 def pin(
@@ -27,7 +27,7 @@ def pin(
         txn.put(key, PIN.pack(until, file_bytes), db=entries.db["pins"])
         meta = entries.meta(txn, key)
         if meta is not None:
-            txn.delete(lru_key(meta), db=entries.db["lru"])
+            entries.lru_delete(txn, meta)
 
 
 def unpin(txn: lmdb.Transaction, entries: Entries, keys: Sequence[bytes]) -> int:
@@ -64,4 +64,4 @@ def records(txn: lmdb.Transaction, entries: Entries) -> dict[bytes, tuple[float,
 def _back_to_lru(txn: lmdb.Transaction, entries: Entries, key: bytes) -> None:
     meta = entries.meta(txn, key)
     if meta is not None and not entries.leaf_pinned(txn, meta):
-        txn.put(lru_key(meta), b"", db=entries.db["lru"])
+        entries.lru_put(txn, meta)

@@ -87,7 +87,7 @@ def streamed(job: Job, arrays: Mapping[str, HostArray | Placed]) -> StreamedBloc
     meta = job.meta
     assert meta is not None
     return StreamedBlock(
-        meta.key, meta.parent, meta.root, meta.index, meta.tokens, arrays, meta.nbytes
+        meta.key, meta.parent, meta.root, meta.index, meta.tokens, arrays, meta.nbytes, meta.tenant
     )
 
 

@@ -79,7 +79,9 @@ class SsdReads:
             self.read_error(key, e)
             return None
         self.note_loads([key], nbytes)
-        return Block(key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes)
+        return Block(
+            key, meta.parent, meta.root, meta.index, meta.tokens, arrays, nbytes, meta.tenant
+        )
 
     def read_error(self, key: bytes, error: OSError) -> None:
         """A payload that cannot be read now (EMFILE, EIO...): a miss, not a verdict."""

@@ -14,7 +14,8 @@ followed) is quarantined, counted, logged once and becomes a miss. A disk or
 index failure at run time (full, read-only, gone, I/O error) turns writes off
 with one log line and is retried (health.py, writes.py): never raised to the cache.
 The tier also answers the contract's operator hooks: pins kept in its index (they
-survive a restart; pinning.py), its write budget (budget.py) and its events.
+survive a restart; pinning.py), its write budget (budget.py), its events, and
+each tenant's share, kept in its index too (shares.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..base import (
     Metered,
     Persistent,
     ReportsEvents,
+    SharesTenants,
     Tier,
     TierReader,
 )
@@ -47,12 +49,13 @@ from .payload import encode_header, read_header
 from .reads import SsdReads
 from .recent import recent_chains
 from .records import SsdRecords
+from .shares import COUNTERS, FIELDS
 from .writes import SsdWrites
 
 logger = logging.getLogger(__name__)
 
 
-class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier):
+class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, SharesTenants, Tier):
     """The SSD tier of one directory: put / load / touch blocks, bounded in bytes.
 
     Args:
@@ -302,9 +305,27 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Tier
         self._writes.report_removed(removed)
         return len(removed)
 
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Each tenant's figures on this tier (all processes), with this process's
+        floors and caps."""
+        limits, held = self._writes.limits, self.index.tenants()
+        out = {}
+        for name in sorted({*held, *limits.floors, *limits.caps}):
+            figures = held.get(name, dict.fromkeys(FIELDS, 0))
+            floor, cap = limits.floors.get(name, 0), limits.caps.get(name, -1)
+            out[name] = {
+                "num_blocks": figures["num_blocks"],
+                "nbytes": figures["nbytes"],
+                "floor_bytes": floor,
+                "cap_bytes": cap,
+                **{key: figures[key] for key in COUNTERS},
+            }
+        return out
+
     def evict_to(self, nbytes: int) -> int:
-        """Evict LRU leaves until at most ``nbytes`` are stored; returns blocks evicted."""
-        evicted = self.index.evict_to(nbytes)
+        """Evict leaves until at most ``nbytes`` are stored (the tenants' floors
+        apply); returns blocks evicted."""
+        evicted = self.index.evict_to(nbytes, self._writes.limits or None)
         self._counts.add("num_evictions", len(evicted))
         self._writes.report_removed(evicted)
         return len(evicted)

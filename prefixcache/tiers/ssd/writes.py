@@ -25,6 +25,7 @@ from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
 from .index import SsdIndex
 from .payload import encode_header, write_payload
+from .shares import Limits
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class SsdWrites:
     Args:
         index: the tier's index.
         payloads: root of the payload files.
-        config: ``ssd_max_bytes`` and ``ssd_min_free_bytes``.
+        config: ``ssd_max_bytes``, ``ssd_min_free_bytes`` and the tenants' shares.
         counts: the tier's counters.
         health: the tier's on/off state of writes.
     """
@@ -48,6 +49,7 @@ class SsdWrites:
         self.index, self.payloads = index, payloads
         self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
         self.write_budget = config.ssd_write_budget
+        self.limits = Limits(config.ssd_tenant_floors_bytes, config.ssd_tenant_caps_bytes)
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
         self._lock = threading.Lock()  # writer thread vs inline writes
@@ -94,13 +96,15 @@ class SsdWrites:
         wanted = []
         for it in items:
             file_bytes = len(headers[it.block.key]) + it.nbytes
-            wanted.append((it.block.key, file_bytes, _footprint(file_bytes, fs_block)))
+            footprint = _footprint(file_bytes, fs_block)
+            wanted.append((it.block.key, file_bytes, footprint, it.block.tenant))
         try:
             res = self.index.reserve(
                 wanted,
                 max_bytes=self.max_bytes,
                 min_free_bytes=self.min_free_bytes,
                 free_bytes=_free_bytes(self.payloads),
+                limits=self.limits or None,
             )
         except TierError:
             self.counts.add("num_dropped_writes", len(items))
@@ -108,7 +112,7 @@ class SsdWrites:
         self.counts.add("num_existing", res.num_existing)
         self.counts.add("num_evictions", res.num_evicted)
         self.report_removed(res.evicted)
-        self.counts.add("num_no_room", res.num_no_room)
+        self.counts.add("num_no_room", res.num_no_room + res.num_over_cap)
         accepted = set(res.accepted)
         todo = [it for it in items if it.block.key in accepted]
         written: list[BlockMeta] = []
@@ -118,7 +122,8 @@ class SsdWrites:
             try:
                 self._finish(res.accepted, written)
             finally:
-                self.counts.add("num_dropped_writes", len(todo) - len(written) + res.num_no_room)
+                refused = res.num_no_room + res.num_over_cap
+                self.counts.add("num_dropped_writes", len(todo) - len(written) + refused)
 
     def report_removed(self, keys: Sequence[bytes]) -> None:
         """Tell the listener (KV events) blocks left the tier."""
@@ -172,4 +177,4 @@ def _free_bytes(path: str) -> int:
 
 def _footprint(file_bytes: int, fs_block: int) -> int:
     """Disk space a payload write takes: whole fs blocks plus slack for index and dirs."""
-    return -(-file_bytes // fs_block) * fs_block + 4 * fs_block
+    return -(-file_bytes // fs_block) * fs_block + 6 * fs_block
