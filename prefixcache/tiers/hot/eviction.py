@@ -47,6 +47,8 @@ class Eviction:
         policy: ``density``, ``frequency`` or ``adaptive`` (made at the first
             block: sized in blocks), ``fifo``, else ``lru`` or ``cost`` as ``cost``
             is given.
+        states: blocks resume only where recurrent state was kept (the tier sheds
+            state inside chains: a hybrid model).
     """
 
     def __init__(
@@ -58,9 +60,12 @@ class Eviction:
         *,
         cost: CostHook | None = None,
         policy: str = "",
+        states: bool = False,
     ) -> None:
         self.order, self.children, self.pins = order, children, pins
-        self.credits = Credits(cost, held) if cost is not None else None
+        self.cost, self.states = cost, states
+        weighs = cost is not None and policy != "adaptive"  # adaptive weighs cost its own way
+        self.credits = Credits(cost, held) if weighs else None
         self.policy = policy
         self.density: DensityPolicy | None = None
         self.frequency: FrequencyPolicy | None = None
@@ -68,6 +73,11 @@ class Eviction:
         # the order victims are scanned in: storing order for fifo, else the tier's LRU
         self.scan = OrderedDict[bytes, None]() if policy == "fifo" else order
         self.num_refused = 0
+        self.lean: set[bytes] = set()  # blocks whose state was shed: a leaf resumes nothing
+
+    def shed(self, key: bytes) -> None:
+        """``key`` lost its recurrent state (inside a chain): once a leaf, it goes first."""
+        self.lean.add(key)
 
     def admits(self, block: Block, *, room: int, max_bytes: int) -> bool:
         """Whether ``block`` may come in (``room``: bytes free before it). Only the
@@ -78,7 +88,9 @@ class Eviction:
         capacity = max(1, max_bytes // max(1, block.nbytes))
         if self.policy == "adaptive":
             if self.adaptive is None:
-                self.adaptive = AdaptivePolicy(capacity, self.order, self.children)
+                self.adaptive = AdaptivePolicy(
+                    capacity, self.order, self.children, cost=self.cost, states=self.states
+                )
             full, pinned = block.nbytes > room, self.pins.holds(block.key)
             if self.adaptive.admits(block, full=full, pinned=pinned):
                 return True
@@ -146,8 +158,10 @@ class Eviction:
             self.frequency.forget(block.key)
             if block.parent in self.order and not self.children.get(block.parent):
                 self.frequency.leaf(block.parent)
+        if self.lean:
+            self.lean.discard(block.key)
         if self.adaptive is not None:
-            self.adaptive.removed(block.key, block.parent)
+            self.adaptive.removed(block.key, block.parent, lean=block.parent in self.lean)
 
     def victim(self, keep: bytes | None = None) -> bytes | None:
         """The leaf to evict (never a pinned one, ``keep`` only if nothing else), or None.

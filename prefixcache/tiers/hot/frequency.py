@@ -55,7 +55,7 @@ class FrequencyPolicy:
         """The priority ``key`` would enter with (its uses counted, this one too)."""
         return self.floor + self.uses.get(key, 0) + 1
 
-    def set(self, key: Hashable, uses: int) -> None:
+    def set(self, key: Hashable, uses: float) -> None:
         """``key`` (held) was used: its priority is now the floor plus ``uses``."""
         self._priority[key] = self.floor + uses
         self._serial += 1
@@ -66,6 +66,11 @@ class FrequencyPolicy:
         """``key`` may be a leaf now: put it on the heap (checked when popped), in its
         place by its last use (with every count 1, the order is LRU's)."""
         heapq.heappush(self._heap, (self._priority[key], self._used_at[key], key))
+
+    def first(self, key: Hashable) -> None:
+        """``key`` (held, a leaf) is worth nothing: it goes before every other leaf."""
+        self._priority[key] = -1.0  # below any floor
+        self.leaf(key)
 
     def forget(self, key: Hashable) -> None:
         self._priority.pop(key, None)
