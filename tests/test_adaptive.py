@@ -99,19 +99,19 @@ def _key(name: str) -> bytes:
 def test_a_costlier_block_outlives_an_older_cheap_one_until_the_reach_is_known(
     share, weighed, first_out
 ):
-    """Until the reach is known the order is LRU with cost's bias: a deep block
+    """Until the reach is known the order is cost's (credit.py): a deep block
     (ten times the recompute FLOPs) stored first goes after a shallow one stored
-    later. Controls: without the cost hook, and at a reach of 0.9 or more
+    after it. Controls: without the cost hook, and at a reach of 0.9 or more
     (``lru``), the older one goes first."""
-    hot = HotTier(2 * 64, policy="adaptive", cost=lambda b: 1.0 + 9 * (b.index > 0))
-    _held_in(hot, share, cost=hot.eviction.cost if weighed else None)
-    hot.put(_block("seen"))  # the least cost seen, before the deep block comes
-    hot.remove([_key("seen")])
-    hot.put(_block("deep", _key("x"), 40))
-    hot.put(_block("cheap"))
-    hot.put(_block("new"))
-    assert len(hot) == 2
-    assert _key(first_out) not in hot
+    cost = (lambda b: 1.0 + 9 * (b.index > 0)) if weighed else None
+    hot = HotTier(6 * 64, policy="adaptive", cost=cost)
+    _held_in(hot, share, cost=cost)
+    names = ["s0", "s1", "s2", "s3", "deep", "cheap"] + [f"n{i}" for i in range(5)]
+    for name in names:
+        hot.put(_block(name, _key("x"), 40) if name == "deep" else _block(name))
+    assert len(hot) == 6 and not any(_key(f"s{i}") in hot for i in range(4))
+    kept = {"deep", "cheap"} - {first_out}
+    assert _key(first_out) not in hot and _key(kept.pop()) in hot
 
 
 def _lean(block: Block) -> Block | None:

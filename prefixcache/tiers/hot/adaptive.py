@@ -6,14 +6,13 @@ admitted). How the floor moves and which newcomers come in follows the
 cache's reach (reach.py: the share of first reuses that come within one
 capacity of new blocks), re-measured all along:
 
-- ``recent`` (until the reach is known: a fresh or small cache): every use
-  counts as one, so the floor rising to each victim's priority makes it LRU
-  (GreedyDual with one cost), with ``cost``'s bias (credit.py): a block
-  costlier to recompute (deeper) ranks higher by ``EXTRA_LIFE`` per 100%
-  above the least, about that share of a turnover of the cache.
+- ``recent`` (until the reach is known: a fresh or small cache): the hot
+  tier evicts by ``cost``'s credits (eviction.py, credit.py: recency with a
+  longer life for blocks costlier to recompute; for a hybrid, LRU); the heap
+  here keeps LRU's order, every use counting one.
 - ``lru`` (reach 0.9 or more): the cache holds nearly every chain until its
   next use; counts would only keep old popular blocks past their use, and
-  the cost bias keeps deep blocks nobody resumes: recency alone.
+  a cost bias deep blocks nobody resumes: recency alone (LRU).
 - ``full`` (reach 0.5 to 0.9): the floor rises to each victim's priority
   (aging), every newcomer comes in. The cache holds most chains until their
   next use already: recency with a bias to reuse.
@@ -30,7 +29,9 @@ capacity of new blocks), re-measured all along:
   the hits left are on blocks used all the time (shared prefixes). No aging:
   the most used blocks stay (plain LFU).
 
-In the counted regimes a block's priority adds the same cost bias. For a
+In the counted regimes (``keep``, ``sample``, ``full``) a block's priority
+adds ``cost``'s bias: ``EXTRA_LIFE`` per 100% of recompute FLOPs above the
+least seen (about that share of a turnover of the cache). For a
 hybrid model (``states``: a prompt resumes only where recurrent state was
 kept) a block's own cost is not what its eviction loses: a chain's end holds
 the state the whole chain resumes from, so a block going on a held chain
@@ -82,10 +83,10 @@ class AdaptivePolicy:
         kids: parent key -> child keys held (read only).
         sample: share of new chains admitted in the ``sample`` regime, in (0, 1].
         reach: the reach estimator (a fresh one by default).
-        cost: recompute FLOPs of a block (credit.py's hook): a costlier block ranks
-            higher, by ``EXTRA_LIFE`` per 100% above the least (None: not weighed;
-            not with ``states``: there a block's own cost is not what its eviction
-            loses, the chain back to the last state is).
+        cost: recompute FLOPs of a block (credit.py's hook): in the counted regimes a
+            costlier block ranks higher, by ``EXTRA_LIFE`` per 100% above the least
+            (None: not weighed; not with ``states``: there a block's own cost is not
+            what its eviction loses, the chain back to the last state is).
         states: blocks resume only where recurrent state was kept (a hybrid model).
     """
 
@@ -174,12 +175,10 @@ class AdaptivePolicy:
         self._rank(key, self._seen(key))
 
     def _rank(self, key: Hashable, uses: int) -> None:
-        regime = self.regime
-        if regime == "lru":
+        if self.regime in _COUNTED:
+            self.frequency.set(key, uses + self._extra.get(key, 0.0))
+        else:
             self.frequency.set(key, 1)
-            return
-        extra = self._extra.get(key, 0.0)
-        self.frequency.set(key, (1 if regime == "recent" else uses) + extra)
 
     def removed(self, key: Hashable, parent: Hashable, *, lean: bool = False) -> None:
         """``key`` left (already out of ``held`` and of its parent's children);

@@ -11,7 +11,8 @@ Victims are always leaves (no child in the hot tier) and never pinned:
 - ``frequency``: the leaf of least use count plus an aging floor (frequency.py,
   GreedyDual over counts); a newcomer not used more than the victim is refused.
 - ``adaptive``: ``frequency``'s victim, with its aging and a sampled admission
-  of new chains set by the cache's measured reach (adaptive.py, reach.py).
+  of new chains set by the cache's measured reach (adaptive.py, reach.py);
+  ``cost``'s until the reach is known (not for a hybrid model).
 
 The hot tier owns one :class:`Eviction`, hands it its own LRU order and
 children map, and tells it what happens to its blocks (added, used,
@@ -64,7 +65,9 @@ class Eviction:
     ) -> None:
         self.order, self.children, self.pins = order, children, pins
         self.cost, self.states = cost, states
-        weighs = cost is not None and policy != "adaptive"  # adaptive weighs cost its own way
+        # adaptive ranks by cost's credits until its reach is known (not for a hybrid:
+        # there a block's own cost is not what its eviction loses)
+        weighs = cost is not None and not (policy == "adaptive" and states)
         self.credits = Credits(cost, held) if weighs else None
         self.policy = policy
         self.density: DensityPolicy | None = None
@@ -171,7 +174,7 @@ class Eviction:
         """
         if self.density is not None:
             return self.density.victim(_Excluded(self.pins, keep))
-        if self.adaptive is not None:
+        if self.adaptive is not None and not (self.credits and self.adaptive.regime == "recent"):
             return self.adaptive.victim(_Excluded(self.pins, keep), _Excluded(self.pins))  # type: ignore[return-value]
         if self.frequency is not None:
             found = self.frequency.least(_Excluded(self.pins, keep)) or self.frequency.least(
