@@ -105,7 +105,7 @@ def test_a_costlier_block_outlives_an_older_cheap_one_until_the_reach_is_known(
     (``lru``), the older one goes first."""
     cost = (lambda b: 1.0 + 9 * (b.index > 0)) if weighed else None
     hot = HotTier(6 * 64, policy="adaptive", cost=cost)
-    _held_in(hot, share, cost=cost)
+    _held_in(hot, share)
     names = ["s0", "s1", "s2", "s3", "deep", "cheap"] + [f"n{i}" for i in range(5)]
     for name in names:
         hot.put(_block(name, _key("x"), 40) if name == "deep" else _block(name))

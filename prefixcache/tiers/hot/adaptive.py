@@ -11,8 +11,8 @@ capacity of new blocks), re-measured all along:
   longer life for blocks costlier to recompute; for a hybrid, LRU); the heap
   here keeps LRU's order, every use counting one.
 - ``lru`` (reach 0.9 or more): the cache holds nearly every chain until its
-  next use; counts would only keep old popular blocks past their use, and
-  a cost bias deep blocks nobody resumes: recency alone (LRU).
+  next use; counts would only keep old popular blocks past their use:
+  recency alone (LRU).
 - ``full`` (reach 0.5 to 0.9): the floor rises to each victim's priority
   (aging), every newcomer comes in. The cache holds most chains until their
   next use already: recency with a bias to reuse.
@@ -29,12 +29,10 @@ capacity of new blocks), re-measured all along:
   the hits left are on blocks used all the time (shared prefixes). No aging:
   the most used blocks stay (plain LFU).
 
-In the counted regimes (``keep``, ``sample``, ``full``) a block's priority
-adds ``cost``'s bias: ``EXTRA_LIFE`` per 100% of recompute FLOPs above the
-least seen (about that share of a turnover of the cache). For a
-hybrid model (``states``: a prompt resumes only where recurrent state was
-kept) a block's own cost is not what its eviction loses: a chain's end holds
-the state the whole chain resumes from, so a block going on a held chain
+For a hybrid model (``states``: a prompt resumes only where recurrent state
+was kept) a leaf's eviction loses more than the leaf: a chain's end holds
+the state the whole chain resumes from. So in the counted regimes (``keep``,
+``sample``, ``full``) a block going on a held chain
 takes its parent's count (up to ``INHERIT_UP_TO``: a conversation's turns),
 and a block whose state was shed goes first once it is a leaf (it resumes
 nothing: eviction.py tells this policy).
@@ -50,7 +48,6 @@ from __future__ import annotations
 from collections.abc import Container, Hashable, Mapping
 
 from ...blocks import Block
-from .credit import EXTRA_LIFE, CostHook
 from .frequency import FrequencyPolicy
 from .reach import Reach
 
@@ -83,10 +80,6 @@ class AdaptivePolicy:
         kids: parent key -> child keys held (read only).
         sample: share of new chains admitted in the ``sample`` regime, in (0, 1].
         reach: the reach estimator (a fresh one by default).
-        cost: recompute FLOPs of a block (credit.py's hook): in the counted regimes a
-            costlier block ranks higher, by ``EXTRA_LIFE`` per 100% above the least
-            (None: not weighed; not with ``states``: there a block's own cost is not
-            what its eviction loses, the chain back to the last state is).
         states: blocks resume only where recurrent state was kept (a hybrid model).
     """
 
@@ -98,7 +91,6 @@ class AdaptivePolicy:
         *,
         sample: float = SAMPLE,
         reach: Reach | None = None,
-        cost: CostHook | None = None,
         states: bool = False,
     ) -> None:
         if not isinstance(capacity, int) or capacity < 1:
@@ -110,9 +102,7 @@ class AdaptivePolicy:
         self.frequency = FrequencyPolicy(capacity, held, kids)
         self.reach = reach if reach is not None else Reach()
         self.num_sampled_out = 0
-        self.cost, self.states = cost, states
-        self._least = 0.0  # least recompute FLOPs of a block seen (0: none yet)
-        self._extra: dict[Hashable, float] = {}  # key -> priority for its recompute cost
+        self.states = states
 
     @property
     def regime(self) -> str:
@@ -149,8 +139,6 @@ class AdaptivePolicy:
     def added(self, key: Hashable) -> None:
         block = self.held[key]
         uses = self.frequency.uses.get(key, 1)
-        if self.cost is not None and not self.states:
-            self._extra[key] = self._worth(block)
         if self.states and self.regime in _COUNTED and self._continues(block):
             up = min(self.frequency.uses.get(block.parent, 1), INHERIT_UP_TO)
             if up > uses:  # the chain's end holds what the chain resumes: its count
@@ -162,21 +150,12 @@ class AdaptivePolicy:
         at most one other child, a tail)."""
         return block.parent in self.held and len(self.kids.get(block.parent, ())) <= 2
 
-    def _worth(self, block: Block) -> float:
-        """Extra priority for what ``block`` saves: EXTRA_LIFE per 100% of recompute
-        FLOPs above the least seen (credit.py's rule, in turnovers of the cache)."""
-        assert self.cost is not None
-        flops = self.cost(block)
-        if flops > 0 and (self._least == 0 or flops < self._least):
-            self._least = flops
-        return EXTRA_LIFE * (flops / self._least - 1.0) if self._least > 0 else 0.0
-
     def used(self, key: Hashable) -> None:
         self._rank(key, self._seen(key))
 
     def _rank(self, key: Hashable, uses: int) -> None:
         if self.regime in _COUNTED:
-            self.frequency.set(key, uses + self._extra.get(key, 0.0))
+            self.frequency.set(key, uses)
         else:
             self.frequency.set(key, 1)
 
@@ -184,7 +163,6 @@ class AdaptivePolicy:
         """``key`` left (already out of ``held`` and of its parent's children);
         ``lean``: the parent holds no state, so as a leaf it resumes nothing and goes first."""
         self.frequency.forget(key)
-        self._extra.pop(key, None)
         if parent in self.held and not self.kids.get(parent):
             if lean:
                 self.frequency.first(parent)

@@ -64,7 +64,7 @@ class Eviction:
         states: bool = False,
     ) -> None:
         self.order, self.children, self.pins = order, children, pins
-        self.cost, self.states = cost, states
+        self.states = states
         # adaptive ranks by cost's credits until its reach is known (not for a hybrid:
         # there a block's own cost is not what its eviction loses)
         weighs = cost is not None and not (policy == "adaptive" and states)
@@ -92,7 +92,7 @@ class Eviction:
         if self.policy == "adaptive":
             if self.adaptive is None:
                 self.adaptive = AdaptivePolicy(
-                    capacity, self.order, self.children, cost=self.cost, states=self.states
+                    capacity, self.order, self.children, states=self.states
                 )
             full, pinned = block.nbytes > room, self.pins.holds(block.key)
             if self.adaptive.admits(block, full=full, pinned=pinned):
