@@ -6,7 +6,7 @@
 - ``sub0`` / ``sub1``: the conversations of one half of a seeded split.
 - ``half1`` / ``half2``: the first / last half of the requests in time.
 
-    python tools/trace_variants.py TRACE sub0 > sub0.jsonl   # a variant as a trace
+    python tools/trace_variants.py TRACE sub0 [SEED] > sub0.jsonl   # a variant as a trace
 """
 
 from __future__ import annotations
@@ -46,10 +46,12 @@ def make_variant(requests: list[TraceRequest], name: str, seed: int = 1) -> list
 
 
 def main() -> None:
-    """Write ``argv[2]`` of the trace ``argv[1]`` to stdout, in the trace's format."""
-    if len(sys.argv) != 3:
-        sys.exit("usage: trace_variants.py TRACE none|shift|sub0|sub1|half1|half2")
-    for r in make_variant(read_trace(sys.argv[1]), sys.argv[2]):
+    """Write variant ``argv[2]`` (seed ``argv[3]``, 1 by default) of the trace ``argv[1]``
+    to stdout, in the trace's format."""
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: trace_variants.py TRACE none|shift|sub0|sub1|half1|half2 [SEED]")
+    seed = int(sys.argv[3]) if len(sys.argv) == 4 else 1
+    for r in make_variant(read_trace(sys.argv[1]), sys.argv[2], seed):
         doc = {"timestamp": r.timestamp_ms, "input_length": r.input_length}
         doc |= {"output_length": r.output_length, "hash_ids": list(r.hash_ids)}
         print(json.dumps(doc))
