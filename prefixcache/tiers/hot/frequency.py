@@ -55,7 +55,7 @@ class FrequencyPolicy:
         """The priority ``key`` would enter with (its uses counted, this one too)."""
         return self.floor + self.uses.get(key, 0) + 1
 
-    def set(self, key: Hashable, uses: float) -> None:
+    def set(self, key: Hashable, uses: int) -> None:
         """``key`` (held) was used: its priority is now the floor plus ``uses``."""
         self._priority[key] = self.floor + uses
         self._serial += 1
