@@ -65,8 +65,9 @@ class CacheConfig:
             ``frequency``: the leaf of least use count over an aging floor, and
             a newcomer used no more than that is not kept (frequency.py);
             ``adaptive``: ``frequency``'s victim, its aging and a sampled
-            admission of new chains set by the reach it measures (LRU until
-            then: tiers/hot/adaptive.py); ``fifo``: the leaf stored first.
+            admission of new chains set by the reach it measures (``cost``'s
+            victim until then, LRU's from a reach of 0.9: tiers/hot/adaptive.py);
+            ``fifo``: the leaf stored first.
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.

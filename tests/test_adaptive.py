@@ -59,7 +59,7 @@ def test_reach_is_unknown_until_enough_reuses():
 
 @pytest.mark.parametrize(
     ("share", "regime"),
-    [(None, "recent"), (0.05, "keep"), (0.3, "sample"), (0.7, "full"), (1.0, "full")],
+    [(None, "recent"), (0.05, "keep"), (0.3, "sample"), (0.7, "full"), (0.95, "lru")],
 )
 def test_regime_follows_the_reach(share, regime):
     policy = AdaptivePolicy(8, {}, {})
@@ -78,6 +78,85 @@ def test_bad_input_names_the_value():
         Reach(horizon=1)
     with pytest.raises(ValueError, match=r"decide_after.*\b0"):
         Reach(decide_after=0)
+
+
+def _held_in(hot: HotTier, share: float | None, **kw) -> AdaptivePolicy:
+    """``hot``'s adaptive policy held at reach ``share`` (None: not known yet)."""
+    reach = Reach(decide_after=1 << 30)
+    reach.share = share
+    hot.eviction.adaptive = AdaptivePolicy(8, hot._lru, hot._children, reach=reach, **kw)
+    return hot.eviction.adaptive
+
+
+def _key(name: str) -> bytes:
+    return name.encode().ljust(16, b".")
+
+
+@pytest.mark.parametrize(
+    ("share", "weighed", "first_out"),
+    [(None, True, "cheap"), (None, False, "deep"), (0.95, True, "deep")],
+)
+def test_a_costlier_block_outlives_an_older_cheap_one_until_the_reach_is_known(
+    share, weighed, first_out
+):
+    """Until the reach is known the order is cost's (credit.py): a deep block
+    (ten times the recompute FLOPs) stored first goes after a shallow one stored
+    after it. Controls: without the cost hook, and at a reach of 0.9 or more
+    (``lru``), the older one goes first."""
+    cost = (lambda b: 1.0 + 9 * (b.index > 0)) if weighed else None
+    hot = HotTier(6 * 64, policy="adaptive", cost=cost)
+    _held_in(hot, share)
+    names = ["s0", "s1", "s2", "s3", "deep", "cheap"] + [f"n{i}" for i in range(5)]
+    for name in names:
+        hot.put(_block(name, _key("x"), 40) if name == "deep" else _block(name))
+    assert len(hot) == 6 and not any(_key(f"s{i}") in hot for i in range(4))
+    kept = {"deep", "cheap"} - {first_out}
+    assert _key(first_out) not in hot and _key(kept.pop()) in hot
+
+
+def _lean(block: Block) -> Block | None:
+    """A hybrid block without its state: 16 of its 64 bytes."""
+    return (
+        None
+        if block.nbytes == 16
+        else Block(block.key, block.parent, ROOT, block.index, b"", {}, 16)
+    )
+
+
+def _used_chain_end(hot: HotTier, uses: int) -> Block:
+    a = _block("a")
+    hot.put(a)
+    for _ in range(uses - 1):
+        hot.touch([a.key])
+    hot.put(_block("b", a.key, 1))
+    return a
+
+
+def test_a_hybrid_chain_end_takes_its_chain_count():
+    hot = HotTier(64 * 4, shed=_lean, policy="adaptive")
+    _held_in(hot, 0.7, states=hot.eviction.states)
+    _used_chain_end(hot, 6)
+    assert hot.eviction.adaptive.frequency.uses[_key("b")] == 4  # its parent's, up to 4
+    # control: an attention model's tier (no state to shed) counts b's own sighting
+    other = HotTier(64 * 4, policy="adaptive")
+    _held_in(other, 0.7, states=other.eviction.states)
+    _used_chain_end(other, 6)
+    assert other.eviction.adaptive.frequency.uses[_key("b")] == 1
+
+
+@pytest.mark.parametrize("shed", [True, False])
+def test_a_leaf_that_resumes_nothing_goes_first(shed):
+    """Once its state is shed and its child gone, a block resumes nothing: it goes
+    before a newer leaf of lower count. Control: with its state kept (no shed hook)
+    its count keeps it and the newer leaf goes."""
+    hot = HotTier(64 * 3 + 16, shed=_lean if shed else None, policy="adaptive")
+    _held_in(hot, 0.7, states=hot.eviction.states)
+    a = _used_chain_end(hot, 6)
+    hot.put(_block("c"))
+    hot.put(_block("d"))  # over budget: a's state (inside a chain) is shed first
+    assert hot.num_shed == int(shed) and len(hot) == 3 + int(shed)
+    hot.remove([_key("b")])
+    assert hot.eviction.victim() == (a.key if shed else _key("c"))
 
 
 def test_the_sample_is_fixed_per_key_and_near_its_share():

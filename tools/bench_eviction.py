@@ -34,6 +34,7 @@ evictions; blocks dropped at insertion because their parent went are not in it.
     python tools/bench_eviction.py
     python tools/bench_eviction.py --synthetic --seeds 10 --budget 3M 6M 10M 16M
     python tools/bench_eviction.py --synthetic --seeds 10 --session-span 0.25
+    python tools/bench_eviction.py --synthetic --seeds 10 --policies lru,cost,adaptive
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="query heads (2 KV heads, head_dim 32)")
     p.add_argument("--synthetic", action="store_true", help="zeros for K/V, no model run")
     p.add_argument("--mlx-lru", action="store_true", help="also mlx-lm's LRUPromptCache")
+    p.add_argument("--policies", default="lru,cost", help="hot evictions, the first the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1, help="traces (seed, seed + 1, ...), summed")
     return p
@@ -254,7 +256,7 @@ def main() -> None:
     for budget in args.budget:
         made: list[tuple[str, Callable[[], Any]]] = [
             (p, partial(PrefixCache, model, base.replace(hot_max_bytes=budget, eviction=p)))
-            for p in ("lru", "cost")
+            for p in args.policies.split(",")
         ]
         if args.mlx_lru:
             made.append((MLX, partial(MlxLRU, model, budget)))

@@ -81,7 +81,7 @@ class PrefixCache:
         self._last_keys: tuple[bytes, bytes, list[bytes]] | None = None  # (prompt, root, restored)
         lower = lower_tiers(self.config) if tiers is None else list(tiers)
         shed = self.layout.without_state if self.layout.state_prefixes else None
-        cost = self.layout.block_cost if self.config.eviction == "cost" else None
+        cost = self.layout.block_cost if self.config.eviction in ("cost", "adaptive") else None
         self.tiers = TierStack(self.config, self._stats, lower, shed, cost)
         self.lookup = Lookup(self.config, self.layout, self.tiers)
         self.controls = Controls(self.tiers)

@@ -105,7 +105,7 @@ class Simulation:
             self._on_hot_evict,
             self._shed if self.checkpoint else None,
             pins,
-            self._cost if config.eviction == "cost" else None,
+            self._cost if config.eviction in ("cost", "adaptive") else None,
             policy=config.eviction,
         )
         self.lower: list[LowerTier] = []

@@ -6,12 +6,14 @@ admitted). How the floor moves and which newcomers come in follows the
 cache's reach (reach.py: the share of first reuses that come within one
 capacity of new blocks), re-measured all along:
 
-- ``recent`` (until the reach is known: a fresh or small cache): every use
-  counts as one, so the floor rising to each victim's priority makes it LRU
-  (GreedyDual with one cost). Not chosen again once the reach is known: the
-  priorities that counts gave (a block of count c outlives c turnovers of
-  the cache) would keep old popular blocks past their use.
-- ``full`` (reach 0.5 or more): the floor rises to each victim's priority
+- ``recent`` (until the reach is known: a fresh or small cache): the hot
+  tier evicts by ``cost``'s credits (eviction.py, credit.py: recency with a
+  longer life for blocks costlier to recompute; for a hybrid, LRU); the heap
+  here keeps LRU's order, every use counting one.
+- ``lru`` (reach 0.9 or more): the cache holds nearly every chain until its
+  next use; counts would only keep old popular blocks past their use:
+  recency alone (LRU).
+- ``full`` (reach 0.5 to 0.9): the floor rises to each victim's priority
   (aging), every newcomer comes in. The cache holds most chains until their
   next use already: recency with a bias to reuse.
 - ``sample`` (0.1 to 0.5): the cache holds a chain for less time than its
@@ -26,6 +28,14 @@ capacity of new blocks), re-measured all along:
 - ``keep`` (under 0.1): no chain lasts until its next use whatever comes in;
   the hits left are on blocks used all the time (shared prefixes). No aging:
   the most used blocks stay (plain LFU).
+
+For a hybrid model (``states``: a prompt resumes only where recurrent state
+was kept) a leaf's eviction loses more than the leaf: a chain's end holds
+the state the whole chain resumes from. So in the counted regimes (``keep``,
+``sample``, ``full``) a block going on a held chain
+takes its parent's count (up to ``INHERIT_UP_TO``: a conversation's turns),
+and a block whose state was shed goes first once it is a leaf (it resumes
+nothing: eviction.py tells this policy).
 
 On Mooncake's conversation trace the reach picks, at each budget, a regime
 within 0.1 point of the best one held fixed (docs/capacity.md,
@@ -43,6 +53,9 @@ from .reach import Reach
 
 KEEP_BELOW = 0.1  # reach under which nothing ages (plain LFU)
 FULL_FROM = 0.5  # reach from which every newcomer comes in
+RECENT_FROM = 0.9  # reach from which recency alone ranks (LRU)
+_COUNTED = ("keep", "sample", "full")
+INHERIT_UP_TO = 4  # a hybrid chain's new end takes its parent's count, up to this
 SAMPLE = 0.1  # share of new chains admitted in the ``sample`` regime
 
 
@@ -67,6 +80,7 @@ class AdaptivePolicy:
         kids: parent key -> child keys held (read only).
         sample: share of new chains admitted in the ``sample`` regime, in (0, 1].
         reach: the reach estimator (a fresh one by default).
+        states: blocks resume only where recurrent state was kept (a hybrid model).
     """
 
     def __init__(
@@ -77,6 +91,7 @@ class AdaptivePolicy:
         *,
         sample: float = SAMPLE,
         reach: Reach | None = None,
+        states: bool = False,
     ) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
@@ -87,12 +102,15 @@ class AdaptivePolicy:
         self.frequency = FrequencyPolicy(capacity, held, kids)
         self.reach = reach if reach is not None else Reach()
         self.num_sampled_out = 0
+        self.states = states
 
     @property
     def regime(self) -> str:
         share = self.reach.share
         if share is None:
             return "recent"
+        if share >= RECENT_FROM:
+            return "lru"
         if share >= FULL_FROM:
             return "full"
         return "keep" if share < KEEP_BELOW else "sample"
@@ -119,19 +137,37 @@ class AdaptivePolicy:
         return False
 
     def added(self, key: Hashable) -> None:
-        self._rank(key, self.frequency.uses.get(key, 1))
+        block = self.held[key]
+        uses = self.frequency.uses.get(key, 1)
+        if self.states and self.regime in _COUNTED and self._continues(block):
+            up = min(self.frequency.uses.get(block.parent, 1), INHERIT_UP_TO)
+            if up > uses:  # the chain's end holds what the chain resumes: its count
+                uses = self.frequency.uses[key] = up
+        self._rank(key, uses)
+
+    def _continues(self, block: Block) -> bool:
+        """Whether ``block`` goes on a held chain (its parent is no shared branch point:
+        at most one other child, a tail)."""
+        return block.parent in self.held and len(self.kids.get(block.parent, ())) <= 2
 
     def used(self, key: Hashable) -> None:
         self._rank(key, self._seen(key))
 
     def _rank(self, key: Hashable, uses: int) -> None:
-        self.frequency.set(key, 1 if self.regime == "recent" else uses)
+        if self.regime in _COUNTED:
+            self.frequency.set(key, uses)
+        else:
+            self.frequency.set(key, 1)
 
-    def removed(self, key: Hashable, parent: Hashable) -> None:
-        """``key`` left (already out of ``held`` and of its parent's children)."""
+    def removed(self, key: Hashable, parent: Hashable, *, lean: bool = False) -> None:
+        """``key`` left (already out of ``held`` and of its parent's children);
+        ``lean``: the parent holds no state, so as a leaf it resumes nothing and goes first."""
         self.frequency.forget(key)
         if parent in self.held and not self.kids.get(parent):
-            self.frequency.leaf(parent)
+            if lean:
+                self.frequency.first(parent)
+            else:
+                self.frequency.leaf(parent)
 
     def victim(
         self, exclude: Container[Hashable], fallback: Container[Hashable]

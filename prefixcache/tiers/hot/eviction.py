@@ -11,7 +11,8 @@ Victims are always leaves (no child in the hot tier) and never pinned:
 - ``frequency``: the leaf of least use count plus an aging floor (frequency.py,
   GreedyDual over counts); a newcomer not used more than the victim is refused.
 - ``adaptive``: ``frequency``'s victim, with its aging and a sampled admission
-  of new chains set by the cache's measured reach (adaptive.py, reach.py).
+  of new chains set by the cache's measured reach (adaptive.py, reach.py);
+  ``cost``'s until the reach is known (not for a hybrid model).
 
 The hot tier owns one :class:`Eviction`, hands it its own LRU order and
 children map, and tells it what happens to its blocks (added, used,
@@ -48,6 +49,8 @@ class Eviction:
         policy: ``density``, ``frequency`` or ``adaptive`` (made at the first
             block: sized in blocks), ``fifo``, else ``lru`` or ``cost`` as ``cost``
             is given.
+        states: blocks resume only where recurrent state was kept (the tier sheds
+            state inside chains: a hybrid model).
     """
 
     def __init__(
@@ -59,15 +62,25 @@ class Eviction:
         *,
         cost: CostHook | None = None,
         policy: str = "",
+        states: bool = False,
     ) -> None:
         self.order, self.children, self.pins = order, children, pins
-        self.credits = Credits(cost, held) if cost is not None else None
+        self.states = states
+        # adaptive ranks by cost's credits until its reach is known (not for a hybrid:
+        # there a block's own cost is not what its eviction loses)
+        weighs = cost is not None and not (policy == "adaptive" and states)
+        self.credits = Credits(cost, held) if weighs else None
         self.policy = policy
         self.density: DensityPolicy | None = None
         self.frequency: FrequencyPolicy | None = None
         self.adaptive: AdaptivePolicy | None = None
         self.fifo = FifoOrder(children, pins) if policy == "fifo" else None
         self.num_refused = 0
+        self.lean: set[bytes] = set()  # blocks whose state was shed: a leaf resumes nothing
+
+    def shed(self, key: bytes) -> None:
+        """``key`` lost its recurrent state (inside a chain): once a leaf, it goes first."""
+        self.lean.add(key)
 
     def admits(self, block: Block, *, room: int, max_bytes: int) -> bool:
         """Whether ``block`` may come in (``room``: bytes free before it). Only the
@@ -78,7 +91,9 @@ class Eviction:
         capacity = max(1, max_bytes // max(1, block.nbytes))
         if self.policy == "adaptive":
             if self.adaptive is None:
-                self.adaptive = AdaptivePolicy(capacity, self.order, self.children)
+                self.adaptive = AdaptivePolicy(
+                    capacity, self.order, self.children, states=self.states
+                )
             full, pinned = block.nbytes > room, self.pins.holds(block.key)
             if self.adaptive.admits(block, full=full, pinned=pinned):
                 return True
@@ -144,8 +159,10 @@ class Eviction:
             self.frequency.forget(block.key)
             if block.parent in self.order and not self.children.get(block.parent):
                 self.frequency.leaf(block.parent)
+        if self.lean:
+            self.lean.discard(block.key)
         if self.adaptive is not None:
-            self.adaptive.removed(block.key, block.parent)
+            self.adaptive.removed(block.key, block.parent, lean=block.parent in self.lean)
 
     def victim(self, keep: bytes | None = None) -> bytes | None:
         """The leaf to evict (never a pinned one, ``keep`` only if nothing else), or None.
@@ -155,7 +172,7 @@ class Eviction:
         """
         if self.density is not None:
             return self.density.victim(_Excluded(self.pins, keep))
-        if self.adaptive is not None:
+        if self.adaptive is not None and not (self.credits and self.adaptive.regime == "recent"):
             return self.adaptive.victim(_Excluded(self.pins, keep), _Excluded(self.pins))  # type: ignore[return-value]
         if self.frequency is not None:
             found = self.frequency.least(_Excluded(self.pins, keep)) or self.frequency.least(

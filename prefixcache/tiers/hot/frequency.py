@@ -67,6 +67,11 @@ class FrequencyPolicy:
         place by its last use (with every count 1, the order is LRU's)."""
         heapq.heappush(self._heap, (self._priority[key], self._used_at[key], key))
 
+    def first(self, key: Hashable) -> None:
+        """``key`` (held, a leaf) is worth nothing: it goes before every other leaf."""
+        self._priority[key] = -1.0  # below any floor
+        self.leaf(key)
+
     def forget(self, key: Hashable) -> None:
         self._priority.pop(key, None)
         self._used_at.pop(key, None)

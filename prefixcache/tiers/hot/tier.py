@@ -65,7 +65,13 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
         self.tenants = tenants  # floors and caps per tenant (tenants.py), or None
         self.eviction = Eviction(
-            self._lru, self._children, self.pins, lambda: self.nbytes, cost=cost, policy=policy
+            self._lru,
+            self._children,
+            self.pins,
+            lambda: self.nbytes,
+            cost=cost,
+            policy=policy,
+            states=shed is not None,
         )
 
     def __len__(self) -> int:
@@ -271,6 +277,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
                 if self.tenants is not None:
                     self.tenants.resized(key, lean.nbytes - block.nbytes)
                 self.num_shed += 1
+                self.eviction.shed(key)
                 return True
         return False
 
