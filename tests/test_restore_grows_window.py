@@ -26,6 +26,24 @@ from prefixcache.memory.host import PlacedRun
 
 BLOCK = 8
 STORED = 12 * BLOCK  # 96 tokens: the window (16) reaches back two blocks
+# qwen3_next with 1 MiB state arrays (16 value heads of 128 x 128, float32): large
+# enough for the restore buffers' unwritten arrays and the hot tier's pooled copies
+WIDE_STATE = {
+    "linear_num_value_heads": 16,
+    "linear_num_key_heads": 8,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+MODELS = {
+    "gemma3_text": ("gemma3_text", {}),
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_next_wide_state": ("qwen3_next", WIDE_STATE),
+}
+
+
+def model_of(name: str):
+    arch, overrides = MODELS[name]
+    return tiny_model(arch, **overrides)
 
 
 def config(tier: str, tmp_path) -> CacheConfig:
@@ -75,11 +93,11 @@ def spy_blocks(monkeypatch) -> dict[int, Counter]:
 
 
 @pytest.mark.parametrize("tier", ["hot", "ssd"])
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", list(MODELS))
 def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
     arch, tier, tmp_path, monkeypatch
 ):
-    model = tiny_model(arch)
+    model = model_of(arch)
     shared = prompt(1, STORED)
     asked = shared + prompt(3, 37)
     with PrefixCache(model, config(tier, tmp_path), model_id="t") as pc:
@@ -93,6 +111,8 @@ def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
     assert num == STORED
     special = [i for i, c in enumerate(cache) if type(c) in (RotatingKVCache, ArraysCache)]
     assert special, [type(c).__name__ for c in cache]
+    if arch == "qwen3_next_wide_state":
+        assert max(a.nbytes for c in cache if type(c) is ArraysCache for a in c.cache) >= 1 << 20
 
     live_cache = make_prompt_cache(model)
     prefill(model, shared, live_cache, step=STORED)
@@ -124,13 +144,13 @@ def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
     assert max_diff(wrong[0], want[0]) > 0.0
 
 
-@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("arch", list(MODELS))
 def test_window_and_state_blocks_of_a_streamed_restore_come_in_place(arch, tmp_path, monkeypatch):
     """From SSD, the last block's window-layer tensors (gemma3) and state snapshot
     (qwen3_next) are read straight into the restore's arrays (Placed: the buffers
     were made from its header before the stream started), and blocks before the
     window carry none of theirs (skipped by the readers)."""
-    model = tiny_model(arch)
+    model = model_of(arch)
     shared = prompt(5, STORED)
     with PrefixCache(model, config("ssd", tmp_path), model_id="t") as pc:
         stored = make_prompt_cache(model)

@@ -12,12 +12,16 @@ the facade restores a recurrent model only where a block or tail ends). ArraysCa
 Streamed from a lower tier, each slot's array is allocated unwritten from the
 block's header before the stream starts (``reserve``) and read straight into
 (``destination``): one copy, the reader's, as a K/V buffer gets its blocks.
+From the hot tier, a large slot is copied into an unwritten array with the
+restore's other copies (``queue_copies``: memcpy speed, huge pages), a small
+one into a new MLX array.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +29,8 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import LayoutMismatchError, MissReason
-from ..memory.host import HostArray, Placed, host_view
+from ..memory.copies import Copies
+from ..memory.host import HostArray, Placed, host_bytes, host_view
 from ..memory.restore_buffers import advise_huge, current, empty, resolve
 from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
@@ -109,6 +114,7 @@ class ArraysBuilder(Builder):
         self._fresh: dict[int, Any] = {}  # slot -> array (or batch Slot) reserved, not open
         # slot -> (array, its writable host bytes): set once opened, read by reader threads
         self._open: dict[int, tuple[mx.array, np.ndarray]] = {}
+        self._hot: dict[int, mx.array] = {}  # slot -> a hot block's large array, to copy
 
     def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
         """Allocate (unwritten) each slot's array from its streamed tensor or spec."""
@@ -136,9 +142,12 @@ class ArraysBuilder(Builder):
         # new arrays: the live cache must never hold the hot tier's own objects
         self.cache.cache = [self._take(i, arrays[str(i)]) for i in range(slots)]
 
-    def _take(self, i: int, x: Any) -> mx.array:
-        if not isinstance(x, HostArray | Placed):
-            return mx.array(x)  # a hot block's array: a new one
+    def _take(self, i: int, x: Any) -> mx.array | None:
+        if not isinstance(x, HostArray | Placed):  # a hot block's array: copied into a new one
+            if x.nbytes < _SMALL or not x.ndim:
+                return mx.array(x)
+            self._hot[i] = x  # ``queue_copies`` copies it
+            return None
         opened = self._opened(i)
         if opened is not None and _fits(opened[0], x.dtype, x.shape):
             if isinstance(x, HostArray):
@@ -166,7 +175,32 @@ class ArraysBuilder(Builder):
             self._opened(i)
         return [a for a in self.cache.cache if a is not None]
 
+    def allocate(self) -> list[mx.array]:
+        """Unwritten arrays for the hot block's large slots, made with the restore's."""
+        for i, x in self._hot.items():
+            if i not in self._fresh and i not in self._open:
+                self._fresh[i] = _new(x.shape, x.dtype)
+        return [a for i, a in self._fresh.items() if i in self._hot and isinstance(a, mx.array)]
+
+    def queue_copies(self, copies: Copies) -> None:
+        """Hand the hot block's large slots' copies to ``copies`` (numpy only)."""
+        for i, x in self._hot.items():
+            array, view = self._opened(i) or self._made(i, x)
+            copies.add(x.nbytes, partial(np.copyto, view, host_bytes(x)))
+            self.cache.cache[i] = array
+        self._hot.clear()
+
+    def _made(self, i: int, x: mx.array) -> tuple[mx.array, np.ndarray]:
+        """Slot ``i``'s array made now (``allocate`` was not called first)."""
+        self._fresh[i] = _new(x.shape, x.dtype)
+        opened = self._opened(i)
+        assert opened is not None
+        return opened
+
     def finish(self) -> ArraysCache:
+        for i, x in self._hot.items():  # no ``queue_copies`` came: a copy each here
+            self.cache.cache[i] = mx.array(x)
+        self._hot.clear()
         return self.cache
 
 
