@@ -23,7 +23,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
 from ..memory.host import HostArray
-from .base import Builder, Codec, Payload, num_blocks, owned_tokens, run_shape
+from .base import Builder, Codec, Payload, Resident, num_blocks, owned_tokens, run_shape
 from .buffer import TokenBuffer
 from .kv import kv_signature
 
@@ -217,6 +217,26 @@ class RotatingBuilder(Builder):
             if first is None or first > a:
                 raise LayoutMismatchError(f"block {index} lost its window tokens", WINDOW)
             self._add(arrays, window, first, a, b, self.keep + a - self.tail)
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        """Hot blocks whose window payload is whole: each one's kept and window
+        tokens queued as numpy views of its host bytes (copied with the restore's
+        other copies; no MLX slice to evaluate). False, taking nothing, where a
+        block holds only part of its window (one at a time, checked, then)."""
+        keys, values = prefix + "keys", prefix + "values"
+        if not all(keys in views and values in views for _, views in blocks):
+            return False
+        for index, (arrays, views) in zip(indices, blocks, strict=True):
+            start = index * self.block_size
+            stop = min(start + self.block_size, self.num_tokens)
+            window = max(start, self.tail)  # kept in front, then the window's tokens
+            for a, b, pos in ((start, min(stop, self.keep), start), (window, stop, None)):
+                pos = self.keep + a - self.tail if pos is None else pos
+                for buf, name in ((self.keys, keys), (self.values, values)):
+                    if a < b:
+                        part = views[name][:, :, a - start : b - start]
+                        buf.add_views(pos, pos + b - a, arrays[name], [part])
+        return True
 
     def _add(self, arrays: dict[str, Any], name: str, first: int, a: int, b: int, pos: int):
         """Tokens ``[a, b)`` of payload ``name`` (starting at token ``first``) at buffer ``pos``."""
