@@ -278,7 +278,7 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     first, which allocates them), and the restore is exact; a block corrupted in
     the middle cuts the match there."""
     if not ahead:
-        monkeypatch.setattr(ChainLoad, "first_specs", lambda self, indices: None)
+        monkeypatch.setattr(ChainLoad, "specs", lambda self, index: None)
     model = tiny_model("llama", **(QUANT_LLAMA if kv else {}))
     seen: list[tuple[int, set[type]]] = []
     real = restore_module.rebuild

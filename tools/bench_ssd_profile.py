@@ -83,14 +83,14 @@ def metered() -> Iterator[Meter]:
     meter = Meter()
     saved = [
         (Lookup, "plan", Lookup.plan),
-        (restore_module, "_reserve_first", restore_module._reserve_first),
+        (restore_module, "reserve_ahead", restore_module.reserve_ahead),
         (restore_module, "_add_block", restore_module._add_block),
         (restore_module.ChainLoad, "payload", restore_module.ChainLoad.payload),
         (readers_module.Readers, "_run", readers_module.Readers._run),
     ]
     for owner, attr, name in [
         (Lookup, "plan", "lookup"),
-        (restore_module, "_reserve_first", "alloc"),
+        (restore_module, "reserve_ahead", "alloc"),
         (restore_module, "_add_block", "blocks"),
         (restore_module.ChainLoad, "payload", "blocks"),
         (readers_module.Readers, "_run", "readers"),

@@ -32,6 +32,7 @@ from ..memory.host import HostArray, Place, Placed, PlacedRun
 from ..memory.restore_buffers import batched
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
+from .ahead import reserve_ahead
 from .lookup import Lookup, Plan
 
 
@@ -103,16 +104,11 @@ class ChainLoad:
         self._room = hot.room if tiers.config.promote else 0
         self._readers: dict[Tier, TierReader] = {}
 
-    def first_specs(self, order: list[int]) -> tuple[int, Mapping[str, Placed]] | None:
-        """The first block of ``order`` not resident in memory, with its tensors'
-        shapes if its tier knows them before loading it; else None."""
-        tiers = self.plan.tiers
-        first = next((i for i in order if not tiers[i].resident), None)
-        if first is None:
-            return None
-        mine = [i for i in order if tiers[i] is tiers[first] and i >= first]
-        shapes = self._reader(tiers[first]).first_shapes(mine)
-        return None if shapes is None else (first, shapes)
+    def specs(self, index: int) -> Mapping[str, Placed] | None:
+        """Block ``index``'s tensors' dtypes and shapes, if its tier (not one held
+        in memory) knows them before loading it; else None."""
+        tier = self.plan.tiers[index]
+        return None if tier.resident else self._reader(tier).first_shapes([index])
 
     def start(self, order: list[int], place: Place | None) -> None:
         """Start every lower tier's reader on its blocks of ``order``."""
@@ -180,7 +176,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         if order and all(plan.tiers[i].resident for i in order):
             _add_resident(builders, users, order, loader)
         else:
-            _reserve_first(builders, users, plan, loader.first_specs(order) if order else None)
+            reserve_ahead(builders, users, order, plan, loader.specs)
             loader.start(order, placer(builders, users))
             checked: set[Checked] = set()
             for index in order:
@@ -237,27 +233,6 @@ def _add_resident(
             if i not in split:
                 split[i] = split_layers(blocks[i][0])
         builders[layer].add_each(indices, [split[i].get(layer, {}) for i in indices])
-
-
-def _reserve_first(
-    builders: list[Builder],
-    users: dict[int, list[int]],
-    plan: Plan,
-    first: tuple[int, Mapping[str, Placed]] | None,
-) -> None:
-    """Allocate (one evaluation) and open the first streamed block's buffers."""
-    if first is None:
-        return
-    index, specs = first
-    # the block's own token count bounds what an unverified header can allocate
-    tokens = len(plan.entries[index].tokens) // TOKEN_BYTES
-    specs = {n: s for n, s in specs.items() if len(s.shape) == 4 and s.shape[2] == tokens}
-    layers = split_layers(specs)
-    with batched(mx.cpu) as batch:  # every buffer at once, then open for the readers
-        lazy = [builders[i].reserve(index, layers.get(i, {})) for i in users[index]]
-    mx.eval(lazy, batch.arrays)
-    for i in users[index]:  # a builder that reserved nothing opens nothing
-        builders[i].buffers()
 
 
 def _add_block(

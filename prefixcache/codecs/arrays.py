@@ -8,16 +8,30 @@ restore at ``L`` tokens needs only the snapshot of the block holding token
 ``L - 1``, and only if that block ends at ``L`` (the cache cannot be trimmed:
 the facade restores a recurrent model only where a block or tail ends). ArraysCache has no
 ``offset``: the caller's token count says where the cache stands.
+
+Streamed from a lower tier, each slot's array is allocated unwritten from the
+block's header before the stream starts (``reserve``) and read straight into
+(``destination``): one copy, the reader's, as a K/V buffer gets its blocks.
+From the hot tier, a large slot is copied into an unwritten array with the
+restore's other copies (``queue_copies``: memcpy speed, huge pages), a small
+one into a new MLX array.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import LayoutMismatchError, MissReason
+from ..memory.copies import Copies
+from ..memory.host import HostArray, Placed, host_bytes, host_view
+from ..memory.restore_buffers import advise_huge, current, empty, resolve
 from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
 
@@ -84,22 +98,126 @@ class ArraysCodec(Codec):
     def builder(
         self, fresh: ArraysCache, num_tokens: int, capacity: int, block_size: int
     ) -> Builder:
-        return ArraysBuilder(fresh)
+        return ArraysBuilder(fresh, num_blocks(num_tokens, block_size) - 1)
 
 
 class ArraysBuilder(Builder):
-    def __init__(self, fresh: ArraysCache):
-        self.cache = fresh
+    """Takes the state snapshot of block ``last`` (the one ending where the restore
+    does): new arrays from the hot tier's, or streamed bytes in reserved ones."""
 
-    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+    takes_host = True  # a streamed slot is read into its reserved array, or copied once
+    whole_tensors = True  # ``reserve`` sizes each array as the header's tensor itself
+
+    def __init__(self, fresh: ArraysCache, last: int):
+        self.cache = fresh
+        self.last = last
+        self._fresh: dict[int, Any] = {}  # slot -> array (or batch Slot) reserved, not open
+        # slot -> (array, its writable host bytes): set once opened, read by reader threads
+        self._open: dict[int, tuple[mx.array, np.ndarray]] = {}
+        self._hot: dict[int, mx.array] = {}  # slot -> a hot block's large array, to copy
+
+    def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
+        """Allocate (unwritten) each slot's array from its streamed tensor or spec."""
+        if index != self.last or self._fresh or self._open:
+            return []
+        for i in range(len(self.cache.cache)):
+            x = arrays.get(str(i))
+            if isinstance(x, HostArray | Placed) and x.shape and math.prod(x.shape):
+                self._fresh[i] = _new(x.shape, x.dtype)
+        return [a for a in self._fresh.values() if isinstance(a, mx.array)]
+
+    def destination(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
+        """A slot's reserved array, for the reader to read block ``last``'s ``name`` into."""
+        opened = self._open.get(int(name)) if name.isdigit() and index == self.last else None
+        if opened is None or count != 1 or not _fits(opened[0], dtype, shape):
+            return None
+        return opened[1]
+
+    def add(self, index: int, arrays: dict[str, Any]) -> None:
         slots = len(self.cache.cache)
         if any(str(i) not in arrays for i in range(slots)):
             raise LayoutMismatchError(f"block {index} has no recurrent-state snapshot", BOUNDARY)
         # new arrays: the live cache must never hold the hot tier's own objects
-        self.cache.cache = [mx.array(arrays[str(i)]) for i in range(slots)]
+        self.cache.cache = [self._take(i, arrays[str(i)]) for i in range(slots)]
+
+    def _take(self, i: int, x: Any) -> mx.array | None:
+        if not isinstance(x, HostArray | Placed):  # a hot block's array: copied into a new one
+            if x.nbytes < _SMALL or not x.ndim:
+                return mx.array(x)
+            self._hot[i] = x  # ``queue_copies`` copies it
+            return None
+        opened = self._opened(i)
+        if opened is not None and _fits(opened[0], x.dtype, x.shape):
+            if isinstance(x, HostArray):
+                opened[1][...] = x.rows()  # a view of a read buffer: copied at once
+                return opened[0]
+            if x.region is opened[1]:  # read into it by the stream
+                return opened[0]
+        if type(x) is Placed:
+            raise LayoutMismatchError(f"placed state {x.dtype}{x.shape} is not in its array")
+        return x.to_mx()
+
+    def _opened(self, i: int) -> tuple[mx.array, np.ndarray] | None:
+        """Slot ``i``'s array and host bytes, opened now if it was only reserved."""
+        fresh = self._fresh.pop(i, None)
+        if fresh is not None:
+            array = resolve(fresh)
+            mx.eval(array)
+            view = host_view(array)
+            advise_huge(view)
+            self._open[i] = (array, view)
+        return self._open.get(i)
 
     def buffers(self) -> list[mx.array]:
+        for i in list(self._fresh):  # open the reserved arrays for the readers
+            self._opened(i)
         return [a for a in self.cache.cache if a is not None]
 
+    def allocate(self) -> list[mx.array]:
+        """Unwritten arrays for the hot block's large slots, made with the restore's."""
+        for i, x in self._hot.items():
+            if i not in self._fresh and i not in self._open:
+                self._fresh[i] = _new(x.shape, x.dtype)
+        return [a for i, a in self._fresh.items() if i in self._hot and isinstance(a, mx.array)]
+
+    def queue_copies(self, copies: Copies) -> None:
+        """Hand the hot block's large slots' copies to ``copies`` (numpy only)."""
+        for i, x in self._hot.items():
+            array, view = self._opened(i) or self._made(i, x)
+            copies.add(x.nbytes, partial(np.copyto, view, host_bytes(x)))
+            self.cache.cache[i] = array
+        self._hot.clear()
+
+    def _made(self, i: int, x: mx.array) -> tuple[mx.array, np.ndarray]:
+        """Slot ``i``'s array made now (``allocate`` was not called first)."""
+        self._fresh[i] = _new(x.shape, x.dtype)
+        opened = self._opened(i)
+        assert opened is not None
+        return opened
+
     def finish(self) -> ArraysCache:
+        for i, x in self._hot.items():  # no ``queue_copies`` came: a copy each here
+            self.cache.cache[i] = mx.array(x)
+        self._hot.clear()
         return self.cache
+
+
+def _fits(array: mx.array, dtype: mx.Dtype, shape: tuple[int, ...]) -> bool:
+    return array.dtype == dtype and tuple(array.shape) == tuple(shape)
+
+
+# bytes: below, a slot's array is zeros (an unwritten one's set-up costs more)
+_SMALL = 1 << 20
+
+
+def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> Any:
+    """An array for a streamed slot: unwritten when large, in the restore's batch
+    (``restore_buffers.batched``) when there is one; zeros when small."""
+    if math.prod(shape) * dtype.size < _SMALL:
+        return mx.zeros(shape, dtype, stream=mx.cpu)
+    batch = current()
+    if batch is not None and batch.takes(shape, dtype, mx.cpu):
+        return batch.add(shape, dtype)
+    return empty(shape, dtype, stream=mx.cpu)

@@ -130,10 +130,15 @@ class Builder(ABC):
         placed_checks_only: ``add`` of tensors all ``Placed`` (each where this
             builder's ``destination`` put it) only checks which names the
             payload has: a later block with the same names needs no ``add``.
+        whole_tensors: ``reserve`` sizes each buffer as a tensor itself (a state
+            snapshot), so an unverified header's tensors of any shape may size
+            them (the file holds their bytes); else (buffers of ``capacity``
+            tokens) only a header's tensors of the block's own token count do.
     """
 
     takes_host: ClassVar[bool] = False
     placed_checks_only: ClassVar[bool] = False
+    whole_tensors: ClassVar[bool] = False
 
     @abstractmethod
     def add(self, index: int, arrays: dict[str, Any]) -> None:

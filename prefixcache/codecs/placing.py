@@ -4,8 +4,9 @@ its builders.
 A reader thread (the SSD tier's, the remote tier's) asks ``place`` for the
 region of a tensor of one block, or of a run of consecutive blocks; it gets a
 region of the builder's restore buffer once that buffer exists, else None (the
-tensor then comes as a HostArray). No MLX runs here: only dictionary lookups
-and the builders' numpy views.
+tensor then comes as a HostArray); ``UNNEEDED`` when its layer uses none of
+those blocks (a window layer's payload before its window: the reader skips it).
+No MLX runs here: only dictionary lookups and the builders' numpy views.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..memory.host import Place
+from ..memory.host import UNNEEDED, Place
 from .base import Builder
 
 
@@ -21,7 +22,7 @@ def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
     """(chain index, flat payload name, dtype, shape, count) -> where a reader thread
     may write that tensor (of ``count`` blocks), or None. Only for layers that use
     each of the blocks, and only once their builder's buffer exists
-    (``destination``); runs no MLX."""
+    (``destination``); ``UNNEEDED`` for a layer that uses none of them. Runs no MLX."""
     needs: dict[int, set[int]] = {}  # layer -> the blocks it uses (made when first asked)
     layers: dict[str, tuple[int, str]] = {}  # payload name -> (layer, its name there)
 
@@ -37,7 +38,8 @@ def placer(builders: list[Builder], users: dict[int, list[int]]) -> Place:
         if mine is None:  # on a reader thread, not in the restore's start
             mine = needs[layer] = {i for i, using in users.items() if layer in using}
         if not mine.issuperset(range(index, index + count)):
-            return None
+            unused = layer >= 0 and mine.isdisjoint(range(index, index + count))
+            return UNNEEDED if unused else None
         return builders[layer].destination(index, rest, dtype, shape, count)
 
     return place

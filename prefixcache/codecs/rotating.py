@@ -12,15 +12,18 @@ step (``ValueError``: negative dimensions), so a restore never leaves it there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import RotatingKVCache
 
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
-from .base import Builder, Codec, Payload, num_blocks, owned_tokens
+from ..memory.host import HostArray
+from .base import Builder, Codec, Payload, Resident, num_blocks, owned_tokens, run_shape
 from .buffer import TokenBuffer
 from .kv import kv_signature
 
@@ -66,6 +69,19 @@ def tail_start(fresh: RotatingKVCache, num_tokens: int, block_size: int) -> int:
     if num_tokens <= fresh.max_size:
         return fresh.keep
     return max(fresh.keep, num_tokens - window)
+
+
+def _tokens(x: Any, lo: int, hi: int) -> Any:
+    """Tokens ``[lo, hi)`` of a block tensor: an MLX array, a streamed HostArray (a
+    copy: it is only valid until the next block) or a Placed one (the whole block,
+    where ``destination`` put it; part of one is copied out of its place)."""
+    if lo == 0 and hi == x.shape[2]:
+        return x
+    if isinstance(x, mx.array):
+        return x[..., lo:hi, :]
+    rows = x.rows() if isinstance(x, HostArray) else x.region
+    part = np.ascontiguousarray(rows[:, :, lo:hi, :]).reshape(-1)
+    return HostArray(part, x.dtype, (*x.shape[:2], hi - lo, x.shape[3]))
 
 
 def _gather(x: mx.array, ranges: list[tuple[int, int]]) -> mx.array:
@@ -160,7 +176,13 @@ class RotatingBuilder(Builder):
     Up to ``max_size`` tokens the cache is in its growing phase (``_idx ==
     offset``, room up to ``max_size``); past it the buffer holds exactly the
     tokens kept and ``_idx`` is its length, as mlx-lm leaves it after a chunk.
+    Streamed blocks land in the buffers as a KVBuilder's do: a block (or a run
+    of blocks) wholly among the ``keep`` tokens or wholly in the window is read
+    straight into place (``destination``); the rest come as host bytes, copied in.
     """
+
+    takes_host = True  # TokenBuffer takes streamed HostArrays and Placed tensors
+    placed_checks_only = True  # a Placed tensor is a whole block ``destination`` placed
 
     def __init__(self, fresh: RotatingKVCache, num_tokens: int, capacity: int, block_size: int):
         self.cache = fresh
@@ -176,14 +198,15 @@ class RotatingBuilder(Builder):
         self.keys = TokenBuffer(size)
         self.values = TokenBuffer(size)
 
-    def add(self, index: int, arrays: dict[str, mx.array]) -> None:
+    def add(self, index: int, arrays: dict[str, Any]) -> None:
         start = index * self.block_size
         stop = min(start + self.block_size, self.num_tokens)  # this block's tokens restored
         whole = "keys" in arrays
         keep = "keys" if whole else "keep.keys"
         window, first = ("keys", start) if whole else ("last.keys", None)
         if not whole and window in arrays:
-            first = start + int(arrays["last.first"].item())
+            last = arrays["last.first"]  # a scalar: a HostArray streamed
+            first = start + int((last if isinstance(last, mx.array) else last.to_mx()).item())
         a, b = start, min(stop, self.keep)  # tokens kept at the front
         if a < b:
             if keep not in arrays:
@@ -195,11 +218,63 @@ class RotatingBuilder(Builder):
                 raise LayoutMismatchError(f"block {index} lost its window tokens", WINDOW)
             self._add(arrays, window, first, a, b, self.keep + a - self.tail)
 
-    def _add(self, arrays: dict[str, mx.array], name: str, first: int, a: int, b: int, pos: int):
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        """Hot blocks whose window payload is whole: each one's kept and window
+        tokens queued as numpy views of its host bytes (copied with the restore's
+        other copies; no MLX slice to evaluate). False, taking nothing, where a
+        block holds only part of its window (one at a time, checked, then)."""
+        keys, values = prefix + "keys", prefix + "values"
+        if not all(keys in views and values in views for _, views in blocks):
+            return False
+        for index, (arrays, views) in zip(indices, blocks, strict=True):
+            start = index * self.block_size
+            stop = min(start + self.block_size, self.num_tokens)
+            window = max(start, self.tail)  # kept in front, then the window's tokens
+            for a, b, pos in ((start, min(stop, self.keep), start), (window, stop, None)):
+                pos = self.keep + a - self.tail if pos is None else pos
+                for buf, name in ((self.keys, keys), (self.values, values)):
+                    if a < b:
+                        part = views[name][:, :, a - start : b - start]
+                        buf.add_views(pos, pos + b - a, arrays[name], [part])
+        return True
+
+    def _add(self, arrays: dict[str, Any], name: str, first: int, a: int, b: int, pos: int):
         """Tokens ``[a, b)`` of payload ``name`` (starting at token ``first``) at buffer ``pos``."""
         keys, values = arrays[name], arrays[name.replace("keys", "values")]
-        self.keys.add(pos, keys[..., a - first : b - first, :])
-        self.values.add(pos, values[..., a - first : b - first, :])
+        self.keys.add(pos, _tokens(keys, a - first, b - first))
+        self.values.add(pos, _tokens(values, a - first, b - first))
+
+    def _position(self, start: int, stop: int) -> int | None:
+        """Buffer position of tokens ``[start, stop)`` when all are kept in front or
+        all in the window (and restored), else None."""
+        if stop > self.num_tokens:
+            return None  # a block cut back: only its first tokens are restored
+        if stop <= self.keep:
+            return start
+        if start >= self.tail:
+            return self.keep + start - self.tail
+        return None
+
+    def reserve(self, index: int, arrays: Mapping[str, Any]) -> list[mx.array]:
+        """Buffers to allocate for a streamed block (see TokenBuffer.reserve)."""
+        name = next((n for n in ("keys", "last.keys", "keep.keys") if n in arrays), None)
+        if name is None:
+            return []
+        values = arrays.get(name.replace("keys", "values"))
+        return self.keys.reserve(arrays[name]) + self.values.reserve(values)
+
+    def destination(
+        self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
+    ) -> np.ndarray | None:
+        """Where the SSD stream may read block ``index``'s whole ``name`` tensor (of
+        ``count`` blocks): only blocks wholly kept in front or wholly in the window."""
+        buf = self.keys if name == "keys" else self.values if name == "values" else None
+        run = run_shape(shape, count, self.block_size)
+        if buf is None or run is None:
+            return None
+        start = index * self.block_size
+        pos = self._position(start, start + run[2])
+        return None if pos is None else buf.destination(pos, dtype, run)
 
     def allocate(self) -> list[mx.array]:
         return self.keys.allocate() + self.values.allocate()

@@ -1,12 +1,13 @@
 """A block's tensor as bytes in host memory, on its way from a reader to a restore buffer.
 
 ``Place`` is where a reader may write a tensor: its region of the restore
-buffer that will hold it (``contiguous`` gives the region's runs); ``Placed``
-says the bytes are already there. Otherwise a tensor stays in a reused read
-buffer as a ``HostArray`` (a verified view, valid until the next block), which a
-builder that takes host bytes (``takes_host``) copies into its buffer and any
-other turns into an MLX array with ``to_mx`` (one copy). The safetensors dtype
-names map to MLX dtypes here.
+buffer that will hold it (``contiguous`` gives the region's runs), or
+``UNNEEDED`` for a tensor no layer of the restore reads (verified with its
+file, never copied); ``Placed`` says the bytes are already there. Otherwise a
+tensor stays in a reused read buffer as a ``HostArray`` (a verified view, valid
+until the next block), which a builder that takes host bytes (``takes_host``)
+copies into its buffer and any other turns into an MLX array with ``to_mx`` (one
+copy). The safetensors dtype names map to MLX dtypes here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ ITEMSIZE = {name: dtype.size for dtype, name in SAFETENSORS_DTYPES.items()}
 
 class Place(Protocol):
     """Where a reader thread may write a streamed tensor: its region of a restore
-    buffer, or None.
+    buffer, ``UNNEEDED`` (no layer of the restore reads it: the reader leaves it
+    out of the block), or None (no place: a HostArray).
 
     The region is a writable uint8 view shaped like the tensor with its last
     axis in bytes (as ``HostArray.rows``), not necessarily contiguous
@@ -54,6 +56,14 @@ class Place(Protocol):
     def __call__(
         self, index: int, name: str, dtype: mx.Dtype, shape: tuple[int, ...], count: int = 1
     ) -> np.ndarray | None: ...
+
+
+# The place of a tensor the restore never reads (told apart by identity): a
+# window layer's payload in a block before its window, a state snapshot before
+# the boundary restored. Skipping it keeps its bytes out of the loose buffer
+# and the caller's hands (the reader lends that buffer block by block).
+UNNEEDED = np.zeros(0, np.uint8)
+UNNEEDED.flags.writeable = False
 
 
 def contiguous(region: np.ndarray) -> list[memoryview]:

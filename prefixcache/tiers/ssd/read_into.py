@@ -6,7 +6,8 @@ MLX. A large payload file (over ``SMALL_READ``) is read straight into its
 places (one copy: the kernel's, from the page cache to the restore buffer) and
 hashed a slice at a time while the slice is still in the CPU cache. Its bytes
 may reach a place before the checksum fails, so the stream stops before such a
-block. Small files are read in runs instead.
+block. A tensor no layer reads (``UNNEEDED``) is read through the reader's
+scratch only to be hashed. Small files are read in runs instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import xxhash
 
 from ...blocks import BlockMeta
 from ...errors import PayloadError
-from ...memory.host import MX_DTYPES, HostArray, Place, Placed, StreamedBlock, contiguous
+from ...memory.host import (
+    MX_DTYPES,
+    UNNEEDED,
+    HostArray,
+    Place,
+    Placed,
+    StreamedBlock,
+    contiguous,
+)
 from .files import open_payload
 from .payload import read_spans
 
@@ -122,13 +131,18 @@ def _read_placed(fd: int, job: Job, bufs: Buffers, place: Place | None) -> Outco
     regions = []
     for name, dtype, shape, start, end in spans:
         region = place(meta.index, name, MX_DTYPES[dtype], shape) if place else None
-        regions.append(region if region is not None and region.nbytes == end - start else None)
+        fits = region is UNNEEDED or (region is not None and region.nbytes == end - start)
+        regions.append(region if fits else None)
     pairs = list(zip(spans, regions, strict=True))
     loose = sum(end - start for (*_, start, end), region in pairs if region is None)
     lent = bufs.loose(loose) if loose else None
     arrays: dict[str, HostArray | Placed] = {}
     used = 0
     for (name, dtype, shape, start, end), region in pairs:
+        if region is UNNEEDED:  # hashed through the scratch, kept nowhere
+            scratch = bufs.scratch(min(end - start, _CHUNK))
+            _hash_only(fd, base + start, end - start, hasher, scratch)
+            continue
         if region is None:
             assert lent is not None
             data = region = lent[used : used + end - start]
@@ -174,6 +188,17 @@ def _read_into(fd: int, views: list[memoryview], offset: int, hasher: xxhash.xxh
         for v in batch:
             hasher.update(v)
         offset += size
+
+
+def _hash_only(fd: int, offset: int, nbytes: int, hasher: xxhash.xxh3_64, scratch: np.ndarray):
+    """Hash ``nbytes`` of ``fd`` from ``offset``, read a ``scratch`` at a time."""
+    while nbytes > 0:
+        view = scratch[: min(nbytes, scratch.nbytes)]
+        if pread_all(fd, view, offset) != view.nbytes:
+            raise PayloadError("short read")
+        hasher.update(view)
+        offset += view.nbytes
+        nbytes -= view.nbytes
 
 
 def _skip(views: list[memoryview], n: int) -> list[memoryview]:

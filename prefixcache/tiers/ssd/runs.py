@@ -15,7 +15,9 @@ for all the run's blocks, one after another on the token axis): a few calls
 per tensor name and run, not per block and row. A tensor that has no run
 region (a layer that does not use every block of the run, a buffer not
 allocated yet) is placed block by block; one without a place at all goes into
-the reader's loose buffer, lent to the caller with the block.
+the reader's loose buffer, lent to the caller with the block. A tensor no layer
+of the restore reads (``UNNEEDED``) is left out of its block: verified with its
+file, never copied.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 import xxhash
 
 from ...errors import PayloadError
-from ...memory.host import MX_DTYPES, HostArray, Place, Placed, PlacedRun
+from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from .files import open_payload
 from .payload import header_length, parse_header
 from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
@@ -129,11 +131,11 @@ def read_run(
         if not isinstance(f, _File):
             yield None, f
             continue
-        block = _run_part(whole, j, f, placed)
+        block = _run_part(whole, j, f, placed, rest)
         lent = None
         if rest:
             lent = _loose(f, rest, bufs, placed)
-            block = {name: placed[name] for name, *_ in f.spans}  # in file order
+            block = {name: placed[name] for name, *_ in f.spans if name in placed}  # file order
         yield lent, streamed(f.job, block)
 
 
@@ -195,8 +197,10 @@ def _place_run(
         name, dtype, shape, start, end = span
         dt = MX_DTYPES[dtype]
         region = None
-        if place is not None and k > 1 and len(shape) == 4:
+        if place is not None and k > 1:
             region = place(first.index, name, dt, shape, k)
+        if region is UNNEEDED:  # no layer reads it in any of these blocks
+            continue
         if region is None or region.nbytes != k * (end - start):
             for f, placed, rest in zip(files, arrays, loose, strict=True):
                 _place_tensor(f, span, place, placed, rest)
@@ -210,14 +214,19 @@ def _place_run(
 
 
 def _run_part(
-    whole: dict[str, Placed], j: int, f: _File, placed: dict[str, HostArray | Placed]
+    whole: dict[str, Placed],
+    j: int,
+    f: _File,
+    placed: dict[str, HostArray | Placed],
+    loose: list[tuple[str, Span]],
 ) -> Mapping[str, HostArray | Placed]:
     """Block ``j`` of a run's tensors: a PlacedRun when the run's copies placed
-    all of them, else its Placed parts of ``whole`` added to ``placed``."""
+    all of them (but those skipped), else its Placed parts of ``whole`` added to
+    ``placed``."""
     if not whole:
         return placed
     n = next(iter(whole.values())).shape[2]  # run_shape: every one a full block
-    if len(whole) == len(f.spans):
+    if not placed and not loose:  # every tensor placed by the run's copies, or skipped
         return PlacedRun(whole, (j * n, (j + 1) * n))
     for name, p in whole.items():
         placed[name] = Placed(p.region, p.dtype, p.shape, (j * n, (j + 1) * n))
@@ -245,6 +254,8 @@ def _place_tensor(
     name, dtype, shape, start, end = span
     dt = MX_DTYPES[dtype]
     region = place(f.index, name, dt, shape) if place is not None else None
+    if region is UNNEEDED:
+        return
     if region is None or region.nbytes != end - start:
         loose.append((name, span))
         return
