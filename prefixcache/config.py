@@ -179,7 +179,7 @@ class CacheConfig:
     block_size: int = 256
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
-    eviction: Eviction = "cost"
+    eviction: Eviction = "adaptive"
     prefetch_bytes: int = 256 << 20
     ssd_dir: str = "~/.cache/prefixcache"
     ssd_max_bytes: int = 64 << 30

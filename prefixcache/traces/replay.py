@@ -47,7 +47,7 @@ class ReplayConfig:
     ssd_dir: str | None = None
     ssd_bytes: int = 64 << 30
     block_tokens: int = 16
-    eviction: str = "cost"
+    eviction: str = "adaptive"
     seed: int = 0
     prefill_step: int = 512
 
