@@ -13,12 +13,17 @@ the facade restores a recurrent model only where a block or tail ends). ArraysCa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import LayoutMismatchError, MissReason
-from .base import Builder, Codec, Payload, num_blocks, owned
+from ..memory.copies import Copies
+from ..memory.host import SAFETENSORS_DTYPES, host_view
+from ..memory.restore_buffers import Slot, advise_huge, current, empty, resolve
+from .base import Builder, Codec, Payload, Resident, num_blocks, owned
 from .kv import dtype_name
 
 BOUNDARY = MissReason.BOUNDARY_MISSING
@@ -88,8 +93,16 @@ class ArraysCodec(Codec):
 
 
 class ArraysBuilder(Builder):
+    """The snapshot's arrays copied into new ones. From the hot tier
+    (``add_resident``), a large one (a gated delta net's 2 MiB state) goes into a
+    restore buffer made with the restore's others and put on huge pages
+    (``memory.restore_buffers``), copied with the hot blocks; the rest, and a
+    snapshot from a lower tier (``add``), are copied by MLX (``mx.array``)."""
+
     def __init__(self, fresh: ArraysCache):
         self.cache = fresh
+        # large hot arrays to copy: (slot, array, its host bytes, the buffer once made)
+        self._large: list[tuple[int, mx.array, np.ndarray, mx.array | Slot | None]] = []
 
     def add(self, index: int, arrays: dict[str, mx.array]) -> None:
         slots = len(self.cache.cache)
@@ -97,9 +110,66 @@ class ArraysBuilder(Builder):
             raise LayoutMismatchError(f"block {index} has no recurrent-state snapshot", BOUNDARY)
         # new arrays: the live cache must never hold the hot tier's own objects
         self.cache.cache = [mx.array(arrays[str(i)]) for i in range(slots)]
+        self._large = []
+
+    def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
+        if len(indices) != 1:
+            return False  # one at a time: ``add`` checks each
+        (payload, views), slots = blocks[0], len(self.cache.cache)
+        names = [f"{prefix}{i}" for i in range(slots)]
+        if any(name not in payload for name in names):
+            return False  # ``add`` reports it
+        state = [payload[name] for name in names]
+        large = {i for i, a in enumerate(state) if _large(a) and names[i] in views}
+        self._large = [(i, state[i], views[names[i]], None) for i in sorted(large)]
+        self.cache.cache = [None if i in large else mx.array(a) for i, a in enumerate(state)]
+        return True
+
+    def allocate(self) -> list[mx.array]:
+        batch, made = current(), []
+        for n, (i, source, view, _) in enumerate(self._large):
+            shape, dtype = tuple(source.shape), source.dtype
+            if batch is not None and batch.takes(shape, dtype, mx.cpu):
+                into = batch.add(shape, dtype)
+            else:
+                into = empty(shape, dtype, stream=mx.cpu)
+                made.append(into)
+            self._large[n] = (i, source, view, into)
+        return made
+
+    def queue_copies(self, copies: Copies) -> None:
+        left = []
+        for i, source, view, into in self._large:
+            if into is None:
+                left.append((i, source, view, into))  # not allocated: ``finish`` copies it
+                continue
+            array = resolve(into)
+            mx.eval(array)  # cheap: the restore evaluated it with the others
+            host = host_view(array)
+            advise_huge(host)
+            copies.add(host.nbytes, partial(_copy, host, view))
+            self.cache.cache[i] = array
+        self._large = left
 
     def buffers(self) -> list[mx.array]:
         return [a for a in self.cache.cache if a is not None]
 
     def finish(self) -> ArraysCache:
+        for i, source, _, _ in self._large:  # not copied by ``queue_copies``
+            self.cache.cache[i] = mx.array(source)
+        self._large = []
         return self.cache
+
+
+# bytes: from here a snapshot's array goes into a restore buffer on huge pages (a
+# huge page is 2 MiB); below, MLX's copy into its own allocation costs less
+_LARGE = 2 << 20
+
+
+def _large(a: object) -> bool:
+    return isinstance(a, mx.array) and a.nbytes >= _LARGE and a.dtype in SAFETENSORS_DTYPES
+
+
+def _copy(host: np.ndarray, view: np.ndarray) -> None:
+    """A snapshot array's host bytes into its restore buffer's (same size)."""
+    np.copyto(host.reshape(-1), view.reshape(-1))
