@@ -278,7 +278,10 @@ def test_a_restores_buffers_are_on_huge_pages_to_their_edges():
     leaves the end regions on 4 KiB pages, one fault each (a small page was
     mapped there, the header, before any advice). In a fresh process, whose big
     allocations are fresh memory."""
-    out = subprocess.run([sys.executable, "-c", _EDGES_CHILD], capture_output=True, text=True)
+    env = {**os.environ, "PREFIXCACHE_HUGE_PAGES": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _EDGES_CHILD], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     ours, control = (ast.literal_eval(line) for line in out.stdout.split("\n")[:2])
     assert ours and control, out.stdout  # buffers side by side in one mapping, as a restore's
