@@ -3,6 +3,7 @@ headroom left so changes no logit."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -208,3 +209,82 @@ def test_restore_buffers_get_huge_pages_when_advised(advise):
     assert out.returncode == 0, out.stderr
     huge = int(out.stdout.strip())
     assert (huge >= 16 * MiB) if advise else huge == 0, huge
+
+
+_EDGES_CHILD = """
+import ctypes, mmap, resource
+import mlx.core as mx
+from prefixcache.memory import restore_buffers
+from prefixcache.memory.host import host_view
+HUGE, PAGE = 2 << 20, 4096
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+shape = (1, 8, 4353, 64)  # a layer of a 4,096-token restore of Llama-3.2-1B (bf16, 4.25 MiB)
+
+def restore_buffers_of(n):  # allocated together, as a restore's
+    with restore_buffers.batched(mx.cpu) as batch:
+        slots = [batch.add(shape, mx.bfloat16) for _ in range(n)]
+    arrays = [slot.array for slot in slots]
+    mx.eval(arrays)
+    return arrays, [host_view(a) for a in arrays]
+
+def inner(hosts):  # per buffer, whether both its end regions lie in one mapping with
+    # another of the buffers: regions of their own, not shared with another mapping
+    with open("/proc/self/maps") as f:
+        maps = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+    spans = [(h.ctypes.data, h.ctypes.data + h.nbytes) for h in hosts]
+    def shared(region, me):
+        return any(lo <= region and region + HUGE <= hi for lo, hi in maps) and any(
+            o != me and o[0] < region + HUGE and region < o[1] for o in spans)
+    return [shared(d // HUGE * HUGE, (d, e)) and shared((e - 1) // HUGE * HUGE, (d, e))
+            for d, e in spans]
+
+def faults_writing(host):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    host[...] = 1
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+def edge_pages(host):  # the buffer's pages in its two end regions
+    data, stop = host.ctypes.data, host.ctypes.data + host.nbytes
+    return ((-(-data // HUGE) * HUGE - data) + stop % HUGE) // PAGE
+
+ours, hosts = restore_buffers_of(6)
+mine = inner(hosts)
+for host in hosts:
+    restore_buffers.advise_huge(host)
+print([(faults_writing(h), h.nbytes // HUGE + 1) for h, m in zip(hosts, mine) if m])
+control, hosts = restore_buffers_of(6)
+mine = inner(hosts)
+for host in hosts:  # the regions inside advised alone
+    data = host.ctypes.data
+    start, end = -(-data // HUGE) * HUGE, (data + host.nbytes) // HUGE * HUGE
+    libc.madvise(start, end - start, mmap.MADV_HUGEPAGE)
+print([(faults_writing(h), edge_pages(h)) for h, m in zip(hosts, mine) if m])
+"""
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs Linux THP in madvise mode")
+@pytest.mark.skipif(
+    tuple(int(v) for v in os.uname().release.split("-")[0].split(".")[:2]) < (6, 1),
+    reason="MADV_COLLAPSE needs Linux 6.1",
+)
+def test_a_restores_buffers_are_on_huge_pages_to_their_edges():
+    """Restore buffers of 4.25 MiB made together (a restore's six) and advised by
+    ``advise_huge`` are written with one fault per 2 MiB: their end regions,
+    which they share with each other and where the allocator wrote its headers,
+    are huge pages too. (Measured on the buffers whose both end regions lie in
+    one mapping with another of them; a region shared with another mapping
+    may stay on small pages.) The control: advising the regions inside alone
+    leaves the end regions on 4 KiB pages, one fault each (a small page was
+    mapped there, the header, before any advice). In a fresh process, whose big
+    allocations are fresh memory."""
+    env = {**os.environ, "PREFIXCACHE_HUGE_PAGES": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _EDGES_CHILD], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    ours, control = (ast.literal_eval(line) for line in out.stdout.split("\n")[:2])
+    assert ours and control, out.stdout  # buffers side by side in one mapping, as a restore's
+    assert all(faults <= regions + 2 for faults, regions in ours), ours
+    assert all(faults >= edges - 2 for faults, edges in control), control
+    assert sum(edges for _, edges in control) >= 512, control

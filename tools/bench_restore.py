@@ -3,7 +3,8 @@
 Builds a model-shaped cache (default: 32 layers, 8 kv heads, head_dim 128, bf16)
 synthetically, stores it, and measures in one run:
   - a plain copy of the same bytes into fresh buffers (the reference),
-  - PrefixCache.fetch from the hot tier (time, throughput, peak memory),
+  - PrefixCache.fetch from the hot tier (time, throughput, peak memory, and the
+    resident memory a fetch held adds),
   - a naive rebuild (concatenate blocks at exact length, then append one token),
   - hash + lookup cost per token (PrefixCache.match).
 
@@ -23,6 +24,7 @@ from benchlib import shaped_model, synthetic_cache
 from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.memory import give_back
 
 MiB = 1 << 20
 
@@ -52,6 +54,12 @@ def timed(fn, repeat: int) -> tuple[float, float]:
         peak = max(peak, mx.get_peak_memory() - base)
         del out
     return best, peak
+
+
+def rss() -> int:
+    """This process's resident memory, in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def plain_copy(arrays):
@@ -88,7 +96,12 @@ def run(args, model, num_tokens: int) -> dict[str, float]:
         gc.collect()
         probe = [*tokens, 1]  # one token to prefill after the hit
         t_fetch, peak_fetch = timed(lambda: [c.state for c in pc.fetch(probe)[0]], args.repeat)
+        give_back.now()  # from a cleared buffer cache and trimmed heap: fresh memory
+        gc.collect()
+        rss_before = rss()
         restored = pc.fetch(probe)[0]
+        mx.eval([c.state for c in restored])
+        rss_grown = rss() - rss_before
         restored_bytes = sum(c.keys.nbytes + c.values.nbytes for c in restored)
         del restored
         blocks = sorted(pc.hot, key=lambda b: b.index)
@@ -108,6 +121,7 @@ def run(args, model, num_tokens: int) -> dict[str, float]:
         "vs_copy": t_copy / t_fetch,
         "peak_mib": peak_fetch / MiB,
         "bound_mib": (restored_bytes + block_bytes) * 1.05 / MiB,
+        "rss_ratio": rss_grown / restored_bytes,
         "naive_ms": t_naive * 1e3,
         "naive_peak_mib": peak_naive / MiB,
         "ns_token": ns_token,
@@ -123,6 +137,7 @@ COLUMNS = [
     ("vs_copy", "fetch/copy", "{:.2f}"),
     ("peak_mib", "fetch peak MiB", "{:.0f}"),
     ("bound_mib", "bound MiB", "{:.0f}"),
+    ("rss_ratio", "fetch RSS / bytes", "{:.3f}"),
     ("naive_ms", "naive ms", "{:.0f}"),
     ("naive_peak_mib", "naive peak MiB", "{:.0f}"),
     ("ns_token", "match ns/token", "{:.1f}"),
@@ -144,7 +159,9 @@ def main() -> None:
         print("| " + " | ".join(fmt.format(row[k]) for k, _, fmt in COLUMNS) + " |")
     print(
         "\nbound = (restored buffer + one block) x 1.05; peak = peak MLX memory above "
-        "the memory held before the call (hot blocks are held before it)."
+        "the memory held before the call (hot blocks are held before it); fetch RSS /"
+        " bytes = the process's resident memory grown by a fetch held, over the restored"
+        " buffers' bytes (from a cleared buffer cache and trimmed heap)."
     )
 
 

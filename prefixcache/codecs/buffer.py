@@ -9,8 +9,8 @@ times slower into fresh small pages). Blocks streamed from a lower tier need
 the buffer at once (``reserve``): the stream reads later blocks straight into
 it (``destination``; they arrive as ``Placed``), and a HostArray is copied in
 at once. The result is a single buffer of final length plus headroom that the
-next prefill writes into in place. The headroom is left unwritten (its fresh
-pages are not even faulted in): mlx-lm reads a cache only below its offset
+next prefill writes into in place. The headroom is left unwritten (on small
+pages its fresh pages are not even faulted in): mlx-lm reads a cache only below its offset
 (``update_and_fetch``, ``state``, a batch's ``merge``; ``to_quantized``
 quantizes each token's row on its own), and each token's row is written
 before the offset passes it.
