@@ -1,7 +1,8 @@
 """Index entries inside one LMDB transaction: insert, drop, LRU of leaves, child links.
 
 The named databases of the SSD index are kept consistent here: every indexed
-block has an entry in ``blocks`` and a link under its parent in ``children``;
+block has an entry in ``blocks`` and a link under its parent in ``children``
+and in ``nearby`` (ordered by its tokens, nearby.py);
 a block with no indexed child (a leaf) is also in ``lru``, keyed by its
 last use, unless it is pinned (``pins``: key -> pin end, file bytes; a pin
 record outlives its block, so a block stored again under a pinned key is
@@ -22,7 +23,7 @@ import time
 import lmdb
 
 from ...blocks import BlockMeta, decode_meta, encode_meta
-from . import shares
+from . import nearby, shares
 from .files import payload_path, unlink
 
 _U64 = struct.Struct("<Q")
@@ -89,7 +90,7 @@ class Entries:
 
     def insert(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
         txn.put(meta.key, encode_meta(meta), db=self.db["blocks"])
-        txn.put(meta.parent, meta.key, db=self.db["children"])
+        self.link(txn, meta)
         if not self.has_children(txn, meta.key) and not self.pinned(txn, meta.key):
             self.lru_put(txn, meta)
         parent = self.meta(txn, meta.parent)
@@ -108,6 +109,7 @@ class Entries:
         txn.delete(meta.key, db=self.db["blocks"])
         self.lru_delete(txn, meta)
         txn.delete(meta.parent, meta.key, db=self.db["children"])
+        txn.delete(nearby.entry(meta.parent, meta.tokens, meta.key), db=self.db[nearby.DB])
         parent = self.meta(txn, meta.parent)
         if parent is not None and not self.leaf_pinned(txn, parent):
             self.lru_put(txn, parent)
@@ -117,6 +119,11 @@ class Entries:
         shares.add(txn, self.db["meta"], meta.tenant, release | why)
         self._drop_file(meta.key)
         return meta.file_bytes
+
+    def link(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
+        """List ``meta`` under its parent: in ``children`` and in ``nearby``."""
+        txn.put(meta.parent, meta.key, db=self.db["children"])
+        txn.put(nearby.entry(meta.parent, meta.tokens, meta.key), meta.key, db=self.db[nearby.DB])
 
     def lru_put(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
         """Make ``meta`` a leaf in the LRU and in its tenant's."""
@@ -167,6 +174,7 @@ class Entries:
         txn.drop(self.db["lru"], delete=False)
         txn.drop(self.db["tenant_lru"], delete=False)
         txn.drop(self.db["children"], delete=False)
+        txn.drop(self.db[nearby.DB], delete=False)
         metas, num_bad = [], 0
         for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self.db["blocks"])]:
             meta = decode_or_none(key, raw)
@@ -177,7 +185,7 @@ class Entries:
             else:
                 metas.append(meta)
         for meta in metas:
-            txn.put(meta.parent, meta.key, db=self.db["children"])
+            self.link(txn, meta)
         for meta in metas:
             if not self.leaf_pinned(txn, meta):
                 self.lru_put(txn, meta)

@@ -6,6 +6,7 @@ Named databases of one environment (one per path per process)::
     blocks    key -> encode_meta(BlockMeta)
     lru       big-endian last_used (us) + key -> b"" for every leaf (no indexed child)
     children  parent key -> child keys (dupsort) of every indexed block
+    nearby    parent key + order of its tokens + key -> key (nearby.py)
     writing   key -> pid, thread id, file bytes of each payload being written
     pins      key -> pin end, file bytes
     tenant_lru  each tenant's leaves, least recently used first (shares.py)
@@ -33,7 +34,7 @@ import lmdb
 
 from ...blocks import BlockMeta, encode_meta
 from ...errors import SsdFormatError
-from . import budget, pinning, shares, space
+from . import budget, nearby, pinning, shares, space
 from .entries import Entries, decode_or_none
 from .files import DIR_MODE, FILE_MODE
 from .lmdb_env import SharedEnv
@@ -46,7 +47,12 @@ __all__ = ["Reservation", "SsdIndex", "Wanted", "decode_or_none"]
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_DBS = ("meta", "blocks", "lru", "children", "writing", "pins", *RECORD_DBS, *shares.TENANT_DBS)
+_DBS = (
+    *("meta", "blocks", "lru", "children", nearby.DB, "writing", "pins"),
+    *RECORD_DBS,
+    *shares.TENANT_DBS,
+)
+_OPTIONAL = (*shares.TENANT_DBS, nearby.DB)  # read-only: absent from an older index
 _DUPSORT = ("children",)
 
 
@@ -78,7 +84,7 @@ class SsdIndex:
                 dupsort=_DUPSORT,
                 readonly=readonly,
                 mode=FILE_MODE,
-                optional=shares.TENANT_DBS,
+                optional=_OPTIONAL,
             )
         except lmdb.NotFoundError as e:
             raise SsdFormatError(f"SSD tier index {self.path} lacks a database: {e}") from None
@@ -137,6 +143,20 @@ class SsdIndex:
                 return []
             keys = [bytes(k) for k in cur.iternext_dup()]
             rows = ((k, txn.get(k, db=self._db["blocks"])) for k in keys)
+            return [(k, bytes(raw)) for k, raw in rows if raw is not None]
+
+        return self.transact(read)
+
+    def children_near(self, parent: bytes, near: bytes) -> list[tuple[bytes, bytes]] | None:
+        """(key, entry) of the few blocks under ``parent`` whose tokens lie nearest
+        to ``near`` (nearby.py), in one read; None if this index has no such order
+        (an older one open read-only)."""
+        if nearby.DB not in self._db:
+            return None
+
+        def read(txn: lmdb.Transaction) -> list[tuple[bytes, bytes]]:
+            keys = nearby.around(txn.cursor(db=self._db[nearby.DB]), parent, near)
+            rows = ((k, txn.get(k, db=self._db["blocks"])) for k in dict.fromkeys(keys))
             return [(k, bytes(raw)) for k, raw in rows if raw is not None]
 
         return self.transact(read)
@@ -301,6 +321,8 @@ class SsdIndex:
         version = self.transact(lambda t: recorded_version(t, meta, self.path))
         self.format_version = version or FORMAT_VERSION  # what it is once open
         if version == FORMAT_VERSION:
+            if not readonly:  # an index written before ``nearby`` existed gets it once
+                self.transact(self._complete_nearby, write=True)
             return
         if readonly:
             if version is None:
@@ -308,6 +330,11 @@ class SsdIndex:
             return  # an older version reads as it is: its entries' tenant is the default
         self.format_version = FORMAT_VERSION
         self.transact(lambda t: upgrade(t, meta, self.path, self.entries.rebuild), write=True)
+
+    def _complete_nearby(self, txn: lmdb.Transaction) -> None:
+        if not nearby.complete(txn, self._db["blocks"], self._db[nearby.DB]):
+            self.entries.rebuild(txn)
+            logger.info("SSD tier index %s: rebuilt its children's order", self.path)
 
     def clear_dead_writes(self) -> int:
         """Remove temp files and unindexed payloads of writers that died (O(#records))."""

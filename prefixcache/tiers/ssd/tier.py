@@ -175,8 +175,12 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
             return None
 
     def children(self, parent: bytes, near: bytes | None = None) -> list[BlockMeta]:
-        """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined)."""
-        found = {key: self.reads.decoded(key, raw) for key, raw in self.index.children(parent)}
+        """Blocks and tails queued or indexed under ``parent`` (bad entries quarantined);
+        with ``near``, of those indexed only the few nearest to it (nearby.py)."""
+        rows = None if near is None else self.index.children_near(parent, near)
+        if rows is None:
+            rows = self.index.children(parent)
+        found = {key: self.reads.decoded(key, raw) for key, raw in rows}
         for item in self.writer.pending_children(parent):
             found[item.block.key] = BlockMeta.of(item.block, now=item.queued)
         return [meta for meta in found.values() if meta is not None]
