@@ -8,17 +8,25 @@ the same way, gives other logits).
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import lmdb
 from conftest import max_diff, prompt, tiny_model
 from test_partial_blocks import continued, finished, reference
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.blocks import decode_meta
 from prefixcache.hashing import chain_keys, token_bytes
-from prefixcache.tiers.ssd.nearby import DB, NEAREST
+from prefixcache.tiers.ssd.admin.maintenance import reconcile
+from prefixcache.tiers.ssd.index import SsdIndex
+from prefixcache.tiers.ssd.nearby import DB, NEAREST, complete
+from prefixcache.tiers.ssd.tier import SsdTier
 
 BLOCK = 16
 SYSTEM = prompt(1, BLOCK)  # one full block: every user turn is a tail under it
 NUM_TURNS = 300
+V1_INDEX = Path(__file__).parent / "data" / "ssd_v1"  # written by format 1 (no ``nearby``)
 
 
 def turn(i: int) -> list[int]:
@@ -95,3 +103,26 @@ def test_an_index_without_the_order_gets_it_when_opened(tmp_path):
         assert token_bytes(turn(1)[BLOCK:]) in {m.tokens for m in near}
         assert len(pc.ssd.children(parent)) == 3
         assert pc.match(probe) == BLOCK + 3
+
+
+def test_an_index_of_format_1_gets_the_order_when_upgraded(tmp_path):
+    """Read-only, a format-1 index (no ``nearby``) lists all children; opened to
+    write, it is upgraded and every block is found near its own tokens."""
+    path = tmp_path / "ssd"
+    shutil.copytree(V1_INDEX, path)
+    index = SsdIndex(str(path / "index"), str(path / "blocks"), readonly=True)
+    metas = [decode_meta(k, v) for k, v in index.rows()]
+    assert len(metas) == 6
+    assert all(index.children_near(m.parent, m.tokens) is None for m in metas)
+    index.close()
+    config = CacheConfig(ssd_dir=str(path), ssd_min_free_bytes=0)
+    with SsdTier(config) as tier:
+        for meta in metas:
+            near = tier.children(meta.parent, meta.tokens)
+            assert meta.key in {m.key for m in near}
+            assert {m.key for m in near} <= {m.key for m in tier.children(meta.parent)}
+        assert reconcile(tier.index) == (0, 0)  # gc rebuilds the order too
+        blocks, order = tier.index._db["blocks"], tier.index._db[DB]
+        assert tier.index.transact(lambda t: complete(t, blocks, order))
+        assert tier.index.remove([metas[0].key]) == 1  # a dropped entry leaves the order
+        assert tier.index.transact(lambda t: complete(t, blocks, order))
