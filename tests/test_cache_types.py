@@ -34,6 +34,7 @@ from mlx_lm.models.cache import (
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache.capture import chunk_ends
 from prefixcache.codecs import buffer, codec_for, round_up
+from prefixcache.memory import restore_buffers
 
 BLOCK = 16
 STEP = 16  # one block per chunk: every boundary gets its recurrent snapshot
@@ -137,7 +138,8 @@ def swap_stateful(cache, other) -> int:
 @pytest.fixture(params=["hot", "hot-allocated", "ssd", "remote"])
 def tier(request, monkeypatch):
     if request.param == "hot-allocated":  # every buffer made as a large restore's:
-        monkeypatch.setattr(buffer, "_SMALL", 0)  # allocated by MLX, written in place
+        monkeypatch.setattr(buffer, "SMALL", 0)  # allocated by MLX, written in place
+        monkeypatch.setattr(restore_buffers, "SMALL", 0)
         return "hot"
     return request.param
 

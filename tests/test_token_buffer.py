@@ -36,7 +36,7 @@ def test_small_buffer_holds_every_segment_in_its_dtype(dtype):
     n = SEG[2]
     out = built(parts, [k * n for k in range(5)], 96)
     assert out.dtype == dtype and out.shape == (1, 2, 96, 8)
-    assert out.nbytes < buffer._SMALL
+    assert out.nbytes < buffer.SMALL
     assert mx.array_equal(out[:, :, : 5 * n, :], mx.concatenate(parts, axis=2)).item()
 
 

@@ -10,7 +10,7 @@ cannot hold everything. Each request fetches, prefills the uncached tokens on
 the model (chunks of <= 512), decodes the reply (teacher-forced, not timed)
 and stores prompt + reply. Systems, at each budget (``--budget``):
 
-  cost       eviction="cost" (the default): the least credit among the 32 least
+  cost       eviction="cost": the least credit among the 32 least
              recently used leaves (GreedyDual-Size: FLOPs per byte over a rising
              floor, prefixcache/tiers/hot/credit.py)
   lru        eviction="lru": the least recently used leaf

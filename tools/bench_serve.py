@@ -14,8 +14,8 @@ random-weight llama, in process. Systems, at each RAM budget (``--budget``):
                  the budget is applied by trim_to only, so inserts overshoot it
   ours hot-only  TieredPromptCache(hot_cache_only=True) as ``prefixcache serve
                  --prompt-cache-bytes`` makes it: the same rule (hot_max_bytes
-                 its default, the budget applied by trim_to only); cost-aware
-                 eviction (the default)
+                 its default, the budget applied by trim_to only); adaptive
+                 eviction (the default: cost's order until it has measured reuse)
   hot-only LRU   the same with eviction="lru" (leaves first, least recently used)
   ours + SSD     the same with an SSD tier (write_back; closed and reopened at
                  the restart, as ``prefixcache serve`` does on SIGTERM)

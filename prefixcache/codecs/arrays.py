@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Placed, host_bytes, host_view
-from ..memory.restore_buffers import advise_huge, current, empty, resolve
+from ..memory.restore_buffers import SMALL, advise_huge, new_buffer, resolve
 from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
 
@@ -123,7 +123,7 @@ class ArraysBuilder(Builder):
         for i in range(len(self.cache.cache)):
             x = arrays.get(str(i))
             if isinstance(x, HostArray | Placed) and x.shape and math.prod(x.shape):
-                self._fresh[i] = _new(x.shape, x.dtype)
+                self._fresh[i] = new_buffer(x.shape, x.dtype)
         return [a for a in self._fresh.values() if isinstance(a, mx.array)]
 
     def destination(
@@ -144,7 +144,7 @@ class ArraysBuilder(Builder):
 
     def _take(self, i: int, x: Any) -> mx.array | None:
         if not isinstance(x, HostArray | Placed):  # a hot block's array: copied into a new one
-            if x.nbytes < _SMALL or not x.ndim:
+            if x.nbytes < SMALL or not x.ndim:
                 return mx.array(x)
             self._hot[i] = x  # ``queue_copies`` copies it
             return None
@@ -179,7 +179,7 @@ class ArraysBuilder(Builder):
         """Unwritten arrays for the hot block's large slots, made with the restore's."""
         for i, x in self._hot.items():
             if i not in self._fresh and i not in self._open:
-                self._fresh[i] = _new(x.shape, x.dtype)
+                self._fresh[i] = new_buffer(x.shape, x.dtype)
         return [a for i, a in self._fresh.items() if i in self._hot and isinstance(a, mx.array)]
 
     def queue_copies(self, copies: Copies) -> None:
@@ -192,7 +192,7 @@ class ArraysBuilder(Builder):
 
     def _made(self, i: int, x: mx.array) -> tuple[mx.array, np.ndarray]:
         """Slot ``i``'s array made now (``allocate`` was not called first)."""
-        self._fresh[i] = _new(x.shape, x.dtype)
+        self._fresh[i] = new_buffer(x.shape, x.dtype)
         opened = self._opened(i)
         assert opened is not None
         return opened
@@ -206,18 +206,3 @@ class ArraysBuilder(Builder):
 
 def _fits(array: mx.array, dtype: mx.Dtype, shape: tuple[int, ...]) -> bool:
     return array.dtype == dtype and tuple(array.shape) == tuple(shape)
-
-
-# bytes: below, a slot's array is zeros (an unwritten one's set-up costs more)
-_SMALL = 1 << 20
-
-
-def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> Any:
-    """An array for a streamed slot: unwritten when large, in the restore's batch
-    (``restore_buffers.batched``) when there is one; zeros when small."""
-    if math.prod(shape) * dtype.size < _SMALL:
-        return mx.zeros(shape, dtype, stream=mx.cpu)
-    batch = current()
-    if batch is not None and batch.takes(shape, dtype, mx.cpu):
-        return batch.add(shape, dtype)
-    return empty(shape, dtype, stream=mx.cpu)

@@ -18,7 +18,6 @@ before the offset passes it.
 
 from __future__ import annotations
 
-import math
 import operator
 from functools import partial
 
@@ -28,7 +27,7 @@ import numpy as np
 from ..errors import LayoutMismatchError
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Placed, host_bytes, host_view
-from ..memory.restore_buffers import Slot, advise_huge, current, empty, resolve
+from ..memory.restore_buffers import SMALL, Slot, advise_huge, new_buffer, resolve
 
 
 class TokenBuffer:
@@ -92,7 +91,7 @@ class TokenBuffer:
             return []
         if len(x.shape) != 4 or self._fresh is not None:
             return []  # _write reports a bad shape
-        self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+        self._fresh = new_buffer((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
         return [] if type(self._fresh) is Slot else [self._fresh]  # a batch's: it returns it
 
     def destination(self, start: int, dtype: mx.Dtype, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -117,7 +116,7 @@ class TokenBuffer:
         x = self._pending[0][1]
         if len(x.shape) != 4:
             return []  # materialize reports it
-        self._fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+        self._fresh = new_buffer((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
         return [] if type(self._fresh) is Slot else [self._fresh]  # a batch's: it returns it
 
     def materialize(self) -> mx.array | None:
@@ -156,7 +155,7 @@ class TokenBuffer:
                 raise LayoutMismatchError(f"block tensor has shape {x.shape}, expected 4 axes")
             fresh, self._fresh = resolve(self._fresh), None
             if fresh is None:
-                fresh = _new((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
+                fresh = new_buffer((*x.shape[:2], self.capacity, x.shape[3]), x.dtype)
             self._open(fresh)
         return self._runs()
 
@@ -202,14 +201,14 @@ class TokenBuffer:
 
     def _small(self) -> bool:
         """Whether the buffer is still to make, for queued in-memory segments only,
-        and smaller than ``_SMALL``: ``finish`` builds it in host memory."""
+        and smaller than ``SMALL``: ``finish`` builds it in host memory."""
         if self._host is not None or self._fresh is not None or not self._pending:
             return False
         x = self._pending[0][1]
         if len(x.shape) != 4:
             return False  # _open_runs reports it
         b, h, _, d = x.shape
-        return b * h * self.capacity * d * x.dtype.size < _SMALL
+        return b * h * self.capacity * d * x.dtype.size < SMALL
 
     def _build_small(self) -> mx.array:
         """The queued segments copied into host memory, then into a new MLX array in
@@ -281,20 +280,3 @@ class _Views:
 _first = operator.itemgetter(0)  # a queued segment's first token
 # MLX dtypes numpy has under the same bits (bfloat16 is not one of them)
 _NUMPY_DTYPES = {mx.float32: np.float32, mx.float16: np.float16}
-
-# bytes: below, a buffer of hot blocks is built in host memory (``_build_small``), and
-# one a stream reads into is zeros from MLX's buffer cache, not an unwritten one
-_SMALL = 1 << 20
-
-
-def _new(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array | Slot:
-    """A restore buffer on the CPU stream (nothing is computed; on Apple silicon the
-    memory is shared): unwritten when large (its pages are faulted in once, by the
-    copy), zeros when small (the unwritten one's set-up costs more than the writes).
-    In a restore's batch (``restore_buffers.batched``): a Slot, made with the others."""
-    if math.prod(shape) * dtype.size < _SMALL:
-        return mx.zeros(shape, dtype, stream=mx.cpu)
-    batch = current()
-    if batch is not None and batch.takes(shape, dtype, mx.cpu):
-        return batch.add(shape, dtype)
-    return empty(shape, dtype, stream=mx.cpu)

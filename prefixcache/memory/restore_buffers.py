@@ -200,6 +200,24 @@ def resolve(x: Any) -> Any:
     return x
 
 
+# bytes: below, a buffer is zeros from MLX's cache: an unwritten one's set-up (an
+# ``mx.load``) costs more than writing it
+SMALL = 1 << 20
+
+
+def new_buffer(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array | Slot:
+    """A restore buffer on the CPU stream (nothing is computed; on Apple silicon the
+    memory is shared): unwritten when large (its pages are faulted in once, by the
+    copy), zeros when small. In a restore's batch (``batched``): a Slot, made with
+    the others."""
+    if math.prod(shape) * dtype.size < SMALL:
+        return mx.zeros(shape, dtype, stream=mx.cpu)
+    batch = current()
+    if batch is not None and batch.takes(shape, dtype, mx.cpu):
+        return batch.add(shape, dtype)
+    return empty(shape, dtype, stream=mx.cpu)
+
+
 _HUGE = 2 << 20
 _MADV_COLLAPSE = 25  # Linux's value (6.1 on); Python's mmap names it from 3.13 on
 _libc = None
