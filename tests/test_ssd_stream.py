@@ -24,10 +24,10 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
 from prefixcache.cache import restore as restore_module
 from prefixcache.cache.restore import ChainLoad
-from prefixcache.codecs import buffer as buffer_module
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.errors import LayoutMismatchError
 from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.memory import restore_buffers
 from prefixcache.memory.host import HostArray, Placed, StreamedBlock
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream
@@ -396,13 +396,13 @@ def test_a_lying_first_header_sizes_no_buffer(tmp_path, monkeypatch):
     model = tiny_model("llama")
     tokens = prompt(9, 4 * 16 + 1)
     allocated: list[tuple[int, ...]] = []
-    real_empty = buffer_module.empty
+    real_empty = restore_buffers.empty
 
     def recording(shape, dtype, **kwargs):
         allocated.append(tuple(shape))
         return real_empty(shape, dtype, **kwargs)
 
-    monkeypatch.setattr(buffer_module, "empty", recording)
+    monkeypatch.setattr(restore_buffers, "empty", recording)
     with stored_on_ssd(tmp_path, model, tokens) as pc:
         first = pc.ssd.get_meta(chain_keys(pc.namespace.root_key(), token_bytes(tokens), 16)[0])
         path = payload_path(os.path.join(pc.ssd.path, "blocks"), first.key)
