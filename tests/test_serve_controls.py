@@ -4,6 +4,10 @@ naming it; serve's operator flags reach the cache."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+
 import requests
 from test_serve_e2e import MAX_TOKENS, SYSTEM, TIMEOUT, _ours, model_dir, running  # noqa: F401
 
@@ -115,3 +119,24 @@ def test_tenant_header_and_floors_reach_the_cache_and_its_metrics(model_dir, tmp
     assert int(series['prefixcache_tenant_floor_bytes{tenant="bob",tier="hot"}']) == 64 << 10
     assert int(series['prefixcache_tenant_stored_total{tenant="bob",tier="hot"}']) > 0
     assert not any('tenant=""' in name for name in series)  # every store named bob
+
+
+def test_models_listing_without_a_hugging_face_cache(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """``GET /v1/models`` where no Hugging Face cache directory exists: the served
+    model, status 200 (mlx-lm's own handler raises there: its traceback is the
+    control, read from plain ``mlx_lm.server``'s log)."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub"))
+    with running(_ours(model_dir, tmp_path / "ssd"), tmp_path / "serve.log") as server:
+        reply = requests.get(server.url + "/v1/models", timeout=TIMEOUT)
+        assert reply.status_code == 200, server.text()
+        ids = [m["id"] for m in reply.json()["data"]]
+        assert ids == [str(model_dir.resolve())]
+        assert "Traceback" not in server.text()
+    plain = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir)]
+    with running(plain, tmp_path / "plain.log") as server:
+        with contextlib.suppress(requests.ConnectionError):  # it may close after its 200
+            requests.get(server.url + "/v1/models", timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT  # its handler thread logs the traceback
+        while "CacheNotFound" not in server.text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "CacheNotFound" in server.text()

@@ -31,7 +31,7 @@ from mlx_lm import server
 
 from . import explain
 from .generator import failure
-from .info import detokenize_ids
+from .info import detokenize_ids, models_listing
 from .request_options import DEFAULT, RequestOptions, check_name, parse
 from .supervisor import GenerationFailed
 from .validate import Limits, RequestError, check_body, parse_body, read_body
@@ -197,6 +197,14 @@ class GuardedHandler(server.APIHandler):
         self._set_completion_headers(status)
         self.end_headers()
         self.wfile.write(json.dumps(doc).encode())
+
+    def handle_models_request(self) -> None:
+        """``GET /v1/models``, answered without a traceback where mlx-lm's fails
+        (no Hugging Face cache directory)."""
+        parts = urllib.parse.urlsplit(self.path).path.split("/")
+        only = "/".join(parts[3:]) or None
+        model = self.response_generator.cli_args.model
+        self._reply(200, models_listing(model, self.created, only))
 
     def handle_health_check(self) -> None:
         doc = self.response_generator.health()

@@ -10,16 +10,20 @@ here). Without ``--events-url``, or with an address a subscriber cannot
 dial (``ipc://``, ``inproc://``), the block is absent, as SGLang leaves it.
 ``/detokenize`` turns the token ids of a published block back into text
 with the served model's tokenizer (``{"tokens": [...]}`` -> ``{"text": ...}``).
+``GET /v1/models`` lists the served model and the mlx models in the Hugging
+Face cache, an empty list of the latter where there is no such cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..config import CacheConfig
 
 MAX_DETOKENIZE = 1 << 16  # token ids in one /detokenize body at most
+MLX_FILES = frozenset({"config.json", "model.safetensors.index.json", "tokenizer_config.json"})
 
 
 def kv_events_block(url: str | None, block_size: int) -> dict[str, object] | None:
@@ -74,3 +78,31 @@ def _first_bad(tokens: Sequence[object], vocab_size: int) -> int | None:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             return i
     return None
+
+
+def models_listing(model: str | None, created: int, only: str | None = None) -> dict[str, object]:
+    """The body of ``GET /v1/models[/REPO]``: the served model (a local path by its
+    resolved path) and the Hugging Face cache's mlx models (``only``: that repo)."""
+    ids = [r for r in cached_mlx_repos() if only is None or r == only]
+    if model is not None and Path(model).exists():
+        ids.append(str(Path(model).resolve()))
+    data = [{"id": i, "object": "model", "created": created} for i in ids]
+    return {"object": "list", "data": data}
+
+
+def cached_mlx_repos() -> list[str]:
+    """Repos in the Hugging Face cache whose main revision has an mlx model's files;
+    none where the cache directory does not exist (or cannot be read)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir()
+    except (CacheNotFound, OSError):
+        return []
+    found = []
+    for repo in info.repos:
+        main = repo.refs.get("main") if repo.repo_type == "model" else None
+        if main is not None and {f.file_path.name for f in main.files} >= MLX_FILES:
+            found.append(repo.repo_id)
+    return found
