@@ -19,8 +19,9 @@ that learns online what they are told (classes_of says what ``--know`` tells):
 - ``density``: knows the trace's distribution of gaps per class, the
   share that never come back included, but not whether this block does;
   evicts the least expected hits per block and request of cache time given
-  its age (LHD's rank on the true distribution, which an online estimate
-  only approaches).
+  its age (LHD's rank on the true distribution; a block that never comes
+  back is counted as staying four times the longest gap, where LHD measures
+  that stay in its cache).
 
 Ages are binned in 48 log-spaced bins; the leaves of each class are kept
 by last use (a sorted list), so a victim is found by looking at the bins in
