@@ -112,7 +112,7 @@ class Tenancy:
         if not self.on:
             raise ValueError(
                 f"unknown tenant {tenant!r}: no tenant shares are configured "
-                "(hot_tenant_floors, hot_tenant_caps, ssd_tenant_floors, ssd_tenant_caps)"
+                "(hot_, ssd_ or remote_tenant_floors and _caps)"
             )
         out = self.stats()
         if tenant not in out:

@@ -1,0 +1,299 @@
+"""Tenant shares of the remote tier against a real redis-server (``noeviction``): floors
+kept under another tenant's flood, caps that evict the tenant's own blocks, refusals
+counted, figures right with two writers, nothing on the write path without shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+from conftest import prefill, prompt
+from mlx_lm.models.cache import make_prompt_cache
+from redis_server import RedisServer
+from ssd_child import check_block, make_block
+from test_remote_tier import load_all
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.blocks import Block
+from prefixcache.errors import ConfigError
+from prefixcache.tiers.remote import RemoteTier
+from prefixcache.tiers.remote.names import Names
+
+PREFIX = "prefixcache"
+BASE = f"{PREFIX}:{{shares}}:"
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A redis-server that never evicts by itself (what remote shares need)."""
+    s = RedisServer(str(tmp_path), args=("--maxmemory-policy", "noeviction"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def open_tier(server):
+    """Open remote tiers on ``server``; every one is closed at teardown."""
+    tiers: list[RemoteTier] = []
+
+    def opener(**settings) -> RemoteTier:
+        tiers.append(RemoteTier(CacheConfig(remote_url=server.url, **settings)))
+        return tiers[-1]
+
+    yield opener
+    for tier in tiers:
+        tier.close()
+
+
+def owned(seed: int, index: int, tenant: str) -> Block:
+    parent = None if index == 0 else make_block(seed, index - 1).key
+    return dataclasses.replace(make_block(seed, index, parent=parent), tenant=tenant)
+
+
+def put(tier: RemoteTier, blocks: list[Block], *, each: bool = False) -> list[Block]:
+    """Put ``blocks``: in one batch, or (``each``) one batch per block."""
+    for block in blocks:
+        assert tier.put(block)
+        if each:
+            tier.flush()
+    tier.flush()
+    return blocks
+
+
+def chain(tenant: str, seed: int, length: int) -> list[Block]:
+    return [owned(seed, i, tenant) for i in range(length)]
+
+
+def on_server(server: RedisServer, blocks: list[Block], prefix: str = PREFIX) -> int:
+    """How many of ``blocks`` the server holds (their metas)."""
+    r = server.client()
+    return sum(bool(r.exists(Names(prefix).meta(b.key))) for b in blocks)
+
+
+def add_up(tier: RemoteTier, server: RedisServer) -> dict[str, dict[str, int]]:
+    """Every tenant: stored = held + evicted + removed; the tenants' bytes add up
+    to the server's total, their blocks to the blocks charged and to the metas
+    the server holds."""
+    figures = tier.tenant_stats()
+    for name, f in figures.items():
+        assert f["num_stored"] == f["num_blocks"] + f["num_evicted"] + f["num_removed"], name
+        assert f["num_cap_evictions"] <= f["num_evicted"], name
+    r, base, prefix = server.client(), tier.shares.base, tier.prefix
+    assert sum(f["nbytes"] for f in figures.values()) == int(r.get(base + "total") or 0)
+    held = sum(f["num_blocks"] for f in figures.values())
+    assert held == r.hlen(base + "owner")
+    assert held == len(list(r.scan_iter(match=f"{prefix}:{{*}}:m")))
+    return figures
+
+
+@pytest.fixture
+def size(open_tier) -> int:
+    """Bytes the remote tier charges for one block of ssd_child (meta + parts)."""
+    tier = open_tier(remote_prefix="measure", remote_tenant_caps="x=1M")
+    put(tier, [owned(99, 0, "x")])
+    return tier.tenant_stats()["x"]["nbytes"]
+
+
+def test_a_floor_keeps_b_while_a_floods_and_without_it_b_gives(open_tier, server, size):
+    def flood(prefix: str, floors: str) -> tuple[int, dict]:
+        tier = open_tier(
+            remote_prefix=prefix, remote_max_bytes=14 * size, remote_tenant_floors=floors
+        )
+        b = put(tier, chain("b", 1, 10))
+        for seed in range(20):  # a: one-off prompts of 2 blocks, written store by store
+            put(tier, chain("a", 100 + seed, 2))
+        figures = add_up(tier, server)
+        assert sum(f["nbytes"] for f in figures.values()) <= 14 * size
+        return on_server(server, b, prefix), figures
+
+    kept, figures = flood(PREFIX, f"b={10 * size}")
+    assert kept == 10 and figures["b"]["num_evicted"] == 0
+    assert figures["a"]["num_blocks"] == 4 and figures["a"]["num_evicted"] == 36
+    assert figures["a"]["num_refused"] == 0 and figures["b"]["floor_bytes"] == 10 * size
+    # negative control: shares on, no floor for b: the largest tenant gives, b too
+    kept, figures = flood("bare", f"z={size}")
+    assert kept == 7 and figures["b"]["num_evicted"] == 3
+
+
+def test_a_floored_tenant_still_restores_its_blocks_bit_exactly(open_tier, server, size):
+    tier = open_tier(remote_max_bytes=6 * size, remote_tenant_floors=f"b={3 * size}")
+    b = put(tier, chain("b", 2, 3))
+    for seed in range(6):
+        put(tier, chain("a", 200 + seed, 2))
+    got = load_all(tier, [x.key for x in b])
+    assert len(got) == 3
+    for block in got:
+        check_block(block)
+    assert on_server(server, b) == 3
+
+
+def test_a_cap_evicts_a_s_own_blocks_and_a_block_over_it_is_refused(open_tier, server, size):
+    tier = open_tier(remote_tenant_caps=f"a={3 * size},tiny={size // 2}")
+    b = put(tier, chain("b", 3, 4))
+    a = put(tier, chain("a", 4, 5), each=True)
+    figures = add_up(tier, server)
+    assert figures["a"]["num_blocks"] == 3 and figures["a"]["num_cap_evictions"] == 2
+    assert on_server(server, a) == 3 and on_server(server, a[2:]) == 3  # the oldest went
+    assert on_server(server, b) == 4 and figures["b"]["num_evicted"] == 0
+    in_one = put(tier, chain("a", 5, 5))  # one batch: its first two evicted before sent
+    assert on_server(server, in_one) == 3 and on_server(server, a) == 0
+    tiny = put(tier, chain("tiny", 6, 2))
+    figures = add_up(tier, server)
+    assert figures["tiny"]["num_refused"] == 2 and figures["tiny"]["num_stored"] == 0
+    assert on_server(server, tiny) == 0
+    stats = tier.stats()
+    assert stats["num_no_room"] == 2 and stats["num_dropped_writes"] == 0
+    assert figures["a"]["num_stored"] == 10 and figures["a"]["num_cap_evictions"] == 7
+
+
+def test_a_restored_block_is_used_and_goes_after_the_others(open_tier, server, size):
+    tier = open_tier(remote_tenant_caps=f"a={3 * size}")
+    first = put(tier, [owned(7, 0, "a")])
+    others = put(tier, [owned(8, 0, "a"), owned(9, 0, "a")], each=True)
+    assert len(load_all(tier, [first[0].key])) == 1  # the oldest, used now
+    tier.flush()  # the use reaches the server with the writer's next round
+    put(tier, [owned(10, 0, "a")])
+    assert on_server(server, first) == 1 and on_server(server, others) == 1
+    assert on_server(server, others[:1]) == 0  # the least recently used went
+
+
+def test_remove_uncharges_the_blocks_as_removed(open_tier, server, size):
+    tier = open_tier(remote_tenant_caps=f"a={8 * size}")
+    a = put(tier, chain("a", 11, 4))
+    assert tier.remove([x.key for x in a[2:]]) == 2
+    tier.flush()
+    figures = add_up(tier, server)
+    assert figures["a"]["num_removed"] == 2 and figures["a"]["nbytes"] == 2 * size
+
+
+def stored(pc: PrefixCache, model, tokens: list[int], tenant: str) -> None:
+    cache = make_prompt_cache(model)
+    prefill(model, tokens, cache)
+    pc.store(tokens, cache, tenant=tenant)
+
+
+def remote_of(pc: PrefixCache) -> RemoteTier:
+    tier = pc.tiers.named("remote")
+    assert isinstance(tier, RemoteTier)
+    return tier
+
+
+def test_two_hosts_writing_at_once_keep_one_right_set_of_figures(tmp_path, llama, server):
+    shares = {"remote_max_bytes": 96 << 10, "remote_tenant_floors": "b=32K"}
+
+    def host(name: str) -> PrefixCache:
+        config = CacheConfig(
+            block_size=16,
+            hot_max_bytes=16 << 10,
+            ssd_dir=str(tmp_path / name),
+            ssd_min_free_bytes=0,
+            remote_url=server.url,
+            **shares,
+        )
+        return PrefixCache(llama, config, model_id="t")
+
+    hosts = [host("one"), host("two")]
+    go = threading.Barrier(2)
+
+    def run(pc: PrefixCache, first: int) -> None:
+        go.wait()
+        for i in range(12):  # each host stores for both tenants, interleaved
+            stored(pc, llama, prompt(first + i, 48), "a" if i % 3 else "b")
+            pc.flush()
+
+    threads = [threading.Thread(target=run, args=(pc, 300 + 100 * n)) for n, pc in enumerate(hosts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        figures = add_up(remote_of(hosts[0]), server)
+        assert figures == add_up(remote_of(hosts[1]), server)
+        b, a = figures["b"], figures["a"]
+        assert a["num_evicted"] > 0 and b["nbytes"] >= 32 << 10  # b keeps its floor
+        assert a["num_refused"] == b["num_refused"] == 0
+        assert a["num_stored"] + b["num_stored"] == 24 * 3  # 3 blocks a prompt, all new
+        assert a["nbytes"] + b["nbytes"] <= 96 << 10
+        assert hosts[1].stats()["tenants"]["b"]["remote"] == b
+    finally:
+        for pc in hosts:
+            pc.close()
+
+
+def test_without_shares_nothing_is_charged_and_no_script_runs(open_tier, server):
+    tier = open_tier()
+    put(tier, chain("", 12, 3))
+    r = server.client()
+    assert on_server(server, chain("", 12, 3)) == 3
+    assert list(r.scan_iter(match=BASE + "*")) == []
+    calls = r.info("commandstats")
+    assert not any(name.startswith("cmdstat_eval") for name in calls)
+    assert tier.tenant_stats() == {}
+    # negative control: with a cap the scripts run and the figures are kept
+    capped = open_tier(remote_prefix="capped", remote_tenant_caps="a=1M")
+    put(capped, chain("a", 13, 1))
+    assert any(name.startswith("cmdstat_eval") for name in r.info("commandstats"))
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"remote_tenant_floors": "b"}, "'b'"),
+        ({"remote_tenant_caps": "a=x"}, "'a=x'"),
+        ({"remote_tenant_floors": "b=2M"}, "tenant 'b' floor 2097152 is above remote_max_bytes"),
+        ({"remote_tenant_floors": "b=600K,c=600K"}, "sums to 1228800"),
+        ({"remote_tenant_floors": "b=64K", "remote_tenant_caps": "b=32K"}, "tenant 'b' cap"),
+    ],
+)
+def test_bad_remote_shares_are_refused_naming_the_value(changes, named):
+    with pytest.raises(ConfigError, match=named) as err:
+        CacheConfig(remote_max_bytes=1 << 20, **changes)
+    assert err.value.field in changes
+    assert "\n" not in str(err.value)
+
+
+def test_a_remote_floor_without_a_remote_budget_is_refused():
+    with pytest.raises(ConfigError, match="above remote_max_bytes=0"):
+        CacheConfig(remote_url="redis://127.0.0.1:1", remote_tenant_floors="b=1K")
+
+
+# what remote shares need beyond the ACL of docs/remote.md (the scripts and the
+# commands they run)
+SHARES_ACL = (
+    "+evalsha",
+    "+eval",
+    "+hget",
+    "+hset",
+    "+hdel",
+    "+hmget",
+    "+smembers",
+    "+sadd",
+    "+zscore",
+    "+zincrby",
+    "+zrevrange",
+    "+incr",
+    "+incrby",
+    "+decrby",
+)
+
+
+def test_a_user_with_the_documented_acl_keeps_shares_and_one_without_stores_nothing(server):
+    from test_remote_auth import CACHE_ACL
+
+    admin = server.client()
+    admin.execute_command("ACL", "SETUSER", "shares", "on", ">pw", *CACHE_ACL, *SHARES_ACL)
+    admin.execute_command("ACL", "SETUSER", "plain", "on", ">pw", *CACHE_ACL)
+    port = server.port
+    for user, held in (("shares", 2), ("plain", 0)):  # plain: scripts refused, nothing written
+        url = f"redis://{user}:pw@127.0.0.1:{port}"
+        tier = RemoteTier(CacheConfig(remote_url=url, remote_tenant_caps="a=1M"))
+        try:
+            blocks = put(tier, chain("a", 14, 2))
+            assert on_server(server, blocks) == held
+            assert tier.stats()["num_writes"] == held
+            if held:
+                assert add_up(tier, server)["a"]["num_blocks"] == held
+        finally:
+            tier.close()
+        admin.flushall()
