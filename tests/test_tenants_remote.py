@@ -5,6 +5,7 @@ counted, figures right with two writers, nothing on the write path without share
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 
 import pytest
@@ -297,3 +298,34 @@ def test_a_user_with_the_documented_acl_keeps_shares_and_one_without_stores_noth
         finally:
             tier.close()
         admin.flushall()
+
+
+def test_stats_cli_and_prometheus_show_the_remote_figures_per_tenant(
+    tmp_path, llama, server, capsys
+):
+    from prefixcache.cli import main
+    from prefixcache.stats import prometheus_text
+
+    config = CacheConfig(
+        block_size=16,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        remote_url=server.url,
+        remote_tenant_caps="a=24K",
+    )
+    with PrefixCache(llama, config, model_id="t") as pc:
+        for i in range(4):
+            stored(pc, llama, prompt(500 + i, 48), "a")
+            pc.flush()
+        live = pc.stats()
+    a = live["tenants"]["a"]["remote"]
+    assert a["num_cap_evictions"] > 0 and a["nbytes"] <= 24 << 10 and a["cap_bytes"] == 24 << 10
+    series = 'prefixcache_tenant_cap_evictions_total{tenant="a",tier="remote"}'
+    line = f"{series} {a['num_cap_evictions']}"
+    assert line in prometheus_text(live).splitlines()
+    assert main(["stats", "--remote-url", server.url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["tenants"]["a"] == {k: v for k, v in a.items() if "_bytes" not in k}
+    assert doc["num_blocks"] == a["num_blocks"]  # what the server holds is what is charged
+    assert main(["stats", "--remote-url", server.url]) == 0
+    assert "remote tier per tenant (blocks):" in capsys.readouterr().out

@@ -120,6 +120,7 @@ def _stats_doc(url: str, cluster: bool, usage: RemoteUsage) -> Doc:
         "server": server,
         "shards": shards,
         "namespaces": namespaces,
+        "tenants": usage.tenants,
     }
 
 
@@ -215,4 +216,11 @@ def _text(doc: Doc) -> str:
     ]
     heads = ("model", "root", "blocks", "tokens", "size")
     lines += ["", table(heads, rows, "llrrr")] if rows else ["", "(no blocks)"]
+    if doc["tenants"]:  # tenant shares: every host's, kept on the server
+        keys = ("num_blocks", "nbytes", "num_stored", "num_evicted", "num_cap_evictions")
+        keys += ("num_removed", "num_refused")
+        heads = ("tenant", "held", "bytes", "stored", "evicted", "for its cap", "removed")
+        rows = [[repr(t), *(f[k] for k in keys)] for t, f in doc["tenants"].items()]
+        table_ = table((*heads, "refused"), rows, "lrrrrrrr")
+        lines += ["", "remote tier per tenant (blocks):", table_]
     return "\n".join(lines)
