@@ -329,3 +329,14 @@ def test_stats_cli_and_prometheus_show_the_remote_figures_per_tenant(
     assert doc["num_blocks"] == a["num_blocks"]  # what the server holds is what is charged
     assert main(["stats", "--remote-url", server.url]) == 0
     assert "remote tier per tenant (blocks):" in capsys.readouterr().out
+
+
+def test_gc_uncharges_what_it_removes(open_tier, server):
+    from prefixcache.tiers.remote.gc import plan_gc, run_gc
+
+    tier = open_tier(remote_tenant_caps="a=1M")
+    put(tier, chain("a", 15, 3))
+    plan = plan_gc(tier.client, Names(PREFIX), model=None, older_than=-1.0)  # every block
+    assert run_gc(tier.client, Names(PREFIX), plan) == 3
+    figures = add_up(tier, server)
+    assert figures["a"]["num_removed"] == 3 and figures["a"]["num_blocks"] == 0

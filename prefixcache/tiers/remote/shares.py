@@ -87,6 +87,15 @@ class RemoteShares:
         with contextlib.suppress(RemoteUnavailable):
             self._run(TOUCH, args)
 
+    def kept(self) -> bool:
+        """Whether the server keeps tenant figures under this prefix (any block charged).
+
+        Raises:
+            RemoteUnavailable: the shard holding the figures cannot answer.
+        """
+        shard = self.client.shard_of(self.owners)
+        return bool(self.client.call(shard, lambda r: r.exists(self.owners)))
+
     def unowned(self, names: Sequence[bytes]) -> list[bytes]:
         """Those of ``names`` no tenant is charged for (another host evicted them
         between this host's reserve and its write: their keys must go).
