@@ -8,6 +8,7 @@ import dataclasses
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import lmdb
@@ -179,6 +180,28 @@ def test_two_processes_writing_at_once_keep_one_right_set_of_figures(tmp_path):
         assert tier.index.totals()["nbytes"] <= 12 * FILE
         for meta in tier.iter_meta():
             check_block(tier.load(meta.key))
+
+
+def test_blocks_dropped_for_a_full_queue_are_refused_for_their_tenant(tmp_path):
+    hold = threading.Event()  # the writer waits: the queue stays full
+    config = CacheConfig(
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        queue_full="drop",
+        write_queue_bytes=2 * 3072,  # two blocks of ssd_child
+        ssd_tenant_caps="a=1M",
+    )
+    with SsdTier(config, writer_hold=hold) as tier:
+        assert all(tier.put(b) for b in [owned(40, 0, "b"), owned(40, 1, "b")])
+        assert not any(tier.put(owned(41, i, "a")) for i in range(3))
+        assert tier.tenant_stats()["a"]["num_refused"] == 3  # counted, not recorded yet
+        hold.set()
+        tier.flush()
+        figures = add_up(tier)
+        recorded = tier.index.tenants()  # in the index now: every process sees them
+        assert figures["a"]["num_refused"] == recorded["a"]["num_refused"] == 3
+        assert figures["b"]["num_refused"] == 0 and figures["b"]["num_stored"] == 2
+        assert tier.stats()["num_dropped_writes"] == 3
 
 
 def test_gc_removing_dangling_entries_counts_them_removed_for_their_tenant(open_tier):

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import lmdb
@@ -222,6 +222,15 @@ class SsdIndex:
     def tenants(self) -> dict[str, dict[str, int]]:
         """Every tenant's figures on this tier, all processes (shares.py)."""
         return self.transact(lambda t: shares.every(t, self._db["meta"]))
+
+    def count_refused(self, by_tenant: Mapping[str, int]) -> None:
+        """Add these refusals (tenant -> blocks) to the tenants' ``num_refused``."""
+
+        def run(txn: lmdb.Transaction) -> None:
+            for name, num in by_tenant.items():
+                shares.add(txn, self._db["meta"], name, {"num_refused": num})
+
+        self.transact(run, write=True)
 
     def finish_writes(
         self, reserved: Sequence[bytes], written: Sequence[BlockMeta], *, write_budget: int = 0
