@@ -332,6 +332,7 @@ class SsdIndex:
         if version == FORMAT_VERSION:
             if not readonly:  # an index written before ``nearby`` existed gets it once
                 self.transact(self._complete_nearby, write=True)
+                self.transact(lambda t: shares.keep_sizes(t, meta), write=True)
             return
         if readonly:
             if version is None:
@@ -339,6 +340,7 @@ class SsdIndex:
             return  # an older version reads as it is: its entries' tenant is the default
         self.format_version = FORMAT_VERSION
         self.transact(lambda t: upgrade(t, meta, self.path, self.entries.rebuild), write=True)
+        self.transact(lambda t: shares.keep_sizes(t, meta), write=True)
 
     def _complete_nearby(self, txn: lmdb.Transaction) -> None:
         if not nearby.complete(txn, self._db["blocks"], self._db[nearby.DB]):
