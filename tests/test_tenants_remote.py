@@ -148,6 +148,13 @@ def test_a_cap_evicts_a_s_own_blocks_and_a_block_over_it_is_refused(open_tier, s
     assert figures["a"]["num_stored"] == 10 and figures["a"]["num_cap_evictions"] == 7
 
 
+def test_in_one_batch_an_older_chain_goes_before_a_newer_one(open_tier, server, size):
+    tier = open_tier(remote_tenant_caps=f"a={3 * size}")
+    older, newer = chain("a", 16, 3), chain("a", 17, 3)
+    put(tier, [*older, *newer])  # one batch, one reserve: two uses in order
+    assert on_server(server, newer) == 3 and on_server(server, older) == 0
+
+
 def test_a_restored_block_is_used_and_goes_after_the_others(open_tier, server, size):
     tier = open_tier(remote_tenant_caps=f"a={3 * size}")
     first = put(tier, [owned(7, 0, "a")])

@@ -12,8 +12,10 @@ touch them together)::
     <prefix>:{shares}:t:<name>    hash   num_blocks and the counters of COUNTERS
 
 A block's score is its last use's tick times 65536 less its index in its
-chain: of the blocks one store or one restore used, the deepest goes first,
-so a chain loses its tail before its head. A new block over its tenant's
+chain (a call's uses, one per chain it writes or touches, get a tick each,
+in order): of the blocks one store or one restore used, the deepest goes
+first, so a chain loses its tail before its head, and an older chain goes
+before a newer one. A new block over its tenant's
 cap evicts that tenant's oldest blocks; over ``remote_max_bytes`` (summed
 over the tenants), the oldest block of the tenant the most bytes over its
 floor, the new block counted (when that is its own tenant and it holds
@@ -57,9 +59,10 @@ local function drop(name, why)
 end
 """
 
-# ARGV: base, budget, #floors, (tenant, floor)..., #caps, (tenant, cap)..., then
-# (name, tenant, bytes, depth)... Reply: a status per block (1 charged, 0 held
-# already, -1 refused), then the evicted blocks' names.
+# ARGV: base, budget, #floors, (tenant, floor)..., #caps, (tenant, cap)..., the
+# number of uses, then (name, tenant, bytes, order)... (shares.ranked). Reply: a
+# status per block (1 charged, 0 held already, -1 refused), then the evicted
+# blocks' names.
 RESERVE = (
     _LUA_COMMON
     + """
@@ -69,7 +72,8 @@ local ncaps = tonumber(ARGV[at]); at = at + 1
 for _ = 1, ncaps do caps[ARGV[at]] = tonumber(ARGV[at + 1]); at = at + 2 end
 local nfloors = tonumber(ARGV[3])
 local out, victims = {}, {}
-local now = redis.call('INCR', base .. 'clock') * 65536
+local nsteps = tonumber(ARGV[at]); at = at + 1
+local now = (redis.call('INCRBY', base .. 'clock', nsteps) - nsteps + 1) * 65536
 local function oldest(t)
   local first = redis.call('ZRANGE', base .. 'lru:' .. t, 0, 0)
   return first[1]
@@ -102,7 +106,7 @@ local function most_over(me, nb)
 end
 while at <= #ARGV do
   local name, t, nb = ARGV[at], ARGV[at + 1], tonumber(ARGV[at + 2])
-  local score = now - tonumber(ARGV[at + 3])
+  local score = now + tonumber(ARGV[at + 3])
   at = at + 4
   local rec = redis.call('HGET', owners, name)
   local status = 1
@@ -135,17 +139,18 @@ return out
 """
 )
 
-# ARGV: base, (name, depth)...: a newer score for the held ones.
+# ARGV: base, the number of uses, (name, order)...: a newer score for the held ones.
 TOUCH = (
     _LUA_COMMON
     + """
-local now = redis.call('INCR', base .. 'clock') * 65536
+local nsteps = tonumber(ARGV[2])
+local now = (redis.call('INCRBY', base .. 'clock', nsteps) - nsteps + 1) * 65536
 local num = 0
-for at = 2, #ARGV, 2 do
+for at = 3, #ARGV, 2 do
   local rec = redis.call('HGET', owners, ARGV[at])
   if rec then
     local t = string.sub(rec, string.find(rec, ':', 1, true) + 1)
-    redis.call('ZADD', base .. 'lru:' .. t, 'XX', now - tonumber(ARGV[at + 1]), ARGV[at])
+    redis.call('ZADD', base .. 'lru:' .. t, 'XX', now + tonumber(ARGV[at + 1]), ARGV[at])
     num = num + 1
   end
 end

@@ -28,6 +28,17 @@ from .client import RemoteClient, RemoteUnavailable
 from .share_scripts import DEPTH, RELEASE, RESERVE, TAG, TOUCH
 
 
+def ranked(blocks: Sequence[tuple[int, bool]]) -> tuple[int, list[int]]:
+    """The uses among ``blocks`` (index in its chain, whether it continues the block
+    before it) and each block's order within the call: its use's step times DEPTH
+    less its index (share_scripts.py)."""
+    step, orders = -1, []
+    for index, continues in blocks:
+        step += not (continues and orders)
+        orders.append(step * DEPTH - min(max(index, 0), DEPTH - 1))
+    return step + 1, orders
+
+
 @dataclass(slots=True)
 class Reserved:
     """What ``reserve`` decided: per block 1 (charged), 0 (held already) or -1
@@ -64,26 +75,30 @@ class RemoteShares:
         for bounds in (self.floors, self.caps):
             self._limits += [len(bounds), *(x for pair in sorted(bounds.items()) for x in pair)]
 
-    def reserve(self, blocks: Sequence[tuple[bytes, str, int, int]]) -> Reserved:
-        """Charge ``blocks`` (name, tenant, bytes, index in its chain), evicting or
-        refusing as the shares say.
+    def reserve(self, blocks: Sequence[tuple[bytes, str, int, int, bytes]]) -> Reserved:
+        """Charge ``blocks`` (name, tenant, bytes, index in its chain, its parent's
+        name), evicting or refusing as the shares say.
 
         Raises:
             RemoteUnavailable: the shard holding the figures cannot answer.
         """
-        args: list[object] = [*self._limits]
-        for name, tenant, nbytes, index in blocks:
-            args += [name, tenant, nbytes, min(max(index, 0), DEPTH - 1)]
+        before = [b"", *(name for name, *_ in blocks)]  # a block continues the one before
+        steps, orders = ranked([(b[3], b[4] == p) for b, p in zip(blocks, before, strict=False)])
+        args: list[object] = [*self._limits, steps]
+        for (name, tenant, nbytes, _, _), order in zip(blocks, orders, strict=True):
+            args += [name, tenant, nbytes, order]
         reply = self._run(RESERVE, args)
         num = len(blocks)
         return Reserved([int(s) for s in reply[:num]], [bytes(v) for v in reply[num:]])
 
     def touch(self, used: Sequence[tuple[bytes, int]]) -> None:
-        """Mark these blocks (name, index in its chain) used now; a failure is
-        ignored (the order only ages)."""
-        args: list[object] = []
-        for name, index in used:
-            args += [name, min(max(index, 0), DEPTH - 1)]
+        """Mark these blocks (name, index in its chain; in the order restored) used
+        now; a failure is ignored (the order only ages)."""
+        prev = [-1, *(index for _, index in used)]
+        steps, orders = ranked([(i, i == p + 1) for (_, i), p in zip(used, prev, strict=False)])
+        args: list[object] = [steps]
+        for (name, _), order in zip(used, orders, strict=True):
+            args += [name, order]
         with contextlib.suppress(RemoteUnavailable):
             self._run(TOUCH, args)
 

@@ -114,8 +114,9 @@ class RemoteWrites:
         """The blocks of ``todo`` the tenant shares give room (all dropped when the
         shard of the shares cannot answer), and the names of the blocks evicted."""
         assert self.shares is not None
+        name = self.names.name
         wanted = [
-            (self.names.name(it.block.key), it.block.tenant, nbytes, it.block.index)
+            (name(it.block.key), it.block.tenant, nbytes, it.block.index, name(it.block.parent))
             for it, _, _, nbytes in todo
         ]
         try:
