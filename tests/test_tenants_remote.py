@@ -166,6 +166,16 @@ def test_a_restored_block_is_used_and_goes_after_the_others(open_tier, server, s
     assert on_server(server, others[:1]) == 0  # the least recently used went
 
 
+def test_a_block_the_shares_evicted_is_written_again_when_put_again(open_tier, server, size):
+    tier = open_tier(remote_tenant_caps=f"a={2 * size}")
+    blocks = [owned(19 + i, 0, "a") for i in range(3)]
+    put(tier, blocks, each=True)
+    assert on_server(server, blocks[:1]) == 0 and not tier.contains(blocks[0].key)
+    put(tier, blocks[:1])  # known no more: written again, the oldest of the others goes
+    assert on_server(server, blocks) == 2 and on_server(server, blocks[:1]) == 1
+    assert add_up(tier, server)["a"]["num_stored"] == 4
+
+
 def test_remove_uncharges_the_blocks_as_removed(open_tier, server, size):
     tier = open_tier(remote_tenant_caps=f"a={8 * size}")
     a = put(tier, chain("a", 11, 4))
@@ -237,11 +247,12 @@ def test_without_shares_nothing_is_charged_and_no_script_runs(open_tier, server)
     assert list(r.scan_iter(match=BASE + "*")) == []
     calls = r.info("commandstats")
     assert not any(name.startswith("cmdstat_eval") for name in calls)
-    assert tier.tenant_stats() == {}
+    assert tier.tenant_stats() == {} and not tier.charges_tenants  # stats() lists no remote
     # negative control: with a cap the scripts run and the figures are kept
     capped = open_tier(remote_prefix="capped", remote_tenant_caps="a=1M")
     put(capped, chain("a", 13, 1))
     assert any(name.startswith("cmdstat_eval") for name in r.info("commandstats"))
+    assert capped.charges_tenants
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ class Tenancy:
     def __init__(self, tiers: TierStack) -> None:
         self.shares = tiers.hot.tenants
         self.on = tiers.config.tenant_shares  # any tier has floors or caps
-        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants)]
+        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants) and t.charges_tenants]
         self._owners: dict[str, str] = {}  # session -> its tenant
 
     def begin(self, session: str, tenant: str) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from ...blocks import Block
@@ -41,6 +41,7 @@ from .chain import children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
 from .format import RemoteMeta, decode_meta
 from .gate import CostGate
+from .known import Known
 from .names import REPORTED, Names
 from .reads import RemoteReads
 from .seal import Seal, load_secret
@@ -49,7 +50,6 @@ from .writes import RemoteWrites
 
 logger = logging.getLogger(__name__)
 
-_KNOWN = 65536  # keys remembered as stored remotely (contains() never asks the server)
 _COUNTERS = (
     "num_writes",
     "written_bytes",
@@ -90,14 +90,13 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
         self.gate = CostGate(config.prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known = Known(self.names.name if self.shares is not None else None)
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
         self.reads = RemoteReads(self.names, self.client, self.gate, self._counts, self._lock)
-        self._named: dict[bytes, bytes] | None = None  # known: name -> key (tenant shares)
         if self.shares is not None:
-            self.reads.used, self._named = {}, {}
+            self.reads.used = {}
         self._closed = False
         self.writer = Writer(
             self._write_batch,
@@ -185,7 +184,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
         """Drop blocks: forgotten here at once, deleted from the server by the
         writer (in order with the writes: a block put again afterwards stays)."""
         with self._lock:
-            num = sum(self._known.pop(k, False) is None for k in keys)
+            num = sum(self._known.forget(k) for k in keys)
             self._removals.update(dict.fromkeys(keys))
         self.writer.wake()
         return num
@@ -225,6 +224,10 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
             **self.gate.stats(),
         }
 
+    @property
+    def charges_tenants(self) -> bool:
+        return self.shares is not None
+
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Each tenant's figures here (all hosts': shares.py); empty without shares."""
         return {} if self.shares is None else self.shares.figures()
@@ -260,27 +263,13 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
         turned = refused + writes.num_evicted_unsent - before[1]  # counted per tenant
         with self._lock:
             for item in sent:
-                self._known[item.block.key] = None
-                if self._named is not None:
-                    self._named[self.names.name(item.block.key)] = item.block.key
-            while len(self._known) > _KNOWN:
-                key, _ = self._known.popitem(last=False)
-                if self._named is not None:
-                    self._named.pop(self.names.name(key), None)
-            self._forget_evicted()
+                self._known.add(item.block.key)
+            evicted, writes.evicted = writes.evicted, []
+            self._known.forget_names(evicted)  # a later put writes them again
             self._counts["num_writes"] += len(sent)
             self._counts["written_bytes"] += sum(it.nbytes for it in sent)
             self._counts["num_no_room"] += refused
             self._counts["num_dropped_writes"] += len(items) - len(sent) - turned
-
-    def _forget_evicted(self) -> None:
-        """Forget the blocks the shares evicted (a later put writes them again)."""
-        evicted, self.writes.evicted = self.writes.evicted, []
-        if self._named is not None:
-            for name in evicted:
-                key = self._named.pop(name, None)
-                if key is not None:
-                    self._known.pop(key, None)
 
     def _housekeeping(self) -> None:
         """Namespace documents, removals, the counters record (writer thread)."""
