@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import prefill, prompt
@@ -358,3 +360,18 @@ def test_gc_uncharges_what_it_removes(open_tier, server):
     assert run_gc(tier.client, Names(PREFIX), plan) == 3
     figures = add_up(tier, server)
     assert figures["a"]["num_removed"] == 3 and figures["a"]["num_blocks"] == 0
+
+
+def test_bench_remote_shares_floors_match_running_alone_and_lose_nothing(server):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+    import bench_remote_shares
+
+    argv = ["--remote", "256K", "--hot", "16K", "--rounds", "2", "--flood", "4"]
+    args = bench_remote_shares.setup_arg_parser().parse_args([*argv, "--system-tokens", "32"])
+    rows = {row["system"]: row for row in bench_remote_shares.fairness(args, server)}
+    alone = rows["alone"]["B hit %"], rows["alone"]["C hit %"]
+    assert float(alone[0]) > 0
+    for system in ("floors", "A capped"):
+        assert (rows[system]["B hit %"], rows[system]["C hit %"]) == alone
+        assert rows[system]["lost"] == "0" and int(rows[system]["evicted"]) > 0
+    assert float(rows["no shares"]["B hit %"]) < float(alone[0])  # the server's LRU: B loses

@@ -8,9 +8,11 @@ whose only lower tier is the remote one (``hot_cache_only`` with
 ``remote_url``), behind a hot tier too small to keep B's and C's prompts
 between their turns: their hits come from the server. Systems:
 
-  alone     B and C only, the server's own LRU (no tenant shares)
-  no shares A, B and C, the server's own LRU: ``maxmemory`` = its memory
-            in use when empty + ``--remote``, ``allkeys-lru`` (today's default)
+  alone     B and C only, no tenant shares, no ``maxmemory``
+  no shares A, B and C, the server's own LRU (today's default):
+            ``allkeys-lru`` with ``maxmemory`` = its memory in use when empty +
+            the most memory the two systems below ended with (printed): the
+            same memory, the server's overheads included
   floors    A, B and C, ``noeviction``, remote_max_bytes ``--remote``,
             remote_tenant_floors B=C=``--floor``
   A capped  as floors, with remote_tenant_caps A=``--cap`` and no floors
@@ -61,15 +63,26 @@ from redis_server import RedisServer
 from ssd_child import make_block
 
 
-def fresh(server: RedisServer, policy: str, maxmemory: int = 0) -> None:
-    """Empty the server and set its eviction (0: no maxmemory)."""
+def fresh(server: RedisServer, policy: str, maxmemory: int = 0) -> int:
+    """Empty the server and set its eviction (``maxmemory``: bytes above its memory in
+    use when empty; 0: none); its memory in use when empty."""
     r = server.client()
     r.flushall()
     r.config_set("maxmemory", 0)
     r.config_set("maxmemory-policy", policy)
+    empty = int(r.info("memory")["used_memory"])
     if maxmemory:
-        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + maxmemory)
+        r.config_set("maxmemory", empty + maxmemory)
     r.close()
+    return empty
+
+
+def used(server: RedisServer) -> int:
+    r = server.client()
+    try:
+        return int(r.info("memory")["used_memory"])
+    finally:
+        r.close()
 
 
 def run(model, trace, config: CacheConfig, system: str) -> Result:
@@ -98,7 +111,8 @@ def run(model, trace, config: CacheConfig, system: str) -> Result:
     return result
 
 
-def fairness(args: argparse.Namespace, server: RedisServer) -> None:
+def fairness(args: argparse.Namespace, server: RedisServer) -> list[dict[str, str]]:
+    """Print and return the fairness table's rows."""
     model = build_model("llama", seed=args.seed)
     probe = make_prompt_cache(model)
     model(mx.array([[1] * args.block_size]), cache=probe)
@@ -115,22 +129,25 @@ def fairness(args: argparse.Namespace, server: RedisServer) -> None:
         f"as held, before their metas), A: {num_a} one-off prompts of {args.a_tokens} tokens; "
         f"B, C: {args.rounds} requests each; floors {floor >> 10} KiB, A's cap {cap >> 10} KiB"
     )
-    systems = [
-        ("alone", [r for r in trace if r.tenant != "a"], "allkeys-lru", {}),
-        ("no shares", trace, "allkeys-lru", {}),
+    systems = [  # the shares first: "no shares" gets the memory they ended with
         ("floors", trace, "noeviction", shared | {"remote_tenant_floors": f"b={floor},c={floor}"}),
         ("A capped", trace, "noeviction", shared | {"remote_tenant_caps": f"a={cap}"}),
+        ("alone", [r for r in trace if r.tenant != "a"], "allkeys-lru", {}),
+        ("no shares", trace, "allkeys-lru", {}),
     ]
-    rows = []
+    rows, memory = [], 0
     for name, requests, policy, shares in systems:
-        fresh(server, policy, 0 if shares else args.remote)
+        empty = fresh(server, policy, memory if name == "no shares" else 0)
         res = run(model, requests, CacheConfig(**(base | shares)), name)
+        memory = max(memory, used(server) - empty)
         rows.append(_row(res))
         print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
-    print()
+    print(f"\nthe server's memory over empty, the most the shares' runs ended with: {memory} B")
+    rows = rows[2:] + rows[:2]
     widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in rows[0]}
     for line in [dict(zip(widths, widths, strict=True)), *rows]:
         print("  ".join(line[k].ljust(w) for k, w in widths.items()))
+    return rows
 
 
 def replace_ns(args: argparse.Namespace, **changes) -> argparse.Namespace:
