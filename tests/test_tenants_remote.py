@@ -178,6 +178,27 @@ def test_a_block_the_shares_evicted_is_written_again_when_put_again(open_tier, s
     assert add_up(tier, server)["a"]["num_stored"] == 4
 
 
+def test_a_block_another_host_evicts_between_reserve_and_write_leaves_no_keys(
+    open_tier, server, size
+):
+    mine = open_tier(remote_tenant_caps=f"a={10 * size}")
+    other = open_tier(remote_tenant_caps=f"a={size}")  # its cap: one block of a's
+    x, y = owned(30, 0, "a"), owned(31, 0, "a")
+    reserve = mine.shares.reserve
+
+    def then_the_other_host_writes(blocks):  # the real reserve, then a real second writer
+        got = reserve(blocks)
+        put(other, [y])  # over its cap: evicts x, whose keys are not written yet
+        return got
+
+    mine.shares.reserve = then_the_other_host_writes
+    put(mine, [x])  # x's keys land after its eviction: this host deletes them
+    assert on_server(server, [x]) == 0 and on_server(server, [y]) == 1
+    figures = add_up(mine, server)  # the metas on the server are what is charged
+    assert figures["a"]["num_blocks"] == 1 and figures["a"]["num_cap_evictions"] == 1
+    assert not mine.contains(x.key)  # forgotten: a later put writes it again
+
+
 def test_remove_uncharges_the_blocks_as_removed(open_tier, server, size):
     tier = open_tier(remote_tenant_caps=f"a={8 * size}")
     a = put(tier, chain("a", 11, 4))
