@@ -130,7 +130,8 @@ class CacheConfig:
         remote_breaker_failures: consecutive failures that open the breaker.
         remote_breaker_ms: how long an open breaker skips every remote call.
         remote_max_bytes: stop writing while the server uses more memory than
-            this (0: leave it to the server's ``maxmemory``).
+            this (0: leave it to the server's ``maxmemory``); with remote tenant
+            shares, the bytes of values the tenants share, kept by evicting.
         prefill_tokens_per_s: recompute speed the remote cost gate compares a
             remote restore with (0: measured by ``PrefixCache.prefill``).
         ssd_admit_after: a block is written to the SSD tier only once it has

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from ...settings import parse_byte_map
 from ..hot.tenants import COUNTERS
 from .client import RemoteClient, RemoteUnavailable
 from .share_scripts import DEPTH, RELEASE, RESERVE, TAG, TOUCH
+
+logger = logging.getLogger(__name__)
 
 
 def ranked(blocks: Sequence[tuple[int, bool]]) -> tuple[int, list[int]]:
@@ -70,6 +73,7 @@ class RemoteShares:
         self.client, self.budget = client, budget
         self.floors, self.caps = dict(floors), dict(caps)
         self.base = f"{prefix}:{TAG}:"
+        self._policy_checked = False
         self.owners = self.base + "owner"
         self._limits: list[object] = [budget]
         for bounds in (self.floors, self.caps):
@@ -82,6 +86,8 @@ class RemoteShares:
         Raises:
             RemoteUnavailable: the shard holding the figures cannot answer.
         """
+        if not self._policy_checked:
+            self._check_policy()
         before = [b"", *(name for name, *_ in blocks)]  # a block continues the one before
         steps, orders = ranked([(b[3], b[4] == p) for b, p in zip(blocks, before, strict=False)])
         args: list[object] = [*self._limits, steps]
@@ -161,6 +167,23 @@ class RemoteShares:
             figures["floor_bytes"] = self.floors.get(name, 0)
             figures["cap_bytes"] = self.caps.get(name, -1)
         return dict(sorted(out.items()))
+
+    def _check_policy(self) -> None:
+        """Warn once if a shard evicts by itself (the figures would count what it
+        dropped): shares need ``maxmemory-policy noeviction``."""
+        self._policy_checked = True
+        shards = self.client.shards.all()
+        infos = self.client.each([(s, lambda r: r.info("memory")) for s in shards])
+        policies = {str(i.get("maxmemory_policy")) for i in infos if isinstance(i, dict)} - {
+            "noeviction"
+        }
+        if policies:
+            logger.warning(
+                "remote tier %s: tenant shares need maxmemory-policy noeviction, the server "
+                "has %s: blocks it evicts stay counted as held (docs/remote.md)",
+                self.client.url,
+                ", ".join(sorted(policies)),
+            )
 
     def _run(self, script: str, args: list[object]) -> object:
         sha = hashlib.sha1(script.encode()).hexdigest()
