@@ -321,22 +321,29 @@ SHARES_ACL = (
 )
 
 
-def test_a_user_with_the_documented_acl_keeps_shares_and_one_without_stores_nothing(server):
+def test_a_user_with_the_documented_acl_keeps_shares_and_one_without_stores_nothing(server, size):
     from test_remote_auth import CACHE_ACL
 
     admin = server.client()
     admin.execute_command("ACL", "SETUSER", "shares", "on", ">pw", *CACHE_ACL, *SHARES_ACL)
     admin.execute_command("ACL", "SETUSER", "plain", "on", ">pw", *CACHE_ACL)
     port = server.port
-    for user, held in (("shares", 2), ("plain", 0)):  # plain: scripts refused, nothing written
+    for user, written in (("shares", 3), ("plain", 0)):  # plain: scripts refused, none written
         url = f"redis://{user}:pw@127.0.0.1:{port}"
-        tier = RemoteTier(CacheConfig(remote_url=url, remote_tenant_caps="a=1M"))
+        config = CacheConfig(remote_url=url, remote_tenant_caps=f"a={2 * size}")
+        tier = RemoteTier(config)
         try:
-            blocks = put(tier, chain("a", 14, 2))
-            assert on_server(server, blocks) == held
-            assert tier.stats()["num_writes"] == held
-            if held:
-                assert add_up(tier, server)["a"]["num_blocks"] == held
+            blocks = chain("a", 14, 3)
+            for block in blocks:  # one batch each: the third evicts the first
+                tier.put(block)  # plain: False once the refused script turned the tier off
+                tier.flush()
+            assert tier.stats()["num_writes"] == written
+            assert tier.stats()["off"] == (not written)  # "may not use ... (ACL)", logged once
+            assert on_server(server, blocks) == min(written, 2)
+            if written:
+                assert tier.stats()["num_errors"] == 0
+                figures = add_up(tier, server)["a"]
+                assert figures["num_blocks"] == 2 and figures["num_cap_evictions"] == 1
         finally:
             tier.close()
         admin.flushall()
