@@ -130,7 +130,8 @@ class CacheConfig:
         remote_breaker_failures: consecutive failures that open the breaker.
         remote_breaker_ms: how long an open breaker skips every remote call.
         remote_max_bytes: stop writing while the server uses more memory than
-            this (0: leave it to the server's ``maxmemory``).
+            this (0: leave it to the server's ``maxmemory``); with remote tenant
+            shares, the bytes of values the tenants share, kept by evicting.
         prefill_tokens_per_s: recompute speed the remote cost gate compares a
             remote restore with (0: measured by ``PrefixCache.prefill``).
         ssd_admit_after: a block is written to the SSD tier only once it has
@@ -174,6 +175,11 @@ class CacheConfig:
             process sharing the directory sees the same figures (tiers/ssd/shares.py).
         ssd_tenant_caps: as ``hot_tenant_caps``, for the SSD tier: a write over
             it evicts that tenant's own blocks there first, else is refused (counted).
+        remote_tenant_floors: as ``hot_tenant_floors``, for the remote tier's
+            stored bytes (within ``remote_max_bytes``, which the writers then keep
+            by evicting; kept on the server, so every host sees the same figures:
+            tiers/remote/shares.py; the server needs ``maxmemory-policy noeviction``).
+        remote_tenant_caps: as ``ssd_tenant_caps``, for the remote tier.
     """
 
     block_size: int = 256
@@ -222,6 +228,8 @@ class CacheConfig:
     hot_tenant_caps: str = ""
     ssd_tenant_floors: str = ""
     ssd_tenant_caps: str = ""
+    remote_tenant_floors: str = ""
+    remote_tenant_caps: str = ""
 
     def __repr__(self) -> str:
         """Every field but the secret; a password in ``remote_url`` redacted."""
@@ -318,7 +326,8 @@ class CacheConfig:
     def tenant_shares(self) -> bool:
         """Whether any tier has tenant floors or caps (else nothing is charged)."""
         hot = (self.hot_tenant_floors, self.hot_tenant_caps)
-        return any((*hot, self.ssd_tenant_floors, self.ssd_tenant_caps))
+        remote = (self.remote_tenant_floors, self.remote_tenant_caps)
+        return any((*hot, self.ssd_tenant_floors, self.ssd_tenant_caps, *remote))
 
     @property
     def ssd_path(self) -> str:

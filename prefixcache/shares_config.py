@@ -1,6 +1,7 @@
 """Tenant shares' settings: each tier's floors and caps (``NAME=SIZE`` pairs)
 checked against its budget and each other, naming the bad value (the shares
-themselves are kept by tiers/hot/tenants.py and tiers/ssd/shares.py)."""
+themselves are kept by tiers/hot/tenants.py, tiers/ssd/shares.py
+and tiers/remote/shares.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def check_tenant_shares(config: Any) -> None:
     """Check every tier's tenant floors and caps (``check_shares``)."""
     check_shares(config.hot_tenant_floors, config.hot_tenant_caps, config.hot_max_bytes, "hot")
     check_shares(config.ssd_tenant_floors, config.ssd_tenant_caps, config.ssd_max_bytes, "ssd")
+    remote = (config.remote_tenant_floors, config.remote_tenant_caps)
+    check_shares(*remote, config.remote_max_bytes, "remote")
 
 
 def check_shares(floors_text: str, caps_text: str, max_bytes: int, tier: str) -> None:

@@ -147,10 +147,11 @@ class TenantTierStats(TypedDict):
 
 class TenantStats(TypedDict, total=False):
     """``stats()["tenants"][name]``: one tenant, per tier (hot with hot tenant shares;
-    ssd whenever the SSD tier is on)."""
+    ssd whenever the SSD tier is on; remote with remote tenant shares)."""
 
     hot: TenantTierStats
     ssd: TenantTierStats
+    remote: TenantTierStats
 
 
 class _Optional(TypedDict, total=False):

@@ -184,6 +184,7 @@ def semantic_cases(p: dict[str, str]) -> list[tuple[tuple[str, ...], dict[str, s
         (model, {"PREFIXCACHE_HOT_TENANT_FLOORS": "b=9T"}, "PREFIXCACHE_HOT_TENANT_FLOORS='b=9T'"),
         ((*model, "--ssd-tenant-floors", "b=9T"), {}, "--ssd-tenant-floors: ssd_tenant_floors:"),
         ((*model, "--ssd-tenant-caps", "a=1K,a=2K"), {}, "ssd_tenant_caps='a=1K,a=2K'"),
+        ((*model, "--remote-tenant-floors", "b=1K"), {}, "above remote_max_bytes=0"),
         ((*model, "--tenant-header", "X Tenant"), {}, "--tenant-header 'X Tenant'"),
         (("serve", "--model", p["missing"]), {}, f"--model '{p['missing']}'"),
         ((*model, "--record-trace", f"{p['missing']}/t.jsonl"), {}, "--record-trace"),

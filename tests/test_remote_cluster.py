@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -260,4 +261,29 @@ def test_an_unreachable_cluster_is_a_quick_miss(tmp_path):
     tier.flush()
     st = tier.stats()
     assert st["num_writes"] == 0 and st["num_dropped_writes"] == 1
+    tier.close()
+
+
+def test_tenant_shares_on_a_cluster_evict_across_shards_and_add_up(cluster):
+    """The figures live on one shard (one hash tag); the blocks they evict on any."""
+    cluster.flush()
+    blocks = [replace(make_block(46, i, scale=3000), tenant="a") for i in range(9)]
+    tier = tier_on(cluster.url, remote_tenant_caps="a=1G")
+    stored(tier, blocks[:1])
+    size = tier.tenant_stats()["a"]["nbytes"]
+    tier.close()
+    cluster.flush()
+    tier = tier_on(cluster.url, remote_tenant_caps=f"a={4 * size}")
+    for block in blocks:  # one batch each: the oldest goes as each comes
+        stored(tier, [block])
+    figures = tier.tenant_stats()["a"]
+    assert figures["num_blocks"] == 4 and figures["num_cap_evictions"] == 5
+    names = tier.names
+    owners = {cluster.master_of(names.meta(b.key)) for b in blocks}
+    assert len(owners) == 3  # the evicted blocks were on every master
+    held = [
+        bool(cluster.node(cluster.master_of(names.meta(b.key))).exists(names.meta(b.key)))
+        for b in blocks
+    ]
+    assert held == [False] * 5 + [True] * 4
     tier.close()

@@ -72,6 +72,7 @@ def test_stats_holds_exactly_the_declared_keys_with_every_tier(llama, tmp_path, 
         warm_bytes=1 << 20,
         events_url="tcp://127.0.0.1:0",
         hot_tenant_floors="b=1M",
+        remote_tenant_caps="b=1G",
     )
     tokens = prompt(0, 40)
     cache = make_prompt_cache(llama)

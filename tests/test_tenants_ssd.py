@@ -5,9 +5,12 @@ restarts), an index of the previous format read as the default tenant's, bad inp
 from __future__ import annotations
 
 import dataclasses
+import random
 import shutil
 import subprocess
 import sys
+import threading
+from functools import partial
 from pathlib import Path
 
 import lmdb
@@ -19,7 +22,9 @@ from ssd_child import check_block, make_block
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block, decode_meta
 from prefixcache.errors import ConfigError
+from prefixcache.tiers.ssd import shares
 from prefixcache.tiers.ssd.index import SsdIndex
+from prefixcache.tiers.ssd.shares import Limits
 from prefixcache.tiers.ssd.tier import SsdTier
 
 HERE = Path(__file__).parent
@@ -179,6 +184,85 @@ def test_two_processes_writing_at_once_keep_one_right_set_of_figures(tmp_path):
         assert tier.index.totals()["nbytes"] <= 12 * FILE
         for meta in tier.iter_meta():
             check_block(tier.load(meta.key))
+
+
+def test_blocks_dropped_for_a_full_queue_are_refused_for_their_tenant(tmp_path):
+    hold = threading.Event()  # the writer waits: the queue stays full
+    config = CacheConfig(
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        queue_full="drop",
+        write_queue_bytes=2 * 3072,  # two blocks of ssd_child
+        ssd_tenant_caps="a=1M",
+    )
+    with SsdTier(config, writer_hold=hold) as tier:
+        assert all(tier.put(b) for b in [owned(40, 0, "b"), owned(40, 1, "b")])
+        assert not any(tier.put(owned(41, i, "a")) for i in range(3))
+        assert tier.tenant_stats()["a"]["num_refused"] == 3  # counted, not recorded yet
+        hold.set()
+        tier.flush()
+        figures = add_up(tier)
+        recorded = tier.index.tenants()  # in the index now: every process sees them
+        assert figures["a"]["num_refused"] == recorded["a"]["num_refused"] == 3
+        assert figures["b"]["num_refused"] == 0 and figures["b"]["num_stored"] == 2
+        assert tier.stats()["num_dropped_writes"] == 3
+
+
+def brute_over_floor(txn, db, limits: Limits, pending, *, with_pending: bool = True) -> list[str]:
+    """Every tenant read and sorted: the order ``Limits.over_floor`` must give."""
+    held = shares.every(txn, db)
+    over = []
+    for name in {*held, *pending, *limits.floors}:
+        nbytes = held[name]["nbytes"] if name in held else 0
+        above = nbytes + (pending.get(name, 0) if with_pending else 0)
+        above -= limits.floors.get(name, 0)
+        if above > 0:
+            over.append((-above, name))
+    return [name for _, name in sorted(over)]
+
+
+def orders(db, limits: Limits, pending, txn) -> tuple[list[str], list[str], list[str]]:
+    """``over_floor``'s order, the brute force's, and the brute force's without pending."""
+    got = list(limits.over_floor(txn, db, pending))
+    want = brute_over_floor(txn, db, limits, pending)
+    return got, want, brute_over_floor(txn, db, limits, pending, with_pending=False)
+
+
+def test_the_tenant_most_over_its_floor_comes_first_as_when_every_one_was_read(open_tier):
+    tier = open_tier()
+    db = tier.index.entries.db["meta"]
+    rng = random.Random(5)
+    names = [f"t{i}" for i in range(40)] + ["", "\u00e9t\u00e9"]
+    sizes = [0, 1, 4096, 4096, 8192, 10**6]  # repeated sizes: ties broken by name
+    differs = 0
+    for _ in range(30):
+        limits = Limits(
+            {n: rng.choice(sizes) for n in rng.sample(names, 8)},
+            {},
+        )
+        pending = {n: rng.choice(sizes) for n in rng.sample(names, 3)}
+
+        def change(txn):
+            for name in rng.sample(names, 10):  # grow, shrink, to 0 and back
+                delta = rng.choice([-(10**6), -4096, 0, 4096, 8192, 10**6])
+                shares.add(txn, db, name, {"nbytes": delta})
+
+        tier.index.transact(change, write=True)
+
+        got, want, without = tier.index.transact(partial(orders, db, limits, pending))
+        assert got == want
+        differs += without != want  # negative control: the comparison sees a change
+    assert differs > 0
+
+    def forget_sizes(txn):  # an index written before the sizes were kept
+        keys = [bytes(k) for k, _ in txn.cursor(db=db) if bytes(k).startswith(b"tenant_size")]
+        for key in keys:
+            txn.delete(key, db=db)
+        shares.keep_sizes(txn, db)
+        return orders(db, Limits({}, {}), {}, txn)[:2]
+
+    got, want = tier.index.transact(forget_sizes, write=True)
+    assert got == want and len(got) > 10
 
 
 def test_gc_removing_dangling_entries_counts_them_removed_for_their_tenant(open_tier):

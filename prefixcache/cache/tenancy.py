@@ -53,7 +53,7 @@ class Tenancy:
     def __init__(self, tiers: TierStack) -> None:
         self.shares = tiers.hot.tenants
         self.on = tiers.config.tenant_shares  # any tier has floors or caps
-        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants)]
+        self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants) and t.charges_tenants]
         self._owners: dict[str, str] = {}  # session -> its tenant
 
     def begin(self, session: str, tenant: str) -> None:
@@ -112,7 +112,7 @@ class Tenancy:
         if not self.on:
             raise ValueError(
                 f"unknown tenant {tenant!r}: no tenant shares are configured "
-                "(hot_tenant_floors, hot_tenant_caps, ssd_tenant_floors, ssd_tenant_caps)"
+                "(hot_, ssd_ or remote_tenant_floors and _caps)"
             )
         out = self.stats()
         if tenant not in out:

@@ -120,6 +120,7 @@ def _stats_doc(url: str, cluster: bool, usage: RemoteUsage) -> Doc:
         "server": server,
         "shards": shards,
         "namespaces": namespaces,
+        "tenants": usage.tenants,
     }
 
 
@@ -215,4 +216,15 @@ def _text(doc: Doc) -> str:
     ]
     heads = ("model", "root", "blocks", "tokens", "size")
     lines += ["", table(heads, rows, "llrrr")] if rows else ["", "(no blocks)"]
-    return "\n".join(lines)
+    return "\n".join(lines + _tenant_lines(doc["tenants"]))
+
+
+def _tenant_lines(tenants: Doc) -> list[str]:
+    """The table of the tenants' figures (tenant shares: every host's, on the server)."""
+    if not tenants:
+        return []
+    keys = ("num_blocks", "nbytes", "num_stored", "num_evicted", "num_cap_evictions")
+    keys += ("num_removed", "num_refused")
+    heads = ("tenant", "held", "bytes", "stored", "evicted", "for its cap", "removed", "refused")
+    rows = [[repr(t), *(f[k] for k in keys)] for t, f in tenants.items()]
+    return ["", "remote tier per tenant (blocks):", table(heads, rows, "lrrrrrrr")]

@@ -28,7 +28,7 @@ from ..serve.validate import MAX_BODY_BYTES, MAX_TOKENS_LIMIT, Limits
 from .common import Command, UsageError, on_off, port, positive_float, positive_int
 
 log = logging.getLogger(__name__)
-TENANT_TIERS = ("hot", "ssd")  # the tiers with tenant floors and caps
+TENANT_TIERS = ("hot", "ssd", "remote")  # the tiers with tenant floors and caps
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

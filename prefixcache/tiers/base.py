@@ -264,3 +264,9 @@ class SharesTenants(ABC):
     def tenant_stats(self) -> dict[str, dict[str, int]]:
         """Each tenant's figures on this tier: nbytes, num_blocks, floor_bytes,
         cap_bytes (-1: none) and the counters of ``tiers/hot/tenants.COUNTERS``."""
+
+    @property
+    def charges_tenants(self) -> bool:
+        """Whether this tier keeps tenants' figures as configured (the remote tier:
+        only with remote floors or caps); else ``stats()`` lists none of it."""
+        return True

@@ -27,6 +27,7 @@ from .listing import name_in
 from .names import Names, name_of
 from .removal import Stored, delete
 from .shards import Shard
+from .shares import RemoteShares
 
 _CHUNK = 1000
 
@@ -92,8 +93,12 @@ def plan_gc(
 
 
 def run_gc(client: RemoteClient, names: Names, plan: RemoteGc) -> int:
-    """Remove what ``plan`` chose; how many blocks went."""
+    """Remove what ``plan`` chose; how many blocks went (uncharged from their
+    tenants as removed when the server keeps tenant shares: shares.py)."""
     num = delete(client, names, plan.remove)
+    shares = RemoteShares(client, names.prefix, 0, {}, {})
+    if plan.remove and shares.kept():
+        shares.release([block.name for block in plan.remove])
     for shard, key in plan.stray_keys:
         client.call(shard, lambda r, key=key: r.unlink(key))
     for shard, listing, member in plan.dangling:

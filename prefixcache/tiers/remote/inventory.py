@@ -20,6 +20,7 @@ from .client import RemoteClient, RemoteUnavailable
 from .format import MetaHead, decode_head
 from .names import REPORTED, counters_key, name_of, namespace_key
 from .shards import Shard
+from .shares import RemoteShares
 
 _CHUNK = 1000
 
@@ -55,6 +56,7 @@ class RemoteUsage:
     shards: list[ShardUsage] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)  # the hosts' REPORTED counts
     num_bad: int = 0  # meta values that do not decode
+    tenants: dict[str, dict[str, int]] = field(default_factory=dict)  # tenant shares (shares.py)
 
 
 def scan_metas(client: RemoteClient, prefix: str) -> Iterator[tuple[Shard, bytes, bytes]]:
@@ -101,6 +103,9 @@ def remote_usage(client: RemoteClient, prefix: str) -> RemoteUsage:
     name = counters_key(prefix)
     record = client.call(client.shard_of(name), lambda r: r.hgetall(name))
     usage.counters = {n: int(record.get(n.encode(), 0)) for n in REPORTED}
+    shares = RemoteShares(client, prefix, 0, {}, {}).figures()  # no limits: the figures only
+    for name, figures in shares.items():
+        usage.tenants[name] = {k: v for k, v in figures.items() if "_bytes" not in k}
     for shard in client.shards.all():
         memory = client.call(shard, lambda r: r.info("memory"))
         num_keys = client.call(shard, lambda r: r.dbsize())

@@ -167,7 +167,7 @@ class RemoteReader(TierReader):
             self._missed[index] = result.reason
             self.tier.load_failed(result.key, result.reason, result.error)
             return None
-        self.tier.loaded(result.block.nbytes, result.seconds)
+        self.tier.loaded(result.block, result.seconds)
         return result.block
 
 

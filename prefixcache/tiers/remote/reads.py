@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from ...errors import MissReason
+from ...memory.host import StreamedBlock
 from .chain import Chain
 from .client import RemoteClient
 from .format import RemoteMeta
@@ -43,6 +44,7 @@ class RemoteReads:
     ) -> None:
         self.names, self.client, self.gate = names, client, gate
         self.last: Chain | None = None  # the last chain lookup (held / children)
+        self.used: dict[bytes, int] | None = None  # names loaded -> index (tenant shares)
         self._counts, self._lock = counts, lock
 
     def meta_of(self, keys: Sequence[bytes], index: int) -> RemoteMeta | None:
@@ -57,11 +59,15 @@ class RemoteReads:
         elif reason is MissReason.CORRUPT:
             self.unusable(key, error)
 
-    def loaded(self, nbytes: int, seconds: float) -> None:
-        """Count a block fetched in ``seconds`` (the gate's remote rate)."""
+    def loaded(self, block: StreamedBlock, seconds: float) -> None:
+        """Count a block fetched in ``seconds`` (the gate's remote rate); under tenant
+        shares, note it used (the writer thread sends the notes: shares.py)."""
         self.count("num_loads")
-        self.count("load_bytes", nbytes)
-        self.gate.remote.add(nbytes, seconds)
+        self.count("load_bytes", block.nbytes)
+        self.gate.remote.add(block.nbytes, seconds)
+        if self.used is not None:
+            with self._lock:
+                self.used[self.names.name(block.key)] = block.index
 
     def unusable(self, key: bytes, error: BaseException | None) -> None:
         """Count a block whose value is unusable: forged (a MAC failed) or corrupt."""

@@ -13,7 +13,9 @@ on another host to the exact token.
 so neither grows with what the server holds; ``reader`` fetches payloads on a background thread
 (verified parts, read straight into the restore buffers); a remote hit is
 promoted into hot and ssd by the stack. The server bounds its memory itself
-(``maxmemory`` with ``allkeys-lru``); an evicted or torn part is a counted
+(``maxmemory`` with ``allkeys-lru``), unless tenant shares are set
+(``remote_tenant_floors`` / ``_caps``): then the writers evict by the tenants'
+floors and caps within ``remote_max_bytes`` (shares.py). An evicted or torn part is a counted
 miss, a value that fails its MAC (``remote_secret``) a counted forgery. When a
 server is down or slow every call to it gives up within the configured
 timeout and its circuit breaker stops calling it for a while: the local tiers
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from ...blocks import Block
@@ -33,20 +35,21 @@ from ...config import CacheConfig
 from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
 from ...memory.host import tensors_of
-from ..base import CostGated, ListsChildren, Persistent, Tier, TierReader
+from ..base import CostGated, ListsChildren, Persistent, SharesTenants, Tier, TierReader
 from ..writer import WriteItem, Writer
 from .chain import children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
 from .format import RemoteMeta, decode_meta
 from .gate import CostGate
+from .known import Known
 from .names import REPORTED, Names
 from .reads import RemoteReads
 from .seal import Seal, load_secret
+from .shares import remote_shares
 from .writes import RemoteWrites
 
 logger = logging.getLogger(__name__)
 
-_KNOWN = 65536  # keys remembered as stored remotely (contains() never asks the server)
 _COUNTERS = (
     "num_writes",
     "written_bytes",
@@ -61,7 +64,7 @@ _COUNTERS = (
 )
 
 
-class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
+class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
     """The shared remote tier of one ``remote_url`` and ``remote_prefix``.
 
     Args:
@@ -82,15 +85,18 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
         self.prefix = config.remote_prefix
         self.block_bytes = config.block_size * TOKEN_BYTES  # the longest child's tokens
         self.client = client if client is not None else RemoteClient(config)
-        self.writes = RemoteWrites(self.client, self.names, config.remote_max_bytes)
+        self.shares = remote_shares(config, self.client)
+        self.writes = RemoteWrites(self.client, self.names, config.remote_max_bytes, self.shares)
         self.gate = CostGate(config.prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
-        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self._known = Known(self.names.name if self.shares is not None else None)
         self._namespaces: dict[bytes, str] = {}  # to write with the next batch
         self._removals: dict[bytes, None] = {}  # to delete on the server, in order
         self._miss: tuple[bytes, MissReason] | None = None
         self.reads = RemoteReads(self.names, self.client, self.gate, self._counts, self._lock)
+        if self.shares is not None:
+            self.reads.used = {}
         self._closed = False
         self.writer = Writer(
             self._write_batch,
@@ -178,7 +184,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
         """Drop blocks: forgotten here at once, deleted from the server by the
         writer (in order with the writes: a block put again afterwards stays)."""
         with self._lock:
-            num = sum(self._known.pop(k, False) is None for k in keys)
+            num = sum(self._known.forget(k) for k in keys)
             self._removals.update(dict.fromkeys(keys))
         self.writer.wake()
         return num
@@ -218,6 +224,14 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
             **self.gate.stats(),
         }
 
+    @property
+    def charges_tenants(self) -> bool:
+        return self.shares is not None
+
+    def tenant_stats(self) -> dict[str, dict[str, int]]:
+        """Each tenant's figures here (all hosts': shares.py); empty without shares."""
+        return {} if self.shares is None else self.shares.figures()
+
     # -- internals -------------------------------------------------------------
 
     def _lookup(self, keys: Sequence[bytes], start: int) -> list[RemoteMeta]:
@@ -234,21 +248,28 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
         return found.metas
 
     def _write_batch(self, items: list[WriteItem]) -> None:
-        """Encode and send a batch (writer thread)."""
-        if self.client.off is not None or not self.writes.room(sum(i.nbytes for i in items)):
+        """Encode and send a batch (writer thread). Under tenant shares they keep
+        ``remote_max_bytes`` (shares.py), not the servers' memory use."""
+        room = self.shares is not None or self.writes.room(sum(i.nbytes for i in items))
+        if self.client.off is not None or not room:
             if self.client.off is None:
                 self.reads.count("num_no_room", len(items))
             self.reads.count("num_dropped_writes", len(items))
             return
-        sent = self.writes.send(items)
+        writes = self.writes
+        before = writes.num_refused, writes.num_evicted_unsent
+        sent = writes.send(items)
+        refused = writes.num_refused - before[0]
+        turned = refused + writes.num_evicted_unsent - before[1]  # counted per tenant
         with self._lock:
             for item in sent:
-                self._known[item.block.key] = None
-            while len(self._known) > _KNOWN:
-                self._known.popitem(last=False)
+                self._known.add(item.block.key)
+            evicted, writes.evicted = writes.evicted, []
+            self._known.forget_names(evicted)  # a later put writes them again
             self._counts["num_writes"] += len(sent)
             self._counts["written_bytes"] += sum(it.nbytes for it in sent)
-            self._counts["num_dropped_writes"] += len(items) - len(sent)
+            self._counts["num_no_room"] += refused
+            self._counts["num_dropped_writes"] += len(items) - len(sent) - turned
 
     def _housekeeping(self) -> None:
         """Namespace documents, removals, the counters record (writer thread)."""
@@ -261,4 +282,8 @@ class RemoteTier(ListsChildren, Persistent, CostGated, Tier):
                 self._namespaces = notes | self._namespaces
         if removals:
             self.reads.count("num_removed", self.writes.remove(removals))
+        if self.shares is not None and self.reads.used:
+            with self._lock:
+                used, self.reads.used = self.reads.used, {}
+            self.shares.touch(list(used.items()))
         self.writes.report(counts)

@@ -15,6 +15,7 @@ only.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,9 +28,11 @@ from .listing import LISTING_MAX, member, thinning
 from .names import Names, counters_key, namespace_key
 from .removal import delete, stored
 from .shards import Shard
+from .shares import RemoteShares
 
 MEMORY_CHECK_S = 1.0  # how often the writer reads the servers' memory use (budget)
 Command = tuple[object, ...]
+Encoded = tuple[WriteItem, Shard, list[Command], int]  # item, its shard, its SETs, bytes
 
 
 class RemoteWrites:
@@ -41,17 +44,27 @@ class RemoteWrites:
         max_bytes: ``remote_max_bytes`` (0: no client-side budget).
     """
 
-    def __init__(self, client: RemoteClient, names: Names, max_bytes: int):
+    def __init__(
+        self,
+        client: RemoteClient,
+        names: Names,
+        max_bytes: int,
+        shares: RemoteShares | None = None,
+    ):
         self.client, self.names, self.max_bytes = client, names, max_bytes
+        self.shares = shares  # None: no tenant shares, the server's maxmemory evicts
+        self.num_refused = 0  # blocks the tenant shares refused
+        self.num_evicted_unsent = 0  # evicted by a later block of their own batch
+        self.evicted: list[bytes] = []  # names the shares evicted (the tier drains it)
         self.listing_max = LISTING_MAX  # members a children listing keeps, about
         self._memory_checked, self._memory_used = -MEMORY_CHECK_S, 0
         self._reported: dict[str, int] = {}  # counts already added to the server's record
 
     def send(self, items: Sequence[WriteItem]) -> list[WriteItem]:
-        """Write ``items``; the ones whose shard took them."""
+        """Write ``items``; the ones whose shard took them (under tenant shares,
+        those the shares gave room: ``num_refused`` counts the others)."""
         names, client = self.names, self.client
-        blocks: dict[Shard, list[WriteItem]] = {}
-        commands: dict[Shard, list[Command]] = {}
+        todo: list[Encoded] = []
         for item in items:
             key = item.block.key
             shard = client.shard_of(names.meta(key))
@@ -59,15 +72,22 @@ class RemoteWrites:
                 continue
             parts, digests = encode_parts(key, item.tensors, names)
             meta = block_meta(item.block, item.tensors, digests, names)
-            todo = commands.setdefault(shard, [])
-            todo += [("SET", names.part(key, n), part) for n, part in enumerate(parts)]
-            todo.append(("SET", names.meta(key), meta))  # after its parts
+            sets = [("SET", names.part(key, n), part) for n, part in enumerate(parts)]
+            sets.append(("SET", names.meta(key), meta))  # after its parts
+            todo.append((item, shard, sets, sum(map(len, parts)) + len(meta)))
+        victims: list[bytes] = []
+        if self.shares is not None:
+            todo, victims = self._reserve(todo)
+        blocks: dict[Shard, list[WriteItem]] = {}
+        commands: dict[Shard, list[Command]] = {}
+        for item, shard, sets, _ in todo:
+            commands.setdefault(shard, []).extend(sets)
             blocks.setdefault(shard, []).append(item)
             block = item.block
             listing = names.children(block.parent)
             parent = client.shard_of(listing)
             if parent is not None:
-                entry = member(names, block.parent, block.tokens, key)
+                entry = member(names, block.parent, block.tokens, block.key)
                 thin = thinning(listing, entry, self.listing_max)  # first: the new one stays
                 commands.setdefault(parent, []).extend([thin, ("ZADD", listing, 0, entry)])
         shards = list(commands)
@@ -76,7 +96,42 @@ class RemoteWrites:
         for shard, reply in zip(shards, replies, strict=True):
             if not isinstance(reply, RemoteUnavailable):
                 sent += blocks.get(shard, [])
+        if self.shares is not None:
+            self._evict(victims, [names.name(it.block.key) for it in sent])
         return sent
+
+    def _evict(self, victims: list[bytes], written: list[bytes]) -> None:
+        """Delete the keys of the blocks the shares evicted, with those of the blocks
+        just ``written`` that another host evicted since they were reserved."""
+        assert self.shares is not None
+        with contextlib.suppress(RemoteUnavailable):  # down: such keys stay until gc
+            victims = victims + self.shares.unowned(written)
+        if victims:  # after the writes: a reader may still be fetching one
+            delete(self.client, self.names, stored(self.client, self.names, victims))
+            self.evicted += victims
+
+    def _reserve(self, todo: list[Encoded]) -> tuple[list[Encoded], list[bytes]]:
+        """The blocks of ``todo`` the tenant shares give room (all dropped when the
+        shard of the shares cannot answer), and the names of the blocks evicted."""
+        assert self.shares is not None
+        name = self.names.name
+        wanted = [
+            (name(it.block.key), it.block.tenant, nbytes, it.block.index, name(it.block.parent))
+            for it, _, _, nbytes in todo
+        ]
+        try:
+            got = self.shares.reserve(wanted)
+        except RemoteUnavailable:
+            return [], []
+        gone = set(got.victims)  # a block of this batch its tenant's cap evicted again
+        self.num_refused += got.status.count(-1)
+        kept = []
+        for encoded, (name, *_), status in zip(todo, wanted, got.status, strict=True):
+            if status >= 0 and name not in gone:
+                kept.append(encoded)
+            elif status >= 0:
+                self.num_evicted_unsent += 1
+        return kept, got.victims
 
     def put_namespaces(self, notes: dict[bytes, str]) -> bool:
         """SET the namespace documents of these roots; False if a shard failed."""
@@ -90,9 +145,15 @@ class RemoteWrites:
         return not any(isinstance(r, RemoteUnavailable) for r in replies)
 
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Delete these blocks' keys; how many blocks the server held."""
+        """Delete these blocks' keys (and uncharge them under tenant shares); how
+        many blocks the server held."""
         found = stored(self.client, self.names, [self.names.name(k) for k in keys])
-        return delete(self.client, self.names, found)
+        num = delete(self.client, self.names, found)
+        if self.shares is not None:
+            # when the figures' shard is down they stay charged until evicted
+            with contextlib.suppress(RemoteUnavailable):
+                self.shares.release([self.names.name(k) for k in keys])
+        return num
 
     def report(self, counts: dict[str, int]) -> None:
         """Add what grew in ``counts`` (this tier's totals) since the last report to

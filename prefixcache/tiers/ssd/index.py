@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 import lmdb
@@ -223,6 +223,15 @@ class SsdIndex:
         """Every tenant's figures on this tier, all processes (shares.py)."""
         return self.transact(lambda t: shares.every(t, self._db["meta"]))
 
+    def count_refused(self, by_tenant: Mapping[str, int]) -> None:
+        """Add these refusals (tenant -> blocks) to the tenants' ``num_refused``."""
+
+        def run(txn: lmdb.Transaction) -> None:
+            for name, num in by_tenant.items():
+                shares.add(txn, self._db["meta"], name, {"num_refused": num})
+
+        self.transact(run, write=True)
+
     def finish_writes(
         self, reserved: Sequence[bytes], written: Sequence[BlockMeta], *, write_budget: int = 0
     ) -> None:
@@ -323,6 +332,7 @@ class SsdIndex:
         if version == FORMAT_VERSION:
             if not readonly:  # an index written before ``nearby`` existed gets it once
                 self.transact(self._complete_nearby, write=True)
+                self.transact(lambda t: shares.keep_sizes(t, meta), write=True)
             return
         if readonly:
             if version is None:
@@ -330,6 +340,7 @@ class SsdIndex:
             return  # an older version reads as it is: its entries' tenant is the default
         self.format_version = FORMAT_VERSION
         self.transact(lambda t: upgrade(t, meta, self.path, self.entries.rebuild), write=True)
+        self.transact(lambda t: shares.keep_sizes(t, meta), write=True)
 
     def _complete_nearby(self, txn: lmdb.Transaction) -> None:
         if not nearby.complete(txn, self._db["blocks"], self._db[nearby.DB]):

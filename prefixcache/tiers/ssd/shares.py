@@ -9,6 +9,8 @@ and survive a restart. Two kinds of record::
     meta:       tenant/<name>    held file bytes, held blocks, and the counters:
                                  stored, evicted (of those, for its cap), removed,
                                  refused (little-endian u64 each)
+                tenant_size/<~bytes held, big-endian u64><name>   every tenant
+                                 holding any, the largest first (``over_floor``)
     tenant_lru: <u16 name length><name><lru key>   every unpinned leaf of the tenant
 
 A block is charged to the tenant recorded in its index entry (``BlockMeta.tenant``;
@@ -19,8 +21,9 @@ evicted or removed: stored = held + evicted + removed, for each tenant.
 
 from __future__ import annotations
 
+import heapq
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import lmdb
@@ -32,7 +35,10 @@ TENANT_DBS = ("tenant_lru",)
 FIELDS = ("nbytes", "num_blocks", *COUNTERS)
 _RECORD = struct.Struct("<" + "Q" * len(FIELDS))
 _TENANT = b"tenant/"
+_SIZE = b"tenant_size/"
+_SIZES_KEPT = b"tenant_sizes"  # in meta once every tenant's size entry is there
 _NAME_LENGTH = struct.Struct(">H")
+_LARGEST = (1 << 64) - 1
 
 
 def prefix(name: str) -> bytes:
@@ -57,9 +63,57 @@ def figures(txn: lmdb.Transaction, db: object, name: str) -> dict[str, int]:
 def add(txn: lmdb.Transaction, db: object, name: str, delta: Mapping[str, int]) -> None:
     """Add ``delta`` (field -> amount) to tenant ``name``'s figures (none below 0)."""
     now = figures(txn, db, name)
+    was = now["nbytes"]
     for name_of_field, amount in delta.items():
         now[name_of_field] = max(0, now[name_of_field] + amount)
     txn.put(_TENANT + name.encode(), _RECORD.pack(*now.values()), db=db)
+    if now["nbytes"] != was:
+        _sized(txn, db, name, was, now["nbytes"])
+
+
+def _size_key(name: str, nbytes: int) -> bytes:
+    return _SIZE + (_LARGEST - nbytes).to_bytes(8, "big") + name.encode()
+
+
+def _sized(txn: lmdb.Transaction, db: object, name: str, was: int, nbytes: int) -> None:
+    """Move ``name``'s entry in the tenants by size from ``was`` bytes to ``nbytes``."""
+    if was:
+        txn.delete(_size_key(name, was), db=db)
+    if nbytes:
+        txn.put(_size_key(name, nbytes), b"", db=db)
+
+
+def keep_sizes(txn: lmdb.Transaction, db: object) -> None:
+    """Write every tenant's size entry if the index has none yet (one written before
+    they were kept: O(tenants), once; ``add`` keeps them after)."""
+    if txn.get(_SIZES_KEPT, db=db) is not None:
+        return
+    stale = []
+    cur = txn.cursor(db=db)
+    if cur.set_range(_SIZE):
+        for key in cur.iternext(values=False):
+            if not bytes(key).startswith(_SIZE):
+                break
+            stale.append(bytes(key))
+    for key in stale:
+        txn.delete(key, db=db)
+    for name, held in every(txn, db).items():
+        _sized(txn, db, name, 0, held["nbytes"])
+    txn.put(_SIZES_KEPT, b"1", db=db)
+
+
+def _by_size(txn: lmdb.Transaction, db: object) -> Iterator[tuple[int, str]]:
+    """(bytes held, name) of every tenant holding any, the largest first (ties by name)."""
+    cur = txn.cursor(db=db)
+    if not cur.set_range(_SIZE):
+        return
+    for key in cur.iternext(values=False):
+        key = bytes(key)
+        if not key.startswith(_SIZE):
+            return
+        at = len(_SIZE)
+        nbytes = _LARGEST - int.from_bytes(key[at : at + 8], "big")
+        yield nbytes, key[at + 8 :].decode(errors="replace")
 
 
 def every(txn: lmdb.Transaction, db: object) -> dict[str, dict[str, int]]:
@@ -107,14 +161,20 @@ class Limits:
 
     def over_floor(
         self, txn: lmdb.Transaction, db: object, pending: Mapping[str, int]
-    ) -> list[str]:
-        """The tenants holding more than their floor, the most over first, with the
-        bytes ``pending`` (tenant -> bytes reserved, not indexed yet) counted."""
-        held = every(txn, db)
-        over = []
-        for name in {*held, *pending}:
-            nbytes = held[name]["nbytes"] if name in held else 0
-            above = nbytes + pending.get(name, 0) - self.floors.get(name, 0)
+    ) -> Iterator[str]:
+        """The tenants holding more than their floor, the most over first (ties by
+        name), with the bytes ``pending`` (tenant -> bytes reserved, not indexed
+        yet) counted. Lazy: the tenants with floors or pending bytes are read
+        one by one, the others come from the tenants by size (the largest first:
+        over a floor of 0 by all they hold); the first costs O((floors +
+        pending) log tenants), each next one O(log tenants)."""
+        named = {*self.floors, *pending}
+        listed = []
+        for name in named:
+            above = figures(txn, db, name)["nbytes"] + pending.get(name, 0)
+            above -= self.floors.get(name, 0)
             if above > 0:
-                over.append((-above, name))
-        return [name for _, name in sorted(over)]
+                listed.append((-above, name))
+        others = ((-n, name) for n, name in _by_size(txn, db) if name not in named)
+        for _, name in heapq.merge(sorted(listed), others):
+            yield name

@@ -140,6 +140,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
             self._counts.add("num_inline_writes")
             return self.writer.run_inline([item])
         self._counts.add("num_dropped_writes")
+        self._writes.queue_refused(block.tenant)  # counted per tenant by the writer thread
         return False
 
     def contains(self, key: bytes) -> bool:
@@ -313,6 +314,8 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
         """Each tenant's figures on this tier (all processes), with this process's
         floors and caps."""
         limits, held = self._writes.limits, self.index.tenants()
+        for name, num in self._writes.pending_refusals().items():  # not recorded yet
+            held.setdefault(name, dict.fromkeys(FIELDS, 0))["num_refused"] += num
         out = {}
         for name in sorted({*held, *limits.floors, *limits.caps}):
             figures = held.get(name, dict.fromkeys(FIELDS, 0))
@@ -339,10 +342,12 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
         self._writes.write_batch(items)
 
     def _housekeeping(self) -> None:
-        """On the writer thread after each batch: the retry probe, LRU touches."""
+        """On the writer thread after each batch: the retry probe, LRU touches, the
+        tenants' refusals for a full queue."""
         if self.health.retry_due():
             self._writes.probe()
         self._apply_touches()
+        self._writes.record_refusals()
 
     def _apply_touches(self) -> None:
         self._writes.touch(self.reads.take_touches())

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import lmdb
@@ -53,6 +54,8 @@ class SsdWrites:
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
         self._lock = threading.Lock()  # writer thread vs inline writes
+        self._refused: Counter[str] = Counter()  # queue-full drops per tenant, to record
+        self._refused_lock = threading.Lock()
 
     def write_batch(self, items: list[WriteItem]) -> None:
         """Reserve room, write payload files, index them; never raises a tier failure."""
@@ -70,6 +73,27 @@ class SsdWrites:
         if keys and self.health.enabled:
             try:
                 self.index.touch(keys, time.time())
+            except TierError as e:
+                self.health.fail(e)
+
+    def queue_refused(self, tenant: str) -> None:
+        """Count a block of ``tenant`` dropped for a full queue (any thread): recorded
+        in the index, with the tenant's other refusals, by ``record_refusals``."""
+        with self._refused_lock:
+            self._refused[tenant] += 1
+
+    def pending_refusals(self) -> dict[str, int]:
+        with self._refused_lock:
+            return dict(self._refused)
+
+    def record_refusals(self) -> None:
+        """Add the queue-full drops counted since the last call to their tenants'
+        ``num_refused`` in the index (writer thread; one transaction)."""
+        with self._refused_lock:
+            refused, self._refused = self._refused, Counter()
+        if refused and self.health.enabled:
+            try:
+                self.index.count_refused(refused)
             except TierError as e:
                 self.health.fail(e)
 
