@@ -52,6 +52,17 @@ def test_a_hybrid_hit_needs_the_state_at_the_block_it_resumes_from() -> None:
     assert simulated["hit_rate_last_half"] == pytest.approx(512 / 1536)
 
 
+def test_a_prompt_ending_at_a_block_held_keeps_no_state_in_the_simulator() -> None:
+    trace = [_request(0, [1, 2, 3]), _request(1, [1, 2]), _request(2, [1, 2, 4])]
+    simulated = Simulation(SimConfig(HYBRID, 1 << 40)).run(trace).as_json()
+    every = bound_hit_rates(trace, HYBRID, 1 << 40)[1]
+    new = bound_hit_rates(trace, HYBRID, 1 << 40, states="new")[1]
+    assert simulated["hit_rate_last_half"] == new == 0.0  # [1, 2] was held: no state at 2
+    assert every == pytest.approx(1024 / (1024 + 1536))  # the bound credits it to [1, 2, 4]
+    with pytest.raises(ValueError, match="'all'"):
+        bound_hit_rates(trace, HYBRID, 1 << 40, states="all")
+
+
 def _conversations(seed: int, n: int = 400) -> list[TraceRequest]:
     rng = random.Random(seed)
     out, live, fresh = [], [], 1000

@@ -43,18 +43,26 @@ def bound_hit_rates(
     shape: ModelShape,
     budget: int,
     block_tokens: int = TRACE_BLOCK_TOKENS,
+    *,
+    states: str = "every",
 ) -> tuple[float, float]:
     """Upper bounds on the hit rate over all ``requests`` and over their last half.
 
+    ``states="new"`` counts a state only where a prompt's last full block is
+    new to the trace (what the simulator keeps when nothing is evicted: with
+    an unbounded budget, its ceiling); it is no bound under a budget.
+
     Raises:
-        ValueError: ``budget`` is below 1.
+        ValueError: ``budget`` is below 1, or ``states`` is not every or new.
     """
     if budget < 1:
         raise ValueError(f"budget must be >= 1 byte, got {budget!r}")
+    if states not in ("every", "new"):
+        raise ValueError(f"states must be 'every' or 'new', got {states!r}")
     n, half = len(requests), len(requests) // 2
     rates = []
     for first, starts in ((0, [0]), (half, [int(w * half) for w in _WINDOWS])):
-        options = _options(requests, shape, block_tokens, starts, first)
+        options = _options(requests, shape, block_tokens, starts, first, states == "new")
         prompt = sum(sum(r.block_tokens(block_tokens)) for r in requests[first:])
         best = min(_relaxed(options, k, budget * (n - s)) for k, s in enumerate(starts))
         rates.append(best / max(1, prompt))
@@ -67,6 +75,7 @@ def _options(
     block_tokens: int,
     starts: list[int],
     first: int,
+    new_only: bool,
 ) -> list[list[tuple[list[int], int]]]:
     """Per request from ``first`` on, its resume depths: (cost per window, hit tokens).
 
@@ -85,10 +94,10 @@ def _options(
             stored -= 1  # a short last block without its state resumes nothing
         if i >= first:
             out.append(_depths(i, chain[:stored], tokens, shape, last, made, starts))
+        if state and stored and not (new_only and last[chain[stored - 1]] >= 0):
+            made[chain[stored - 1]] = 1
         for node in chain:
             last[node] = i
-        if state and stored:
-            made[chain[stored - 1]] = 1
     return out
 
 
