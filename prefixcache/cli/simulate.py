@@ -4,7 +4,9 @@ Blocks carry no payload, only byte sizes from a model shape (``--shape``:
 a preset or a config.json); budgets are bytes (``--hot 64G``; a tier given no
 budget is absent, ``--unlimited`` makes every given tier unbounded: the
 trace's ceiling). ``--eviction optimal`` is the offline optimum of a hot-only
-cache (the bound); ``--eviction lru,frequency,optimal`` runs each. ``--sweep
+cache of K/V blocks; ``--eviction bound`` an upper bound on any hot-only
+policy counted in bytes (a hybrid's state included: traces/bound.py);
+``--eviction lru,frequency,optimal`` runs each. ``--sweep
 hot=16G,64G`` runs one point per value and policy, in parallel processes,
 plus the ceiling (every tier unbounded), and writes ``OUT.csv`` and
 ``OUT.png`` (matplotlib, the ``plot`` extra). ``--json``: one JSON object per point.
@@ -24,7 +26,8 @@ from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
 
-POLICIES = ("fifo", "lru", "cost", "density", "frequency", "adaptive", "optimal")
+POLICIES = ("fifo", "lru", "cost", "density", "frequency", "adaptive", "optimal", "bound")
+_OFFLINE = ("optimal", "bound")
 _TIER_FLAGS = {"hot": "hot_bytes", "ssd": "ssd_bytes", "remote": "remote_bytes"}
 
 
@@ -110,8 +113,9 @@ def _configs(args: Args, shape: object) -> list:
             raise UsageError(f"--eviction: {policy!r} is not one of {', '.join(POLICIES)}")
     if args.ssd_admit_after < 0:
         raise UsageError(f"--ssd-admit-after: expected an int >= 0, got {args.ssd_admit_after}")
-    if "optimal" in policies and (args.ssd is not None or args.remote is not None):
-        raise UsageError("--eviction optimal: a hot tier alone (the one-tier optimum)")
+    offline = [p for p in policies if p in _OFFLINE]
+    if offline and (args.ssd is not None or args.remote is not None):
+        raise UsageError(f"--eviction {offline[0]}: a hot tier alone (one tier, offline)")
     unbounded = 0 if args.unlimited else None
     return [
         SimConfig(
@@ -140,6 +144,7 @@ def _sweep(base, text: str) -> list:
 
 
 def _point(task: tuple) -> dict[str, object]:
+    from ..traces.bound import bound_hit_rates
     from ..traces.optimum import optimum_hit_rates
     from ..traces.simulator import Simulation
 
@@ -150,10 +155,14 @@ def _point(task: tuple) -> dict[str, object]:
         "ssd": config.ssd_bytes,
         "remote": config.remote_bytes,
     }
-    if config.eviction != "optimal":
+    if config.eviction not in _OFFLINE:
         return doc | Simulation(config).run(requests).as_json()
-    blocks = max(1, (config.hot_bytes or 0) // config.shape.block_bytes(config.block_tokens))
-    whole, last_half = optimum_hit_rates(requests, blocks)
+    if config.eviction == "bound":
+        budget = config.hot_bytes or 1 << 62
+        whole, last_half = bound_hit_rates(requests, config.shape, budget, config.block_tokens)
+    else:
+        blocks = max(1, (config.hot_bytes or 0) // config.shape.block_bytes(config.block_tokens))
+        whole, last_half = optimum_hit_rates(requests, blocks)
     prompt = sum(r.input_length for r in requests)
     return doc | {
         "requests": len(requests),
