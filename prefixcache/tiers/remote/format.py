@@ -10,6 +10,8 @@ fetch is one pipeline to one server::
     {prefix}:{name hex}:p:{n}    part n: header (magic, name, n, count, digest) + bytes
     {prefix}:{name hex}:l        the block's children (blocks and tails), in token order
                                  (a sorted set: listing.py)
+    {prefix}:{name hex}:t        the tenant the block is charged to (UTF-8, sealed with a
+                                 secret); none for the default tenant
     {prefix}:ns:{root hex}       the namespace JSON a root key stands for (inspection)
     {prefix}:counters            forged, corrupt and missing-part blocks every host met
 
@@ -21,8 +23,9 @@ names its block and number and carries its digest (xxh3-128, or its MAC with
 a secret), and the meta lists every part's digest: a part that was evicted,
 left over from another version of the block, or torn is detected and becomes
 a counted miss, never a wrong restore. The meta's head (root, index, sizes)
-stays plain so that inspection and ``gc`` work without the secret. Bytes and
-numpy only: it runs on background threads.
+stays plain so that inspection and ``gc`` work without the secret. The tenant
+is a key of its own (tenant.py), not a field of the meta. Bytes and numpy
+only: it runs on background threads.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from .names import Names, counters_key, namespace_key
 from .removal import delete, stored
 from .shards import Shard
 from .shares import RemoteShares
+from .tenant import encode_tenant
 
 MEMORY_CHECK_S = 1.0  # how often the writer reads the servers' memory use (budget)
 Command = tuple[object, ...]
@@ -73,6 +74,9 @@ class RemoteWrites:
             parts, digests = encode_parts(key, item.tensors, names)
             meta = block_meta(item.block, item.tensors, digests, names)
             sets = [("SET", names.part(key, n), part) for n, part in enumerate(parts)]
+            if item.block.tenant:  # before the meta, as the parts: a reader finds it
+                tenant = encode_tenant(key, item.block.tenant, names)
+                sets.append(("SET", names.tenant(key), tenant))
             sets.append(("SET", names.meta(key), meta))  # after its parts
             todo.append((item, shard, sets, sum(map(len, parts)) + len(meta)))
         victims: list[bytes] = []
