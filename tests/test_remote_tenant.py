@@ -15,7 +15,7 @@ from ssd_child import make_block
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.remote import RemoteTier
-from prefixcache.tiers.remote.format import block_meta, encode_parts
+from prefixcache.tiers.remote.format import TENANT, block_meta, decode_meta, encode_parts
 from prefixcache.tiers.remote.gc import plan_gc, run_gc
 from prefixcache.tiers.remote.names import Names
 
@@ -105,13 +105,17 @@ def test_a_default_tenant_block_writes_no_tenant_key(llama, tmp_path, redis_serv
         pc.close()
 
 
-def test_the_meta_is_the_same_bytes_with_a_tenant_so_the_previous_release_reads_it():
+def test_a_tenant_changes_one_flag_bit_of_the_meta_that_the_previous_release_ignores():
     block = make_block(44, 0)
     tensors = tensors_of(dict(block.arrays))
     _, digests = encode_parts(block.key, tensors, Names("p"))
     plain = block_meta(block, tensors, digests, Names("p"))
     owned = block_meta(dataclasses.replace(block, tenant="a"), tensors, digests, Names("p"))
-    assert owned == plain  # format 2 as it was: the tenant is a key of its own
+    flags = 5  # magic (4 bytes), format, flags: the previous release tests SIGNED only
+    assert owned[flags] == plain[flags] | TENANT and owned[flags] != plain[flags]
+    assert owned[:flags] + owned[flags + 1 : -8] == plain[:flags] + plain[flags + 1 : -8]
+    assert decode_meta(block.key, owned, Names("p")).has_tenant
+    assert not decode_meta(block.key, plain, Names("p")).has_tenant
 
 
 def test_remove_and_gc_delete_tenant_keys(redis_server):
@@ -124,6 +128,7 @@ def test_remove_and_gc_delete_tenant_keys(redis_server):
         r = redis_server.client()
         assert len(r.keys("prefixcache:{*}:t")) == 3
         assert tier.remove([blocks[2].key]) == 1
+        tier.flush()  # the writer thread deletes, in order with the writes
         assert len(r.keys("prefixcache:{*}:t")) == 2  # removed with its block
         r.delete(Names("prefixcache").meta(blocks[1].key))  # as if the server evicted it
         plan = plan_gc(tier.client, Names("prefixcache"), model=None, older_than=None)

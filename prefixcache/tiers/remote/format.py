@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 FORMAT = 2
 PART_BYTES = 4 << 20
 SIGNED = 1  # flag: the value is signed (part) or sealed (meta) with remote_secret
+TENANT = 2  # meta flag: the block has a tenant key (tenant.py); other readers ignore it
 _META_HEAD = struct.Struct("<4sBB2x16sIIIQ")  # magic, format, flags, root, index, ...
 _META_MAGIC = b"PCRM"
 _KEYS = struct.Struct("<16s16s")  # block key, parent key: the body's start
@@ -70,6 +71,7 @@ class MetaHead:
     num_parts: int
     nbytes: int
     signed: bool
+    tenant: bool = False  # the block has a tenant key
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ class RemoteMeta(BlockHeader):
     nbytes: int  # payload bytes (all parts' data)
     digests: tuple[bytes, ...]  # each part's digest (xxh3-128, or MAC)
     specs: tuple[Spec, ...]  # the tensors, in payload order
+    has_tenant: bool = False  # the block's tenant is in its tenant key (tenant.py)
 
     @property
     def num_parts(self) -> int:
@@ -90,7 +93,7 @@ def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
     head = _META_HEAD.pack(
         _META_MAGIC,
         FORMAT,
-        SIGNED if seal else 0,
+        (SIGNED if seal else 0) | (TENANT if meta.has_tenant else 0),
         meta.root,
         meta.index,
         len(meta.tokens) // TOKEN_BYTES,
@@ -117,6 +120,7 @@ def block_meta(block: Block, tensors: list[Tensor], digests: list[bytes], names:
         nbytes,
         tuple(digests),
         specs,
+        bool(block.tenant),
     )
     return encode_meta(meta, names)
 
@@ -134,7 +138,8 @@ def decode_head(value: bytes) -> MetaHead:
         raise PayloadError(f"remote meta of format {fmt} (magic {magic!r}); this is {FORMAT}")
     if num_parts != parts_of(nbytes):
         raise PayloadError(f"remote meta: {num_parts} parts cannot hold {nbytes} bytes")
-    return MetaHead(root, index, num_tokens, num_parts, nbytes, bool(flags & SIGNED))
+    signed, tenant = bool(flags & SIGNED), bool(flags & TENANT)
+    return MetaHead(root, index, num_tokens, num_parts, nbytes, signed, tenant)
 
 
 def decode_meta(name: bytes, value: bytes, names: Names, key: bytes | None = None) -> RemoteMeta:
@@ -178,7 +183,8 @@ def _decode_body(head: MetaHead, body: bytes, what: str) -> RemoteMeta:
     if covered != head.nbytes:
         raise PayloadError(f"{what}: specs do not cover {head.nbytes} bytes")
     tokens = body[_KEYS.size : at]
-    return RemoteMeta(key, parent, head.root, head.index, tokens, head.nbytes, digests, specs)
+    h = head
+    return RemoteMeta(key, parent, h.root, h.index, tokens, h.nbytes, digests, specs, h.tenant)
 
 
 def parts_of(nbytes: int) -> int:

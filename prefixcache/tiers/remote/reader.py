@@ -1,7 +1,8 @@
 """Remote reads for a restore: a background thread fetches blocks in chain order.
 
-Each block is one round trip to its shard (pipelined GETs of its tenant and its
-parts, which share its hash tag; its meta came with the chain's lookup). Their replies are
+Each block is one round trip to its shard (pipelined GETs of its parts, and of
+its tenant when it has one, which share its hash tag; its meta came with the
+chain's lookup). Their replies are
 read off the socket straight into the tensors' places in the restore buffers
 and verified as they arrive (one copy, hashed while in the CPU cache; with a
 secret, MAC'd in a staging buffer first), all on the fetch thread with bytes
@@ -145,7 +146,8 @@ class RemoteReader(TierReader):
                 if raw is None:
                     return Failed(key, MissReason.EVICTED, None)
                 meta = decode_meta(names.name(key), raw, names, key)
-            gets = [names.tenant(key)] + [names.part(key, n) for n in range(meta.num_parts)]
+            gets = [names.tenant(key)] if meta.has_tenant else []
+            gets += [names.part(key, n) for n in range(meta.num_parts)]
             into = targets(meta, self._place)
             tenant: list[str] = []
             body = _receive_all(into, meta, names, tenant)
@@ -177,11 +179,11 @@ class RemoteReader(TierReader):
 def _receive_all(
     into: Targets, meta: RemoteMeta, names: Names, tenant: list[str]
 ) -> Callable[[Replies], bool]:
-    """Read the block's tenant (into ``tenant``), then every part of ``meta`` into
-    ``into``; False at the first missing part."""
+    """Read the block's tenant (into ``tenant``: its key's, if its meta says it has
+    one), then every part of ``meta`` into ``into``; False at the first missing part."""
 
     def body(replies: Replies) -> bool:
-        tenant.append(read_tenant(replies, meta.key, names))
+        tenant.append(read_tenant(replies, meta.key, names) if meta.has_tenant else "")
         return all(receive(into, meta, names, n, replies) for n in range(meta.num_parts))
 
     return body

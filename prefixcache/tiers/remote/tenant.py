@@ -4,12 +4,14 @@ It holds the name of the tenant the block is charged to (UTF-8; with
 ``remote_secret`` sealed with AES-GCM, the block's name as associated data),
 so that a host that restores the block and promotes it into its hot and SSD
 tiers charges it to that tenant there. A key of its own rather than a field
-of the meta: the meta stays the bytes format 2 always had, so hosts of the
-previous release read it as before and never look at the tenant; a block of
-the default tenant has no key (and a block without one, written by such a
-host, is charged to the default tenant). It is fetched in the pipeline of the
-block's parts (same hash tag, same round trip), written before the meta,
-removed with the block and by ``gc`` once its meta is gone.
+of the meta's body: the meta stays format 2, its head's flags saying only
+that the key exists (``TENANT``, a bit the previous release ignores: it reads
+such metas as before and never looks at the key). A block of the default
+tenant has neither (no command more on its fetch), and a block whose meta
+lacks the flag (of the default tenant, or written by a host of the previous
+release) is charged to the default tenant. The key is fetched in the
+pipeline of the block's parts (same hash tag, same round trip), written
+before the meta, removed with the block and by ``gc`` once its meta is gone.
 """
 
 from __future__ import annotations
