@@ -11,7 +11,11 @@ bytes, hashing each slice right after it arrived, while it is still in the
 CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
 no intermediate buffer. The part's checksum is checked at the end: a part
 that fails has written some of its bytes already, so the block is a miss and
-the restore stops before it.
+the restore stops before it. A tensor no layer of the restore reads
+(``UNNEEDED``: a window layer's K/V behind its window) is still received,
+since a part's digest covers all its bytes, but only into this thread's
+scratch of one slice, hashed there and left out of the block: no host buffer
+holds it.
 
 With ``remote_secret`` a part's bytes must pass their MAC before a byte reaches
 a restore buffer: they are read into a staging buffer of one part (reused
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PayloadError
-from ...memory.host import MX_DTYPES, HostArray, Place, Placed, contiguous
+from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, contiguous
 from ...memory.pools import SharedPool
 from .format import (
     PART_BYTES,
@@ -59,18 +63,24 @@ class Targets:
 
 def targets(meta: RemoteMeta, place: Place | None) -> Targets:
     """The destinations of block ``meta``'s payload: each tensor's place (its
-    size must match), else a slice of one new host buffer."""
+    size must match), else a slice of one new host buffer; a tensor no layer of
+    the restore reads (``UNNEEDED``) goes through this thread's scratch (hashed
+    there, kept nowhere) and is left out of the block, as the SSD tier does."""
     sizes = [spec_bytes(s) for s in meta.specs]
     dests: list[np.ndarray | None] = []
     for (name, dtype, shape), size in zip(meta.specs, sizes, strict=True):
         dest = place(meta.index, name, MX_DTYPES[dtype], shape) if place is not None else None
-        dests.append(dest if dest is not None and dest.nbytes == size else None)
+        fits = dest is UNNEEDED or (dest is not None and dest.nbytes == size)
+        dests.append(dest if fits else None)
     loose = sum(size for size, dest in zip(sizes, dests, strict=True) if dest is None)
     buf = np.empty(loose, np.uint8) if loose else None
     arrays: dict[str, HostArray | Placed] = {}
     into: list[memoryview] = []
     used = 0
     for (name, dtype, shape), size, dest in zip(meta.specs, sizes, dests, strict=True):
+        if dest is UNNEEDED:
+            into += _scratch_runs(size)
+            continue
         if dest is None:
             assert buf is not None or size == 0
             data = buf[used : used + size] if buf is not None else np.empty(0, np.uint8)
@@ -175,6 +185,16 @@ def _scatter(into: Targets, offset: int, data: memoryview) -> None:
 
 
 _STAGING = threading.local()
+
+
+def _scratch_runs(size: int) -> list[memoryview]:
+    """Runs of ``size`` bytes in all, each this thread's scratch of one slice: the
+    bytes of an unneeded tensor land there a slice at a time, are hashed, and
+    are overwritten by the next slice."""
+    scratch = getattr(_STAGING, "scratch", None)
+    if scratch is None:
+        scratch = _STAGING.scratch = memoryview(np.empty(_SLICE, np.uint8)).cast("B")
+    return [scratch[: min(_SLICE, size - at)] for at in range(0, size, _SLICE)]
 
 
 def _staging(size: int) -> memoryview:

@@ -10,6 +10,8 @@ fetch is one pipeline to one server::
     {prefix}:{name hex}:p:{n}    part n: header (magic, name, n, count, digest) + bytes
     {prefix}:{name hex}:l        the block's children (blocks and tails), in token order
                                  (a sorted set: listing.py)
+    {prefix}:{name hex}:t        the tenant the block is charged to (UTF-8, sealed with a
+                                 secret); none for the default tenant
     {prefix}:ns:{root hex}       the namespace JSON a root key stands for (inspection)
     {prefix}:counters            forged, corrupt and missing-part blocks every host met
 
@@ -21,8 +23,9 @@ names its block and number and carries its digest (xxh3-128, or its MAC with
 a secret), and the meta lists every part's digest: a part that was evicted,
 left over from another version of the block, or torn is detected and becomes
 a counted miss, never a wrong restore. The meta's head (root, index, sizes)
-stays plain so that inspection and ``gc`` work without the secret. Bytes and
-numpy only: it runs on background threads.
+stays plain so that inspection and ``gc`` work without the secret. The tenant
+is a key of its own (tenant.py), not a field of the meta. Bytes and numpy
+only: it runs on background threads.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
 FORMAT = 2
 PART_BYTES = 4 << 20
 SIGNED = 1  # flag: the value is signed (part) or sealed (meta) with remote_secret
+TENANT = 2  # meta flag: the block has a tenant key (tenant.py); other readers ignore it
 _META_HEAD = struct.Struct("<4sBB2x16sIIIQ")  # magic, format, flags, root, index, ...
 _META_MAGIC = b"PCRM"
 _KEYS = struct.Struct("<16s16s")  # block key, parent key: the body's start
@@ -67,6 +71,7 @@ class MetaHead:
     num_parts: int
     nbytes: int
     signed: bool
+    tenant: bool = False  # the block has a tenant key
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,7 @@ class RemoteMeta(BlockHeader):
     nbytes: int  # payload bytes (all parts' data)
     digests: tuple[bytes, ...]  # each part's digest (xxh3-128, or MAC)
     specs: tuple[Spec, ...]  # the tensors, in payload order
+    has_tenant: bool = False  # the block's tenant is in its tenant key (tenant.py)
 
     @property
     def num_parts(self) -> int:
@@ -87,7 +93,7 @@ def encode_meta(meta: RemoteMeta, names: Names) -> bytes:
     head = _META_HEAD.pack(
         _META_MAGIC,
         FORMAT,
-        SIGNED if seal else 0,
+        (SIGNED if seal else 0) | (TENANT if meta.has_tenant else 0),
         meta.root,
         meta.index,
         len(meta.tokens) // TOKEN_BYTES,
@@ -114,6 +120,7 @@ def block_meta(block: Block, tensors: list[Tensor], digests: list[bytes], names:
         nbytes,
         tuple(digests),
         specs,
+        bool(block.tenant),
     )
     return encode_meta(meta, names)
 
@@ -131,7 +138,8 @@ def decode_head(value: bytes) -> MetaHead:
         raise PayloadError(f"remote meta of format {fmt} (magic {magic!r}); this is {FORMAT}")
     if num_parts != parts_of(nbytes):
         raise PayloadError(f"remote meta: {num_parts} parts cannot hold {nbytes} bytes")
-    return MetaHead(root, index, num_tokens, num_parts, nbytes, bool(flags & SIGNED))
+    signed, tenant = bool(flags & SIGNED), bool(flags & TENANT)
+    return MetaHead(root, index, num_tokens, num_parts, nbytes, signed, tenant)
 
 
 def decode_meta(name: bytes, value: bytes, names: Names, key: bytes | None = None) -> RemoteMeta:
@@ -175,7 +183,8 @@ def _decode_body(head: MetaHead, body: bytes, what: str) -> RemoteMeta:
     if covered != head.nbytes:
         raise PayloadError(f"{what}: specs do not cover {head.nbytes} bytes")
     tokens = body[_KEYS.size : at]
-    return RemoteMeta(key, parent, head.root, head.index, tokens, head.nbytes, digests, specs)
+    h = head
+    return RemoteMeta(key, parent, h.root, h.index, tokens, h.nbytes, digests, specs, h.tenant)
 
 
 def parts_of(nbytes: int) -> int:

@@ -3,7 +3,7 @@
 Selected blocks: a model's (``--model``), or those not read for a while
 (``--older-than``: the server's idle time of their meta key, which every
 lookup reads), and every block below a selected one (found through the
-children listings: unreachable once their parent goes). Always: parts whose
+children listings: unreachable once their parent goes). Always: parts and tenants whose
 meta is gone (the server evicted or a host removed it), members of children
 listings whose block is gone, and the children sets an older version kept
 (``:c``, no longer read). The server's own LRU (``maxmemory``) keeps it under its
@@ -153,9 +153,10 @@ def _old_sets(client: RemoteClient, prefix: str) -> list[tuple[Shard, bytes]]:
 def _stray_parts(client: RemoteClient, prefix: str, heads: dict) -> list[tuple[Shard, bytes]]:
     out = []
     for shard in client.shards.all():
-        for key in client.call(shard, _scan(f"{prefix}:{{*}}:p:*")):
-            if name_of(key) not in heads:
-                out.append((shard, key))
+        for pattern in (f"{prefix}:{{*}}:p:*", f"{prefix}:{{*}}:t"):
+            for key in client.call(shard, _scan(pattern)):
+                if name_of(key) not in heads:
+                    out.append((shard, key))
     return out
 
 

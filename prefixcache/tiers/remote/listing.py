@@ -14,16 +14,20 @@ order string lie right before and after it: ``ZRANGEBYLEX`` and
 the set's size. A set as large as the traffic made it (a system prompt's last
 block under every user turn) costs a lookup no more than a small one.
 
-A listing stays near ``LISTING_MAX`` members: with each member it adds, the
-writer removes the members whose order string starts in a range of
-``1 / LISTING_MAX`` of the order space placed by the new member's name (a
-hash: the same blocks thin the same way on every run; ``ZREMRANGEBYLEX``).
-The first bytes of an order string are a hash too, so that is about
-``size / LISTING_MAX`` members, old or new, live or evicted. A hot listing
-is never evicted by the server, and without this it would keep the name of
-every child it ever had. A member removed this way is a miss for its block's
-partial reuse (its meta and parts stay; the chain lookup reads them by key),
-never a wrong block.
+A listing stays near ``LISTING_MAX`` members: a member added to a listing
+that then holds more (``over``: ``ZRANGE`` of the rank past the bound, in
+the write's pipeline) makes the writer remove the members whose order
+string starts in a range of ``1 / LISTING_MAX`` of the order space placed
+by the new member's name (a hash: the same blocks thin the same way on every
+run; ``ZREMRANGEBYLEX``), then add the new member again. The first bytes of
+an order string are a hash too, so that is about ``size / LISTING_MAX``
+members, old or new, live or evicted. A hot listing is never evicted by the
+server, and without this it would keep the name of every child it ever had.
+A listing under its bound loses no member. Over it, a member removed is a
+miss for its block's partial reuse (its meta and parts stay; the chain
+lookup reads a full block by key) and, for a tail, which only its parent's
+listing finds, a miss until a host stores that tail again; never a wrong
+block.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ def nearest(listing: str, at: bytes, num: int = NEAREST) -> list[tuple[object, .
         ("ZRANGEBYLEX", listing, b"[" + at, b"+", "LIMIT", 0, num),
         ("ZREVRANGEBYLEX", listing, b"(" + at, b"-", "LIMIT", 0, num),
     ]
+
+
+def over(listing: str, size: int = LISTING_MAX) -> tuple[object, ...]:
+    """The command whose reply is empty unless ``listing`` holds more than ``size``
+    members (read access only: the documented ACL has ``+zrange``)."""
+    return ("ZRANGE", listing, size, size)
 
 
 def thinning(listing: str, entry: bytes, size: int = LISTING_MAX) -> tuple[object, ...]:

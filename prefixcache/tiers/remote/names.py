@@ -26,6 +26,10 @@ class Names:
     def part(self, key: bytes, n: int) -> str:
         return f"{self.prefix}:{{{self.name(key).hex()}}}:p:{n}"
 
+    def tenant(self, key: bytes) -> str:
+        """The tenant a block is charged to (format.py; absent: the default tenant)."""
+        return f"{self.prefix}:{{{self.name(key).hex()}}}:t"
+
     def children(self, key: bytes) -> str:
         """The listing of ``key``'s children (``key``: a block or a root; listing.py)."""
         return f"{self.prefix}:{{{self.name(key).hex()}}}:l"

@@ -1,7 +1,8 @@
 """Remote reads for a restore: a background thread fetches blocks in chain order.
 
-Each block is one round trip to its shard (pipelined GETs of its parts, which
-share its hash tag; its meta came with the chain's lookup). Their replies are
+Each block is one round trip to its shard (pipelined GETs of its parts, and of
+its tenant when it has one, which share its hash tag; its meta came with the
+chain's lookup). Their replies are
 read off the socket straight into the tensors' places in the restore buffers
 and verified as they arrive (one copy, hashed while in the CPU cache; with a
 secret, MAC'd in a staging buffer first), all on the fetch thread with bytes
@@ -30,6 +31,7 @@ from .fill import Targets, receive, targets
 from .format import RemoteMeta, decode_meta
 from .names import Names
 from .reads import RemoteReads
+from .tenant import read_tenant
 from .wire import Replies, pipelined_gets
 
 AHEAD = 2
@@ -144,18 +146,21 @@ class RemoteReader(TierReader):
                 if raw is None:
                     return Failed(key, MissReason.EVICTED, None)
                 meta = decode_meta(names.name(key), raw, names, key)
-            parts = [names.part(key, n) for n in range(meta.num_parts)]
+            gets = [names.tenant(key)] if meta.has_tenant else []
+            gets += [names.part(key, n) for n in range(meta.num_parts)]
             into = targets(meta, self._place)
-            body = _receive_all(into, meta, names)
-            if not client.call(shard, lambda r: pipelined_gets(r, parts, body)):
+            tenant: list[str] = []
+            body = _receive_all(into, meta, names, tenant)
+            if not client.call(shard, lambda r: pipelined_gets(r, gets, body)):
                 return Failed(key, MissReason.EVICTED, None)  # evicted, or a torn write
         except RemoteUnavailable as e:
             return Failed(key, MissReason.REMOTE_UNAVAILABLE, e)
         except PayloadError as e:  # Forged too: counted apart by the tier
             return Failed(key, MissReason.CORRUPT, e)
         seconds = time.perf_counter() - start
+        b = meta
         block = StreamedBlock(
-            key, meta.parent, meta.root, meta.index, meta.tokens, into.arrays, meta.nbytes
+            key, b.parent, b.root, b.index, b.tokens, into.arrays, b.nbytes, tenant[0]
         )
         return Fetched(block, seconds)
 
@@ -171,10 +176,14 @@ class RemoteReader(TierReader):
         return result.block
 
 
-def _receive_all(into: Targets, meta: RemoteMeta, names: Names) -> Callable[[Replies], bool]:
-    """Read every part of ``meta`` into ``into``; False at the first missing one."""
+def _receive_all(
+    into: Targets, meta: RemoteMeta, names: Names, tenant: list[str]
+) -> Callable[[Replies], bool]:
+    """Read the block's tenant (into ``tenant``: its key's, if its meta says it has
+    one), then every part of ``meta`` into ``into``; False at the first missing part."""
 
     def body(replies: Replies) -> bool:
+        tenant.append(read_tenant(replies, meta.key, names) if meta.has_tenant else "")
         return all(receive(into, meta, names, n, replies) for n in range(meta.num_parts))
 
     return body

@@ -1,5 +1,5 @@
-"""Removing blocks from the remote server: a block's meta, its parts and its member
-in its parent's children listing.
+"""Removing blocks from the remote server: a block's meta, its parts, its tenant and
+its member in its parent's children listing.
 
 The part count comes from the meta's plain head, the parent and tokens from
 its body (readable without a secret, or with the one that sealed it; a sealed
@@ -72,7 +72,8 @@ def delete(client: RemoteClient, names: Names, blocks: Sequence[Stored]) -> int:
         meta = names.of_name(block.name, "m")
         shard = client.shard_of(meta)
         parts = [names.of_name(block.name, f"p:{n}") for n in range(block.num_parts)]
-        groups.setdefault(shard, []).append(("UNLINK", meta, *parts))
+        tenant = names.of_name(block.name, "t")
+        groups.setdefault(shard, []).append(("UNLINK", meta, tenant, *parts))
         owners[shard] = owners.get(shard, 0) + 1
         if block.parent is not None:
             listing = names.children(block.parent)

@@ -2,9 +2,9 @@
 
 A block's parts go before its meta in its shard's pipeline (a reader that finds
 the meta finds the parts, unless the server evicted them since), and its name
-is added to its parent's listing (``ZADD``, on the parent's shard, after the
-listing's thinning: listing.py) so that tails and the blocks a prompt diverges
-inside are found from the parent.
+is added to its parent's listing (``ZADD``, on the parent's shard; a listing
+it takes over its bound is thinned in one more round trip: listing.py) so
+that tails and the blocks a prompt diverges inside are found from the parent.
 A shard that is down (or whose breaker is open) drops its blocks and only
 them. The same object writes the namespace documents, adds this host's counts
 to the server's counters record, removes blocks, and keeps the client-side
@@ -24,11 +24,12 @@ import redis
 from ..writer import WriteItem
 from .client import RemoteClient, RemoteUnavailable
 from .format import block_meta, encode_parts
-from .listing import LISTING_MAX, member, thinning
+from .listing import LISTING_MAX, member, over, thinning
 from .names import Names, counters_key, namespace_key
 from .removal import delete, stored
 from .shards import Shard
 from .shares import RemoteShares
+from .tenant import encode_tenant
 
 MEMORY_CHECK_S = 1.0  # how often the writer reads the servers' memory use (budget)
 Command = tuple[object, ...]
@@ -73,6 +74,9 @@ class RemoteWrites:
             parts, digests = encode_parts(key, item.tensors, names)
             meta = block_meta(item.block, item.tensors, digests, names)
             sets = [("SET", names.part(key, n), part) for n, part in enumerate(parts)]
+            if item.block.tenant:  # before the meta, as the parts: a reader finds it
+                tenant = encode_tenant(key, item.block.tenant, names)
+                sets.append(("SET", names.tenant(key), tenant))
             sets.append(("SET", names.meta(key), meta))  # after its parts
             todo.append((item, shard, sets, sum(map(len, parts)) + len(meta)))
         victims: list[bytes] = []
@@ -80,6 +84,7 @@ class RemoteWrites:
             todo, victims = self._reserve(todo)
         blocks: dict[Shard, list[WriteItem]] = {}
         commands: dict[Shard, list[Command]] = {}
+        listed: dict[Shard, list[tuple[int, str, bytes]]] = {}  # reply at, listing, member
         for item, shard, sets, _ in todo:
             commands.setdefault(shard, []).extend(sets)
             blocks.setdefault(shard, []).append(item)
@@ -88,17 +93,30 @@ class RemoteWrites:
             parent = client.shard_of(listing)
             if parent is not None:
                 entry = member(names, block.parent, block.tokens, block.key)
-                thin = thinning(listing, entry, self.listing_max)  # first: the new one stays
-                commands.setdefault(parent, []).extend([thin, ("ZADD", listing, 0, entry)])
+                mine = commands.setdefault(parent, [])
+                mine.extend([("ZADD", listing, 0, entry), over(listing, self.listing_max)])
+                listed.setdefault(parent, []).append((len(mine) - 1, listing, entry))
         shards = list(commands)
         replies = client.each([(shard, _pipeline(commands[shard])) for shard in shards])
         sent = []
         for shard, reply in zip(shards, replies, strict=True):
             if not isinstance(reply, RemoteUnavailable):
                 sent += blocks.get(shard, [])
+                self._thin(shard, reply, listed.get(shard, []))
         if self.shares is not None:
             self._evict(victims, [names.name(it.block.key) for it in sent])
         return sent
+
+    def _thin(self, shard: Shard, reply: list, listed: list[tuple[int, str, bytes]]) -> None:
+        """Thin the listings the batch took over their bound (listing.py), keeping the
+        members just added: one more round trip, only for those listings."""
+        todo: list[Command] = []
+        for at, listing, entry in listed:
+            if reply[at]:  # a member past the bound: the listing is over it
+                thin = thinning(listing, entry, self.listing_max)
+                todo += [thin, ("ZADD", listing, 0, entry)]  # the new member stays
+        if todo:
+            self.client.each([(shard, _pipeline(todo))])
 
     def _evict(self, victims: list[bytes], written: list[bytes]) -> None:
         """Delete the keys of the blocks the shares evicted, with those of the blocks
