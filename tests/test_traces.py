@@ -259,6 +259,26 @@ def test_hybrid_resumes_only_at_a_checkpoint(tmp_path):
     assert plain.cached_tokens == (2 + 3) * 512  # negative control: K/V alone cuts anywhere
 
 
+def test_hybrid_prompt_ending_at_a_held_block_keeps_its_state(tmp_path):
+    """A prompt ending at a block held without its state (the first request kept
+    state at block 3 only) stores the state there, as the library's capture
+    upgrades a hot block: the third and fourth requests resume at block 2, the
+    second (the upgrade's own) nowhere."""
+    trace = [(0, [1, 2, 3]), (1, [1, 2]), (2, [1, 2]), (3, [1, 2, 9, 4])]
+    requests = read_trace(_write(tmp_path / "t.jsonl", trace))
+    sim = Simulation(SimConfig(PRESETS["qwen3-next-80b-a3b"], 1 << 40))
+    cached = []
+    for request in requests:
+        before = sim.result.cached_tokens
+        sim.step(request, measured=True)
+        cached.append(sim.result.cached_tokens - before)
+    assert cached == [0, 0, 2 * 512, 2 * 512]
+    assert (
+        sim.hot.get(sim.chain(requests[1])[0][-1].key).nbytes
+        > sim._kv[sim.chain(requests[1])[0][-1].key]
+    )
+
+
 def test_ssd_admission_keeps_one_offs_off_the_ssd(tmp_path):
     # one conversation growing turn by turn, interleaved with one-off prompts that
     # push it out of a hot tier of 4 blocks

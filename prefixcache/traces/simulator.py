@@ -13,7 +13,8 @@ leaves-first LRUs (the same class, as the SSD tier's index keeps them).
 Per request: the longest prefix held across the tiers is the hit (for a shape
 with recurrent state, cut back to the deepest block holding a checkpoint: a
 request's last full block keeps one, and its short last block is not stored,
-since without its state it resumes nothing), hits below hot are promoted into hot, the
+since without its state it resumes nothing; a prompt ending at a block hot holds
+without its state upgrades it, as a capture does), hits below hot are promoted into hot, the
 rest of the chain is stored (its sightings count twice when it continues a
 chain from its end, as the library's stack counts a next turn). Token counts
 follow the trace: the last block of a request may be short.
@@ -244,6 +245,13 @@ class Simulation:
         return not any(c.key not in keys for t in tiers for c in t.children(parent))
 
     def _put_hot(self, block: Block, *, dirty: bool) -> None:
+        held = self.hot.get(block.key)
+        if dirty and held is not None and block.nbytes > held.nbytes:
+            # a prompt ending at a block hot holds without its state: the capture's
+            # upgrade (TierStack.replace) swaps in the block with it, in every tier
+            self.hot.remove([block.key])
+            for tier in self.lower:
+                tier.remove([block.key])
         cold = block.index > 0 and block.parent not in self.hot
         if not self.hot.put(block, dirty=dirty, at_cold_end=cold) and dirty:
             self._on_hot_evict(block, True)  # refused or larger than hot: spilled
