@@ -64,10 +64,11 @@ class CacheConfig:
             newcomer worth less than that is not kept (tiers/hot/density.py);
             ``frequency``: the leaf of least use count over an aging floor, and
             a newcomer used no more than that is not kept (frequency.py);
-            ``adaptive``: ``frequency``'s victim, its aging and a sampled
-            admission of new chains set by the reach it measures (``cost``'s
-            victim until then, LRU's from a reach of 0.9: tiers/hot/adaptive.py);
-            ``fifo``: the leaf stored first.
+            ``adaptive`` (the default): ``frequency``'s victim, its aging and a
+            sampled admission of new chains set by the reach it measures
+            (``cost``'s victim until then, LRU's from a reach of 0.9:
+            tiers/hot/adaptive.py); ``fifo``: the leaf stored first. Which to
+            pick: docs/eviction.md.
         prefetch_bytes: ``prefetch`` holds at most this many bytes of blocks it
             promoted into hot and no fetch has used yet (at most half of
             ``hot_max_bytes``); 0: ``prefetch`` does nothing.

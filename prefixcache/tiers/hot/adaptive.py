@@ -38,7 +38,7 @@ and a block whose state was shed goes first once it is a leaf (it resumes
 nothing: eviction.py tells this policy).
 
 On Mooncake's conversation trace the reach picks, at each budget, a regime
-within 0.1 point of the best one held fixed (docs/capacity.md,
+within 0.1 point of the best one held fixed (docs/eviction.md,
 tools/admission_lab.py).
 O(log n) per use and per eviction, O(1) per admission.
 """
