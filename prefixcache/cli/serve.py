@@ -100,7 +100,7 @@ def _add_operator_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--eviction",
         choices=EVICTIONS,
-        help="hot eviction: adaptive (default: set by the reuse it measures), cost, lru, fifo",
+        help="hot eviction (docs/eviction.md); the default, adaptive, follows the reuse seen",
     )
     group.add_argument("--ssd-admit-after", type=int, help="write a block to SSD once used N times")
     group.add_argument(
