@@ -179,18 +179,23 @@ def test_blocks_of_runs_spill_to_ssd_and_come_back_exactly(tmp_path):
         write_policy="write_through",
         promote=False,
     )
+    live = stored(model, tokens)
     with PrefixCache(model, cfg, model_id="t") as pc:
         pc.store(tokens, stored(model, tokens))
         pc.flush()
         assert all(b.run is not None for b in run_of(pc, tokens))
+        keys = pc._keys(token_bytes(tokens), None)
+        pc.hot.evict_chain(keys[:4:-1], 0)  # blocks 7, 6, 5: the second run compacted
+        assert [b.run is not None for b in run_of(pc, tokens)] == [True] * 4 + [False]
+        mixed, num_mixed = pc.fetch(asked)  # blocks 0-4 from hot, 5-7 from the SSD tier
         pc.hot.evict_to(0)  # everything out of hot: served from the SSD tier
         assert pc.hot.nbytes == 0
         cache, num = pc.fetch(asked)
-    assert num == len(tokens)
-    live = stored(model, tokens)
-    for c, lv in zip(cache, live, strict=True):
-        assert mx.array_equal(c.keys[..., :num, :], lv.keys[..., :num, :]).item()
-        assert mx.array_equal(c.values[..., :num, :], lv.values[..., :num, :]).item()
+    assert num == num_mixed == len(tokens)
+    for restored in (mixed, cache):
+        for c, lv in zip(restored, live, strict=True):
+            assert mx.array_equal(c.keys[..., :num, :], lv.keys[..., :num, :]).item()
+            assert mx.array_equal(c.values[..., :num, :], lv.values[..., :num, :]).item()
 
 
 def test_quantized_and_windowed_models_keep_per_block_arrays():

@@ -213,8 +213,8 @@ def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
     argv += ["--repeat", str(args.repeat), "--modes", *args.modes]
     if args.mx_cache_limit is not None:
         argv += ["--mx-cache-limit", str(args.mx_cache_limit)]
-    if args.dir:
-        argv += ["--dir", args.dir]
+    argv += ["--dir", args.dir] if args.dir else []
+    argv += ["--run-tokens", str(args.run_tokens)] if label == "this" and args.run_tokens else []
     rows = rows_in(root, os.path.abspath(__file__), argv)
     for row in rows:
         row["code"] = label
