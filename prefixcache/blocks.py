@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import xxhash
@@ -61,7 +62,7 @@ class Run:
         self.arrays, self.first = arrays, first
         self.num_blocks, self.block_size = num_blocks, block_size
         self.nbytes = sum(a.nbytes for a in arrays.values())
-        self.host: dict[str, object] = {}
+        self.host: dict[str, Any] = {}  # numpy views (memory/runs.py)
 
     def slices(self, j: int) -> dict[str, mx.array]:
         """Block ``first + j``'s arrays: views of the run's (not yet evaluated)."""

@@ -218,3 +218,24 @@ def test_quantized_and_windowed_models_keep_per_block_arrays():
     with PrefixCache(model, runs_config(), model_id="t") as pc:
         pc.store(tokens, stored(model, tokens))
         assert all(b.run is not None for b in run_of(pc, tokens))
+
+
+def test_a_pinned_block_keeps_its_own_bytes_not_its_runs():
+    """Everything evicted but a pinned prefix: the runs go, the pinned blocks of the
+    first run are copied out (the run held at most half), the tier holds their
+    bytes only, and they still restore exactly."""
+    model = tiny_model("llama", **WIDE)
+    tokens = prompt(11, 8 * BLOCK)
+    with PrefixCache(model, runs_config(), model_id="t") as pc:
+        pc.store(tokens, stored(model, tokens))
+        per = run_of(pc, tokens)[0].nbytes
+        pc.pin(tokens[:BLOCK])  # block 0 of the first run
+        pc.hot.evict_to(0)
+        held = run_of(pc, tokens)
+        assert len(held) == 1 and held[0].run is None
+        assert pc.hot.nbytes == per and pc.hot.runs.stats()["num_runs"] == 0
+        cache, num = pc.fetch(tokens[: BLOCK + 3])
+    assert num == BLOCK
+    live = stored(model, tokens[:BLOCK])
+    for c, lv in zip(cache, live, strict=True):
+        assert mx.array_equal(c.keys[..., :num, :], lv.keys[..., :num, :]).item()

@@ -85,7 +85,7 @@ def host_of(run: Run, name: str) -> np.ndarray:
         x = run.arrays[name]
         view = np.asarray(memoryview(x).cast("B")).reshape(*x.shape[:-1], -1)
         run.host[name] = view
-    return view  # type: ignore[return-value]
+    return view
 
 
 class RunViews(Mapping[str, np.ndarray]):

@@ -1,4 +1,4 @@
-"""Hot tier: a byte-bounded LRU of blocks holding live, contiguous mx.arrays.
+"""Hot tier: a byte-bounded LRU of blocks holding live mx.arrays (contiguous, or views of a run).
 
 Eviction never strands a child: only blocks with no child in the hot tier are
 evicted (leaves first). Touching a chain deepest-first keeps ancestors more
