@@ -239,3 +239,17 @@ def test_a_pinned_block_keeps_its_own_bytes_not_its_runs():
     live = stored(model, tokens[:BLOCK])
     for c, lv in zip(cache, live, strict=True):
         assert mx.array_equal(c.keys[..., :num, :], lv.keys[..., :num, :]).item()
+
+
+def test_a_tenants_cap_holds_with_runs():
+    """A tenant over its cap loses its own blocks from the chain's end; it is charged
+    its blocks' own bytes, the tier the buffers it holds (the run it broke copied out)."""
+    model = tiny_model("llama", **WIDE)
+    tokens = prompt(12, 8 * BLOCK)
+    per = 2 * 2 * (2 * BLOCK * 16 * 4)  # one block: layers x (K, V) x heads x tokens x dim x f32
+    with PrefixCache(model, runs_config(hot_tenant_caps=f"a={6 * per}"), model_id="t") as pc:
+        pc.store(tokens, stored(model, tokens), tenant="a")
+        held = run_of(pc, tokens)
+        assert [b.run is not None for b in held] == [True] * 4 + [False] * 2
+        assert pc.hot.tenants.stats()["a"]["nbytes"] == 6 * per
+        assert pc.hot.nbytes == 6 * per and pc.hot.runs.num_compacted == 1
