@@ -59,8 +59,10 @@ class CacheConfig:
             consecutive blocks of one store are kept as runs of up to this many
             tokens (one array per layer's K and V, at most a sixteenth of
             ``hot_max_bytes``; each block a view of it), and a hot restore copies
-            a run's blocks in one copy per array (memory/runs.py). 0 (the
-            default): each block owns its arrays.
+            a run's blocks in one copy per array (memory/runs.py). The default,
+            256, makes runs only of blocks smaller than that (a 64-dim bf16 head
+            gives 32 KiB per 256 tokens: copies of that size run at memcpy speed);
+            0: each block owns its arrays.
         eviction: which hot block goes first when RAM is full (always a leaf,
             never a pinned block): ``cost`` weighs recency against what the
             block saves per byte (its recompute FLOPs: deep blocks cost more,
@@ -185,7 +187,7 @@ class CacheConfig:
     block_size: int = 256
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
-    hot_run_tokens: int = 0
+    hot_run_tokens: int = 256
     eviction: Eviction = "adaptive"
     prefetch_bytes: int = 256 << 20
     ssd_dir: str = "~/.cache/prefixcache"

@@ -26,9 +26,8 @@ CASES = {
 
 
 def make_pc(model, kv, case: str = "") -> PrefixCache:
-    cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True)
-    if case.endswith("-runs"):
-        cfg = cfg.replace(hot_run_tokens=2 * BLOCK)
+    runs = 2 * BLOCK if case.endswith("-runs") else 0  # per block, or runs of 2 blocks
+    cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_run_tokens=runs)
     if kv is not None:
         cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     return PrefixCache(model, cfg, model_id="tiny")
