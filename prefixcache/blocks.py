@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import xxhash
@@ -39,20 +40,53 @@ class BlockHeader:
         return len(self.tokens) // TOKEN_BYTES
 
 
+class Run:
+    """Consecutive full blocks cut together (by one capture), kept as one array per
+    payload name: each (B, heads, n * block_size, dim), block ``first + j`` being
+    tokens ``[j * block_size, (j + 1) * block_size)`` of it. Its blocks' arrays are
+    views (slices) of these, so the memory lives until the last of them goes (the
+    hot tier charges it as one buffer: tiers/hot/runs.py), and a restore copies a
+    segment of consecutive blocks in one copy per name (memory/runs.py).
+
+    Attributes:
+        arrays: the run's arrays by flat payload name (``"{layer}.{name}"``).
+        first: chain index of its first block.
+        num_blocks, block_size: its length in blocks, and tokens per block.
+        nbytes: bytes of its arrays (the memory it holds).
+        host: host bytes of its arrays by name, made on a first restore.
+    """
+
+    __slots__ = ("arrays", "block_size", "first", "host", "nbytes", "num_blocks")
+
+    def __init__(self, arrays: dict[str, mx.array], first: int, num_blocks: int, block_size: int):
+        self.arrays, self.first = arrays, first
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.nbytes = sum(a.nbytes for a in arrays.values())
+        self.host: dict[str, Any] = {}  # numpy views (memory/runs.py)
+
+    def slices(self, j: int) -> dict[str, mx.array]:
+        """Block ``first + j``'s arrays: views of the run's (not yet evaluated)."""
+        lo, hi = j * self.block_size, (j + 1) * self.block_size
+        return {name: a[:, :, lo:hi, :] for name, a in self.arrays.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class Block(BlockHeader):
     """One cached block: its header and its payload.
 
     Attributes:
         arrays: flat payload ``"{layer}.{name}" -> mx.array``; each array is
-            contiguous and owned by the block (never a view of a live cache).
+            contiguous and owned by the block, or a view of its ``run``'s arrays
+            (never a view of a live cache).
         nbytes: payload bytes of the arrays.
         tenant: the tenant charged for it in every tier (tenant shares), "" for none.
+        run: the run the arrays are views of (``Run``), or None: they own their memory.
     """
 
     arrays: dict[str, mx.array] = field(repr=False)
     nbytes: int = 0
     tenant: str = ""
+    run: Run | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def make(
@@ -64,9 +98,10 @@ class Block(BlockHeader):
         tokens: bytes,
         arrays: dict[str, mx.array],
         tenant: str = "",
+        run: Run | None = None,
     ) -> Block:
         nbytes = sum(a.nbytes for a in arrays.values())
-        return cls(key, parent, root, index, tokens, arrays, nbytes, tenant)
+        return cls(key, parent, root, index, tokens, arrays, nbytes, tenant, run)
 
     def to_block(self) -> Block:
         return self

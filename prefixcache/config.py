@@ -55,6 +55,14 @@ class CacheConfig:
             tokens after the last full block are kept too, as a tail.
         hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
         hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
+        hot_run_tokens: on models whose every layer is a plain KVCache, the new
+            consecutive blocks of one store are kept as runs of up to this many
+            tokens (one array per layer's K and V, at most a sixteenth of
+            ``hot_max_bytes``; each block a view of it), and a hot restore copies
+            a run's blocks in one copy per array (memory/runs.py). The default,
+            256, makes runs only of blocks smaller than that (a 64-dim bf16 head
+            gives 32 KiB per 256 tokens: copies of that size run at memcpy speed);
+            0: each block owns its arrays.
         eviction: which hot block goes first when RAM is full (always a leaf,
             never a pinned block): ``cost`` weighs recency against what the
             block saves per byte (its recompute FLOPs: deep blocks cost more,
@@ -186,6 +194,7 @@ class CacheConfig:
     block_size: int = 256
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
+    hot_run_tokens: int = 256
     eviction: Eviction = "adaptive"
     prefetch_bytes: int = 256 << 20
     ssd_dir: str = "~/.cache/prefixcache"
@@ -259,11 +268,10 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        admit = self.ssd_admit_after
-        if not isinstance(admit, int) or isinstance(admit, bool) or admit < 0:
-            raise ValueError(f"ssd_admit_after must be an int >= 0, got {admit!r}")
         for name in (
+            "ssd_admit_after",
             "hot_max_bytes",
+            "hot_run_tokens",
             "ssd_max_bytes",
             "ssd_min_free_bytes",
             "quantized_kv_start",

@@ -183,6 +183,12 @@ _METRICS: dict[str, tuple[str, str, str]] = {
     "hot.num_recent": ("hot_recent_sequences", _G, "sequences kept whole in the hot tier"),
     "hot.recent_bytes": ("hot_recent_bytes", _G, "bytes of the sequences kept whole"),
     "hot.num_recent_hits": ("hot_recent_hits_total", _C, "fetches given a kept sequence's arrays"),
+    "hot.run_dead_bytes": ("hot_run_dead_bytes", _G, "bytes of runs whose blocks are gone"),
+    "hot.num_runs_compacted": (
+        "hot_runs_compacted_total",
+        _C,
+        "runs whose blocks were copied out",
+    ),
     "ssd.enabled": ("ssd_enabled", _G, "1 while the ssd tier accepts writes (0: disk full)"),
     "ssd.num_blocks": ("ssd_blocks", _G, "blocks indexed in the ssd tier"),
     "ssd.nbytes": ("ssd_bytes", _G, "payload file bytes in the ssd tier"),

@@ -26,6 +26,8 @@ class HotStats(TypedDict):
     num_recent: int
     recent_bytes: int
     num_recent_hits: int
+    run_dead_bytes: int  # runs' bytes whose blocks are gone (hot_run_tokens), in nbytes
+    num_runs_compacted: int
 
 
 class RamStats(TypedDict):

@@ -19,11 +19,15 @@ CASES = {
     "llama-kv4": ("llama", QUANT_LLAMA, (4, 32, 0)),
     "llama-kv8": ("llama", QUANT_LLAMA, (8, 32, 0)),
     "llama-kv8-late": ("llama", QUANT_LLAMA, (8, 32, 40)),
+    # the hot tier's runs (memory/runs.py): blocks of a store as views of one array
+    "llama-runs": ("llama", {}, None),
+    "qwen3-runs": ("qwen3", {}, None),
 }
 
 
-def make_pc(model, kv) -> PrefixCache:
-    cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True)
+def make_pc(model, kv, case: str = "") -> PrefixCache:
+    runs = 2 * BLOCK if case.endswith("-runs") else 0  # per block, or runs of 2 blocks
+    cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_run_tokens=runs)
     if kv is not None:
         cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     return PrefixCache(model, cfg, model_id="tiny")
@@ -41,10 +45,12 @@ def test_restore_then_continue_equals_live(case):
     model = tiny_model(arch, **overrides)
     shared = prompt(1, 3 * BLOCK)
     a, b = shared + prompt(2, 21), shared + prompt(3, 13)
-    with make_pc(model, kv) as pc:
+    with make_pc(model, kv, case) as pc:
         if kv is not None and kv[2]:
             stored_from(pc, model, shared[: 2 * BLOCK], kv)  # blocks 0-1 stored full precision
         stored_from(pc, model, a, kv)
+        # the runs cases restore blocks that are views of runs (of 2 blocks)
+        assert any(blk.run is not None for blk in pc.hot) == case.endswith("-runs")
         cache, num_cached = pc.fetch(b)
         assert num_cached == 3 * BLOCK
         if kv is not None:
@@ -66,7 +72,7 @@ def test_greedy_generation_identical(case):
     gen = {"max_tokens": 12, "prefill_step_size": BLOCK}
     if kv is not None:
         gen.update(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
-    with make_pc(model, kv) as pc:
+    with make_pc(model, kv, case) as pc:
         stored_from(pc, model, a, kv)
         cache, num_cached = pc.fetch(b)
         warm = [
@@ -78,14 +84,14 @@ def test_greedy_generation_identical(case):
     assert warm == cold
 
 
-@pytest.mark.parametrize("case", ["llama", "llama-kv4"])
+@pytest.mark.parametrize("case", ["llama", "llama-kv4", "llama-runs"])
 def test_negative_control_wrong_prefix_changes_logits(case):
     """Swap another prompt's payload under the right key: the test must notice."""
     arch, overrides, kv = CASES[case]
     model = tiny_model(arch, **overrides)
     shared, other = prompt(7, 3 * BLOCK), prompt(8, 3 * BLOCK)
     b = shared + prompt(9, 10)
-    with make_pc(model, kv) as pc:
+    with make_pc(model, kv, case) as pc:
         stored_from(pc, model, shared + prompt(10, 5), kv)
         stored_from(pc, model, other + prompt(10, 5), kv)
         good, _ = pc.fetch(b)

@@ -87,6 +87,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="MLX's buffer cache limit (e.g. 4G): freed restore buffers reused, as"
         " Metal's default cache does; default: MLX's (32 MiB on the CPU)",
     )
+    p.add_argument("--run-tokens", type=int, help="hot_run_tokens here (not in --base-root)")
     p.add_argument("--shape-json", help=argparse.SUPPRESS)  # one shape, from the parent
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # rows, for it
     return p
@@ -126,6 +127,7 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
     tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
     probe = [*tokens, 1]
     cfg = tier_config(tier, block_size, os.path.join(root, f"ssd{block_size}"))
+    cfg = cfg if args.run_tokens is None else cfg.replace(hot_run_tokens=args.run_tokens)
     with PrefixCache(model, cfg, model_id="bench") as pc:
         cache = filled_cache(shape, model, args.tokens)
         pc.store(tokens, cache)
@@ -211,8 +213,8 @@ def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
     argv += ["--repeat", str(args.repeat), "--modes", *args.modes]
     if args.mx_cache_limit is not None:
         argv += ["--mx-cache-limit", str(args.mx_cache_limit)]
-    if args.dir:
-        argv += ["--dir", args.dir]
+    argv += ["--dir", args.dir] if args.dir else []
+    argv += ["--run-tokens", str(args.run_tokens)] if label == "this" and args.run_tokens else []
     rows = rows_in(root, os.path.abspath(__file__), argv)
     for row in rows:
         row["code"] = label

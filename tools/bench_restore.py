@@ -37,6 +37,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--run-tokens", type=int, default=0, help="hot_run_tokens (0: per block)")
     return p
 
 
@@ -82,6 +83,7 @@ def naive_rebuild(hot_blocks, args):
 
 def run(args, model, num_tokens: int) -> dict[str, float]:
     cfg = CacheConfig(block_size=args.block_size, hot_cache_only=True, hot_max_bytes=64 << 30)
+    cfg = cfg.replace(hot_run_tokens=args.run_tokens)
     tokens = np.random.default_rng(0).integers(0, 512, num_tokens).tolist()
     with PrefixCache(model, cfg, model_id="bench") as pc:
         cache = synthetic_cache(args, num_tokens)

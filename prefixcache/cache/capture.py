@@ -33,6 +33,7 @@ import mlx.core as mx
 from ..blocks import Block, join_layers
 from ..codecs import Codec, codec_for
 from ..hashing import TOKEN_BYTES, tail_key
+from ..memory.runs import pack, run_blocks
 from .points import RestorePoints
 from .window import WindowPolicy
 
@@ -88,6 +89,7 @@ def cut_blocks(
     resident: Callable[[bytes], Block | None],
     window: WindowPolicy | None = None,
     tenant: str = "",
+    runs: tuple[int, int] = (0, 0),
 ) -> Cut:
     """Cut the blocks of ``keys`` that no tier holds, and upgrades of hot ones.
 
@@ -99,6 +101,8 @@ def cut_blocks(
         stored, resident: whether a key is held by any tier; its hot block or None.
         tenant: who the new blocks are charged to (tenant shares; an upgrade keeps
             its block's owner).
+        runs: (tokens, bytes): new consecutive blocks cut as runs of at most these
+            where every codec ``cuts_runs`` (memory/runs.py); 0: none.
     """
     length = len(data) // TOKEN_BYTES
     codecs = [codec_for(c) for c in cache]
@@ -114,12 +118,9 @@ def cut_blocks(
             parent = keys[i - 1] if i else root
             new.append(Block.make(keys[i], parent, root, i, tokens, arrays, tenant))
             continue
-        gained = _gained(old.arrays, arrays)
-        if gained:
-            merged = {**old.arrays, **gained}
-            upgraded.append(
-                Block.make(old.key, old.parent, old.root, i, old.tokens, merged, old.tenant)
-            )
+        if fuller := _upgrade(old, arrays, i):
+            upgraded.append(fuller)
+    new = _runs(new, codecs, cache, block_size, length, runs)
     # a hot tail is held; one held only below is cut again (its put is a no-op)
     tail = cut_tail(keys, root, data, cache, block_size=block_size, stored=resident, tenant=tenant)
     # evaluates only what is kept (one eval): the cuts of complete blocks are never computed
@@ -161,6 +162,35 @@ def cut_tail(
         return None
     arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
     return Block.make(key, parent, root, index, tail, arrays, tenant)
+
+
+def _upgrade(old: Block, arrays: dict[str, mx.array], index: int) -> Block | None:
+    """``old`` with the payloads of ``arrays`` it lacks, or None if it lacks none."""
+    gained = _gained(old.arrays, arrays)
+    if not gained:
+        return None
+    merged = {**old.arrays, **gained}
+    return Block.make(old.key, old.parent, old.root, index, old.tokens, merged, old.tenant)
+
+
+def _runs(
+    new: list[Block],
+    codecs: list[Codec],
+    cache: Sequence[Any],
+    block_size: int,
+    length: int,
+    runs: tuple[int, int],
+) -> list[Block]:
+    """``new`` with its consecutive blocks cut as runs (memory/runs.py) of at most
+    ``runs`` (tokens, bytes), where every layer's codec ``cuts_runs``."""
+    num = run_blocks(new, *runs)
+    if num < 2 or not all(codec.cuts_runs for codec in codecs):
+        return new
+
+    def cut_run(start: int, end: int) -> dict[str, mx.array]:
+        return _cut(codecs, cache, start, end, length, False)
+
+    return pack(new, cut_run, block_size, num)
 
 
 def _gained(old: dict[str, mx.array], new: dict[str, mx.array]) -> dict[str, mx.array]:

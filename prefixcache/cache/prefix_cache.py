@@ -524,19 +524,19 @@ class PrefixCache:
             self._check_open()
             self.layout.validate(cache, len(data) // TOKEN_BYTES)
             root = self._root(extra)
-            bs = self.config.block_size
-            keys = chain_keys(root, data, bs)
+            keys = chain_keys(root, data, self.config.block_size)
             cut = cut_blocks(
                 keys,
                 root,
                 data,
                 cache,
-                block_size=bs,
+                block_size=self.config.block_size,
                 points=self.layout.restore_points,
                 stored=self.tiers.contains,
                 resident=self.hot.get,
                 window=self.layout.window_policy,
                 tenant=self.tenancy.owner(tenant, session, extra),
+                runs=(self.config.hot_run_tokens, self.config.hot_max_bytes // 16),
             )
             self._last_shared = None  # what is stored changed
             stored = [*cut.new, *([cut.tail] if cut.tail else [])]
@@ -547,7 +547,7 @@ class PrefixCache:
                 if cut.tail is not None:
                     self.tiers.place_tail(cut.tail, persist=persist, continues=continues)
             self.hot.prepare_views([*stored, *cut.upgraded])
-            walked = [*keys, *tail_keys(root, keys, data, bs)]
+            walked = [*keys, *tail_keys(root, keys, data, self.config.block_size)]
             self.controls.stored(session, persist, stored, walked)
             if hand_over and not self.config.restore_headroom:  # kept whole (hot/recent.py)
                 self.hot.keep_whole(root, data, walked, cache)

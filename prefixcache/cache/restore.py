@@ -30,6 +30,7 @@ from ..hashing import TOKEN_BYTES
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Place, Placed, PlacedRun
 from ..memory.restore_buffers import batched
+from ..memory.runs import coalesce
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
 from .ahead import reserve_ahead
@@ -219,12 +220,16 @@ def _add_resident(
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
     can (``Builder.add_resident``: one copy per buffer), else one at a time (each
-    block's payload split by layer once, when first needed)."""
-    blocks = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
+    block's payload split by layer once, when first needed). Where every layer
+    takes every block, a run's consecutive blocks are merged (one copy each)."""
+    resident = [(loader.payload(i)[0], loader.resident_views(i)) for i in order]
     layers: dict[int, list[int]] = {}
     for index in order:
         for layer in users[index]:
             layers.setdefault(layer, []).append(index)
+    if all(len(indices) == len(order) for indices in layers.values()):
+        resident = coalesce(resident)
+    blocks = dict(zip(order, resident, strict=True))
     split: dict[int, dict[int, dict[str, Any]]] = {}
     for layer, indices in layers.items():
         if builders[layer].add_resident(indices, [blocks[i] for i in indices], f"{layer}."):

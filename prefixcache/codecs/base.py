@@ -212,9 +212,15 @@ class Codec(ABC):
 
     Attributes:
         cache_type: the mlx-lm (or third-party) cache class handled.
+        cuts_runs: whether blocks cut together may be views of one run's arrays
+            (memory/runs.py): every payload is a 4-axis slice of the token axis
+            whose ``cut`` over many blocks is theirs one after another, and the
+            builder's ``add_resident`` skips the empty views of a run's blocks
+            after the first. False (the default): each block owns its arrays.
     """
 
     cache_type: ClassVar[type]
+    cuts_runs: ClassVar[bool] = False
 
     @abstractmethod
     def layout(self, cache: Any) -> tuple[object, ...]:

@@ -47,6 +47,7 @@ def kv_signature(cache: Any) -> tuple[object, ...]:
 
 class KVCodec(Codec):
     cache_type = KVCache
+    cuts_runs = True
 
     def layout(self, cache: KVCache) -> tuple[object, ...]:
         # empty after a forward: a layer the model never writes (unused.py)
@@ -103,15 +104,18 @@ class KVBuilder(Builder):
         keys, values = prefix + "keys", prefix + "values"
         try:
             arrays = [(a[keys], a[values]) for a, _ in blocks]  # the payload holds them
-            ks = [v[keys] for _, v in blocks]
-            vs = [v[values] for _, v in blocks]
+            # a run's consecutive blocks come as one view, the rest of them empty (runs.py)
+            ks = [v[keys] for _, v in blocks if v]
+            vs = [v[values] for _, v in blocks if v]
         except KeyError:
             return False  # e.g. a chunked block trimmed in front: one at a time
         bs = self.block_size
         start = indices[0] * bs - self.first
         # every block but a chain's last is whole: a shorter one fails numpy's copy
-        self.keys.add_views(start, start + (len(ks) - 1) * bs + ks[-1].shape[2], arrays[0][0], ks)
-        self.values.add_views(start, start + (len(vs) - 1) * bs + vs[-1].shape[2], arrays[0][1], vs)
+        end_k = start + (len(indices) - 1) * bs + arrays[-1][0].shape[2]
+        end_v = start + (len(indices) - 1) * bs + arrays[-1][1].shape[2]
+        self.keys.add_views(start, end_k, arrays[0][0], ks)
+        self.values.add_views(start, end_v, arrays[0][1], vs)
         return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:

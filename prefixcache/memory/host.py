@@ -210,14 +210,19 @@ class Tensor:
 
 
 def tensors_of(arrays: dict[str, mx.array]) -> list[Tensor]:
-    """Zero-copy byte views of evaluated, row-contiguous arrays.
+    """Byte views of evaluated arrays: zero-copy for row-contiguous ones; a strided
+    view (a block of a run: memory/runs.py) is copied row-major first (one evaluation).
 
-    Call on the thread that owns the arrays: ``memoryview`` reads MLX's buffer
-    but runs no MLX computation, so the views are safe to hand to the writer.
+    Call on the thread that owns the arrays: ``memoryview`` reads MLX's buffer,
+    so the views are safe to hand to the writer.
 
     Raises:
-        ValueError: an array has a dtype safetensors cannot hold or is not contiguous.
+        ValueError: an array has a dtype safetensors cannot hold.
     """
+    strided = {n: mx.contiguous(a) for n, a in arrays.items() if not memoryview(a).c_contiguous}
+    if strided:
+        mx.eval(list(strided.values()))
+        arrays = {**arrays, **strided}
     out = []
     for name, arr in arrays.items():
         dtype = SAFETENSORS_DTYPES.get(arr.dtype)  # one dtype lookup: a put takes every array

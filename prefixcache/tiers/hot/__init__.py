@@ -1,1 +1,1 @@
-"""The hot tier: live, contiguous mx.arrays in RAM."""
+"""The hot tier: live mx.arrays in RAM (each block's own, or views of a run)."""

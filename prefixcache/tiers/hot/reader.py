@@ -14,20 +14,29 @@ import numpy as np
 from ...blocks import Block
 from ...errors import MissReason
 from ...memory.host import host_bytes
+from ...memory.runs import RunViews, host_of
 from ..base import TierReader
 
 
 class HostViews:
     """Host bytes of held blocks' 4-axis arrays, made on a block's first restore
-    and kept until the tier lets the block go (``forget``)."""
+    and kept until the tier lets the block go (``forget``). A block of a run gets
+    its slice of the run's (``RunViews``: a restore merges consecutive ones)."""
 
     def __init__(self) -> None:
-        self._made: dict[bytes, tuple[Block, dict[str, np.ndarray]]] = {}
+        self._made: dict[bytes, tuple[Block, Mapping[str, np.ndarray]]] = {}
 
-    def of(self, block: Block) -> dict[str, np.ndarray]:
+    def of(self, block: Block) -> Mapping[str, np.ndarray]:
         made = self._made.get(block.key)
         if made is None or made[0] is not block:  # new, or the block was replaced
-            views = {n: host_bytes(a) for n, a in block.arrays.items() if a.ndim == 4}
+            run = block.run
+            if run is not None:
+                j = block.index - run.first
+                for name in run.arrays if not run.host else ():  # once per run
+                    host_of(run, name)
+                views: Mapping[str, np.ndarray] = RunViews(run, j, j + 1)
+            else:
+                views = {n: host_bytes(a) for n, a in block.arrays.items() if a.ndim == 4}
             made = self._made[block.key] = (block, views)
         return made[1]
 

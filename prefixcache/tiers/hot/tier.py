@@ -1,4 +1,4 @@
-"""Hot tier: a byte-bounded LRU of blocks holding live, contiguous mx.arrays.
+"""Hot tier: a byte-bounded LRU of blocks holding live mx.arrays (contiguous, or views of a run).
 
 Eviction never strands a child: only blocks with no child in the hot tier are
 evicted (leaves first). Touching a chain deepest-first keeps ancestors more
@@ -27,6 +27,7 @@ from .credit import CostHook
 from .eviction import Eviction
 from .reader import HostViews, HotReader
 from .recent import Kept, RecentSequences, kept_whole
+from .runs import HotRuns
 from .tenants import TenantShares
 
 EvictHook = Callable[[Block, bool], None]  # (block, dirty)
@@ -62,6 +63,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> child keys
         self._dirty: set[bytes] = set()
         self.views = HostViews()  # what restores copy from (hot_reader.py)
+        self.runs = HotRuns(self._lru, self.views)  # runs charged by buffer (runs.py)
         self.recent = RecentSequences()  # sequences kept whole (recent.py), in ``nbytes``
         self.tenants = tenants  # floors and caps per tenant (tenants.py), or None
         self.eviction = Eviction(
@@ -136,6 +138,8 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             "num_recent": len(self.recent),
             "recent_bytes": self.recent.nbytes,
             "num_recent_hits": self.recent.num_hits,
+            "run_dead_bytes": self.runs.dead_bytes(),
+            "num_runs_compacted": self.runs.num_compacted,
         }
 
     @property
@@ -212,7 +216,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
         kids[block.key] = None
         self._inside(block.parent, len(kids))
         self._inside(block.key, len(self._children.get(block.key, ())))
-        self.nbytes += block.nbytes
+        self.nbytes += self.runs.charge(block)
         if dirty:
             self._dirty.add(block.key)
         if self.listener is not None:
@@ -296,7 +300,7 @@ class HotTier(ListsChildren, ReportsEvents, Tier):
             self.tenants.released(block, evicted=evicted)
         self.views.forget(key)
         self.nbytes -= self.recent.forget(key)
-        self.nbytes -= block.nbytes
+        self.nbytes -= self.runs.release(block)
         self._dirty.discard(key)
         self._sheddable.pop(key, None)
         kids = self._children[block.parent]
