@@ -9,7 +9,8 @@ that every payload offset falls in exactly one run, and ``receive`` reads a
 part's reply off the socket into the runs in slices of at most ``_SLICE``
 bytes, hashing each slice right after it arrived, while it is still in the
 CPU cache: one copy (the kernel's, socket to destination) and one hash pass,
-no intermediate buffer. The part's checksum is checked at the end: a part
+no intermediate buffer. A tensor the restore does not read is received into one
+small scratch, slice over slice, and hashed there. The part's checksum is checked at the end: a part
 that fails has written some of its bytes already, so the block is a miss and
 the restore stops before it.
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import PayloadError
-from ...memory.host import MX_DTYPES, HostArray, Place, Placed, contiguous
+from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, contiguous
 from ...memory.pools import SharedPool
 from .format import (
     PART_BYTES,
@@ -59,18 +60,28 @@ class Targets:
 
 def targets(meta: RemoteMeta, place: Place | None) -> Targets:
     """The destinations of block ``meta``'s payload: each tensor's place (its
-    size must match), else a slice of one new host buffer."""
+    size must match), else a slice of one new host buffer. A tensor no layer of
+    the restore reads (``UNNEEDED``) is received through one small scratch,
+    hashed and dropped: left out of the block, as the SSD readers leave it."""
     sizes = [spec_bytes(s) for s in meta.specs]
     dests: list[np.ndarray | None] = []
     for (name, dtype, shape), size in zip(meta.specs, sizes, strict=True):
         dest = place(meta.index, name, MX_DTYPES[dtype], shape) if place is not None else None
-        dests.append(dest if dest is not None and dest.nbytes == size else None)
+        fits = dest is UNNEEDED or (dest is not None and dest.nbytes == size)
+        dests.append(dest if fits else None)
     loose = sum(size for size, dest in zip(sizes, dests, strict=True) if dest is None)
     buf = np.empty(loose, np.uint8) if loose else None
+    skipped = max((size for size, d in zip(sizes, dests, strict=True) if d is UNNEEDED), default=0)
+    scratch = memoryview(np.empty(min(skipped, _SLICE), np.uint8)) if skipped else None
     arrays: dict[str, HostArray | Placed] = {}
     into: list[memoryview] = []
     used = 0
     for (name, dtype, shape), size, dest in zip(meta.specs, sizes, dests, strict=True):
+        if dest is UNNEEDED:  # every slice into the same scratch: hashed as it arrives
+            if size:
+                assert scratch is not None
+                into += [scratch[: min(_SLICE, size - at)] for at in range(0, size, _SLICE)]
+            continue
         if dest is None:
             assert buf is not None or size == 0
             data = buf[used : used + size] if buf is not None else np.empty(0, np.uint8)
