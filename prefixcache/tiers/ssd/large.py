@@ -11,7 +11,7 @@ block.
 A tensor's place is asked once per run (``place(..., count)``), not per block:
 its region is one row of the restore buffer per (batch, head), each holding
 the run's blocks one after another, so a block's piece of a row is a slice of
-a memoryview made once per run. A block of a model with many layers and kv
+a row view made once per run. A block of a model with many layers and kv
 heads has hundreds of pieces (512 for 32 layers of 8 heads); each costs a
 slice and a hash call, the file a few ``preadv`` calls. A tensor with no run
 region (a layer that does not use every block of the run, a buffer not made
