@@ -8,13 +8,20 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from redis_server import RedisServer
-from ssd_child import ROOT, block_key, check_block, expected_bits, make_block
+from ssd_child import LAYOUT, ROOT, block_key, check_block, expected_bits, make_block
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import MissReason, PayloadError
-from prefixcache.memory.host import MX_DTYPES, HostArray, Placed
+from prefixcache.memory.host import MX_DTYPES, UNNEEDED, HostArray, Placed
 from prefixcache.tiers.remote import RemoteTier
-from prefixcache.tiers.remote.format import PART_BYTES, Names, check_part, decode_meta
+from prefixcache.tiers.remote.format import (
+    PART_BYTES,
+    PART_HEAD_BYTES,
+    Names,
+    check_part,
+    decode_meta,
+    spec_bytes,
+)
 from prefixcache.tiers.remote.seal import Forged
 
 NAMES = Names("prefixcache")
@@ -116,6 +123,44 @@ def test_blocks_larger_than_a_part_round_trip_bit_exactly(tmp_path, placed, secr
         tier.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["unsigned", "signed"])
+def test_a_tensor_no_layer_reads_is_verified_and_left_out(redis_server, secret):
+    """A tensor the restore does not read (``UNNEEDED``: a window layer's block before
+    its window) is received, hashed and dropped: the block comes without it, the
+    others in place. Its bytes still count for the part's checksum: one of them
+    changed on the server makes the block a miss (the control)."""
+    tier = tier_for(redis_server.url, remote_secret=secret)
+    keys = stored(tier, [make_block(6, i, scale=3000) for i in range(2)])  # 2+ parts each
+    skipped = "1.values"
+    buffers: dict = {}
+    place = placer(buffers)
+
+    def skipping(index, name, dtype, shape):
+        return UNNEEDED if name == skipped else place(index, name, dtype, shape)
+
+    got = load_all(tier, keys, skipping)
+    for key, block in zip(keys, got, strict=True):
+        assert list(block.arrays) == [n for n in LAYOUT if n != skipped]
+        want = expected_bits(key, 3000)
+        for name, array in block.arrays.items():
+            dtype, udtype, _ = LAYOUT[name]
+            bits = np.array(array.view(udtype) if dtype != udtype else array)
+            np.testing.assert_array_equal(bits, want[name], err_msg=name)
+    client, names = redis_server.client(), tier.names
+    meta = decode_meta(names.name(keys[0]), client.get(names.meta(keys[0])), names, keys[0])
+    sizes = [spec_bytes(spec) for spec in meta.specs]
+    names_in_order = [name for name, *_ in meta.specs]
+    offset = sum(sizes[: names_in_order.index(skipped)])  # the skipped tensor's first byte
+    part = names.part(keys[0], offset // PART_BYTES)
+    value = bytearray(client.get(part))
+    value[PART_HEAD_BYTES + offset % PART_BYTES] ^= 1
+    client.set(part, bytes(value))
+    misses: list = []
+    again = load_all(tier, keys, skipping, misses)
+    assert again[0] is None and misses
+    tier.close()
 
 
 def test_a_chain_is_looked_up_in_one_round_trip(redis_server):

@@ -46,9 +46,17 @@ def model_of(name: str):
     return tiny_model(arch, **overrides)
 
 
-def config(tier: str, tmp_path) -> CacheConfig:
+def config(tier: str, tmp_path, remote_url: str = "") -> CacheConfig:
     if tier == "hot":
         return CacheConfig(block_size=BLOCK, hot_cache_only=True)
+    if tier == "remote":  # every block on the remote tier only
+        return CacheConfig(
+            block_size=BLOCK,
+            hot_cache_only=True,
+            hot_max_bytes=1,
+            promote=False,
+            remote_url=remote_url,
+        )
     return CacheConfig(
         block_size=BLOCK,
         hot_max_bytes=1,  # every block on SSD only
@@ -92,19 +100,22 @@ def spy_blocks(monkeypatch) -> dict[int, Counter]:
     return seen
 
 
-@pytest.mark.parametrize("tier", ["hot", "ssd"])
+@pytest.mark.parametrize("tier", ["hot", "ssd", "remote"])
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
-    arch, tier, tmp_path, monkeypatch
+    arch, tier, tmp_path, monkeypatch, request
 ):
     model = model_of(arch)
     shared = prompt(1, STORED)
     asked = shared + prompt(3, 37)
-    with PrefixCache(model, config(tier, tmp_path), model_id="t") as pc:
+    url = request.getfixturevalue("redis_server").url if tier == "remote" else ""
+    with PrefixCache(model, config(tier, tmp_path, url), model_id="t") as pc:
         stored = make_prompt_cache(model)
         prefill(model, shared, stored, step=STORED)  # one chunk: every block holds the window
         pc.store(shared, stored)
         pc.flush()
+        if tier == "remote":
+            assert pc.stats()["hot"]["num_blocks"] == 0  # every block on the remote tier only
         del stored
         seen = spy_blocks(monkeypatch)
         (cache, num), (bad, _) = pc.fetch(asked), pc.fetch(asked)
@@ -120,7 +131,7 @@ def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
     got = grow(model, cache, asked[num:], 6)
     assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 7
 
-    if tier == "ssd":  # no window or state tensor became an MLX array on the way
+    if tier != "hot":  # no window or state tensor became an MLX array on the way
         layers = {str(i) for i in special}
         streamed = Counter()
         for index, counts in seen.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -70,13 +71,28 @@ def test_plan_runs_cuts_at_the_first_block_sizes_budget_and_non_small_jobs(monke
     assert [list(r) for r in ssd_runs.plan_runs(gap)] == [[0], [1, 2], [3, 4]]
 
 
+def test_plan_runs_cuts_large_files_at_their_own_budget(monkeypatch):
+    monkeypatch.setattr(ssd_runs, "RUN_BYTES", 2 * 100)
+    monkeypatch.setattr(ssd_runs, "LARGE_RUN_BYTES", 3 * 200)
+    monkeypatch.setattr(ssd_runs, "SMALL_READ", 150)
+
+    def job(size: int, index: int) -> Job:
+        return Job(b"k", b"raw", make_meta(size, index), "p")
+
+    sizes = [200, 200, 200, 200, 200, 100, 100, 100, 700, 700, 200, 200]
+    got = [list(r) for r in ssd_runs.plan_runs([job(s, i) for i, s in enumerate(sizes)])]
+    # large files of one size: three a run (LARGE_RUN_BYTES), small ones two (RUN_BYTES);
+    # a file over the budget alone
+    assert got == [[0], [1, 2, 3], [4], [5, 6], [7], [8], [9], [10, 11]]
+
+
 def make_meta(nbytes: int, index: int = 0):
     from prefixcache.blocks import BlockMeta
 
     return BlockMeta(b"k", b"p", b"r", index, b"", nbytes, nbytes + 8, 0, 0.0, 0.0)
 
 
-def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier):
+def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier, path_kind):
     """Block 3 cannot be placed (a layer that does not use it): the run around it is
     placed block by block, its tensors come loose, and every byte is where it belongs."""
     keys = stored(tier, 21, 7)
@@ -97,7 +113,7 @@ def test_a_run_lands_in_place_with_gaps_filled_block_by_block(tier):
     assert not dest["0.keys"][:, :, 16 * 3 : 16 * 4].any()  # block 3: no place, untouched
 
 
-def test_a_run_is_placed_with_one_request_per_tensor(tier):
+def test_a_run_is_placed_with_one_request_per_tensor(tier, path_kind):
     keys = stored(tier, 22, 9)
     dest = chain_dest(9)
     place = placed_into(dest, skip=set(), names=set(LAYOUT))
@@ -155,7 +171,7 @@ def test_both_paths_give_the_same_blocks(tier, monkeypatch):
         check_block(b)
 
 
-def test_unplaced_tensors_come_loose_in_file_order(tier):
+def test_unplaced_tensors_come_loose_in_file_order(tier, path_kind):
     keys = stored(tier, 25, 3)
     dest = chain_dest(3)
     place = placed_into(dest, skip=set(), names={"1.keys"})
@@ -164,6 +180,28 @@ def test_unplaced_tensors_come_loose_in_file_order(tier):
         kinds = {n: type(a) for n, a in block.arrays.items()}
         assert kinds == {n: Placed if n == "1.keys" else HostArray for n in LAYOUT}
         check_block(block.to_block())
+
+
+def test_a_bad_file_among_loose_blocks_leaves_its_reader_the_loose_buffer(tier, path_kind):
+    """No place at all: every block comes loose, each lending its reader's loose
+    buffer. A file that fails its checksum lends nothing, so the reader keeps the
+    buffer it took for it and reads the later blocks of its run (the control: a
+    reader that lost it waits for it forever)."""
+    keys = stored(tier, 27, 6)
+    flip_byte(path_of(tier, keys[2]), 3)
+    out: list = []
+    reading = threading.Thread(
+        target=lambda: out.extend(
+            b if b is None else b.to_block() for b in stream(tier.reads, keys)
+        ),
+        daemon=True,
+    )
+    reading.start()
+    reading.join(60)  # a guard only: the stream ends at once unless a reader hangs
+    assert not reading.is_alive(), "a reader waits for a loose buffer nobody gives back"
+    assert out[2] is None and len(out) == 6
+    for i in (0, 1, 3, 4, 5):
+        check_block(out[i])
 
 
 def test_a_chain_is_looked_up_in_one_index_read(tier):
@@ -280,7 +318,9 @@ def test_the_contiguous_runs_of_a_region_cover_it_in_order():
 
 
 @pytest.mark.parametrize("hot_at", [[3], [1, 4]], ids=["one_hot_block", "two_hot_blocks"])
-def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(tmp_path, monkeypatch, hot_at):
+def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(
+    tmp_path, monkeypatch, hot_at, path_kind
+):
     """Blocks of one chain held by hot between blocks held only by the SSD tier (as
     eviction and promotion leave them): the SSD blocks around a hot one are not one
     run, so each lands at its own place and the restore equals the live run. The

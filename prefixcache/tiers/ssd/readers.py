@@ -1,9 +1,9 @@
 """Reader threads of the SSD stream: each reads, verifies and places payload files.
 
 Plain file I/O, xxh3, numpy copies and header checks: no MLX call leaves the
-caller's thread. The jobs are cut into runs (small files read whole and
-placed together; a large file, read straight into its places, is a run of its
-own); each reader takes the next run nobody has taken. How many readers
+caller's thread. The jobs are cut into runs of consecutive files (small files read whole and
+placed together; large ones each read straight into their places, the places
+asked once per run); each reader takes the next run nobody has taken. How many readers
 depends on whether the chain's files are in the page cache (a few probed).
 """
 
@@ -19,8 +19,9 @@ import mlx.core as mx
 import numpy as np
 
 from ...memory.host import Place, StreamedBlock
+from .large import read_large_run
 from .prime import SLICE, Primer, cached
-from .read_into import Buffers, Job, Outcome, Stopped, read_large
+from .read_into import Buffers, Job, Outcome, Stopped
 from .runs import plan_runs, read_run, small
 
 # Reader threads. Warm (the files in the page cache) each is mostly copying,
@@ -116,6 +117,8 @@ class Readers:
                     return
                 done = self._done[r]
                 for outcome in self._outcomes(self.runs[r], bufs):
+                    if self._stopped.is_set():  # a long run's later files are not read
+                        return
                     done.put((k, outcome))
         except Stopped:
             return
@@ -130,7 +133,7 @@ class Readers:
         elif small(jobs[0]):
             yield from read_run(jobs, bufs, place, willneed=not self.warm)
         else:
-            yield read_large(jobs[0], bufs, place)
+            yield from read_large_run(jobs, bufs, place)
 
 
 def _warm(jobs: list[Job]) -> bool:

@@ -49,14 +49,20 @@ SMALL_READ = 3 << 20
 # cold, 4 and 8 MiB are alike (tools/bench_blocks.py --tiers ssd).
 # A reader's scratch holds one run.
 RUN_BYTES = 8 << 20
+# Payload bytes a run of large files may hold (each read straight into place, so
+# no scratch holds them): a place asked per tensor and run, not per block, and a
+# region's rows cut once per run. Longer runs share the chain among the readers
+# more coarsely (tools/bench_blocks.py --tiers ssd).
+LARGE_RUN_BYTES = 32 << 20
 
 
 def plan_runs(jobs: Sequence[Job]) -> list[range]:
-    """The jobs cut into runs: small payloads of one file size that follow each
-    other in the chain, RUN_BYTES at most; every other job (large, queued, absent,
-    or the first: it must not wait for the buffers it allocates) a run of its own.
-    A run is placed as one region from its first block on, so a block another
-    tier holds (e.g. hot, between two SSD blocks) ends it."""
+    """The jobs cut into runs: payloads of one file size that follow each other in
+    the chain, RUN_BYTES at most for small ones, LARGE_RUN_BYTES for large ones;
+    every other job (queued, absent, or the first: it must not wait for the
+    buffers it allocates) a run of its own. A run is placed as one region from
+    its first block on, so a block another tier holds (e.g. hot, between two SSD
+    blocks) ends it."""
     out: list[range] = []
     start = 0
     for i in range(1, len(jobs)):
@@ -65,10 +71,9 @@ def plan_runs(jobs: Sequence[Job]) -> list[range]:
             start == 0
             or first is None
             or meta is None
-            or not small(jobs[i])
             or meta.file_bytes != first.file_bytes
             or meta.index != first.index + (i - start)
-            or (i - start + 1) * first.nbytes > RUN_BYTES
+            or (i - start + 1) * first.nbytes > (RUN_BYTES if small(jobs[i]) else LARGE_RUN_BYTES)
         ):
             out.append(range(start, i))
             start = i

@@ -1,0 +1,278 @@
+"""Runs of large payload files, each read straight into its places.
+
+Runs on a reader thread: plain file I/O, xxh3, numpy and header checks, no
+MLX. A reader takes consecutive large payload files (over ``SMALL_READ``) of
+one file size in runs (``plan_runs``). Each file is read straight into its
+places (one copy: the kernel's, from the page cache to the restore buffer) and
+hashed a slice at a time while the slice is still in the CPU cache. Its bytes
+may reach a place before the checksum fails, so the stream stops before such a
+block.
+
+A tensor's place is asked once per run (``place(..., count)``), not per block:
+its region is one row of the restore buffer per (batch, head), each holding
+the run's blocks one after another, so a block's piece of a row is a slice of
+a row view made once per run. A block of a model with many layers and kv
+heads has hundreds of pieces (512 for 32 layers of 8 heads); each costs a
+slice and a hash call, the file a few ``preadv`` calls. A tensor with no run
+region (a layer that does not use every block of the run, a buffer not made
+yet, a header unlike the run's first) is placed block by block; one with no
+place at all goes into the reader's loose buffer, lent to the caller; one no
+layer reads (``UNNEEDED``) is read through the scratch only to be hashed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+from ...errors import PayloadError
+from ...memory.host import (
+    MX_DTYPES,
+    UNNEEDED,
+    HostArray,
+    Place,
+    Placed,
+    PlacedRun,
+    contiguous,
+)
+from .files import open_payload
+from .payload import read_spans
+from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
+
+# Read and hash in slices: each is hashed while still in the CPU cache. (xxhash
+# 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
+_CHUNK = 1 << 20
+_IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
+Buffer = np.ndarray | memoryview  # a writable, contiguous run of bytes
+
+
+class _RunPlaces:
+    """A run's regions, asked once per tensor from the first header read: name ->
+    (the run's region, its flat rows), or UNNEEDED."""
+
+    def __init__(self, jobs: Sequence[Job], place: Place | None):
+        first = jobs[0].meta
+        self._index = -1 if first is None else first.index
+        self._count = len(jobs)
+        self._place = place if self._count > 1 else None
+        self._spans: tuple[Span, ...] | None = None
+        self.regions: dict[str, tuple[np.ndarray, list[np.ndarray]] | np.ndarray] = {}
+        self.whole: dict[str, Placed] = {}  # name -> a Placed of its run region
+
+    def of(self, spans: tuple[Span, ...]) -> dict | None:
+        """The run's regions for a file of ``spans`` (None: none, or another layout)."""
+        if self._place is None:
+            return None
+        if self._spans is None:
+            self._spans = spans
+            self._ask(spans)
+        return self.regions if spans is self._spans or spans == self._spans else None
+
+    def _ask(self, spans: tuple[Span, ...]) -> None:
+        assert self._place is not None
+        for name, dtype, shape, start, end in spans:
+            dt = MX_DTYPES[dtype]
+            region = self._place(self._index, name, dt, shape, self._count)
+            if region is UNNEEDED:
+                self.regions[name] = UNNEEDED
+                continue
+            if region is None or region.nbytes != self._count * (end - start):
+                continue
+            rows = _rows(region)
+            if rows is not None:
+                self.regions[name] = (region, rows)
+                self.whole[name] = Placed(region, dt, shape)
+
+
+def _rows(region: np.ndarray) -> list[np.ndarray] | None:
+    """A run region's (batch, head) rows, flat (None if one is not contiguous: its
+    blocks are then placed one by one). numpy views, not memoryviews: a block's
+    hundreds of slices of them are then no work for the garbage collector."""
+    if region.ndim != 4 or region.size == 0 or not region[0, 0].flags.c_contiguous:
+        return None
+    b, h = region.shape[:2]
+    return [region[i, k].reshape(-1) for i in range(b) for k in range(h)]
+
+
+def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
+    """The blocks of a run of large files, in order: each a (lent loose buffer or
+    None, block) or (None, the error that makes it a miss).
+
+    Raises:
+        Stopped: the stream closed while a block waited for the loose buffer.
+    """
+    runs = _RunPlaces(jobs, place)
+    for j, job in enumerate(jobs):
+        try:
+            fd = open_payload(job.path)
+            try:
+                outcome = _read_file(fd, job, j, runs, bufs, place)
+            finally:
+                os.close(fd)
+        except (PayloadError, OSError) as e:
+            outcome = None, e
+        yield outcome
+
+
+def _read_file(
+    fd: int, job: Job, j: int, runs: _RunPlaces, bufs: Buffers, place: Place | None
+) -> Outcome:
+    """Read, size-check, checksum and parse run file ``j``: each tensor straight
+    into its place, or into the loose buffer (then lent)."""
+    meta = job.meta
+    assert meta is not None
+    size = os.fstat(fd).st_size
+    if size != meta.file_bytes:
+        raise PayloadError(f"payload has {size} bytes, index says {meta.file_bytes}")
+    prefix, spans = read_spans(fd, job.key, size)
+    base = len(prefix)
+    if size - base != meta.nbytes:
+        raise PayloadError(f"payload holds {size - base} bytes, index says {meta.nbytes}")
+    regions = runs.of(spans)
+    dests = [_destination(span, j, regions, place, meta.index) for span in spans]
+    loose = sum(end - start for (*_, start, end), d in zip(spans, dests, strict=True) if d is None)
+    lent = bufs.loose(loose) if loose else None
+    arrays: dict[str, HostArray | Placed] = {}
+    steps = _Steps()
+    used = 0
+    for (name, dtype, shape, start, end), dest in zip(spans, dests, strict=True):
+        if dest is UNNEEDED:
+            steps.skip(end - start)
+        elif dest is None:
+            assert lent is not None
+            data = lent[used : used + end - start]
+            used += end - start
+            arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
+            steps.add([data] if data.nbytes else [], end - start)
+        else:
+            views, arrays[name], _ = dest
+            steps.add(views, end - start)
+    hasher = xxhash.xxh3_64(prefix)
+    try:
+        _read_steps(fd, steps.done(), base, hasher, bufs)
+        if hasher.intdigest() != meta.checksum:
+            raise PayloadError("payload checksum mismatch")
+    except (PayloadError, OSError):
+        if lent is not None:  # a miss lends nothing: the next block's loose read needs it
+            bufs.unlend(lent)
+        raise
+    if regions and not loose and all(type(d) is tuple and d[2] for d in dests if d is not UNNEEDED):
+        n = spans[0][2][2]
+        return None, streamed(job, PlacedRun(runs.whole, (j * n, (j + 1) * n)))
+    return lent, streamed(job, arrays)
+
+
+Dest = tuple[list[Buffer], Placed, bool] | np.ndarray | None
+
+
+def _destination(span: Span, j: int, regions: dict | None, place: Place | None, index: int) -> Dest:
+    """Where tensor ``span`` of run file ``j`` goes: (its views, its Placed, whether
+    by the run's region), UNNEEDED, or None (the loose buffer)."""
+    name, dtype, shape, start, end = span
+    dt = MX_DTYPES[dtype]
+    got = regions.get(name) if regions else None
+    if got is UNNEEDED:
+        return UNNEEDED
+    if got is not None:
+        region, rows = got
+        n = shape[2]
+        piece = n * region.shape[3]
+        views = [row[j * piece : (j + 1) * piece] for row in rows]
+        return views, Placed(region, dt, shape, (j * n, (j + 1) * n)), True
+    got = place(index, name, dt, shape) if place is not None else None
+    if got is UNNEEDED:
+        return UNNEEDED
+    if got is None or got.nbytes != end - start:
+        return None
+    return contiguous(got), Placed(got, dt, shape), False
+
+
+class _Steps:
+    """A file's reads in file order: batches of views (about _CHUNK bytes, at most
+    _IOV_MAX views: one ``preadv`` each, hashed while still in the CPU cache), and
+    byte counts only to hash (tensors no layer reads)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[list[Buffer], int] | int] = []
+        self._batch: list[Buffer] = []
+        self._size = 0
+
+    def add(self, views: list[Buffer], nbytes: int) -> None:
+        """A tensor's views (``nbytes`` in all), in order."""
+        if len(views) > 1 and nbytes > _CHUNK:  # pieces apart: each batch hashed while cached
+            each = len(views[0])
+            per = max(1, _CHUNK // each)
+            for i in range(0, len(views), per):
+                self.add(views[i : i + per], sum(len(v) for v in views[i : i + per]))
+            return
+        if views and len(views[0]) > _CHUNK:  # one large piece: in slices
+            views = [v[i : i + _CHUNK] for v in views for i in range(0, len(v), _CHUNK)]
+        if self._batch and (
+            self._size + nbytes > _CHUNK or len(self._batch) + len(views) > _IOV_MAX
+        ):
+            self._close()
+        self._batch += views
+        self._size += nbytes
+        if len(views) > _IOV_MAX or self._size >= _CHUNK:
+            self._close()
+
+    def skip(self, nbytes: int) -> None:
+        self._close()
+        self.steps.append(nbytes)
+
+    def done(self) -> list[tuple[list[Buffer], int] | int]:
+        self._close()
+        return self.steps
+
+    def _close(self) -> None:
+        if self._batch:
+            self.steps.append((self._batch, self._size))
+            self._batch, self._size = [], 0
+
+
+def _read_steps(
+    fd: int, steps: list[tuple[list[Buffer], int] | int], offset: int, hasher, bufs: Buffers
+) -> None:
+    """Read each batch of views with one ``preadv`` and hash it (or hash bytes only,
+    through the scratch), in file order from ``offset``."""
+    for step in steps:
+        if type(step) is int:
+            _hash_only(fd, offset, step, hasher, bufs.scratch(min(step, _CHUNK)))
+            offset += step
+            continue
+        batch, size = step  # type: ignore[misc]
+        got = os.preadv(fd, batch, offset)
+        while got < size:  # a short read: go on from where it stopped
+            more = os.preadv(fd, _skip(batch, got), offset + got)
+            if more <= 0:
+                raise PayloadError("short read")
+            got += more
+        deque(map(hasher.update, batch), maxlen=0)
+        offset += size
+
+
+def _hash_only(fd: int, offset: int, nbytes: int, hasher, scratch: np.ndarray) -> None:
+    """Hash ``nbytes`` of ``fd`` from ``offset``, read a ``scratch`` at a time."""
+    while nbytes > 0:
+        view = scratch[: min(nbytes, scratch.nbytes)]
+        if pread_all(fd, view, offset) != view.nbytes:
+            raise PayloadError("short read")
+        hasher.update(view)
+        offset += view.nbytes
+        nbytes -= view.nbytes
+
+
+def _skip(views: list[Buffer], n: int) -> list[Buffer]:
+    """``views`` without their first ``n`` bytes (after a short read)."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
