@@ -17,7 +17,9 @@ slice and a hash call, the file a few ``preadv`` calls. A tensor with no run
 region (a layer that does not use every block of the run, a buffer not made
 yet, a header unlike the run's first) is placed block by block; one with no
 place at all goes into the reader's loose buffer, lent to the caller; one no
-layer reads (``UNNEEDED``) is read through the scratch only to be hashed.
+layer reads (``UNNEEDED``) is not read where the file has per-tensor digests
+(``digests.py``: each tensor read is verified against its own), else read
+through the scratch only to be hashed.
 """
 
 from __future__ import annotations
@@ -39,15 +41,15 @@ from ...memory.host import (
     PlacedRun,
     contiguous,
 )
+from . import digests as tensor_digests
 from .files import open_payload
 from .payload import read_spans
-from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
+from .read_into import Buffer, Buffers, Job, Outcome, Span, pread_all, preadv_all, streamed
 
 # Read and hash in slices: each is hashed while still in the CPU cache. (xxhash
 # 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
 _CHUNK = 1 << 20
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
-Buffer = np.ndarray | memoryview  # a writable, contiguous run of bytes
 
 
 class _RunPlaces:
@@ -151,11 +153,13 @@ def _read_file(
         else:
             views, arrays[name], _ = dest
             steps.add(views, end - start)
-    hasher = xxhash.xxh3_64(prefix)
+    skipped = any(d is UNNEEDED for d in dests)  # unread where the file has digests
+    digests = tensor_digests.parse(prefix[8:], spans) if skipped else None
     try:
-        _read_steps(fd, steps.done(), base, hasher, bufs)
-        if hasher.intdigest() != meta.checksum:
-            raise PayloadError("payload checksum mismatch")
+        if digests is None:
+            _read_checked(fd, steps.done(), prefix, meta.checksum, bufs)
+        else:
+            tensor_digests.read_used(fd, _used_views(spans, dests, lent), base, digests)
     except (PayloadError, OSError):
         if lent is not None:  # a miss lends nothing: the next block's loose read needs it
             bufs.unlend(lent)
@@ -167,6 +171,26 @@ def _read_file(
 
 
 Dest = tuple[list[Buffer], Placed, bool] | np.ndarray | None
+
+
+def _used_views(
+    spans: tuple[Span, ...], dests: list[Dest], lent: np.ndarray | None
+) -> list[tuple[Span, list[Buffer]]]:
+    """Each tensor the restore uses with the views it is read into (the loose
+    buffer's in file order), UNNEEDED ones left out."""
+    out = []
+    used = 0
+    for span, dest in zip(spans, dests, strict=True):
+        if dest is UNNEEDED:
+            continue
+        if dest is None:
+            assert lent is not None
+            size = span[4] - span[3]
+            out.append((span, [lent[used : used + size]] if size else []))
+            used += size
+        else:
+            out.append((span, dest[0]))  # type: ignore[index]
+    return out
 
 
 def _destination(span: Span, j: int, regions: dict | None, place: Place | None, index: int) -> Dest:
@@ -234,6 +258,20 @@ class _Steps:
             self._batch, self._size = [], 0
 
 
+def _read_checked(
+    fd: int,
+    steps: list[tuple[list[Buffer], int] | int],
+    prefix: bytes,
+    checksum: int,
+    bufs: Buffers,
+) -> None:
+    """Read the file's data (``_read_steps``) and check the whole file's checksum."""
+    hasher = xxhash.xxh3_64(prefix)
+    _read_steps(fd, steps, len(prefix), hasher, bufs)
+    if hasher.intdigest() != checksum:
+        raise PayloadError("payload checksum mismatch")
+
+
 def _read_steps(
     fd: int, steps: list[tuple[list[Buffer], int] | int], offset: int, hasher, bufs: Buffers
 ) -> None:
@@ -245,12 +283,7 @@ def _read_steps(
             offset += step
             continue
         batch, size = step  # type: ignore[misc]
-        got = os.preadv(fd, batch, offset)
-        while got < size:  # a short read: go on from where it stopped
-            more = os.preadv(fd, _skip(batch, got), offset + got)
-            if more <= 0:
-                raise PayloadError("short read")
-            got += more
+        preadv_all(fd, batch, offset, size)
         deque(map(hasher.update, batch), maxlen=0)
         offset += size
 
@@ -264,15 +297,3 @@ def _hash_only(fd: int, offset: int, nbytes: int, hasher, scratch: np.ndarray) -
         hasher.update(view)
         offset += view.nbytes
         nbytes -= view.nbytes
-
-
-def _skip(views: list[Buffer], n: int) -> list[Buffer]:
-    """``views`` without their first ``n`` bytes (after a short read)."""
-    out = []
-    for v in views:
-        if n >= len(v):
-            n -= len(v)
-            continue
-        out.append(v[n:])
-        n = 0
-    return out

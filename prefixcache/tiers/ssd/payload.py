@@ -5,7 +5,9 @@ A block's arrays are written as a standard safetensors file (readable by
 fanned out into 256 subdirectories. Writes are atomic: a temp file named with
 pid and thread id in the same directory, fsync, rename, fsync of the
 directory. The xxh3-64 of the whole file's bytes is computed while writing and
-verified on every read.
+verified on every read of the whole file. Each tensor's header entry also holds
+its own xxh3-64 (``digests.py``, computed in a pass before the write: the header
+comes first), so a restore can leave tensors it does not use unread.
 
 A header is checked before anything is sized from it: its length against the
 file and MAX_HEADER, every tensor's dtype, shape and offsets against the data
@@ -36,6 +38,7 @@ import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import ITEMSIZE, MX_DTYPES, Tensor
+from . import digests as tensor_digests
 from .files import create_temp, open_payload, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"
@@ -55,17 +58,27 @@ SMALL_PAYLOAD = 2 << 20
 _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
 
 
-def encode_header(tensors: list[Tensor], key: bytes) -> bytes:
-    """The safetensors prefix: u64 length + JSON header padded to 8 bytes.
+def encode_header(tensors: list[Tensor], key: bytes, digests: Sequence[int] | None = None) -> bytes:
+    """The safetensors prefix: u64 length + JSON header padded to 8 bytes, each
+    tensor's entry with its digest (``digests.py``).
+
+    Args:
+        digests: the tensors' digests in order; None: computed here (a pass over
+            the data); ``()``: none written (files as written before digests).
 
     Raises:
         ValueError: the header would be longer than MAX_HEADER (readers refuse it).
     """
+    if digests is None:
+        digests = tensor_digests.of_tensors(tensors)
     entries: dict[str, object] = {"__metadata__": {"format": PAYLOAD_FORMAT, "key": key.hex()}}
     offset = 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
         end = offset + t.data.nbytes
-        entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, end]}
+        entry = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, end]}
+        if digests:
+            entry[tensor_digests.FIELD] = f"{digests[i]:016x}"
+        entries[t.name] = entry
         offset = end
     text = json.dumps(entries, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -222,7 +235,7 @@ def parse_header(text: bytes, key: bytes, data_bytes: int) -> tuple[_Span, ...]:
     head = _HEAD + key.hex().encode()
     rest = text[len(head) :]
     if text.startswith(head) and b"__metadata__" not in rest and b"\\" not in rest:
-        return _rest_spans(rest, data_bytes)
+        return _rest_spans(tensor_digests.masked(rest), data_bytes)
     return _parse(text, key.hex(), data_bytes)
 
 

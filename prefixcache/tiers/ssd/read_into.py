@@ -21,7 +21,10 @@ from ...memory.host import (
     StreamedBlock,
 )
 
-Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
+Span = tuple[str, str, tuple[int, ...], int, int]
+Buffer = (
+    np.ndarray | memoryview
+)  # a writable, contiguous run of bytes  # name, dtype, shape, start, end
 # What a reader hands the caller for a job: (the loose buffer, lent with the
 # block, or None; the block) or (None, the error that makes it a miss).
 Outcome = tuple[np.ndarray | None, StreamedBlock | PayloadError | OSError]
@@ -95,3 +98,25 @@ def pread_all(fd: int, view: np.ndarray, offset: int) -> int:
             break
         got += n
     return got
+
+
+def preadv_all(fd: int, batch: list[Buffer], offset: int, size: int) -> None:
+    """Fill ``batch`` (``size`` bytes in all) from ``offset`` with ``preadv``."""
+    got = os.preadv(fd, batch, offset) if batch else 0
+    while got < size:  # a short read: go on from where it stopped
+        more = os.preadv(fd, skip_bytes(batch, got), offset + got)
+        if more <= 0:
+            raise PayloadError("short read")
+        got += more
+
+
+def skip_bytes(views: list[Buffer], n: int) -> list[Buffer]:
+    """``views`` without their first ``n`` bytes (after a short read)."""
+    out = []
+    for v in views:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out

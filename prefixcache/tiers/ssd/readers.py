@@ -73,7 +73,7 @@ class Readers:
         self._stopped = threading.Event()
         self.first_taken = threading.Event()  # the caller has the first block: places exist
         # the first job's read triggers the allocation: it must not wait for it
-        self._first_place = place
+        self._first_place = self._judge = place  # the judge: is a tensor UNNEEDED (never waits)
         ahead = self.runs[n].start if len(self.runs) > n else len(jobs)  # readers' first runs
         later = [(j.path, j.meta.file_bytes) for j in jobs[ahead:] if j.meta is not None]
         primer = Primer(later, self.first_taken)
@@ -106,7 +106,7 @@ class Readers:
         for t in self._threads:
             t.join()
         # the places reach the restore buffers: hold nothing once stopped
-        self._first_place = self._place = None
+        self._first_place = self._place = self._judge = None
 
     def _run(self, k: int) -> None:
         bufs = Buffers(self._free[k])
@@ -131,7 +131,7 @@ class Readers:
         if jobs[0].meta is None:  # queued, absent or a bad entry: the caller sees to it
             yield None, None
         elif small(jobs[0]):
-            yield from read_run(jobs, bufs, place, willneed=not self.warm)
+            yield from read_run(jobs, bufs, place, willneed=not self.warm, judge=self._judge)
         else:
             yield from read_large_run(jobs, bufs, place)
 

@@ -16,8 +16,8 @@ per tensor name and run, not per block and row. A tensor that has no run
 region (a layer that does not use every block of the run, a buffer not
 allocated yet) is placed block by block; one without a place at all goes into
 the reader's loose buffer, lent to the caller with the block. A tensor no layer
-of the restore reads (``UNNEEDED``) is left out of its block: verified with its
-file, never copied.
+of the restore reads (``UNNEEDED``) is left out of its block: never copied, and
+never read where the file has per-tensor digests (``loads.py``).
 """
 
 from __future__ import annotations
@@ -25,16 +25,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from .files import open_payload
-from .payload import header_length, parse_header
-from .read_into import Buffers, Job, Outcome, Span, pread_all, streamed
+from .loads import Judged, LoadedFile, load, unneeded
+from .read_into import Buffers, Job, Outcome, Span, streamed
 
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 # Payloads of up to this many bytes are read whole, in runs; larger ones straight
@@ -86,24 +84,20 @@ def small(job: Job) -> bool:
     return job.meta is not None and job.meta.nbytes <= SMALL_READ
 
 
-@dataclass(frozen=True, slots=True)
-class _File:
-    """A payload file read into its scratch slot and verified."""
-
-    job: Job
-    index: int  # in the chain
-    data: np.ndarray  # the file's bytes
-    base: int  # where the tensors' data start
-    spans: tuple[Span, ...]
-
-
 def read_run(
-    jobs: Sequence[Job], bufs: Buffers, place: Place | None, *, willneed: bool = True
+    jobs: Sequence[Job],
+    bufs: Buffers,
+    place: Place | None,
+    *,
+    willneed: bool = True,
+    judge: Place | None = None,
 ) -> Iterator[Outcome]:
     """The blocks of a run of small files (``plan_runs``), in order: each a
     (lent loose buffer or None, block) or the error that makes it a miss.
     ``willneed``: ask the run's files into the page cache at once (pointless
-    when they are there already, and a system call each).
+    when they are there already, and a system call each). ``judge``: a place that
+    never waits, asked only whether a tensor is UNNEEDED (then, where the file has
+    digests, left unread); None: every file read whole.
 
     Raises:
         Stopped: the stream closed while a block waited for the loose buffer.
@@ -112,28 +106,23 @@ def read_run(
     assert first is not None
     size = first.file_bytes
     scratch = bufs.scratch(len(jobs) * size + 1)
-    files: list[_File | PayloadError | OSError] = []
-    with _opened(jobs, willneed) as fds:
-        for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
-            try:  # slot k, plus the next slot's first byte (read over by the next file)
-                if isinstance(fd, BaseException):
-                    raise fd
-                files.append(_load(job, fd, scratch[k * size : (k + 1) * size + 1]))
-            except (PayloadError, OSError) as e:
-                files.append(e)
-    good = [f for f in files if isinstance(f, _File)]
+    judged = None if judge is None else Judged(judge, first.index, len(jobs))
+    files = _load_all(jobs, scratch, willneed, judged)
+    good = [f for f in files if isinstance(f, LoadedFile)]
     arrays: list[dict[str, HostArray | Placed]] = [{} for _ in files]
     loose: list[list[tuple[str, Span]]] = [[] for _ in files]
     same = all(f.spans == good[0].spans and f.base == good[0].base for f in good)
     whole: dict[str, Placed] = {}
+    answers = {} if judged is None else judged.answers
     if len(good) == len(files) and same:
-        whole = _place_run(good, scratch[: len(files) * size], place, arrays, loose)
+        whole = _place_run(good, scratch[: len(files) * size], place, arrays, loose, answers)
     else:
+        each = answers if len(files) == 1 else unneeded(answers)
         for k, f in enumerate(files):
-            if isinstance(f, _File):
-                _place_block(f, place, arrays[k], loose[k])
+            if isinstance(f, LoadedFile):
+                _place_block(f, place, arrays[k], loose[k], each)
     for j, (f, placed, rest) in enumerate(zip(files, arrays, loose, strict=True)):
-        if not isinstance(f, _File):
+        if not isinstance(f, LoadedFile):
             yield None, f
             continue
         block = _run_part(whole, j, f, placed, rest)
@@ -142,6 +131,23 @@ def read_run(
             lent = _loose(f, rest, bufs, placed)
             block = {name: placed[name] for name, *_ in f.spans if name in placed}  # file order
         yield lent, streamed(f.job, block)
+
+
+def _load_all(
+    jobs: Sequence[Job], scratch: np.ndarray, willneed: bool, judged: Judged | None
+) -> list[LoadedFile | PayloadError | OSError]:
+    """The run's files, each read into its slot of ``scratch`` and verified (or why not)."""
+    size = (scratch.nbytes - 1) // len(jobs)
+    files: list[LoadedFile | PayloadError | OSError] = []
+    with _opened(jobs, willneed) as fds:
+        for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
+            try:  # slot k, plus the next slot's first byte (read over by the next file)
+                if isinstance(fd, BaseException):
+                    raise fd
+                files.append(load(job, fd, scratch[k * size : (k + 1) * size + 1], judged))
+            except (PayloadError, OSError) as e:
+                files.append(e)
+    return files
 
 
 @contextlib.contextmanager
@@ -165,50 +171,35 @@ def _opened(jobs: Sequence[Job], willneed: bool) -> Iterator[list[int | PayloadE
                 os.close(fd)
 
 
-def _load(job: Job, fd: int, slot: np.ndarray) -> _File:
-    """Read a small payload file whole into ``slot`` (its size + 1) and verify it."""
-    meta = job.meta
-    assert meta is not None
-    size = meta.file_bytes
-    got = pread_all(fd, slot, 0)
-    if got != size:
-        more = "more than " if got > size else ""
-        raise PayloadError(f"payload has {more}{min(got, size)} bytes, index says {size}")
-    data = slot[:size]
-    if xxhash.xxh3_64_intdigest(data) != meta.checksum:
-        raise PayloadError("payload checksum mismatch")
-    base = 8 + header_length(data[:8].tobytes(), size)
-    if size - base != meta.nbytes:
-        raise PayloadError(f"payload holds {size - base} bytes, index says {meta.nbytes}")
-    spans = parse_header(data[8:base].tobytes(), job.key, size - base)
-    return _File(job, meta.index, data, base, spans)
-
-
 def _place_run(
-    files: list[_File],
+    files: list[LoadedFile],
     scratch: np.ndarray,
     place: Place | None,
     arrays: list[dict[str, HostArray | Placed]],
     loose: list[list[tuple[str, Span]]],
+    known: dict[str, np.ndarray],
 ) -> dict[str, Placed]:
     """Place the tensors of files of one layout: one copy per tensor for all of
     them where the run has a region (4-axis tensors, several full blocks; returned:
     name -> a Placed of the run's region and the block's shape), else block by
-    block (into ``arrays`` or ``loose``)."""
+    block (into ``arrays`` or ``loose``). ``known``: the run's answers already given."""
     k, first, base = len(files), files[0], files[0].base
+    each = known if k == 1 else unneeded(known)
     rows = scratch.reshape(k, -1)  # file j's bytes in row j
     whole: dict[str, Placed] = {}
     for span in first.spans:
         name, dtype, shape, start, end = span
         dt = MX_DTYPES[dtype]
         region = None
-        if place is not None and k > 1:
-            region = place(first.index, name, dt, shape, k)
+        if k > 1:  # a run of one file is placed as a block
+            region = known.get(name)
+            if region is None and place is not None:
+                region = place(first.index, name, dt, shape, k)
         if region is UNNEEDED:  # no layer reads it in any of these blocks
             continue
         if region is None or region.nbytes != k * (end - start):
             for f, placed, rest in zip(files, arrays, loose, strict=True):
-                _place_tensor(f, span, place, placed, rest)
+                _place_tensor(f, span, place, placed, rest, each)
             continue
         b, h, n, width = region.shape[0], region.shape[1], shape[2], region.shape[3]
         dest = _view(region, (b, h, k, n, width))
@@ -221,7 +212,7 @@ def _place_run(
 def _run_part(
     whole: dict[str, Placed],
     j: int,
-    f: _File,
+    f: LoadedFile,
     placed: dict[str, HostArray | Placed],
     loose: list[tuple[str, Span]],
 ) -> Mapping[str, HostArray | Placed]:
@@ -239,26 +230,30 @@ def _run_part(
 
 
 def _place_block(
-    f: _File,
+    f: LoadedFile,
     place: Place | None,
     placed: dict[str, HostArray | Placed],
     loose: list[tuple[str, Span]],
+    known: dict[str, np.ndarray],
 ) -> None:
     for span in f.spans:
-        _place_tensor(f, span, place, placed, loose)
+        _place_tensor(f, span, place, placed, loose, known)
 
 
 def _place_tensor(
-    f: _File,
+    f: LoadedFile,
     span: Span,
     place: Place | None,
     placed: dict[str, HostArray | Placed],
     loose: list[tuple[str, Span]],
+    known: dict[str, np.ndarray],
 ) -> None:
     """One tensor of a verified file into its place, or onto ``loose``."""
     name, dtype, shape, start, end = span
     dt = MX_DTYPES[dtype]
-    region = place(f.index, name, dt, shape) if place is not None else None
+    region = known.get(name)
+    if region is None and place is not None:
+        region = place(f.index, name, dt, shape)
     if region is UNNEEDED:
         return
     if region is None or region.nbytes != end - start:
@@ -269,7 +264,7 @@ def _place_tensor(
 
 
 def _loose(
-    f: _File,
+    f: LoadedFile,
     loose: list[tuple[str, Span]],
     bufs: Buffers,
     arrays: dict[str, HostArray | Placed],

@@ -1,0 +1,133 @@
+"""One small payload file of a run (``runs.py``) read into its scratch slot and verified.
+
+Read whole and checked against its whole-file checksum; or, where its header
+has per-tensor digests (``digests.py``) and some of its tensors no layer of the
+restore reads (``UNNEEDED``), its header and the tensors the restore uses only,
+each checked against its digest: nothing else of the file is read. Which
+tensors are UNNEEDED is asked once per run, from its first header read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ...errors import PayloadError
+from ...memory.host import MX_DTYPES, UNNEEDED, Place
+from . import digests as tensor_digests
+from .payload import header_length, parse_header
+from .read_into import Job, Span, pread_all
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedFile:
+    """A payload file read into its scratch slot and verified."""
+
+    job: Job
+    index: int  # in the chain
+    data: np.ndarray  # the file's bytes
+    base: int  # where the tensors' data start
+    spans: tuple[Span, ...]
+
+
+class Judged:
+    """A run's answers to ``place(its first index, name, dtype, shape, its count)``,
+    asked once per tensor from the first header read, before the data are read
+    (a judge never waits: None where no place exists yet)."""
+
+    def __init__(self, judge: Place, index: int, count: int):
+        self._judge, self._index, self._count = judge, index, count
+        self._asked = False
+        self.head = 8  # bytes a file's first read takes: the last header's (a run's alike)
+        self.answers: dict[str, np.ndarray] = {}  # name -> UNNEEDED or a region
+
+    def unneeded(self, spans: tuple[Span, ...]) -> set[str]:
+        """Names of ``spans`` no layer of the restore reads in any block of the run."""
+        if not self._asked:
+            self._asked = True
+            for name, dtype, shape, *_ in spans:
+                got = self._judge(self._index, name, MX_DTYPES[dtype], shape, self._count)
+                if got is not None:
+                    self.answers[name] = got
+        return set(unneeded(self.answers))
+
+
+def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The run's UNNEEDED answers: true of each of its blocks too."""
+    return {name: got for name, got in answers.items() if got is UNNEEDED}
+
+
+def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFile:
+    """Read a small payload file into ``slot`` (its size + 1) and verify it: whole,
+    or (it has digests and some of its tensors are UNNEEDED) its header and the
+    tensors the restore uses, each against its digest."""
+    meta = job.meta
+    assert meta is not None
+    size = meta.file_bytes
+    if judged is None:
+        return _verified(job, slot, pread_all(fd, slot, 0))
+    got = pread_all(fd, slot[: min(size + 1, judged.head)], 0)
+    base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
+    if got < base <= size:
+        got += pread_all(fd, slot[got:base], got)
+    if got < base or size - base != meta.nbytes:
+        return _verified(job, slot, got)  # the sizes' error
+    judged.head = base
+    text = slot[8:base].tobytes()
+    spans = parse_header(text, job.key, size - base)
+    unneeded = judged.unneeded(spans)
+    used = [s for s in spans if s[0] not in unneeded]
+    digests = tensor_digests.parse(text, spans) if len(used) < len(spans) else None
+    if digests is None:
+        got += pread_all(fd, slot[got:], got)
+        return _verified(job, slot, got, spans)
+    if os.fstat(fd).st_size != size:
+        raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
+    _read_used(fd, slot, base, used, digests)
+    return LoadedFile(job, meta.index, slot[:size], base, spans)
+
+
+def _verified(
+    job: Job, slot: np.ndarray, got: int, spans: tuple[Span, ...] | None = None
+) -> LoadedFile:
+    """The file read whole (``got`` bytes into ``slot``), size-checked and verified."""
+    meta = job.meta
+    assert meta is not None
+    size = meta.file_bytes
+    if got != size:
+        more = "more than " if got > size else ""
+        raise PayloadError(f"payload has {more}{min(got, size)} bytes, index says {size}")
+    data = slot[:size]
+    if xxhash.xxh3_64_intdigest(data) != meta.checksum:
+        raise PayloadError("payload checksum mismatch")
+    base = 8 + header_length(data[:8].tobytes(), size)
+    if size - base != meta.nbytes:
+        raise PayloadError(f"payload holds {size - base} bytes, index says {meta.nbytes}")
+    if spans is None:
+        spans = parse_header(data[8:base].tobytes(), job.key, size - base)
+    return LoadedFile(job, meta.index, data, base, spans)
+
+
+def _read_used(
+    fd: int, slot: np.ndarray, base: int, used: list[Span], digests: dict[str, int]
+) -> None:
+    """Read the ``used`` tensors into their places in ``slot`` (neighbours in one
+    read) and verify each against its digest."""
+    groups: list[list[Span]] = []
+    for span in used:
+        if groups and groups[-1][-1][4] == span[3]:
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    for group in groups:
+        start, end = base + group[0][3], base + group[-1][4]
+        if pread_all(fd, slot[start:end], start) != end - start:
+            raise PayloadError("short read")
+        for span in group:
+            hasher = tensor_digests.tensor_hasher(span)
+            hasher.update(slot[base + span[3] : base + span[4]])
+            if hasher.intdigest() != digests[span[0]]:
+                raise PayloadError(f"payload tensor {span[0]!r} digest mismatch")

@@ -1,0 +1,183 @@
+"""Per-tensor digests of SSD payload files: a restore far past a window layer's window
+reads only the tensors it uses, each verified against its own digest, and equals the
+live run bit for bit; files written without digests are read and verified whole.
+
+Tiny gemma3_text: window layers 0 and 2 (window 16), global layers 1 and 3, 8-token
+blocks, ``snapshot_interval=6``: of a 100-token prompt, blocks 3-5 and 9-11 keep the
+window layers' payloads; a restore at 96 uses those of blocks 10-11 only, so blocks
+3-5 and 9 have tensors no layer reads (``UNNEEDED``). Bytes read are counted by the
+kernel (``rchar`` of /proc/self/io: every read of every thread of this process).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import pytest
+from conftest import live_logits, max_diff, prefill, prompt, tiny_model
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.errors import PayloadError
+from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.tiers.ssd import digests as tensor_digests
+from prefixcache.tiers.ssd import payload, writes
+from prefixcache.tiers.ssd import runs as ssd_runs
+from prefixcache.tiers.ssd.files import payload_path
+
+BLOCK = 8
+POINT = 96
+WINDOW_LAYERS = ("0.", "2.")
+SKIPPED_BLOCKS = (3, 4, 5, 9)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_model("gemma3_text")
+
+
+@pytest.fixture(params=["runs", "large"])
+def path_kind(request, monkeypatch):
+    """Every payload through the small-file runs, or through the large-file reads."""
+    if request.param == "large":
+        monkeypatch.setattr(ssd_runs, "SMALL_READ", 0)
+    return request.param
+
+
+@pytest.fixture(params=["digests", "before-digests"])
+def written(request, monkeypatch):
+    """Files as written now, or as the writer before digests wrote them."""
+    if request.param == "before-digests":
+        old = lambda tensors, key: payload.encode_header(tensors, key, ())  # noqa: E731
+        monkeypatch.setattr(writes, "encode_header", old)
+    return request.param
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def ssd_only(model, tmp_path) -> PrefixCache:
+    config = CacheConfig(
+        block_size=BLOCK,
+        snapshot_interval=6,
+        checkpoint_tail=0,
+        ssd_dir=str(tmp_path),
+        ssd_min_free_bytes=0,
+        hot_max_bytes=1,
+        promote=False,
+    )
+    return PrefixCache(model, config, model_id="tiny")
+
+
+def chain_files(pc: PrefixCache, tokens: list[int]) -> list[tuple[bytes, str]]:
+    keys = chain_keys(pc.namespace.root_key(), token_bytes(tokens[:POINT]), BLOCK)
+    return [(k, payload_path(os.path.join(pc.ssd.path, "blocks"), k)) for k in keys]
+
+
+def spans_of(path: str, key: bytes):
+    """(header bytes, the tensors in file order) of a payload file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return payload.read_spans(fd, key, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def flip_in(path: str, key: bytes, name: str) -> None:
+    """Invert one byte in the middle of tensor ``name`` of a payload file."""
+    prefix, spans = spans_of(path, key)
+    (start, end) = next((s, e) for n, _, _, s, e in spans if n == name)
+    at = len(prefix) + (start + end) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def unneeded_bytes(files: list[tuple[bytes, str]]) -> int:
+    total = 0
+    for i in SKIPPED_BLOCKS:
+        _, spans = spans_of(files[i][1], files[i][0])
+        total += sum(e - s for n, _, _, s, e in spans if n.startswith(WINDOW_LAYERS))
+    return total
+
+
+def restore(gemma, pc, probe):
+    """(tokens restored, max |logits - live logits| past them, the fetch's bytes read)."""
+    before = rchar()
+    cache, num = pc.fetch(probe)
+    read = rchar() - before
+    want = live_logits(gemma, probe, num, step=BLOCK)
+    return num, max_diff(prefill(gemma, probe[num:], cache, step=BLOCK), want), read
+
+
+def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
+    gemma, tmp_path, monkeypatch, path_kind, written
+):
+    """The same restore with the digests looked at, and with them ignored (the control:
+    every byte read, as the whole-file checksum needs): with digests, exactly the
+    unneeded tensors' bytes are not read; files without them are read whole either way."""
+    a = prompt(1, 100)
+    probe = a[:POINT] + prompt(5, 6)
+    with ssd_only(gemma, tmp_path) as pc:
+        pc.prefill(a, prefill_step_size=BLOCK)
+        pc.flush()
+        files = chain_files(pc, a)
+        total = sum(os.path.getsize(path) for _, path in files)
+        skipped = unneeded_bytes(files)
+        assert skipped > 0.15 * total
+        pc.fetch(probe)  # the first restore's imports read files too
+        with monkeypatch.context() as m:
+            m.setattr(tensor_digests, "parse", lambda text, spans: None)
+            num, diff, whole = restore(gemma, pc, probe)
+            assert num == POINT and diff == 0.0
+        num, diff, read = restore(gemma, pc, probe)
+        assert pc.stats()["ssd"]["num_corrupt"] == 0
+    assert num == POINT and diff == 0.0
+    assert whole >= total
+    if written == "digests":
+        assert whole - skipped - 64 <= read <= whole - skipped
+    else:
+        assert abs(read - whole) <= 64
+
+
+def test_digests_leave_the_files_safetensors_and_whole_checksummed(gemma, tmp_path):
+    a = prompt(1, 100)
+    with ssd_only(gemma, tmp_path) as pc:
+        pc.prefill(a, prefill_step_size=BLOCK)
+        pc.flush()
+        key, path = chain_files(pc, a)[4]
+        meta = pc.ssd.get_meta(key)
+    prefix, spans = spans_of(path, key)
+    assert prefix.count(b'"xxh3":"') == len(spans) == 8
+    loaded = mx.load(path)
+    assert sorted(loaded) == sorted(n for n, *_ in spans)
+    arrays, _ = payload.read_payload(path, key, meta.file_bytes, meta.checksum)
+    assert all(mx.array_equal(arrays[n], loaded[n]).item() for n in loaded)
+
+
+@pytest.mark.parametrize("where", ["used", "unneeded"])
+def test_a_flipped_byte_fails_only_where_it_is_read(gemma, tmp_path, path_kind, written, where):
+    """A byte flipped in block 4's global layer (used): the block is a miss, the
+    restore stops before it, exact. In its window layer (unneeded): never read with
+    digests, the restore is whole and exact; without digests the whole-file checksum
+    makes the block a miss as before."""
+    a = prompt(1, 100)
+    probe = a[:POINT] + prompt(5, 6)
+    with ssd_only(gemma, tmp_path) as pc:
+        pc.prefill(a, prefill_step_size=BLOCK)
+        pc.flush()
+        key, path = chain_files(pc, a)[4]
+        meta = pc.ssd.get_meta(key)
+        flip_in(path, key, "1.keys" if where == "used" else "0.keys")
+        with pytest.raises(PayloadError, match="checksum"):  # the byte is flipped
+            payload.read_payload(path, key, meta.file_bytes, meta.checksum)
+        num, diff, _ = restore(gemma, pc, probe)
+        corrupt = pc.stats()["ssd"]["num_corrupt"]
+    missed = where == "used" or written == "before-digests"
+    assert num <= 4 * BLOCK if missed else num == POINT
+    assert corrupt == (1 if missed else 0)
+    assert diff == 0.0
