@@ -53,6 +53,12 @@ def written(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def short_gaps(monkeypatch):
+    """Tiny tensors skipped too (the default skips stretches of 256 KiB and more)."""
+    monkeypatch.setattr(tensor_digests, "MIN_SKIP", 0)
+
+
 def rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
@@ -114,12 +120,16 @@ def restore(gemma, pc, probe):
     return num, max_diff(prefill(gemma, probe[num:], cache, step=BLOCK), want), read
 
 
+@pytest.mark.parametrize("gate", ["any gap", "default"])
 def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
-    gemma, tmp_path, monkeypatch, path_kind, written
+    gemma, tmp_path, monkeypatch, path_kind, written, gate
 ):
     """The same restore with the digests looked at, and with them ignored (the control:
     every byte read, as the whole-file checksum needs): with digests, exactly the
-    unneeded tensors' bytes are not read; files without them are read whole either way."""
+    unneeded tensors' bytes are not read; files without them are read whole either way,
+    and so are files whose unneeded stretches are under MIN_SKIP (all of them here)."""
+    if gate == "any gap":
+        monkeypatch.setattr(tensor_digests, "MIN_SKIP", 0)
     a = prompt(1, 100)
     probe = a[:POINT] + prompt(5, 6)
     with ssd_only(gemma, tmp_path) as pc:
@@ -138,7 +148,7 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
         assert pc.stats()["ssd"]["num_corrupt"] == 0
     assert num == POINT and diff == 0.0
     assert whole >= total
-    if written == "digests":
+    if written == "digests" and gate == "any gap":
         assert whole - skipped - 64 <= read <= whole - skipped
     else:
         assert abs(read - whole) <= 64
@@ -160,7 +170,9 @@ def test_digests_leave_the_files_safetensors_and_whole_checksummed(gemma, tmp_pa
 
 
 @pytest.mark.parametrize("where", ["used", "unneeded"])
-def test_a_flipped_byte_fails_only_where_it_is_read(gemma, tmp_path, path_kind, written, where):
+def test_a_flipped_byte_fails_only_where_it_is_read(
+    gemma, tmp_path, short_gaps, path_kind, written, where
+):
     """A byte flipped in block 4's global layer (used): the block is a miss, the
     restore stops before it, exact. In its window layer (unneeded): never read with
     digests, the restore is whole and exact; without digests the whole-file checksum
@@ -181,3 +193,19 @@ def test_a_flipped_byte_fails_only_where_it_is_read(gemma, tmp_path, path_kind, 
     assert num <= 4 * BLOCK if missed else num == POINT
     assert corrupt == (1 if missed else 0)
     assert diff == 0.0
+
+
+def test_only_stretches_of_min_skip_bytes_are_skipped():
+    def spans(*sizes):
+        out, at = [], 0
+        for i, n in enumerate(sizes):
+            out.append((f"{i}.keys", "BF16", (n // 2,), at, at + n))
+            at += n
+        return out
+
+    big, small = tensor_digests.MIN_SKIP, tensor_digests.MIN_SKIP // 2
+    assert tensor_digests.worth_skipping(spans(big, 8, big), [True, False, True])
+    assert tensor_digests.worth_skipping(spans(small, small, 8), [True, True, False])
+    assert not tensor_digests.worth_skipping(spans(big, 8, small), [True, False, True])
+    assert not tensor_digests.worth_skipping(spans(small, 8), [True, False])
+    assert not tensor_digests.worth_skipping(spans(big, 8), [False, False])

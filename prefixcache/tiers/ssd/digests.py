@@ -13,6 +13,7 @@ shape, offsets): a damaged entry of a used tensor fails like damaged data.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -24,6 +25,12 @@ from .read_into import Buffer, preadv_all
 
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 FIELD = "xxh3"
+# Skip unused tensors only where each stretch of them is at least this long: warm,
+# reading a file whole in one call beats many short reads around short gaps
+# (gpt-oss-20b's shape: a 32 KiB or 128 KiB gap per layer made the fetch 1.3-1.8x
+# slower at blocks 16 and 64; 512 KiB gaps at block 256 no slower:
+# tools/bench_blocks.py --shape gpt-oss-20b --tiers ssd).
+MIN_SKIP = 256 << 10
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
 _MASK = re.compile(rb'"xxh3":"[0-9a-f]{16}"')
@@ -35,11 +42,16 @@ _ENTRY = re.compile(
 )
 
 
-def tensor_hasher(span: _Span) -> xxhash.xxh3_64:
-    """An xxh3-64 primed with the tensor's header entry; its data go in next."""
+@functools.lru_cache(maxsize=4096)
+def seed(span: _Span) -> int:
+    """The seed of a tensor's digest: the xxh3-64 of its header entry."""
     name, dtype, shape, start, end = span
-    entry = f"{name}\0{dtype}\0{','.join(map(str, shape))}\0{start}\0{end}\0"
-    return xxhash.xxh3_64(entry.encode())
+    return xxhash.xxh3_64_intdigest(f"{name}\0{dtype}\0{shape}\0{start}\0{end}".encode())
+
+
+def tensor_hasher(span: _Span) -> xxhash.xxh3_64:
+    """An xxh3-64 of the tensor's data to come, seeded by its header entry."""
+    return xxhash.xxh3_64(seed=seed(span))
 
 
 def of_tensors(tensors: Sequence[Tensor]) -> list[int]:
@@ -61,16 +73,37 @@ def masked(text: bytes) -> bytes:
     return _MASK.sub(_MASKED, text)
 
 
+def worth_skipping(spans: Sequence[_Span], unused: Sequence[bool]) -> bool:
+    """Whether the unused tensors (``unused[i]`` for ``spans[i]``) come in stretches
+    of MIN_SKIP bytes or more, every one (and there is one)."""
+    stretch, any_unused = 0, False
+    for span, skip in zip(spans, unused, strict=True):
+        if skip:
+            stretch += span[4] - span[3]
+            any_unused = True
+        elif stretch:
+            if stretch < MIN_SKIP:
+                return False
+            stretch = 0
+    return any_unused and (stretch == 0 or stretch >= MIN_SKIP)
+
+
 def parse(text: bytes, spans: Sequence[_Span]) -> dict[str, int] | None:
     """name -> digest from a checked header's ``text``, if every one of its
     tensors (``spans``) has exactly one; else None (the file is read whole)."""
-    found = _ENTRY.findall(text)
-    if len(found) != len(spans):
+    where = _where(masked(text), len(spans))
+    if where is None or any(s[0] not in where for s in spans):
         return None
-    digests = {name.decode("utf-8", "replace"): int(hex_, 16) for name, hex_ in found}
-    if len(digests) != len(spans) or any(s[0] not in digests for s in spans):
-        return None
-    return digests
+    return {name: int(text[at : at + 16], 16) for name, at in where.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _where(layout: bytes, count: int) -> dict[str, int] | None:
+    """name -> where its digest's 16 hex digits start, for headers of ``layout``
+    (digests zeroed: alike for a layout's blocks, so found once)."""
+    found = list(_ENTRY.finditer(layout))
+    where = {m.group(1).decode("utf-8", "replace"): m.start(2) for m in found}
+    return where if len(found) == len(where) == count else None
 
 
 def read_used(

@@ -153,8 +153,8 @@ def _read_file(
         else:
             views, arrays[name], _ = dest
             steps.add(views, end - start)
-    skipped = any(d is UNNEEDED for d in dests)  # unread where the file has digests
-    digests = tensor_digests.parse(prefix[8:], spans) if skipped else None
+    skip = tensor_digests.worth_skipping(spans, [d is UNNEEDED for d in dests])
+    digests = tensor_digests.parse(prefix[8:], spans) if skip else None
     try:
         if digests is None:
             _read_checked(fd, steps.done(), prefix, meta.checksum, bufs)

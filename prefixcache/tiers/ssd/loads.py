@@ -80,7 +80,8 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     spans = parse_header(text, job.key, size - base)
     unneeded = judged.unneeded(spans)
     used = [s for s in spans if s[0] not in unneeded]
-    digests = tensor_digests.parse(text, spans) if len(used) < len(spans) else None
+    skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
+    digests = tensor_digests.parse(text, spans) if skip else None
     if digests is None:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
@@ -127,7 +128,6 @@ def _read_used(
         if pread_all(fd, slot[start:end], start) != end - start:
             raise PayloadError("short read")
         for span in group:
-            hasher = tensor_digests.tensor_hasher(span)
-            hasher.update(slot[base + span[3] : base + span[4]])
-            if hasher.intdigest() != digests[span[0]]:
+            data = slot[base + span[3] : base + span[4]]
+            if xxhash.xxh3_64_intdigest(data, tensor_digests.seed(span)) != digests[span[0]]:
                 raise PayloadError(f"payload tensor {span[0]!r} digest mismatch")
