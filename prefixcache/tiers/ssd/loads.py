@@ -41,6 +41,7 @@ class Judged:
     def __init__(self, judge: Place, index: int, count: int):
         self._judge, self._index, self._count = judge, index, count
         self._asked = False
+        self.skips: bool | None = None  # the run's first file's verdict: later ones alike
         self.head = 8  # bytes a file's first read takes: the last header's (a run's alike)
         self.answers: dict[str, np.ndarray] = {}  # name -> UNNEEDED or a region
 
@@ -67,7 +68,7 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     meta = job.meta
     assert meta is not None
     size = meta.file_bytes
-    if judged is None:
+    if judged is None or judged.skips is False:
         return _verified(job, slot, pread_all(fd, slot, 0))
     got = pread_all(fd, slot[: min(size + 1, judged.head)], 0)
     base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
@@ -82,6 +83,7 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
     digests = tensor_digests.parse(text, spans) if skip else None
+    judged.skips = digests is not None
     if digests is None:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
