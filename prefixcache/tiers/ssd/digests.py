@@ -27,9 +27,9 @@ _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start,
 FIELD = "xxh3"
 # Skip unused tensors only where each stretch of them is at least this long: warm,
 # reading a file whole in one call beats many short reads around short gaps
-# (gpt-oss-20b's shape: a 32 KiB or 128 KiB gap per layer made the fetch 1.3-1.8x
-# slower at blocks 16 and 64; 512 KiB gaps at block 256 no slower:
-# tools/bench_blocks.py --shape gpt-oss-20b --tiers ssd).
+# (gpt-oss-20b's shape, with this at 0: its 32 KiB and 128 KiB gaps made the fetch
+# 1.1-2.2x slower at blocks 16 and 64; its 512 KiB gaps at block 256 no slower:
+# tools/bench_blocks.py --shape gpt-oss-20b --blocks 16 64 256 --tiers ssd).
 MIN_SKIP = 256 << 10
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
