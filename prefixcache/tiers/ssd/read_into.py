@@ -21,10 +21,8 @@ from ...memory.host import (
     StreamedBlock,
 )
 
-Span = tuple[str, str, tuple[int, ...], int, int]
-Buffer = (
-    np.ndarray | memoryview
-)  # a writable, contiguous run of bytes  # name, dtype, shape, start, end
+Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
+Buffer = np.ndarray | memoryview  # a writable, contiguous run of bytes
 # What a reader hands the caller for a job: (the loose buffer, lent with the
 # block, or None; the block) or (None, the error that makes it a miss).
 Outcome = tuple[np.ndarray | None, StreamedBlock | PayloadError | OSError]
