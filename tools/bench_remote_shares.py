@@ -49,7 +49,7 @@ import time
 from dataclasses import replace
 
 import mlx.core as mx
-from bench_tenants import Result, Share, make_trace
+from bench_tenants import Result, Share, make_trace, row
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
@@ -140,7 +140,7 @@ def fairness(args: argparse.Namespace, server: RedisServer) -> list[dict[str, st
         empty = fresh(server, policy, memory if name == "no shares" else 0)
         res = run(model, requests, CacheConfig(**(base | shares)), name)
         memory = max(memory, used(server) - empty)
-        rows.append(_row(res))
+        rows.append(row(res))
         print("  ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     print(f"\nthe server's memory over empty, the most the shares' runs ended with: {memory} B")
     rows = rows[2:] + rows[:2]
@@ -152,24 +152,6 @@ def fairness(args: argparse.Namespace, server: RedisServer) -> list[dict[str, st
 
 def replace_ns(args: argparse.Namespace, **changes) -> argparse.Namespace:
     return argparse.Namespace(**(vars(args) | changes))
-
-
-def _row(res: Result) -> dict[str, str]:
-    pct = lambda t: f"{res.shares[t].percent:.1f}" if t in res.shares else "-"  # noqa: E731
-    c = res.counts
-    count = lambda k: str(c[k]) if c else "-"  # noqa: E731
-    return {
-        "system": res.system,
-        "B hit %": pct("b"),
-        "C hit %": pct("c"),
-        "A hit %": pct("a"),
-        "A held %": f"{res.a_held:.0f}" if c else "-",
-        "stored": count("num_stored"),
-        "evicted": count("num_evicted"),
-        "A cap evictions": count("num_cap_evictions"),
-        "refused": count("num_refused"),
-        "lost": count("lost"),
-    }
 
 
 def write_and_fetch(server: RedisServer, config: CacheConfig, chains) -> tuple[float, float]:

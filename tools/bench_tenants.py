@@ -169,7 +169,7 @@ def row(res: Result) -> dict[str, str]:
         "evicted": count("num_evicted"),
         "A cap evictions": count("num_cap_evictions"),
         "refused": count("num_refused"),
-        "lost": f"{c['lost'] + c['unmatched']}" if c else "-",
+        "lost": f"{c['lost'] + c.get('unmatched', 0)}" if c else "-",
     }
 
 
