@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 from conftest import max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
+from test_restore_grows import grow
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import token_bytes
@@ -27,19 +28,6 @@ WIDE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads":
 
 def runs_config(**over) -> CacheConfig:
     return CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_run_tokens=RUN, **over)
-
-
-def grow(model, cache, rest: list[int], steps: int) -> list[mx.array]:
-    """Prefill ``rest`` in chunks of BLOCK, then greedy decode ``steps`` tokens: the
-    logits of the prefill's last token and of every step."""
-    logits = prefill(model, rest, cache, step=BLOCK)
-    out = [logits]
-    for _ in range(steps):
-        token = mx.argmax(logits, axis=-1)
-        logits = model(token[:, None], cache=cache)[:, -1, :]
-        mx.eval(logits)
-        out.append(logits)
-    return out
 
 
 def stored(model, tokens: list[int]) -> list:
@@ -75,8 +63,8 @@ def test_a_restore_from_runs_grows_with_the_live_logits():
     assert num == 10 * BLOCK
     live = make_prompt_cache(model)
     prefill(model, asked[:num], live, step=BLOCK)
-    want = grow(model, live, asked[num:], 5)
-    got = grow(model, cache, asked[num:], 5)
+    want = grow(model, live, asked[num:], 5, step=BLOCK)
+    got = grow(model, cache, asked[num:], 5, step=BLOCK)
     assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 6
     # the control: one token of the restored chain other (its K/V as another run's)
     other = make_prompt_cache(model)
@@ -84,7 +72,7 @@ def test_a_restore_from_runs_grows_with_the_live_logits():
     for layer, o in zip(bad, other, strict=True):
         layer.keys[..., :num, :] = o.keys[..., :num, :]
         layer.values[..., :num, :] = o.values[..., :num, :]
-    wrong = grow(model, bad, asked[num:], 5)
+    wrong = grow(model, bad, asked[num:], 5, step=BLOCK)
     assert max_diff(wrong[0], want[0]) > 0.0
 
 

@@ -47,10 +47,10 @@ def address(a: mx.array) -> tuple[int, int]:
     return view.ctypes.data, view.ctypes.data + view.nbytes
 
 
-def grow(model, cache, rest: list[int], steps: int) -> list[mx.array]:
-    """Prefill ``rest`` (chunks of BLOCK), then ``steps`` greedy decode steps: the
+def grow(model, cache, rest: list[int], steps: int, step: int = BLOCK) -> list[mx.array]:
+    """Prefill ``rest`` (chunks of ``step``), then ``steps`` greedy decode steps: the
     logits of the prefill's last token and of every decode step."""
-    logits = prefill(model, rest, cache, step=BLOCK)
+    logits = prefill(model, rest, cache, step=step)
     out = [logits]
     for _ in range(steps):
         token = mx.argmax(logits, axis=-1)

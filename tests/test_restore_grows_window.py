@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import mlx.core as mx
 import pytest
 from conftest import max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from test_restore_grows import grow
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache import restore
@@ -65,19 +65,6 @@ def config(tier: str, tmp_path, remote_url: str = "") -> CacheConfig:
         ssd_min_free_bytes=0,
         write_queue_bytes=1 << 30,
     )
-
-
-def grow(model, cache, rest: list[int], steps: int) -> list[mx.array]:
-    """Prefill ``rest`` in chunks of BLOCK, then ``steps`` greedy decode steps: the
-    logits of the prefill's last token and of every decode step."""
-    logits = prefill(model, rest, cache, step=BLOCK)
-    out = [logits]
-    for _ in range(steps):
-        token = mx.argmax(logits, axis=-1)
-        logits = model(token[:, None], cache=cache)[:, -1, :]
-        mx.eval(logits)
-        out.append(logits)
-    return out
 
 
 def kinds(arrays) -> Counter:
@@ -127,8 +114,8 @@ def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
 
     live_cache = make_prompt_cache(model)
     prefill(model, shared, live_cache, step=STORED)
-    want = grow(model, live_cache, asked[num:], 6)
-    got = grow(model, cache, asked[num:], 6)
+    want = grow(model, live_cache, asked[num:], 6, step=BLOCK)
+    got = grow(model, cache, asked[num:], 6, step=BLOCK)
     assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 7
 
     if tier != "hot":  # no window or state tensor became an MLX array on the way
@@ -151,7 +138,7 @@ def test_restored_window_and_hybrid_caches_grow_with_the_live_logits(
         c.keys[..., -BLOCK:, :] = c.keys[..., -BLOCK:, :] * 0.5
     else:
         c[1] = c[1] * 0.5
-    wrong = grow(model, bad, asked[num:], 6)
+    wrong = grow(model, bad, asked[num:], 6, step=BLOCK)
     assert max_diff(wrong[0], want[0]) > 0.0
 
 
