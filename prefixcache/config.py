@@ -312,33 +312,6 @@ class CacheConfig:
         return self.write_queue_bytes
 
     @property
-    def tenant_floors(self) -> dict[str, int]:
-        """``hot_tenant_floors`` as bytes by tenant."""
-        return settings.parse_byte_map(self.hot_tenant_floors)
-
-    @property
-    def tenant_caps(self) -> dict[str, int]:
-        """``hot_tenant_caps`` as bytes by tenant."""
-        return settings.parse_byte_map(self.hot_tenant_caps)
-
-    @property
-    def ssd_tenant_floors_bytes(self) -> dict[str, int]:
-        """``ssd_tenant_floors`` as bytes by tenant."""
-        return settings.parse_byte_map(self.ssd_tenant_floors)
-
-    @property
-    def ssd_tenant_caps_bytes(self) -> dict[str, int]:
-        """``ssd_tenant_caps`` as bytes by tenant."""
-        return settings.parse_byte_map(self.ssd_tenant_caps)
-
-    @property
-    def tenant_shares(self) -> bool:
-        """Whether any tier has tenant floors or caps (else nothing is charged)."""
-        hot = (self.hot_tenant_floors, self.hot_tenant_caps)
-        remote = (self.remote_tenant_floors, self.remote_tenant_caps)
-        return any((*hot, self.ssd_tenant_floors, self.ssd_tenant_caps, *remote))
-
-    @property
     def ssd_path(self) -> str:
         return os.path.abspath(os.path.expanduser(self.ssd_dir))
 

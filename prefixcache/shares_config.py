@@ -11,6 +11,21 @@ from typing import Any
 from .errors import ConfigError
 from .settings import parse_byte_map
 
+TIERS = ("hot", "ssd", "remote")
+
+
+def tier_shares(config: Any, tier: str) -> tuple[dict[str, int], dict[str, int]]:
+    """``tier``'s tenant floors and caps as bytes by tenant (checked at the config's
+    construction, so they parse)."""
+    floors = getattr(config, f"{tier}_tenant_floors")
+    return parse_byte_map(floors), parse_byte_map(getattr(config, f"{tier}_tenant_caps"))
+
+
+def any_shares(config: Any) -> bool:
+    """Whether any tier has tenant floors or caps (else nothing is charged)."""
+    names = [f"{t}_tenant_{kind}" for t in TIERS for kind in ("floors", "caps")]
+    return any(getattr(config, name) for name in names)
+
 
 def check_tenant_shares(config: Any) -> None:
     """Check every tier's tenant floors and caps (``check_shares``)."""

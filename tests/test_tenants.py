@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.blocks import Block
 from prefixcache.errors import ConfigError
+from prefixcache.shares_config import tier_shares
 from prefixcache.tiers.hot.tenants import TenantShares, tenant_shares
 from prefixcache.tiers.hot.tier import HotTier
 
@@ -274,8 +275,7 @@ def test_bad_shares_are_refused_naming_the_value(changes, named):
 def test_shares_read_from_the_environment_and_a_bad_variable_is_named():
     env = {"PREFIXCACHE_HOT_TENANT_FLOORS": "b=1M, c=2M", "PREFIXCACHE_HOT_TENANT_CAPS": "a=1G"}
     config = CacheConfig.from_env(env)
-    assert config.tenant_floors == {"b": 1 << 20, "c": 2 << 20}
-    assert config.tenant_caps == {"a": 1 << 30}
+    assert tier_shares(config, "hot") == ({"b": 1 << 20, "c": 2 << 20}, {"a": 1 << 30})
     with pytest.raises(ConfigError, match="PREFIXCACHE_HOT_TENANT_FLOORS='b=9T'"):
         CacheConfig.from_env({"PREFIXCACHE_HOT_TENANT_FLOORS": "b=9T"})
 

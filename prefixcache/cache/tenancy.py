@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 
 import xxhash
 
+from ..shares_config import any_shares
 from ..tiers.base import SharesTenants
 from ..tiers.hot.tenants import COUNTERS, DEFAULT
 from ..tiers.stack import TierStack
@@ -52,7 +53,7 @@ class Tenancy:
 
     def __init__(self, tiers: TierStack) -> None:
         self.shares = tiers.hot.tenants
-        self.on = tiers.config.tenant_shares  # any tier has floors or caps
+        self.on = any_shares(tiers.config)  # any tier has floors or caps
         self.lower = [t for t in tiers.lower if isinstance(t, SharesTenants) and t.charges_tenants]
         self._owners: dict[str, str] = {}  # session -> its tenant
 

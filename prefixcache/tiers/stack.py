@@ -25,7 +25,7 @@ from ..memory import give_back
 from ..stats import Stats
 from .base import ChainEntry, CostGated, ListsChildren, Metered, Persistent, Tier
 from .governor import WriteGovernor, watch
-from .hot.tenants import tenant_shares
+from .hot.tenants import hot_shares
 from .hot.tier import CostHook, HotTier, ShedHook
 from .losses import EVICTED, NOT_ADMITTED, Losses
 from .pins import Pins
@@ -53,7 +53,7 @@ class TierStack:
             self.pins,
             cost,
             policy=config.eviction,
-            tenants=tenant_shares(config.tenant_floors, config.tenant_caps),
+            tenants=hot_shares(config),
         )
         self.lower = list(lower)
         self.all: list[Tier] = [self.hot, *self.lower]

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ...blocks import Block
+from ...shares_config import tier_shares
 from ..pins import Pins
 
 Kids = Mapping[bytes, Mapping[bytes, None]]  # the tier's parent key -> child keys
@@ -81,6 +82,11 @@ def tenant_shares(floors: Mapping[str, int], caps: Mapping[str, int]) -> TenantS
     """The shares of a tier with these floors and caps; None when neither is set
     (nothing is charged: the tier runs as it does without tenants)."""
     return TenantShares(floors, caps) if floors or caps else None
+
+
+def hot_shares(config: object) -> TenantShares | None:
+    """The hot tier's shares from a config's ``hot_tenant_floors`` and ``_caps``."""
+    return tenant_shares(*tier_shares(config, "hot"))
 
 
 class TenantShares:

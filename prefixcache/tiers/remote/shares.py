@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import redis
 
 from ...config import CacheConfig
-from ...settings import parse_byte_map
+from ...shares_config import tier_shares
 from ..hot.tenants import COUNTERS
 from .client import RemoteClient, RemoteUnavailable
 from .share_scripts import DEPTH, RELEASE, RESERVE, TAG, TOUCH
@@ -200,8 +200,7 @@ class RemoteShares:
 def remote_shares(config: CacheConfig, client: RemoteClient) -> RemoteShares | None:
     """The remote tier's shares of ``config``; None without remote floors or caps (the
     write path is then as without tenants: no script, no figures)."""
-    floors = parse_byte_map(config.remote_tenant_floors)
-    caps = parse_byte_map(config.remote_tenant_caps)
+    floors, caps = tier_shares(config, "remote")
     if not floors and not caps:
         return None
     return RemoteShares(client, config.remote_prefix, config.remote_max_bytes, floors, caps)

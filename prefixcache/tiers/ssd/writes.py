@@ -20,6 +20,7 @@ import lmdb
 
 from ...blocks import BlockMeta
 from ...config import CacheConfig
+from ...shares_config import tier_shares
 from ..base import BlockListener
 from ..writer import WriteItem
 from .files import create_temp, parent_fd, payload_path, unlink
@@ -50,7 +51,7 @@ class SsdWrites:
         self.index, self.payloads = index, payloads
         self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
         self.write_budget = config.ssd_write_budget
-        self.limits = Limits(config.ssd_tenant_floors_bytes, config.ssd_tenant_caps_bytes)
+        self.limits = Limits(*tier_shares(config, "ssd"))
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
         self._lock = threading.Lock()  # writer thread vs inline writes
