@@ -375,10 +375,11 @@ def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_i
     taken = threading.Event()
     primer = Primer(files[1:], taken)
     scratch = memoryview(bytearray(SLICE))
-    steps = 0
     while primer.step(scratch):
-        steps += 1
-    assert steps >= 2  # one slice per file at least
+        pass
+    # The outcome, not a count of slices: the kernel may start readahead on the
+    # primer's own non-blocking probe and finish it before the primer reads.
+    assert all(resident_pages(path) > 0 for path, _ in files[1:])
     assert all(cached(*f) for f in files[1:])
     assert resident_pages(files[0][0]) == 0  # the primer skips the first file
     again = Primer(files[1:], taken)
