@@ -7,6 +7,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -150,14 +151,34 @@ del buffers
 def test_processes_that_made_restore_buffers_exit_cleanly():
     """16 processes at once each make 48 restore buffers (``mx.load`` of an
     unwritten Python stream) and exit at once: every one exits 0. Without the wait
-    at exit (``EXIT_WAIT``), 12 of 48 such processes aborted (status 134), so 16
-    clean exits by chance would be about 1%."""
+    at exit (``EXIT_WAIT_MAX = 0``), 16 of 48 such processes aborted (status 134), so
+    16 clean exits by chance would be about 1%."""
     runs = [
         subprocess.Popen([sys.executable, "-c", _EXIT_CHILD], stderr=subprocess.PIPE)
         for _ in range(16)
     ]
     codes = [(p.wait(timeout=120), p.stderr.read().decode()[-200:]) for p in runs]
     assert all(code == 0 for code, _ in codes), codes
+
+
+def test_the_exit_waits_for_the_streams_mlx_has_not_freed(monkeypatch):
+    """The exit waits while a stream is alive (up to ``EXIT_WAIT_MAX``) and not
+    at all once MLX has freed every one."""
+    monkeypatch.setattr(restore_buffers, "EXIT_WAIT_MAX", 0.2)
+    with restore_buffers.batched() as batch:
+        slots = [batch.add((1, 2, 64, 16), mx.float32) for _ in range(3)]
+    mx.eval([restore_buffers.resolve(s) for s in slots])
+    start = time.monotonic()
+    restore_buffers._wait_for_readers()  # the IO thread frees the batch's stream
+    assert restore_buffers.pending_readers() == 0
+    assert time.monotonic() - start < 0.2
+    held = restore_buffers._Unwritten([((2,), mx.float32)])  # one not freed
+    assert restore_buffers.pending_readers() == 1
+    start = time.monotonic()
+    restore_buffers._wait_for_readers()
+    assert time.monotonic() - start >= 0.2
+    del held
+    assert restore_buffers.pending_readers() == 0
 
 
 def _thp_mode() -> str | None:

@@ -54,6 +54,7 @@ class _Unwritten:
     closed = False
 
     def __init__(self, specs: list[tuple[tuple[int, ...], mx.Dtype]]):
+        _count_reader(+1)
         meta, end = {}, 0
         for i, (shape, dtype) in enumerate(specs):
             nbytes = math.prod(shape) * dtype.size
@@ -85,24 +86,47 @@ class _Unwritten:
         self._pos += n
         return n
 
+    def __del__(self) -> None:
+        _count_reader(-1)
+
 
 # MLX reads a Python stream on an IO thread, whose task holds the stream's reader
 # and frees it after the load returns; freeing it takes the GIL. Should the
 # interpreter be shutting down by then, the thread is ended inside a C++
 # destructor and the process aborts ("terminate called without an active
 # exception", status 134): about one process in four that exits right after
-# making 48 ``empty`` buffers. Sleeping at exit (the GIL released) lets those
-# threads finish first (tests/test_restore_buffers.py exits 16 such processes at
-# once); 0.02 s suffices for 48 processes, this leaves a margin.
-EXIT_WAIT = 0.05  # seconds
+# making 48 ``empty`` buffers. So the readers alive are counted, and the exit
+# waits (the GIL released) until the IO thread has freed them all: no wait when
+# none is left, at most EXIT_WAIT_MAX for a stream an unevaluated array still holds
+# (tests/test_restore_buffers.py exits 16 such processes at once).
+EXIT_WAIT_MAX = 1.0  # seconds
+_readers = 0
+_readers_lock = threading.Lock()
 _exit_wait_registered = False
+
+
+def _count_reader(step: int) -> None:
+    global _readers
+    with _readers_lock:
+        _readers += step
+
+
+def pending_readers() -> int:
+    """Streams MLX's IO thread (or an unevaluated buffer) has not freed yet."""
+    return _readers
+
+
+def _wait_for_readers() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_MAX
+    while _readers and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 def _wait_at_exit() -> None:
     global _exit_wait_registered
     if not _exit_wait_registered:
         _exit_wait_registered = True
-        atexit.register(time.sleep, EXIT_WAIT)
+        atexit.register(_wait_for_readers)
 
 
 def empty(shape: tuple[int, ...], dtype: mx.Dtype, *, stream=None) -> mx.array:
