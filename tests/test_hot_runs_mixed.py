@@ -190,3 +190,45 @@ def test_the_budget_holds_with_mixed_runs(arch):
             pc.store(tokens, live(model, tokens))
             assert pc.hot.nbytes <= budget and pc.hot.nbytes == charged(pc)
         assert pc.hot.num_evictions > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_runs_spill_to_ssd_and_come_back_exactly(arch, tmp_path):
+    """Blocks of mixed runs written through to the SSD tier (their run's views and
+    their own arrays in one payload), then restored from hot, from hot and SSD
+    (the last run evicted), and from SSD alone: each grows with the live logits."""
+    model = tiny_model(arch)
+    tokens = prompt(10, STORED)
+    asked = tokens + prompt(11, 9)
+    cfg = CacheConfig(
+        block_size=BLOCK,
+        hot_run_tokens=RUN,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        write_policy="write_through",
+        promote=False,
+        restore_headroom=0,
+    )
+    with PrefixCache(model, cfg, model_id="t") as pc:
+        pc.store(tokens, live(model, tokens))
+        pc.flush()
+        assert all(b.run is not None for b in chain(pc, tokens))
+        restored = [pc.fetch(asked)]
+        keys = pc._keys(token_bytes(tokens), None)
+        pc.hot.evict_chain(keys[: 8 - 1 : -1], 0)  # the last run's 4 blocks
+        assert [b is not None for b in chain(pc, tokens)] == [True] * 8 + [False] * 4
+        restored.append(pc.fetch(asked))
+        pc.hot.evict_to(0)
+        assert pc.hot.nbytes == 0
+        restored.append(pc.fetch(asked))
+        bad, _ = pc.fetch(asked)
+    want = grow(model, live(model, tokens), asked[STORED:], 3, step=BLOCK)
+    for cache, num in restored:
+        assert num == STORED
+        got = grow(model, cache, asked[STORED:], 3, step=BLOCK)
+        assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 4
+    # the control: one block of a run's layer other
+    layer = min(kv_layers(model))
+    bad[layer].values[..., 2 * BLOCK : 3 * BLOCK, :] = bad[layer].values[..., :BLOCK, :]
+    wrong = grow(model, bad, asked[STORED:], 3, step=BLOCK)
+    assert max_diff(wrong[0], want[0]) > 0.0
