@@ -46,22 +46,37 @@ class Run:
     tokens ``[j * block_size, (j + 1) * block_size)`` of it. Its blocks' arrays are
     views (slices) of these, so the memory lives until the last of them goes (the
     hot tier charges it as one buffer: tiers/hot/runs.py), and a restore copies a
-    segment of consecutive blocks in one copy per name (memory/runs.py).
+    segment of consecutive blocks in one copy per name (memory/runs.py). A run may
+    hold some layers only (the plain K/V ones of a model with window or recurrent
+    layers): its blocks own their other layers' arrays.
 
     Attributes:
         arrays: the run's arrays by flat payload name (``"{layer}.{name}"``).
+        layers: the layers whose payloads it holds.
         first: chain index of its first block.
         num_blocks, block_size: its length in blocks, and tokens per block.
         nbytes: bytes of its arrays (the memory it holds).
+        block_nbytes: bytes of one block's slice of them.
         host: host bytes of its arrays by name, made on a first restore.
     """
 
-    __slots__ = ("arrays", "block_size", "first", "host", "nbytes", "num_blocks")
+    __slots__ = (
+        "arrays",
+        "block_nbytes",
+        "block_size",
+        "first",
+        "host",
+        "layers",
+        "nbytes",
+        "num_blocks",
+    )
 
     def __init__(self, arrays: dict[str, mx.array], first: int, num_blocks: int, block_size: int):
         self.arrays, self.first = arrays, first
         self.num_blocks, self.block_size = num_blocks, block_size
         self.nbytes = sum(a.nbytes for a in arrays.values())
+        self.block_nbytes = self.nbytes // num_blocks
+        self.layers = frozenset(int(name.partition(".")[0]) for name in arrays)
         self.host: dict[str, Any] = {}  # numpy views (memory/runs.py)
 
     def slices(self, j: int) -> dict[str, mx.array]:

@@ -55,11 +55,12 @@ class CacheConfig:
             tokens after the last full block are kept too, as a tail.
         hot_max_bytes: byte budget of the hot tier (live arrays in RAM).
         hot_cache_only: keep everything in RAM; no SSD directory, no disk I/O.
-        hot_run_tokens: on models whose every layer is a plain KVCache, the new
-            consecutive blocks of one store are kept as runs of up to this many
-            tokens (one array per layer's K and V, at most a sixteenth of
-            ``hot_max_bytes``; each block a view of it), and a hot restore copies
-            a run's blocks in one copy per array (memory/runs.py). The default,
+        hot_run_tokens: the plain KVCache layers of the new consecutive blocks
+            of one store are kept as runs of up to this many tokens (one array
+            per layer's K and V, at most a sixteenth of ``hot_max_bytes``; each
+            block a view of it; a window or recurrent layer's payload stays the
+            block's own), and a hot restore copies a run's blocks in one copy per
+            array (memory/runs.py). The default,
             256, makes runs only of blocks smaller than that (a 64-dim bf16 head
             gives 32 KiB per 256 tokens: copies of that size run at memcpy speed);
             0: each block owns its arrays.

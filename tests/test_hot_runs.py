@@ -7,7 +7,7 @@ a restore from runs grows (prefill and decode past its length) with the live
 run's logits bit for bit, one token changed gives other logits; the tier is
 charged by buffer (a run's bytes until its last block goes; a mostly dead run
 compacted), the budget holds, and blocks of runs spill to and come back from
-the SSD tier exactly; quantized and hybrid models keep per-block arrays.
+the SSD tier exactly; quantized models keep per-block arrays.
 """
 
 from __future__ import annotations
@@ -186,9 +186,10 @@ def test_blocks_of_runs_spill_to_ssd_and_come_back_exactly(tmp_path):
             assert mx.array_equal(c.values[..., :num, :], lv.values[..., :num, :]).item()
 
 
-def test_quantized_and_windowed_models_keep_per_block_arrays():
-    """Runs are cut only where every layer's codec cuts them (plain K/V): a quantized
-    cache and a model with sliding-window layers keep each block's own arrays."""
+def test_quantized_models_keep_per_block_arrays_windowed_ones_run_their_kv():
+    """Runs are cut of the layers whose codec cuts them (plain K/V): a quantized cache
+    keeps each block's own arrays, a model with sliding-window layers runs its
+    global layers only (tests/test_hot_runs_mixed.py)."""
     model = tiny_model("llama", **WIDE, head_dim=32)
     tokens = prompt(9, 8 * BLOCK)
     with PrefixCache(model, runs_config(kv_bits=8, kv_group_size=32), model_id="t") as pc:
@@ -201,7 +202,9 @@ def test_quantized_and_windowed_models_keep_per_block_arrays():
     with PrefixCache(model, runs_config(), model_id="t") as pc:
         pc.store(tokens, stored(model, tokens))
         blocks = run_of(pc, tokens)
-        assert blocks and all(b.run is None for b in blocks)
+        kv = [i for i, c in enumerate(model.make_cache()) if type(c).__name__ == "KVCache"]
+        assert blocks and all(b.run is not None and b.run.layers == set(kv) for b in blocks)
+        assert len(kv) < len(model.layers)
     model = tiny_model("llama", **WIDE)  # the same store of a plain K/V model: runs
     with PrefixCache(model, runs_config(), model_id="t") as pc:
         pc.store(tokens, stored(model, tokens))

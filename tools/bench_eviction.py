@@ -35,6 +35,7 @@ evictions; blocks dropped at insertion because their parent went are not in it.
     python tools/bench_eviction.py --synthetic --seeds 10 --budget 3M 6M 10M 16M
     python tools/bench_eviction.py --synthetic --seeds 10 --session-span 0.25
     python tools/bench_eviction.py --synthetic --seeds 10 --policies lru,cost,adaptive
+    python tools/bench_eviction.py --synthetic --seeds 10 --policies lru --run-tokens 0,256,1024
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic", action="store_true", help="zeros for K/V, no model run")
     p.add_argument("--mlx-lru", action="store_true", help="also mlx-lm's LRUPromptCache")
     p.add_argument("--policies", default="lru,cost", help="hot evictions, the first the reference")
+    p.add_argument(
+        "--run-tokens",
+        default="",
+        help="hot_run_tokens values, each with every policy (0,256,1024; default: the config's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seeds", type=int, default=1, help="traces (seed, seed + 1, ...), summed")
     return p
@@ -151,6 +157,7 @@ class Result:
     seeds: int = 1
     synthetic: bool = False
     evictions: int = 0
+    compacted: int = 0  # runs whose last blocks were copied out (hot_run_tokens)
     ended_held: float = 0.0  # tokens of ended sessions hot holds, mean over requests
 
 
@@ -190,6 +197,7 @@ def run(result: Result, pc: Any, model, systems, trace, args) -> None:
             result.ended_held += sum(map(pc.match, ended)) / len(trace)
     if isinstance(pc, PrefixCache):
         result.evictions += pc.stats()["hot"]["num_evictions"]
+        result.compacted += pc.stats()["hot"]["num_runs_compacted"]
     pc.close()
     result.wall_s += time.perf_counter() - began
 
@@ -207,6 +215,7 @@ def summary(r: Result, reference: Result) -> dict[str, str]:
         "chats GFLOP": f"{r.flops['chat'] / 1e9:7.2f}",
         "prefill s": "-" if r.synthetic else f"{r.prefill_s:6.2f}",
         "evictions": "-" if r.name == MLX else f"{r.evictions:,}",
+        "runs compacted": "-" if r.name == MLX else f"{r.compacted:,}",
         "ended-session tokens held": "-" if r.name == MLX else f"{r.ended_held / r.seeds:,.0f}",
         "wall": f"{r.wall_s:5.1f} s",
     }
@@ -243,6 +252,20 @@ def _probe(model) -> list[Any]:
     return cache
 
 
+def systems_at(args, model, base: CacheConfig) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, maker) of each policy, with each ``--run-tokens`` value if given."""
+    made = []
+    runs = [int(v) for v in args.run_tokens.split(",")] if args.run_tokens else [None]
+    for tokens in runs:
+        for policy in args.policies.split(","):
+            cfg = base.replace(eviction=policy)
+            name = policy
+            if tokens is not None:
+                cfg, name = cfg.replace(hot_run_tokens=tokens), f"{policy} runs {tokens}"
+            made.append((name, partial(PrefixCache, model, cfg)))
+    return made
+
+
 def main() -> None:
     args = setup_arg_parser().parse_args()
     width = {"hidden_size": args.hidden, "intermediate_size": args.intermediate}
@@ -254,10 +277,7 @@ def main() -> None:
     base = CacheConfig(block_size=args.block_size, hot_cache_only=True, restore_headroom=0)
     rows = []
     for budget in args.budget:
-        made: list[tuple[str, Callable[[], Any]]] = [
-            (p, partial(PrefixCache, model, base.replace(hot_max_bytes=budget, eviction=p)))
-            for p in args.policies.split(",")
-        ]
+        made = systems_at(args, model, base.replace(hot_max_bytes=budget))
         if args.mlx_lru:
             made.append((MLX, partial(MlxLRU, model, budget)))
         reference = None

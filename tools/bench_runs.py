@@ -4,7 +4,8 @@ One model-shaped cache (``--shape``: a preset of tools/shapes.py) of ``--tokens`
 tokens is stored once per (block size, run tokens) pair in its own hot-only
 ``PrefixCache``; then, round after round, each is restored through
 ``PrefixCache.fetch`` and followed by the reference: the same bytes copied into
-ONE fresh numpy buffer (``empty`` + ``copyto``). Every restore and reference of
+ONE fresh numpy buffer (``empty`` + ``copyto``; the bytes a restore copies, as
+tools/bench_blocks.py counts them, at the smallest block size). Every restore and reference of
 a round runs in the same memory state (the same process, buffers freed between
 them), which ``tools/bench_blocks.py``'s separate processes per checkout and its
 block sizes in order do not give. Prints the medians: fetch ms, fetch / the
@@ -23,7 +24,7 @@ import statistics
 import time
 
 import numpy as np
-from shapes import filled_cache, model_for, named
+from shapes import cache_bytes, filled_cache, model_for, named
 
 from prefixcache import CacheConfig, PrefixCache
 
@@ -71,8 +72,11 @@ def main() -> None:
                 block_size=bs, hot_cache_only=True, hot_max_bytes=64 << 30, hot_run_tokens=run
             )
             pc = caches[bs, run] = PrefixCache(model, cfg, model_id="bench")
-            pc.store(tokens, filled_cache(shape, model, args.tokens))
-    nbytes = next(iter(caches.values())).stats()["hot"]["nbytes"]
+            filled = filled_cache(shape, model, args.tokens)
+            pc.store(tokens, filled)
+    # the bytes a restore copies (a window layer's last blocks only; not every block's
+    # window payload and state snapshot the tier holds), at the smallest block size
+    nbytes = cache_bytes(filled, args.tokens, min(args.blocks))
     source = np.frombuffer(os.urandom(nbytes), np.uint8)
     fetches: dict[tuple[int, int], list[tuple[float, float]]] = {k: [] for k in caches}
     refs: list[tuple[float, float]] = []

@@ -169,8 +169,8 @@ def _upgrade(old: Block, arrays: dict[str, mx.array], index: int) -> Block | Non
     gained = _gained(old.arrays, arrays)
     if not gained:
         return None
-    merged = {**old.arrays, **gained}
-    return Block.make(old.key, old.parent, old.root, index, old.tokens, merged, old.tenant)
+    merged = {**old.arrays, **gained}  # views of a run stay its run's (charged by it)
+    return Block.make(old.key, old.parent, old.root, index, old.tokens, merged, old.tenant, old.run)
 
 
 def _runs(
@@ -182,13 +182,16 @@ def _runs(
     runs: tuple[int, int],
 ) -> list[Block]:
     """``new`` with its consecutive blocks cut as runs (memory/runs.py) of at most
-    ``runs`` (tokens, bytes), where every layer's codec ``cuts_runs``."""
+    ``runs`` (tokens, bytes): the payloads of the layers whose codec ``cuts_runs``
+    (the others' stay each block's own)."""
     num = run_blocks(new, *runs)
-    if num < 2 or not all(codec.cuts_runs for codec in codecs):
+    layers = [i for i, codec in enumerate(codecs) if codec.cuts_runs]
+    if num < 2 or not layers:
         return new
 
     def cut_run(start: int, end: int) -> dict[str, mx.array]:
-        return _cut(codecs, cache, start, end, length, False)
+        cuts = {i: codecs[i].cut(cache[i], start, end, length=length) for i in layers}
+        return {f"{i}.{name}": arr for i, cut in cuts.items() for name, arr in cut.items()}
 
     return pack(new, cut_run, block_size, num)
 

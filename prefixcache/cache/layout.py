@@ -151,7 +151,7 @@ class ModelLayout:
         if len(lean) == len(block.arrays):
             return None
         b = block
-        return Block.make(b.key, b.parent, b.root, b.index, b.tokens, lean, b.tenant)
+        return Block.make(b.key, b.parent, b.root, b.index, b.tokens, lean, b.tenant, b.run)
 
     def block_cost(self, block: Block) -> float:
         """FLOPs to prefill ``block``'s tokens again after those before it."""

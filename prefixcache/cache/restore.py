@@ -220,24 +220,28 @@ def _add_resident(
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
     can (``Builder.add_resident``: one copy per buffer), else one at a time (each
-    block's payload split by layer once, when first needed). Where every layer
-    takes every block, a run's consecutive blocks are merged (one copy each)."""
-    resident = [(loader.payload(i)[0], loader.resident_views(i)) for i in order]
+    block's payload split by layer once, when first needed). For the layers that
+    take the same blocks (every K/V layer; a window's layers their last ones), a
+    run's consecutive blocks are merged where the run holds those layers (one copy
+    each)."""
+    resident = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
     layers: dict[int, list[int]] = {}
     for index in order:
         for layer in users[index]:
             layers.setdefault(layer, []).append(index)
-    if all(len(indices) == len(order) for indices in layers.values()):
-        resident = coalesce(resident)
-    blocks = dict(zip(order, resident, strict=True))
-    split: dict[int, dict[int, dict[str, Any]]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for layer, indices in layers.items():
-        if builders[layer].add_resident(indices, [blocks[i] for i in indices], f"{layer}."):
-            continue
-        for i in indices:
-            if i not in split:
-                split[i] = split_layers(blocks[i][0])
-        builders[layer].add_each(indices, [split[i].get(layer, {}) for i in indices])
+        groups.setdefault(tuple(indices), []).append(layer)
+    split: dict[int, dict[int, dict[str, Any]]] = {}
+    for indices, group in groups.items():
+        blocks = coalesce([resident[i] for i in indices], frozenset(group))
+        for layer in group:
+            if builders[layer].add_resident(indices, blocks, f"{layer}."):
+                continue
+            for i in indices:
+                if i not in split:
+                    split[i] = split_layers(resident[i][0])
+            builders[layer].add_each(indices, [split[i].get(layer, {}) for i in indices])
 
 
 def _add_block(

@@ -10,12 +10,17 @@ blocks.py). A restore copies each segment of consecutive blocks of one run in
 one copy per name (``coalesce``): pieces of n x 2 KiB per head.
 
 Only payloads that are token-axis slices of 4-axis arrays copied by host bytes
-take runs (plain K/V: ``Codec.cuts_runs``); the caller decides.
+take runs (plain K/V: ``Codec.cuts_runs``); the caller decides which layers. On
+a model with window or recurrent layers the run holds its plain K/V layers only:
+each block keeps its own arrays for the others (a window's K/V near restore
+points, a state snapshot), and a restore merges a segment only for the layers
+its run holds (``coalesce``'s ``layers``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import mlx.core as mx
@@ -29,8 +34,9 @@ CutRange = Callable[[int, int], dict[str, mx.array]]  # tokens [start, end) -> p
 def pack(blocks: Sequence[Block], cut: CutRange, block_size: int, max_blocks: int) -> list[Block]:
     """``blocks`` (new full blocks, root-first), those of each stretch of consecutive
     indices cut as runs of up to ``max_blocks`` (``cut`` of the stretch's tokens,
-    not evaluated): each block's arrays then views of its run's. A stretch of one
-    block, or a payload whose names differ from the run's, keeps its own arrays."""
+    not evaluated: the payloads of the layers runs take): each block's arrays of
+    those names then views of its run's, its other arrays its own. A stretch of
+    one block, or a block lacking one of the run's names, keeps its own arrays."""
     out: list[Block] = []
     for stretch in _stretches(blocks, block_size, max_blocks):
         if len(stretch) < 2:
@@ -39,16 +45,18 @@ def pack(blocks: Sequence[Block], cut: CutRange, block_size: int, max_blocks: in
         first = stretch[0].index
         arrays = cut(first * block_size, (first + len(stretch)) * block_size)
         names = arrays.keys()
-        if any(b.arrays.keys() != names for b in stretch) or any(
-            a.ndim != 4 for a in arrays.values()
+        if (
+            not arrays
+            or any(not names <= b.arrays.keys() for b in stretch)
+            or any(a.ndim != 4 for a in arrays.values())
         ):
             out += stretch
             continue
         run = Run(arrays, first, len(stretch), block_size)
-        out += [
-            Block.make(b.key, b.parent, b.root, b.index, b.tokens, run.slices(j), b.tenant, run)
-            for j, b in enumerate(stretch)
-        ]
+        for j, b in enumerate(stretch):
+            views = run.slices(j)  # in the block's own order of names
+            own = {n: views.get(n, a) for n, a in b.arrays.items()}
+            out.append(Block.make(b.key, b.parent, b.root, b.index, b.tokens, own, b.tenant, run))
     return out
 
 
@@ -88,34 +96,43 @@ def host_of(run: Run, name: str) -> np.ndarray:
     return view
 
 
-class RunViews(Mapping[str, np.ndarray]):
-    """Host bytes of blocks ``[lo, hi)`` of a run (counted from its first), by name:
-    one strided view of the run's memory per name, made when looked up."""
-
-    __slots__ = ("hi", "lo", "run")
-
-    def __init__(self, run: Run, lo: int, hi: int):
-        self.run, self.lo, self.hi = run, lo, hi
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        bs = self.run.block_size
-        return host_of(self.run, name)[:, :, self.lo * bs : self.hi * bs, :]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.run.arrays)
-
-    def __len__(self) -> int:
-        return len(self.run.arrays)
-
-
 Resident = tuple[Mapping[str, Any], Mapping[str, np.ndarray]]
 COVERED: Mapping[str, np.ndarray] = {}  # a block whose bytes an earlier entry's views hold
 
 
-def coalesce(blocks: Sequence[Resident]) -> list[Resident]:
+class RunViews(Mapping[str, np.ndarray]):
+    """Host bytes of blocks ``[lo, hi)`` of a run (counted from its first), by name:
+    one strided view of the run's memory per name, made when looked up; and
+    ``own``: host bytes of a block's arrays outside the run (its other layers')."""
+
+    __slots__ = ("hi", "lo", "own", "run")
+
+    def __init__(self, run: Run, lo: int, hi: int, own: Mapping[str, np.ndarray] | None = None):
+        self.run, self.lo, self.hi = run, lo, hi
+        self.own = own if own is not None else COVERED
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.run.arrays:
+            return self.own[name]
+        bs = self.run.block_size
+        return host_of(self.run, name)[:, :, self.lo * bs : self.hi * bs, :]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.run.arrays or name in self.own
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.run.arrays
+        yield from self.own
+
+    def __len__(self) -> int:
+        return len(self.run.arrays) + len(self.own)
+
+
+def coalesce(blocks: Sequence[Resident], layers: AbstractSet[int] = frozenset()) -> list[Resident]:
     """Resident blocks (consecutive, in chain order) with each segment of consecutive
-    blocks of one run merged: its first entry's views span the segment, the others'
-    are ``COVERED`` (empty); payloads are kept as they are."""
+    blocks of one run that holds ``layers`` merged: its first entry's views span the
+    segment (the run's names only: for the builders of ``layers``), the others' are
+    ``COVERED`` (empty); payloads are kept as they are."""
     out: list[Resident] = []
     head = -1  # index in ``out`` of the current segment's first entry
     for payload, views in blocks:
@@ -129,6 +146,7 @@ def coalesce(blocks: Sequence[Resident]) -> list[Resident]:
             out[head] = (out[head][0], RunViews(last.run, last.lo, views.hi))
             out.append((payload, COVERED))
             continue
-        head = len(out) if type(views) is RunViews else -1
+        runs = type(views) is RunViews and layers <= views.run.layers
+        head = len(out) if runs else -1
         out.append((payload, views))
     return out

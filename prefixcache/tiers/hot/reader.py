@@ -21,7 +21,8 @@ from ..base import TierReader
 class HostViews:
     """Host bytes of held blocks' 4-axis arrays, made on a block's first restore
     and kept until the tier lets the block go (``forget``). A block of a run gets
-    its slice of the run's (``RunViews``: a restore merges consecutive ones)."""
+    its slice of the run's (``RunViews``: a restore merges consecutive ones), and
+    views of its own arrays outside the run."""
 
     def __init__(self) -> None:
         self._made: dict[bytes, tuple[Block, Mapping[str, np.ndarray]]] = {}
@@ -34,7 +35,12 @@ class HostViews:
                 j = block.index - run.first
                 for name in run.arrays if not run.host else ():  # once per run
                     host_of(run, name)
-                views: Mapping[str, np.ndarray] = RunViews(run, j, j + 1)
+                own = {
+                    n: host_bytes(a)
+                    for n, a in block.arrays.items()
+                    if a.ndim == 4 and n not in run.arrays
+                }  # its layers outside the run (a window's K/V)
+                views: Mapping[str, np.ndarray] = RunViews(run, j, j + 1, own)
             else:
                 views = {n: host_bytes(a) for n, a in block.arrays.items() if a.ndim == 4}
             made = self._made[block.key] = (block, views)

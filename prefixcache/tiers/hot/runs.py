@@ -11,6 +11,8 @@ chain continues: live bytes at most half the run) is compacted: its surviving
 blocks get their own copies (one evaluation) in their LRU places, and the run's
 memory goes. So dead bytes stay under half of each run held.
 
+A block may own arrays outside its run (a model's window or recurrent layers):
+those are charged as a block of no run's are, on top of the run's buffer.
 Policies, tenants and pins see each block's own bytes, as without runs; the
 tier's ``nbytes`` (and so its budget and ``room``) counts the dead bytes too.
 Not thread-safe by itself: the tier's caller holds the lock.
@@ -37,35 +39,38 @@ class HotRuns:
         self.num_compacted = 0
 
     def charge(self, block: Block) -> int:
-        """Bytes ``block`` adds to the tier as it is put: its run's whole buffer for
-        the first of it held, nothing for the others; a block of no run its own."""
+        """Bytes ``block`` adds to the tier as it is put: its arrays outside its run,
+        and its run's whole buffer for the first of it held; a block of no run its own."""
         run = block.run
         if run is None:
             return block.nbytes
+        own = block.nbytes - run.block_nbytes
         self._of[block.key] = run
         held = self._held.get(run)
         if held is None:
             self._held[run] = {block.key: None}
-            return run.nbytes
+            return own + run.nbytes
         held[block.key] = None
-        return 0
+        return own
 
     def release(self, block: Block) -> int:
-        """Bytes the tier frees as ``block`` leaves it (popped already): its own, or
-        its run's once none of the run is held, or the dead bytes of a run compacted."""
+        """Bytes the tier frees as ``block`` leaves it (popped already): its arrays
+        outside its run (all of them for a block of no run), and its run's buffer once
+        none of the run is held, or the dead bytes of a run compacted."""
         run = self._of.pop(block.key, None)
         if run is None:
             return block.nbytes
+        own = block.nbytes - run.block_nbytes  # its window K/V or state snapshot, if any
         held = self._held[run]
         del held[block.key]
         if not held:
             del self._held[run]
-            return run.nbytes
-        live = sum(self._blocks[k].nbytes for k in held)
+            return own + run.nbytes
+        live = len(held) * run.block_nbytes
         if 2 * live > run.nbytes:
-            return 0
+            return own
         self._compact(run, list(held))
-        return run.nbytes - live
+        return own + run.nbytes - live
 
     def _compact(self, run: Run, keys: list[bytes]) -> None:
         """Give the held blocks ``keys`` of ``run`` their own memory (same keys, LRU places)."""
@@ -73,7 +78,8 @@ class HotRuns:
         for k in keys:
             del self._of[k]
         old = [self._blocks[k] for k in keys]
-        arrays = [{n: _own(a) for n, a in b.arrays.items()} for b in old]
+        names = run.arrays
+        arrays = [{n: _own(a) if n in names else a for n, a in b.arrays.items()} for b in old]
         mx.eval(arrays)
         for b, own in zip(old, arrays, strict=True):
             self._blocks[b.key] = Block(
@@ -86,7 +92,7 @@ class HotRuns:
         """Bytes of the runs held that their blocks held no longer (part of ``nbytes``)."""
         dead = 0
         for run, held in self._held.items():
-            dead += run.nbytes - sum(self._blocks[k].nbytes for k in held)
+            dead += run.nbytes - len(held) * run.block_nbytes
         return dead
 
     def stats(self) -> dict[str, int]:
