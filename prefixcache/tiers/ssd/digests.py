@@ -25,7 +25,8 @@ from .read_into import Buffer, preadv_all
 
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 FIELD = "xxh3"
-# Skip unused tensors only where each stretch of them is at least this long: warm,
+# Skip unused tensors only where each stretch of them is at least this long (or ends
+# the file: the writer puts what restores mostly skip last): warm,
 # reading a file whole in one call beats many short reads around short gaps
 # (gpt-oss-20b's shape, with this at 0: its 32 KiB and 128 KiB gaps made the fetch
 # 1.1-2.2x slower at blocks 16 and 64; its 512 KiB gaps at block 256 no slower:
@@ -75,7 +76,8 @@ def masked(text: bytes) -> bytes:
 
 def worth_skipping(spans: Sequence[_Span], unused: Sequence[bool]) -> bool:
     """Whether the unused tensors (``unused[i]`` for ``spans[i]``) come in stretches
-    of MIN_SKIP bytes or more, every one (and there is one)."""
+    of MIN_SKIP bytes or more, every one but a last one that ends the file (and
+    there is one): a read that stops before the file's end costs no more reads."""
     stretch, any_unused = 0, False
     for span, skip in zip(spans, unused, strict=True):
         if skip:
@@ -85,16 +87,24 @@ def worth_skipping(spans: Sequence[_Span], unused: Sequence[bool]) -> bool:
             if stretch < MIN_SKIP:
                 return False
             stretch = 0
-    return any_unused and (stretch == 0 or stretch >= MIN_SKIP)
+    return any_unused
 
 
-def parse(text: bytes, spans: Sequence[_Span]) -> dict[str, int] | None:
-    """name -> digest from a checked header's ``text``, if every one of its
-    tensors (``spans``) has exactly one; else None (the file is read whole)."""
-    where = _where(masked(text), len(spans))
+def parse(
+    text: bytes, spans: Sequence[_Span], wanted: Sequence[_Span] | None = None
+) -> dict[str, int] | None:
+    """name -> digest of each of ``wanted`` (None: every one of ``spans``) from a
+    checked header's ``text``, if every one of its tensors (``spans``) has exactly
+    one; else None (the file is read whole).
+
+    Looked for after the header's first object (the metadata, which names the
+    block's key): the rest is alike for every block of a layout, so found once."""
+    cut = text.find(b"}") + 1
+    where = _where(masked(text[cut:]), len(spans))
     if where is None or any(s[0] not in where for s in spans):
         return None
-    return {name: int(text[at : at + 16], 16) for name, at in where.items()}
+    at = ((s[0], cut + where[s[0]]) for s in (spans if wanted is None else wanted))
+    return {name: int(text[i : i + 16], 16) for name, i in at}
 
 
 @functools.lru_cache(maxsize=64)

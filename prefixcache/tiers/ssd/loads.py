@@ -5,6 +5,11 @@ has per-tensor digests (``digests.py``) and some of its tensors no layer of the
 restore reads (``UNNEEDED``), its header and the tensors the restore uses only,
 each checked against its digest: nothing else of the file is read. Which
 tensors are UNNEEDED is asked once per run, from its first header read.
+
+The writer puts what restores mostly skip (window K/V, recurrent state) at the
+end of a file (``cache/capture.py``), so the used tensors follow the header in
+one stretch: once a run's first file showed where that stretch ends, each later
+file of the run (one layout) is read in one read that stops there.
 """
 
 from __future__ import annotations
@@ -43,9 +48,12 @@ class Judged:
         self._asked = False
         self.skips: bool | None = None  # the run's first file's verdict: later ones alike
         self.head = 8  # bytes a file's first read takes: the last header's (a run's alike)
+        # where the used tensors end, if they follow the header in one stretch (0: not)
+        self.front = 0
         self.answers: dict[str, np.ndarray] = {}  # name -> UNNEEDED or a region
+        self._unneeded: frozenset[str] = frozenset()
 
-    def unneeded(self, spans: tuple[Span, ...]) -> set[str]:
+    def unneeded(self, spans: tuple[Span, ...]) -> frozenset[str]:
         """Names of ``spans`` no layer of the restore reads in any block of the run."""
         if not self._asked:
             self._asked = True
@@ -53,7 +61,8 @@ class Judged:
                 got = self._judge(self._index, name, MX_DTYPES[dtype], shape, self._count)
                 if got is not None:
                     self.answers[name] = got
-        return set(unneeded(self.answers))
+            self._unneeded = frozenset(unneeded(self.answers))
+        return self._unneeded
 
 
 def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -70,7 +79,7 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     size = meta.file_bytes
     if judged is None or judged.skips is False:
         return _verified(job, slot, pread_all(fd, slot, 0))
-    got = pread_all(fd, slot[: min(size + 1, judged.head)], 0)
+    got = pread_all(fd, slot[: min(size + 1, max(judged.head, judged.front))], 0)
     base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
     if got < base <= size:
         got += pread_all(fd, slot[got:base], got)
@@ -82,15 +91,27 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     unneeded = judged.unneeded(spans)
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
-    digests = tensor_digests.parse(text, spans) if skip else None
+    digests = tensor_digests.parse(text, spans, used) if skip else None
     judged.skips = digests is not None
     if digests is None:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
     if os.fstat(fd).st_size != size:
         raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
-    _read_used(fd, slot, base, used, digests)
+    judged.front = _front(base, used)
+    _read_used(fd, slot, base, used, digests, got)
     return LoadedFile(job, meta.index, slot[:size], base, spans)
+
+
+def _front(base: int, used: list[Span]) -> int:
+    """Where the ``used`` tensors end in the file if they follow the header (its
+    data at ``base``) in one stretch, else 0."""
+    at = 0
+    for span in used:
+        if span[3] != at:
+            return 0
+        at = span[4]
+    return base + at if used else 0
 
 
 def _verified(
@@ -115,10 +136,11 @@ def _verified(
 
 
 def _read_used(
-    fd: int, slot: np.ndarray, base: int, used: list[Span], digests: dict[str, int]
+    fd: int, slot: np.ndarray, base: int, used: list[Span], digests: dict[str, int], got: int
 ) -> None:
     """Read the ``used`` tensors into their places in ``slot`` (neighbours in one
-    read) and verify each against its digest."""
+    read; none of what the first ``got`` bytes of ``slot`` hold already) and verify
+    each against its digest."""
     groups: list[list[Span]] = []
     for span in used:
         if groups and groups[-1][-1][4] == span[3]:
@@ -127,6 +149,7 @@ def _read_used(
             groups.append([span])
     for group in groups:
         start, end = base + group[0][3], base + group[-1][4]
+        start = min(max(start, got), end)
         if pread_all(fd, slot[start:end], start) != end - start:
             raise PayloadError("short read")
         for span in group:
