@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 import xxhash
 
@@ -41,28 +42,42 @@ class LoadedFile:
 class Judged:
     """A run's answers to ``place(its first index, name, dtype, shape, its count)``,
     asked once per tensor from the first header read, before the data are read
-    (a judge never waits: None where no place exists yet)."""
+    (a judge never waits: None where no place exists yet). A tensor without a
+    run-wide answer (some of the run's blocks use it: the run reaches into a
+    window) is asked again per block while it is UNNEEDED there: a window layer
+    uses a run's blocks from some block on, so once one uses it, it is read on."""
 
     def __init__(self, judge: Place, index: int, count: int):
         self._judge, self._index, self._count = judge, index, count
         self._asked = False
-        self.skips: bool | None = None  # the run's first file's verdict: later ones alike
+        self.skips: bool | None = None  # False: the run's later files are read whole
         self.head = 8  # bytes a file's first read takes: the last header's (a run's alike)
         # where the used tensors end, if they follow the header in one stretch (0: not)
         self.front = 0
         self.answers: dict[str, np.ndarray] = {}  # name -> UNNEEDED or a region
         self._unneeded: frozenset[str] = frozenset()
+        self._per_block: dict[str, tuple[mx.Dtype, tuple[int, ...]]] = {}  # asked per block
 
-    def unneeded(self, spans: tuple[Span, ...]) -> frozenset[str]:
-        """Names of ``spans`` no layer of the restore reads in any block of the run."""
+    def unneeded(self, spans: tuple[Span, ...], index: int) -> frozenset[str]:
+        """Names of ``spans`` no layer of the restore reads in block ``index`` of the run."""
         if not self._asked:
             self._asked = True
             for name, dtype, shape, *_ in spans:
                 got = self._judge(self._index, name, MX_DTYPES[dtype], shape, self._count)
                 if got is not None:
                     self.answers[name] = got
+                elif self._count > 1:
+                    self._per_block[name] = (MX_DTYPES[dtype], shape)
             self._unneeded = frozenset(unneeded(self.answers))
-        return self._unneeded
+        if not self._per_block:
+            return self._unneeded
+        more = set()
+        for name, (dtype, shape) in list(self._per_block.items()):
+            if self._judge(index, name, dtype, shape, 1) is UNNEEDED:
+                more.add(name)
+            else:
+                del self._per_block[name]
+        return self._unneeded | more if more else self._unneeded
 
 
 def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -88,7 +103,7 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     judged.head = base
     text = slot[8:base].tobytes()
     spans = parse_header(text, job.key, size - base)
-    unneeded = judged.unneeded(spans)
+    unneeded = judged.unneeded(spans, meta.index)
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
     digests = tensor_digests.parse(text, spans, used) if skip else None
