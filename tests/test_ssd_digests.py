@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prefill, prompt, tiny_model
 
@@ -21,6 +22,7 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache import capture
 from prefixcache.errors import PayloadError
 from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.memory.host import Tensor
 from prefixcache.tiers.ssd import digests as tensor_digests
 from prefixcache.tiers.ssd import payload, writes
 from prefixcache.tiers.ssd import runs as ssd_runs
@@ -148,6 +150,7 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
         pc.fetch(probe)  # the first restore's imports read files too
         with monkeypatch.context() as m:
             m.setattr(tensor_digests, "parse", lambda *args: None)
+            m.setattr(tensor_digests, "lead", lambda *args: None)
             num, diff, whole = restore(gemma, pc, probe)
             assert num == POINT and diff == 0.0
         num, diff, read = restore(gemma, pc, probe)
@@ -221,3 +224,30 @@ def test_only_stretches_of_min_skip_bytes_or_at_the_end_are_skipped():
     assert not tensor_digests.worth_skipping(spans(big, 8, small, 8), [True, False, True, False])
     assert not tensor_digests.worth_skipping(spans(small, 8), [True, False])
     assert not tensor_digests.worth_skipping(spans(big, 8), [False, False])
+
+
+def test_a_lead_digest_covers_the_data_and_the_entries_before_it():
+    """Tensor j's lead digest verifies the data of tensors 0..j in one hash call and
+    binds their header entries: another byte, or another name, dtype, shape or
+    offsets of any of them, fails it."""
+    data = [np.arange(n, dtype=np.uint8) * (i + 1) for i, n in enumerate((64, 32, 128))]
+    tensors = [
+        Tensor(f"{i}.keys", "U8", (len(d),), memoryview(d.tobytes())) for i, d in enumerate(data)
+    ]
+    spans, at = [], 0
+    for t in tensors:
+        spans.append((t.name, t.dtype, t.shape, at, at + t.data.nbytes))
+        at += t.data.nbytes
+    leads = [lead for _, lead in tensor_digests.of_tensors(tensors)]
+    flat = np.concatenate(data)
+    for j in range(3):
+        end = spans[j][4]
+        assert tensor_digests.lead_matches(flat[:end], spans[: j + 1], leads[j])
+        assert not tensor_digests.lead_matches(flat[:end], spans[: j + 1], leads[j - 1])
+    changed = flat.copy()
+    changed[70] ^= 1
+    assert not tensor_digests.lead_matches(changed[:96], spans[:2], leads[1])
+    renamed = [spans[0], ("2.keys", *spans[1][1:])]
+    assert not tensor_digests.lead_matches(flat[:96], renamed, leads[1])
+    reshaped = [spans[0], (spans[1][0], "U8", (2, 16), *spans[1][3:])]
+    assert not tensor_digests.lead_matches(flat[:96], reshaped, leads[1])

@@ -167,3 +167,55 @@ def test_restores_from_files_of_either_order_grow_with_the_live_logits(
         c[1] = c[1] * 0.5
     wrong = grow(model, bad, asked[num:], 5, step=BLOCK)
     assert max_diff(wrong[0], want[0]) > 0.0
+
+
+def flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("where", ["used data", "lead digest", "window data"])
+def test_one_lead_digest_verifies_the_stretch_a_restore_reads(tmp_path, monkeypatch, where):
+    """Block 4 of a tail-last gemma3_text chain, behind the window of a restore at
+    96: its global layers' K/V lead the file and are read in one stretch, verified
+    against the lead digest of the last of them. A byte changed in that data, or
+    a digit of that lead digest (which no other check reads: the control that the
+    lead digest is what verifies), makes the block a miss; one changed in the
+    window K/V after it is never read: the restore is whole. Exact either way."""
+    model = tiny_model("gemma3_text")
+    shared = prompt(1, STORED)
+    asked = shared + prompt(3, 29)
+    with ssd_only(model, tmp_path) as pc:
+        store(pc, model, shared, False, monkeypatch)
+        key = chain_keys(pc.namespace.root_key(), token_bytes(shared), BLOCK)[4]
+        path = payload_path(os.path.join(pc.ssd.path, "blocks"), key)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            prefix, spans = payload.read_spans(fd, key, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        late = [s for s in spans if int(s[0].split(".")[0]) in partial(model)]
+        last_used = spans[len(spans) - len(late) - 1]
+        if where == "used data":
+            flip(path, len(prefix) + last_used[3])
+        elif where == "window data":
+            flip(path, len(prefix) + late[0][3])
+        else:
+            entry = prefix.index(f'"{last_used[0]}":'.encode())
+            at = prefix.index(b'"lead":"', entry) + len(b'"lead":"')
+            digit = b"1" if prefix[at : at + 1] == b"0" else b"0"
+            with open(path, "r+b") as f:
+                f.seek(at)
+                f.write(digit)
+        cache, num = pc.fetch(asked)
+        corrupt = pc.stats()["ssd"]["num_corrupt"]
+    missed = where != "window data"
+    assert (num, corrupt) == ((4 * BLOCK, 1) if missed else (STORED, 0))
+    live = make_prompt_cache(model)
+    prefill(model, asked[:num], live, step=max(num, 1))
+    want = grow(model, live, asked[num:], 2, step=BLOCK)
+    got = grow(model, cache, asked[num:], 2, step=BLOCK)
+    assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 3

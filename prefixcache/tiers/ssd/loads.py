@@ -9,7 +9,9 @@ tensors are UNNEEDED is asked once per run, from its first header read.
 The writer puts what restores mostly skip (window K/V, recurrent state) at the
 end of a file (``cache/capture.py``), so the used tensors follow the header in
 one stretch: once a run's first file showed where that stretch ends, each later
-file of the run (one layout) is read in one read that stops there.
+file of the run (one layout) is read in one read that stops there, and verified
+in one hash call against the lead digest of its last tensor (files without lead
+digests: each tensor against its own digest).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import xxhash
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, Place
 from . import digests as tensor_digests
-from .payload import header_length, parse_header
+from .payload import header_length, parse_header, parse_layout
 from .read_into import Job, Span, pread_all
 
 
@@ -102,31 +104,39 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
         return _verified(job, slot, got)  # the sizes' error
     judged.head = base
     text = slot[8:base].tobytes()
-    spans = parse_header(text, job.key, size - base)
+    spans, layout = parse_layout(text, job.key, size - base)
     unneeded = judged.unneeded(spans, meta.index)
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
-    digests = tensor_digests.parse(text, spans, used) if skip else None
-    judged.skips = digests is not None
-    if digests is None:
+    # the used tensors lead the file: one read up to their end, one hash (its lead digest)
+    front = used and tuple(used) == spans[: len(used)]
+    lead = tensor_digests.lead(text, spans, used[-1][0], layout) if skip and front else None
+    digests = tensor_digests.parse(text, spans, used, layout) if skip and lead is None else None
+    judged.skips = lead is not None or digests is not None
+    if not judged.skips:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
     if os.fstat(fd).st_size != size:
         raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
-    judged.front = _front(base, used)
-    _read_used(fd, slot, base, used, digests, got)
+    judged.front = base + used[-1][4] if front else 0
+    if lead is None:
+        assert digests is not None
+        _read_used(fd, slot, base, used, digests, got)
+    else:
+        _read_lead(fd, slot, base, used, lead, got)
     return LoadedFile(job, meta.index, slot[:size], base, spans)
 
 
-def _front(base: int, used: list[Span]) -> int:
-    """Where the ``used`` tensors end in the file if they follow the header (its
-    data at ``base``) in one stretch, else 0."""
-    at = 0
-    for span in used:
-        if span[3] != at:
-            return 0
-        at = span[4]
-    return base + at if used else 0
+def _read_lead(
+    fd: int, slot: np.ndarray, base: int, used: list[Span], digest: int, got: int
+) -> None:
+    """Read the file's first tensors (``used``, the first ``got`` bytes of ``slot``
+    held already) into ``slot`` and verify them against the last one's lead digest."""
+    end = base + used[-1][4]
+    if got < end and pread_all(fd, slot[got:end], got) != end - got:
+        raise PayloadError("short read")
+    if not tensor_digests.lead_matches(slot[base:end], used, digest):
+        raise PayloadError(f"payload tensors {used[0][0]!r} to {used[-1][0]!r} digest mismatch")
 
 
 def _verified(
