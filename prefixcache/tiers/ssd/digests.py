@@ -9,6 +9,12 @@ layer's K/V behind its window: ``UNNEEDED``) reads the header and the tensors
 it uses, each verified against its digest; a file without digests is read and
 verified whole. A digest also covers its tensor's header entry (name, dtype,
 shape, offsets): a damaged entry of a used tensor fails like damaged data.
+
+Each entry also holds a lead digest (``"lead"``): the xxh3-64 of the data from
+the file's first tensor to the end of this one, bound to those tensors' entries.
+The writer puts what restores mostly skip (window K/V, recurrent state) last,
+so the tensors a restore uses usually lead the file: one read and one hash call
+(``lead_matches``) take them, however many there are.
 """
 
 from __future__ import annotations
