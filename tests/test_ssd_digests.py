@@ -14,12 +14,15 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import live_logits, max_diff, prefill, prompt, tiny_model
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cache import capture
 from prefixcache.errors import PayloadError
 from prefixcache.hashing import chain_keys, token_bytes
+from prefixcache.memory.host import Tensor
 from prefixcache.tiers.ssd import digests as tensor_digests
 from prefixcache.tiers.ssd import payload, writes
 from prefixcache.tiers.ssd import runs as ssd_runs
@@ -44,9 +47,13 @@ def path_kind(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["digests", "before-digests"])
+@pytest.fixture(params=["digests", "layer-order", "before-digests"])
 def written(request, monkeypatch):
-    """Files as written now, or as the writer before digests wrote them."""
+    """Files as written now (the window layers' tensors last), with every layer's
+    tensors in layer order (as written before that), or as the writer before
+    digests wrote them (layer order, no digests)."""
+    if request.param != "digests":
+        monkeypatch.setattr(capture, "partial_layers", lambda reaches, length: frozenset())
     if request.param == "before-digests":
         old = lambda tensors, key: payload.encode_header(tensors, key, ())  # noqa: E731
         monkeypatch.setattr(writes, "encode_header", old)
@@ -127,7 +134,8 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
     """The same restore with the digests looked at, and with them ignored (the control:
     every byte read, as the whole-file checksum needs): with digests, exactly the
     unneeded tensors' bytes are not read; files without them are read whole either way,
-    and so are files whose unneeded stretches are under MIN_SKIP (all of them here)."""
+    and so are files whose unneeded stretches lie between used tensors and are under
+    MIN_SKIP (all of them here, in layer order)."""
     if gate == "any gap":
         monkeypatch.setattr(tensor_digests, "MIN_SKIP", 0)
     a = prompt(1, 100)
@@ -141,14 +149,17 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
         assert skipped > 0.15 * total
         pc.fetch(probe)  # the first restore's imports read files too
         with monkeypatch.context() as m:
-            m.setattr(tensor_digests, "parse", lambda text, spans: None)
+            m.setattr(tensor_digests, "parse", lambda *args: None)
+            m.setattr(tensor_digests, "lead", lambda *args: None)
             num, diff, whole = restore(gemma, pc, probe)
             assert num == POINT and diff == 0.0
         num, diff, read = restore(gemma, pc, probe)
         assert pc.stats()["ssd"]["num_corrupt"] == 0
     assert num == POINT and diff == 0.0
     assert whole >= total
-    if written == "digests" and gate == "any gap":
+    # window tensors at the file's end are skipped whatever their size; between
+    # used ones, only with the gate open
+    if written == "digests" or (written == "layer-order" and gate == "any gap"):
         assert whole - skipped - 64 <= read <= whole - skipped
     else:
         assert abs(read - whole) <= 64
@@ -195,7 +206,7 @@ def test_a_flipped_byte_fails_only_where_it_is_read(
     assert diff == 0.0
 
 
-def test_only_stretches_of_min_skip_bytes_are_skipped():
+def test_only_stretches_of_min_skip_bytes_or_at_the_end_are_skipped():
     def spans(*sizes):
         out, at = [], 0
         for i, n in enumerate(sizes):
@@ -206,6 +217,37 @@ def test_only_stretches_of_min_skip_bytes_are_skipped():
     big, small = tensor_digests.MIN_SKIP, tensor_digests.MIN_SKIP // 2
     assert tensor_digests.worth_skipping(spans(big, 8, big), [True, False, True])
     assert tensor_digests.worth_skipping(spans(small, small, 8), [True, True, False])
-    assert not tensor_digests.worth_skipping(spans(big, 8, small), [True, False, True])
+    # a short stretch that ends the file costs no read: skipped; one before a used
+    # tensor is not
+    assert tensor_digests.worth_skipping(spans(big, 8, small), [True, False, True])
+    assert tensor_digests.worth_skipping(spans(8, small), [False, True])
+    assert not tensor_digests.worth_skipping(spans(big, 8, small, 8), [True, False, True, False])
     assert not tensor_digests.worth_skipping(spans(small, 8), [True, False])
     assert not tensor_digests.worth_skipping(spans(big, 8), [False, False])
+
+
+def test_a_lead_digest_covers_the_data_and_the_entries_before_it():
+    """Tensor j's lead digest verifies the data of tensors 0..j in one hash call and
+    binds their header entries: another byte, or another name, dtype, shape or
+    offsets of any of them, fails it."""
+    data = [np.arange(n, dtype=np.uint8) * (i + 1) for i, n in enumerate((64, 32, 128))]
+    tensors = [
+        Tensor(f"{i}.keys", "U8", (len(d),), memoryview(d.tobytes())) for i, d in enumerate(data)
+    ]
+    spans, at = [], 0
+    for t in tensors:
+        spans.append((t.name, t.dtype, t.shape, at, at + t.data.nbytes))
+        at += t.data.nbytes
+    leads = [lead for _, lead in tensor_digests.of_tensors(tensors)]
+    flat = np.concatenate(data)
+    for j in range(3):
+        end = spans[j][4]
+        assert tensor_digests.lead_matches(flat[:end], spans[: j + 1], leads[j])
+        assert not tensor_digests.lead_matches(flat[:end], spans[: j + 1], leads[j - 1])
+    changed = flat.copy()
+    changed[70] ^= 1
+    assert not tensor_digests.lead_matches(changed[:96], spans[:2], leads[1])
+    renamed = [spans[0], ("2.keys", *spans[1][1:])]
+    assert not tensor_digests.lead_matches(flat[:96], renamed, leads[1])
+    reshaped = [spans[0], (spans[1][0], "U8", (2, 16), *spans[1][3:])]
+    assert not tensor_digests.lead_matches(flat[:96], reshaped, leads[1])

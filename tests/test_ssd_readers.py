@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 from ssd_child import LAYOUT, check_block
-from test_ssd_runs import assert_in_place, path_of
+from test_ssd_runs import assert_in_place, make_meta, path_of
 from test_ssd_stream import chain_dest, flip_byte, placed_into, stored
 
 from prefixcache.memory.host import Placed, PlacedRun
@@ -16,6 +16,7 @@ from prefixcache.tiers.ssd import readers
 from prefixcache.tiers.ssd import runs as ssd_runs
 from prefixcache.tiers.ssd import stream as ssd_stream
 from prefixcache.tiers.ssd.prime import cached
+from prefixcache.tiers.ssd.read_into import Job
 from prefixcache.tiers.ssd.stream import stream
 
 
@@ -189,3 +190,20 @@ def test_a_chain_of_a_few_runs_is_not_probed(tier, monkeypatch):
     monkeypatch.setattr(ssd_runs, "RUN_BYTES", tier.get_meta(more[0]).file_bytes)  # 9 runs
     assert [b.index for b in stream(tier.reads, more)] == list(range(9))
     assert len(probed) == 3  # control: a longer chain is probed
+
+
+def test_readers_take_the_first_run_then_the_large_files_runs(monkeypatch):
+    """A hybrid chain's state snapshot (one large file at its end) is taken right
+    after the first run, not last (where one reader would read it alone); every
+    run is taken once."""
+    monkeypatch.setattr(ssd_runs, "SMALL_READ", 150)
+    monkeypatch.setattr(ssd_runs, "RUN_BYTES", 2 * 100)
+    sizes = [100, 100, 100, 100, 100, None, 100, 700]
+    jobs = [
+        Job(b"k", None, None, "p") if size is None else Job(b"k", b"raw", make_meta(size, i), "p")
+        for i, size in enumerate(sizes)
+    ]
+    runs = ssd_runs.plan_runs(jobs)
+    assert [list(r) for r in runs] == [[0], [1, 2], [3, 4], [5], [6], [7]]
+    assert readers._order(jobs, runs) == [0, 5, 1, 2, 3, 4]
+    assert readers._order([], []) == []

@@ -106,13 +106,14 @@ def cut_blocks(
     """
     length = len(data) // TOKEN_BYTES
     codecs = [codec_for(c) for c in cache]
-    reach = min((codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)))
+    reaches = [codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)]
+    reach, last = min(reaches), partial_layers(reaches, length)
     new, upgraded = [], []
     for i in range(len(keys)):
         old = resident(keys[i]) if i >= reach // block_size else None
         if old is None and stored(keys[i]):
             continue
-        arrays = _block(codecs, cache, i, block_size, length, points, window)
+        arrays = _block(codecs, cache, i, block_size, length, points, window, last)
         if old is None:
             tokens = data[i * block_size * TOKEN_BYTES : (i + 1) * block_size * TOKEN_BYTES]
             parent = keys[i - 1] if i else root
@@ -160,7 +161,9 @@ def cut_tail(
     key = tail_key(parent, tail)
     if stored(key):
         return None
-    arrays = _cut([codec_for(c) for c in cache], cache, start, length, length, True)
+    codecs = [codec_for(c) for c in cache]
+    reaches = [codec.reach(c, length) for codec, c in zip(codecs, cache, strict=True)]
+    arrays = _cut(codecs, cache, start, length, length, True, partial_layers(reaches, length))
     return Block.make(key, parent, root, index, tail, arrays, tenant)
 
 
@@ -220,21 +223,40 @@ def _block(
     length: int,
     points: RestorePoints,
     window: WindowPolicy | None,
+    last: frozenset[int],
 ) -> dict[str, mx.array]:
     """Block ``i``'s payload: recurrent state at a restore point and where the cache
-    ends (``length``); window K/V where ``window`` keeps it."""
+    ends (``length``); window K/V where ``window`` keeps it; layers ``last`` last."""
     snapshot = points.at(i + 1) or (i + 1) * block_size == length
-    arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot)
+    arrays = _cut(codecs, cache, i * block_size, (i + 1) * block_size, length, snapshot, last)
     if window is not None and not window.keeps(i, length):
         arrays = window.strip(arrays)  # never evaluated: costs nothing
     return arrays
 
 
+def partial_layers(reaches: Sequence[int], length: int) -> frozenset[int]:
+    """The layers whose payloads only some blocks keep (window K/V, recurrent state:
+    their ``reach`` is short of ``length``): a restore skips them in most blocks."""
+    return frozenset(i for i, r in enumerate(reaches) if r < length)
+
+
 def _cut(
-    codecs: list[Codec], cache: Sequence[Any], start: int, end: int, length: int, snapshot: bool
+    codecs: list[Codec],
+    cache: Sequence[Any],
+    start: int,
+    end: int,
+    length: int,
+    snapshot: bool,
+    last: frozenset[int] = frozenset(),
 ) -> dict[str, mx.array]:
+    """The layers' cuts as one flat payload: the layers ``last`` after the others, so
+    a payload file ends with what a restore through it mostly skips (one read takes
+    the rest: tiers/ssd/loads.py)."""
     layers = [
         codec.cut(c, start, end, length=length, snapshot=snapshot)
         for codec, c in zip(codecs, cache, strict=True)
     ]
-    return join_layers(layers)
+    if not last:
+        return join_layers(layers)
+    order = [i for i in range(len(layers)) if i not in last] + sorted(last)
+    return {f"{i}.{name}": arr for i in order for name, arr in layers[i].items()}

@@ -9,12 +9,19 @@ layer's K/V behind its window: ``UNNEEDED``) reads the header and the tensors
 it uses, each verified against its digest; a file without digests is read and
 verified whole. A digest also covers its tensor's header entry (name, dtype,
 shape, offsets): a damaged entry of a used tensor fails like damaged data.
+
+Each entry also holds a lead digest (``"lead"``): the xxh3-64 of the data from
+the file's first tensor to the end of this one, bound to those tensors' entries.
+The writer puts what restores mostly skip (window K/V, recurrent state) last,
+so the tensors a restore uses usually lead the file: one read and one hash call
+(``lead_matches``) take them, however many there are.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import struct
 from collections.abc import Sequence
 
 import xxhash
@@ -25,7 +32,8 @@ from .read_into import Buffer, preadv_all
 
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 FIELD = "xxh3"
-# Skip unused tensors only where each stretch of them is at least this long: warm,
+# Skip unused tensors only where each stretch of them is at least this long (or ends
+# the file: the writer puts what restores mostly skip last): warm,
 # reading a file whole in one call beats many short reads around short gaps
 # (gpt-oss-20b's shape, with this at 0: its 32 KiB and 128 KiB gaps made the fetch
 # 1.1-2.2x slower at blocks 16 and 64; its 512 KiB gaps at block 256 no slower:
@@ -33,12 +41,17 @@ FIELD = "xxh3"
 MIN_SKIP = 256 << 10
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
+LEAD = "lead"
 _MASK = re.compile(rb'"xxh3":"[0-9a-f]{16}"')
 _MASKED = b'"xxh3":"' + b"0" * 16 + b'"'
-# A tensor's entry as encode_header writes it: its name and digest.
+_MASK_LEAD = re.compile(rb'"lead":"[0-9a-f]{16}"')
+_MASKED_LEAD = b'"lead":"' + b"0" * 16 + b'"'
+Layout = tuple[int, bytes]  # where a header's entries start in it, those entries masked
+# A tensor's entry as encode_header writes it: its name, digest and lead digest
+# (files written before lead digests have none).
 _ENTRY = re.compile(
     rb'"([^"\\]+)":\{"dtype":"[^"\\]*","shape":\[[0-9,]*\],'
-    rb'"data_offsets":\[[0-9]+,[0-9]+\],"xxh3":"([0-9a-f]{16})"\}'
+    rb'"data_offsets":\[[0-9]+,[0-9]+\],"xxh3":"([0-9a-f]{16})"(?:,"lead":"([0-9a-f]{16})")?\}'
 )
 
 
@@ -54,28 +67,46 @@ def tensor_hasher(span: _Span) -> xxhash.xxh3_64:
     return xxhash.xxh3_64(seed=seed(span))
 
 
-def of_tensors(tensors: Sequence[Tensor]) -> list[int]:
-    """Each tensor's digest, laid out one after another as in a payload file."""
+def of_tensors(tensors: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """Each tensor's (digest, lead digest), laid out one after another as in a
+    payload file."""
     out = []
     offset = 0
+    lead = xxhash.xxh3_64()  # the data from the file's first tensor on
+    seeds: list[int] = []
     for t in tensors:
         end = offset + t.data.nbytes
-        hasher = tensor_hasher((t.name, t.dtype, tuple(t.shape), offset, end))
+        span = (t.name, t.dtype, tuple(t.shape), offset, end)
+        hasher = tensor_hasher(span)
         for start in range(0, t.data.nbytes, _HASH_CHUNK):
             hasher.update(t.data[start : start + _HASH_CHUNK])
-        out.append(hasher.intdigest())
+            lead.update(t.data[start : start + _HASH_CHUNK])
+        seeds.append(seed(span))
+        out.append((hasher.intdigest(), _lead(lead.intdigest(), seeds)))
         offset = end
     return out
 
 
+def _lead(data: int, seeds: Sequence[int]) -> int:
+    """A lead digest: the data's xxh3-64 bound to the entries of its tensors (their seeds)."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(seeds) + 1}Q", data, *seeds))
+
+
+def lead_matches(data: Buffer, spans: Sequence[_Span], digest: int) -> bool:
+    """Whether ``data`` (the data of ``spans``, the file's first tensors) has the lead
+    digest of the last of them: one hash call verifies them all."""
+    return _lead(xxhash.xxh3_64_intdigest(data), [seed(s) for s in spans]) == digest
+
+
 def masked(text: bytes) -> bytes:
     """``text`` with every digest zeroed: headers of one layout alike again."""
-    return _MASK.sub(_MASKED, text)
+    return _MASK_LEAD.sub(_MASKED_LEAD, _MASK.sub(_MASKED, text))
 
 
 def worth_skipping(spans: Sequence[_Span], unused: Sequence[bool]) -> bool:
     """Whether the unused tensors (``unused[i]`` for ``spans[i]``) come in stretches
-    of MIN_SKIP bytes or more, every one (and there is one)."""
+    of MIN_SKIP bytes or more, every one but a last one that ends the file (and
+    there is one): a read that stops before the file's end costs no more reads."""
     stretch, any_unused = 0, False
     for span, skip in zip(spans, unused, strict=True):
         if skip:
@@ -85,24 +116,65 @@ def worth_skipping(spans: Sequence[_Span], unused: Sequence[bool]) -> bool:
             if stretch < MIN_SKIP:
                 return False
             stretch = 0
-    return any_unused and (stretch == 0 or stretch >= MIN_SKIP)
+    return any_unused
 
 
-def parse(text: bytes, spans: Sequence[_Span]) -> dict[str, int] | None:
-    """name -> digest from a checked header's ``text``, if every one of its
+def parse(
+    text: bytes,
+    spans: Sequence[_Span],
+    wanted: Sequence[_Span] | None = None,
+    layout: Layout | None = None,
+) -> dict[str, int] | None:
+    """name -> digest of each of ``wanted`` (None: every one of ``spans``) from a
+    checked header's ``text`` (its ``layout`` if known), if every one of its
     tensors (``spans``) has exactly one; else None (the file is read whole)."""
-    where = _where(masked(text), len(spans))
+    found = _found(text, spans, layout)
+    if found is None:
+        return None
+    cut, where = found
+    at = ((s[0], cut + where[s[0]][0]) for s in (spans if wanted is None else wanted))
+    return {name: int(text[i : i + 16], 16) for name, i in at}
+
+
+def lead(
+    text: bytes, spans: Sequence[_Span], name: str, layout: Layout | None = None
+) -> int | None:
+    """The lead digest of tensor ``name`` (of the data from the first tensor to its
+    end) in a checked header's ``text``; None where the file has none."""
+    found = _found(text, spans, layout)
+    if found is None:
+        return None
+    cut, where = found
+    at = where[name][1]
+    return None if at < 0 else int(text[cut + at : cut + at + 16], 16)
+
+
+def _found(
+    text: bytes, spans: Sequence[_Span], layout: Layout | None
+) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """(where the entries start, name -> where its digest and lead digest start in
+    them, -1: none), if every one of ``spans`` has exactly one digest; else None.
+
+    Looked for after the header's first object (the metadata, which names the
+    block's key; ``layout`` where the caller masked them already): the rest is
+    alike for every block of a layout, so found once."""
+    if layout is None:
+        cut = text.find(b"}") + 1
+        layout = (cut, masked(text[cut:]))
+    cut, entries = layout
+    where = _where(entries, len(spans))
     if where is None or any(s[0] not in where for s in spans):
         return None
-    return {name: int(text[at : at + 16], 16) for name, at in where.items()}
+    return cut, where
 
 
 @functools.lru_cache(maxsize=64)
-def _where(layout: bytes, count: int) -> dict[str, int] | None:
-    """name -> where its digest's 16 hex digits start, for headers of ``layout``
-    (digests zeroed: alike for a layout's blocks, so found once)."""
+def _where(layout: bytes, count: int) -> dict[str, tuple[int, int]] | None:
+    """name -> where its digest's and its lead digest's 16 hex digits start (-1:
+    none), for headers of ``layout`` (digests zeroed: alike for a layout's
+    blocks, so found once)."""
     found = list(_ENTRY.finditer(layout))
-    where = {m.group(1).decode("utf-8", "replace"): m.start(2) for m in found}
+    where = {m.group(1).decode("utf-8", "replace"): (m.start(2), m.start(3)) for m in found}
     return where if len(found) == len(where) == count else None
 
 

@@ -5,6 +5,13 @@ has per-tensor digests (``digests.py``) and some of its tensors no layer of the
 restore reads (``UNNEEDED``), its header and the tensors the restore uses only,
 each checked against its digest: nothing else of the file is read. Which
 tensors are UNNEEDED is asked once per run, from its first header read.
+
+The writer puts what restores mostly skip (window K/V, recurrent state) at the
+end of a file (``cache/capture.py``), so the used tensors follow the header in
+one stretch: once a run's first file showed where that stretch ends, each later
+file of the run (one layout) is read in one read that stops there, and verified
+in one hash call against the lead digest of its last tensor (files without lead
+digests: each tensor against its own digest).
 """
 
 from __future__ import annotations
@@ -12,13 +19,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import mlx.core as mx
 import numpy as np
 import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, Place
 from . import digests as tensor_digests
-from .payload import header_length, parse_header
+from .payload import header_length, parse_header, parse_layout
 from .read_into import Job, Span, pread_all
 
 
@@ -36,24 +44,42 @@ class LoadedFile:
 class Judged:
     """A run's answers to ``place(its first index, name, dtype, shape, its count)``,
     asked once per tensor from the first header read, before the data are read
-    (a judge never waits: None where no place exists yet)."""
+    (a judge never waits: None where no place exists yet). A tensor without a
+    run-wide answer (some of the run's blocks use it: the run reaches into a
+    window) is asked again per block while it is UNNEEDED there: a window layer
+    uses a run's blocks from some block on, so once one uses it, it is read on."""
 
     def __init__(self, judge: Place, index: int, count: int):
         self._judge, self._index, self._count = judge, index, count
         self._asked = False
-        self.skips: bool | None = None  # the run's first file's verdict: later ones alike
+        self.skips: bool | None = None  # False: the run's later files are read whole
         self.head = 8  # bytes a file's first read takes: the last header's (a run's alike)
+        # where the used tensors end, if they follow the header in one stretch (0: not)
+        self.front = 0
         self.answers: dict[str, np.ndarray] = {}  # name -> UNNEEDED or a region
+        self._unneeded: frozenset[str] = frozenset()
+        self._per_block: dict[str, tuple[mx.Dtype, tuple[int, ...]]] = {}  # asked per block
 
-    def unneeded(self, spans: tuple[Span, ...]) -> set[str]:
-        """Names of ``spans`` no layer of the restore reads in any block of the run."""
+    def unneeded(self, spans: tuple[Span, ...], index: int) -> frozenset[str]:
+        """Names of ``spans`` no layer of the restore reads in block ``index`` of the run."""
         if not self._asked:
             self._asked = True
             for name, dtype, shape, *_ in spans:
                 got = self._judge(self._index, name, MX_DTYPES[dtype], shape, self._count)
                 if got is not None:
                     self.answers[name] = got
-        return set(unneeded(self.answers))
+                elif self._count > 1:
+                    self._per_block[name] = (MX_DTYPES[dtype], shape)
+            self._unneeded = frozenset(unneeded(self.answers))
+        if not self._per_block:
+            return self._unneeded
+        more = set()
+        for name, (dtype, shape) in list(self._per_block.items()):
+            if self._judge(index, name, dtype, shape, 1) is UNNEEDED:
+                more.add(name)
+            else:
+                del self._per_block[name]
+        return self._unneeded | more if more else self._unneeded
 
 
 def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -70,7 +96,7 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     size = meta.file_bytes
     if judged is None or judged.skips is False:
         return _verified(job, slot, pread_all(fd, slot, 0))
-    got = pread_all(fd, slot[: min(size + 1, judged.head)], 0)
+    got = pread_all(fd, slot[: min(size + 1, max(judged.head, judged.front))], 0)
     base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
     if got < base <= size:
         got += pread_all(fd, slot[got:base], got)
@@ -78,19 +104,39 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
         return _verified(job, slot, got)  # the sizes' error
     judged.head = base
     text = slot[8:base].tobytes()
-    spans = parse_header(text, job.key, size - base)
-    unneeded = judged.unneeded(spans)
+    spans, layout = parse_layout(text, job.key, size - base)
+    unneeded = judged.unneeded(spans, meta.index)
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
-    digests = tensor_digests.parse(text, spans) if skip else None
-    judged.skips = digests is not None
-    if digests is None:
+    # the used tensors lead the file: one read up to their end, one hash (its lead digest)
+    front = used and tuple(used) == spans[: len(used)]
+    lead = tensor_digests.lead(text, spans, used[-1][0], layout) if skip and front else None
+    digests = tensor_digests.parse(text, spans, used, layout) if skip and lead is None else None
+    judged.skips = lead is not None or digests is not None
+    if not judged.skips:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
     if os.fstat(fd).st_size != size:
         raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
-    _read_used(fd, slot, base, used, digests)
+    judged.front = base + used[-1][4] if front else 0
+    if lead is None:
+        assert digests is not None
+        _read_used(fd, slot, base, used, digests, got)
+    else:
+        _read_lead(fd, slot, base, used, lead, got)
     return LoadedFile(job, meta.index, slot[:size], base, spans)
+
+
+def _read_lead(
+    fd: int, slot: np.ndarray, base: int, used: list[Span], digest: int, got: int
+) -> None:
+    """Read the file's first tensors (``used``, the first ``got`` bytes of ``slot``
+    held already) into ``slot`` and verify them against the last one's lead digest."""
+    end = base + used[-1][4]
+    if got < end and pread_all(fd, slot[got:end], got) != end - got:
+        raise PayloadError("short read")
+    if not tensor_digests.lead_matches(slot[base:end], used, digest):
+        raise PayloadError(f"payload tensors {used[0][0]!r} to {used[-1][0]!r} digest mismatch")
 
 
 def _verified(
@@ -115,10 +161,11 @@ def _verified(
 
 
 def _read_used(
-    fd: int, slot: np.ndarray, base: int, used: list[Span], digests: dict[str, int]
+    fd: int, slot: np.ndarray, base: int, used: list[Span], digests: dict[str, int], got: int
 ) -> None:
     """Read the ``used`` tensors into their places in ``slot`` (neighbours in one
-    read) and verify each against its digest."""
+    read; none of what the first ``got`` bytes of ``slot`` hold already) and verify
+    each against its digest."""
     groups: list[list[Span]] = []
     for span in used:
         if groups and groups[-1][-1][4] == span[3]:
@@ -127,6 +174,7 @@ def _read_used(
             groups.append([span])
     for group in groups:
         start, end = base + group[0][3], base + group[-1][4]
+        start = min(max(start, got), end)
         if pread_all(fd, slot[start:end], start) != end - start:
             raise PayloadError("short read")
         for span in group:

@@ -6,8 +6,9 @@ fanned out into 256 subdirectories. Writes are atomic: a temp file named with
 pid and thread id in the same directory, fsync, rename, fsync of the
 directory. The xxh3-64 of the whole file's bytes is computed while writing and
 verified on every read of the whole file. Each tensor's header entry also holds
-its own xxh3-64 (``digests.py``, computed in a pass before the write: the header
-comes first), so a restore can leave tensors it does not use unread.
+its own xxh3-64 and that of the data from the first tensor to its end
+(``digests.py``, computed in a pass before the write: the header comes first),
+so a restore can leave tensors it does not use unread.
 
 A header is checked before anything is sized from it: its length against the
 file and MAX_HEADER, every tensor's dtype, shape and offsets against the data
@@ -58,13 +59,16 @@ SMALL_PAYLOAD = 2 << 20
 _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds the GIL
 
 
-def encode_header(tensors: list[Tensor], key: bytes, digests: Sequence[int] | None = None) -> bytes:
+def encode_header(
+    tensors: list[Tensor], key: bytes, digests: Sequence[tuple[int, int | None]] | None = None
+) -> bytes:
     """The safetensors prefix: u64 length + JSON header padded to 8 bytes, each
-    tensor's entry with its digest (``digests.py``).
+    tensor's entry with its digest and lead digest (``digests.py``).
 
     Args:
-        digests: the tensors' digests in order; None: computed here (a pass over
-            the data); ``()``: none written (files as written before digests).
+        digests: the tensors' (digest, lead digest or None: none written) in
+            order; None: computed here (a pass over the data); ``()``: none
+            written (files as written before digests).
 
     Raises:
         ValueError: the header would be longer than MAX_HEADER (readers refuse it).
@@ -77,7 +81,10 @@ def encode_header(tensors: list[Tensor], key: bytes, digests: Sequence[int] | No
         end = offset + t.data.nbytes
         entry = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, end]}
         if digests:
-            entry[tensor_digests.FIELD] = f"{digests[i]:016x}"
+            digest, lead = digests[i]
+            entry[tensor_digests.FIELD] = f"{digest:016x}"
+            if lead is not None:
+                entry[tensor_digests.LEAD] = f"{lead:016x}"
         entries[t.name] = entry
         offset = end
     text = json.dumps(entries, separators=(",", ":")).encode()
@@ -232,11 +239,21 @@ def parse_header(text: bytes, key: bytes, data_bytes: int) -> tuple[_Span, ...]:
     the rest: that header with any other key in its place parses alike, so the
     rest's verdict is kept (unless the rest could name the metadata again).
     """
+    return parse_layout(text, key, data_bytes)[0]
+
+
+def parse_layout(
+    text: bytes, key: bytes, data_bytes: int
+) -> tuple[tuple[_Span, ...], tensor_digests.Layout | None]:
+    """As ``parse_header``, with the header's layout for ``digests.py`` (where its
+    entries start, them with their digests zeroed; None where the header is not as
+    encode_header writes it)."""
     head = _HEAD + key.hex().encode()
     rest = text[len(head) :]
     if text.startswith(head) and b"__metadata__" not in rest and b"\\" not in rest:
-        return _rest_spans(tensor_digests.masked(rest), data_bytes)
-    return _parse(text, key.hex(), data_bytes)
+        entries = tensor_digests.masked(rest)
+        return _rest_spans(entries, data_bytes), (len(head), entries)
+    return _parse(text, key.hex(), data_bytes), None
 
 
 @functools.lru_cache(maxsize=64)

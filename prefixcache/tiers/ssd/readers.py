@@ -61,7 +61,8 @@ class Readers:
         self.warm = len(self.runs) > _WARM_READERS and _warm(jobs)
         self.n = n = min(_WARM_READERS if self.warm else _COLD_READERS, len(self.runs)) or 1
         self._run_of = [r for r, run in enumerate(self.runs) for _ in run]
-        self._next_run = itertools.count()  # next() is atomic: each run goes to one reader
+        # next() is atomic: each run goes to one reader
+        self._next_run = itertools.chain(_order(jobs, self.runs), itertools.repeat(len(self.runs)))
         self._free: list[queue.SimpleQueue[np.ndarray | None]] = [
             queue.SimpleQueue() for _ in range(n)
         ]
@@ -134,6 +135,19 @@ class Readers:
             yield from read_run(jobs, bufs, place, willneed=not self.warm, judge=self._judge)
         else:
             yield from read_large_run(jobs, bufs, place)
+
+
+def _order(jobs: list[Job], runs: list[range]) -> list[int]:
+    """The order the readers take the runs in: the first (its block makes the
+    caller's buffers), the runs of large files (a hybrid's state snapshot, read
+    beside the small files' runs, not by one reader alone at the end), the rest."""
+    large = [
+        r
+        for r in range(1, len(runs))
+        if jobs[runs[r].start].meta and not small(jobs[runs[r].start])
+    ]
+    taken = set(large)
+    return [0, *large, *(r for r in range(1, len(runs)) if r not in taken)] if runs else []
 
 
 def _warm(jobs: list[Job]) -> bool:

@@ -356,5 +356,5 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
 def _file_bytes(block: Block) -> int:
     """Bytes of ``block``'s payload file: its safetensors header plus its tensors."""
     tensors = tensors_of(block.arrays)
-    header = encode_header(tensors, block.key, [0] * len(tensors))  # sized: digests unneeded
+    header = encode_header(tensors, block.key, [(0, 0)] * len(tensors))  # sized: digests unneeded
     return len(header) + sum(t.data.nbytes for t in tensors)
