@@ -1,30 +1,35 @@
-"""Runs of large payload files, each read through the scratch into its places.
+"""Runs of large payload files, each read straight into its places.
 
 Runs on a reader thread: plain file I/O, xxh3, numpy and header checks, no
 MLX. A reader takes consecutive large payload files (over ``SMALL_READ``) of
-one file size in runs (``plan_runs``). Each file's data are read in slices of
-whole tensors into the reader's scratch, hashed there, and each tensor copied
-into its place with one numpy copy (``staged.py``). A file whose data exceed
-one slice may have bytes in a place before the checksum fails, so the stream
-stops before such a block.
+one file size in runs (``plan_runs``). Each file is read straight into its
+places (one copy: the kernel's, from the page cache to the restore buffer) and
+hashed a slice at a time while the slice is still in the CPU cache. Its bytes
+may reach a place before the checksum fails, so the stream stops before such a
+block.
 
 A tensor's place is asked once per run (``place(..., count)``), not per block:
-its region holds the run's blocks one after another on the token axis, so a
-block's place is a view of it made per file. A tensor with no run region (a
-layer that does not use every block of the run, a buffer not made yet, a
-header unlike the run's first) is placed block by block; one with no place at
-all goes into the reader's loose buffer, lent to the caller; one no layer
-reads (``UNNEEDED``) is not read where the file has per-tensor digests
-(``digests.py``: each tensor read is verified against its own, straight into
-its place), else read through the scratch only to be hashed.
+its region is one row of the restore buffer per (batch, head), each holding
+the run's blocks one after another, so a block's piece of a row is a slice of
+a row view made once per run. A block of a model with many layers and kv
+heads has hundreds of pieces (512 for 32 layers of 8 heads); each costs a
+slice and a hash call, the file a few ``preadv`` calls. A tensor with no run
+region (a layer that does not use every block of the run, a buffer not made
+yet, a header unlike the run's first) is placed block by block; one with no
+place at all goes into the reader's loose buffer, lent to the caller; one no
+layer reads (``UNNEEDED``) is not read where the file has per-tensor digests
+(``digests.py``: each tensor read is verified against its own), else read
+through the scratch only to be hashed.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import (
@@ -39,13 +44,17 @@ from ...memory.host import (
 from . import digests as tensor_digests
 from .files import open_payload
 from .payload import read_spans
-from .read_into import Buffer, Buffers, Job, Outcome, Span, streamed
-from .staged import Target, read_staged
+from .read_into import Buffer, Buffers, Job, Outcome, Span, pread_all, preadv_all, streamed
+
+# Read and hash in slices: each is hashed while still in the CPU cache. (xxhash
+# 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
+_CHUNK = 1 << 20
+_IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
 
 
 class _RunPlaces:
     """A run's regions, asked once per tensor from the first header read: name ->
-    the run's region, or UNNEEDED."""
+    (the run's region, its flat rows), or UNNEEDED."""
 
     def __init__(self, jobs: Sequence[Job], place: Place | None):
         first = jobs[0].meta
@@ -53,7 +62,7 @@ class _RunPlaces:
         self._count = len(jobs)
         self._place = place if self._count > 1 else None
         self._spans: tuple[Span, ...] | None = None
-        self.regions: dict[str, np.ndarray] = {}
+        self.regions: dict[str, tuple[np.ndarray, list[np.ndarray]] | np.ndarray] = {}
         self.whole: dict[str, Placed] = {}  # name -> a Placed of its run region
 
     def of(self, spans: tuple[Span, ...]) -> dict | None:
@@ -75,9 +84,20 @@ class _RunPlaces:
                 continue
             if region is None or region.nbytes != self._count * (end - start):
                 continue
-            if region.ndim == 4 and region.size and region[0, 0].flags.c_contiguous:
-                self.regions[name] = region
+            rows = _rows(region)
+            if rows is not None:
+                self.regions[name] = (region, rows)
                 self.whole[name] = Placed(region, dt, shape)
+
+
+def _rows(region: np.ndarray) -> list[np.ndarray] | None:
+    """A run region's (batch, head) rows, flat (None if one is not contiguous: its
+    blocks are then placed one by one). numpy views, not memoryviews: a block's
+    hundreds of slices of them are then no work for the garbage collector."""
+    if region.ndim != 4 or region.size == 0 or not region[0, 0].flags.c_contiguous:
+        return None
+    b, h = region.shape[:2]
+    return [region[i, k].reshape(-1) for i in range(b) for k in range(h)]
 
 
 def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
@@ -103,8 +123,8 @@ def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> I
 def _read_file(
     fd: int, job: Job, j: int, runs: _RunPlaces, bufs: Buffers, place: Place | None
 ) -> Outcome:
-    """Read, size-check, checksum and parse run file ``j``: each tensor into its
-    place, or into the loose buffer (then lent)."""
+    """Read, size-check, checksum and parse run file ``j``: each tensor straight
+    into its place, or into the loose buffer (then lent)."""
     meta = job.meta
     assert meta is not None
     size = os.fstat(fd).st_size
@@ -119,27 +139,27 @@ def _read_file(
     loose = sum(end - start for (*_, start, end), d in zip(spans, dests, strict=True) if d is None)
     lent = bufs.loose(loose) if loose else None
     arrays: dict[str, HostArray | Placed] = {}
-    targets: list[Target] = []
+    steps = _Steps()
     used = 0
     for (name, dtype, shape, start, end), dest in zip(spans, dests, strict=True):
         if dest is UNNEEDED:
-            targets.append(None)
+            steps.skip(end - start)
         elif dest is None:
             assert lent is not None
             data = lent[used : used + end - start]
             used += end - start
             arrays[name] = HostArray(data, MX_DTYPES[dtype], shape)
-            targets.append(data)
+            steps.add([data] if data.nbytes else [], end - start)
         else:
-            targets.append(dest[0])
-            arrays[name] = dest[1]
+            views, arrays[name], _ = dest
+            steps.add(views, end - start)
     skip = tensor_digests.worth_skipping(spans, [d is UNNEEDED for d in dests])
     digests = tensor_digests.parse(prefix[8:], spans) if skip else None
     try:
         if digests is None:
-            read_staged(fd, spans, targets, base, prefix, meta.checksum, bufs)
+            _read_checked(fd, steps.done(), prefix, meta.checksum, bufs)
         else:
-            tensor_digests.read_used(fd, _used_views(spans, targets), base, digests)
+            tensor_digests.read_used(fd, _used_views(spans, dests, lent), base, digests)
     except (PayloadError, OSError):
         if lent is not None:  # a miss lends nothing: the next block's loose read needs it
             bufs.unlend(lent)
@@ -150,17 +170,31 @@ def _read_file(
     return lent, streamed(job, arrays)
 
 
-Dest = tuple[np.ndarray, Placed, bool] | np.ndarray | None
+Dest = tuple[list[Buffer], Placed, bool] | np.ndarray | None
 
 
-def _used_views(spans: tuple[Span, ...], targets: list[Target]) -> list[tuple[Span, list[Buffer]]]:
-    """Each tensor the restore uses with the contiguous views it is read into,
-    in file order; UNNEEDED ones (no target) left out."""
-    return [(s, contiguous(t)) for s, t in zip(spans, targets, strict=True) if t is not None]
+def _used_views(
+    spans: tuple[Span, ...], dests: list[Dest], lent: np.ndarray | None
+) -> list[tuple[Span, list[Buffer]]]:
+    """Each tensor the restore uses with the views it is read into (the loose
+    buffer's in file order), UNNEEDED ones left out."""
+    out = []
+    used = 0
+    for span, dest in zip(spans, dests, strict=True):
+        if dest is UNNEEDED:
+            continue
+        if dest is None:
+            assert lent is not None
+            size = span[4] - span[3]
+            out.append((span, [lent[used : used + size]] if size else []))
+            used += size
+        else:
+            out.append((span, dest[0]))  # type: ignore[index]
+    return out
 
 
 def _destination(span: Span, j: int, regions: dict | None, place: Place | None, index: int) -> Dest:
-    """Where tensor ``span`` of run file ``j`` goes: (its place, its Placed, whether
+    """Where tensor ``span`` of run file ``j`` goes: (its views, its Placed, whether
     by the run's region), UNNEEDED, or None (the loose buffer)."""
     name, dtype, shape, start, end = span
     dt = MX_DTYPES[dtype]
@@ -168,11 +202,98 @@ def _destination(span: Span, j: int, regions: dict | None, place: Place | None, 
     if got is UNNEEDED:
         return UNNEEDED
     if got is not None:
+        region, rows = got
         n = shape[2]
-        return got[:, :, j * n : (j + 1) * n], Placed(got, dt, shape, (j * n, (j + 1) * n)), True
+        piece = n * region.shape[3]
+        views = [row[j * piece : (j + 1) * piece] for row in rows]
+        return views, Placed(region, dt, shape, (j * n, (j + 1) * n)), True
     got = place(index, name, dt, shape) if place is not None else None
     if got is UNNEEDED:
         return UNNEEDED
     if got is None or got.nbytes != end - start:
         return None
-    return got, Placed(got, dt, shape), False
+    return contiguous(got), Placed(got, dt, shape), False
+
+
+class _Steps:
+    """A file's reads in file order: batches of views (about _CHUNK bytes, at most
+    _IOV_MAX views: one ``preadv`` each, hashed while still in the CPU cache), and
+    byte counts only to hash (tensors no layer reads)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[list[Buffer], int] | int] = []
+        self._batch: list[Buffer] = []
+        self._size = 0
+
+    def add(self, views: list[Buffer], nbytes: int) -> None:
+        """A tensor's views (``nbytes`` in all), in order."""
+        if len(views) > 1 and nbytes > _CHUNK:  # pieces apart: each batch hashed while cached
+            each = len(views[0])
+            per = max(1, _CHUNK // each)
+            for i in range(0, len(views), per):
+                self.add(views[i : i + per], sum(len(v) for v in views[i : i + per]))
+            return
+        if views and len(views[0]) > _CHUNK:  # one large piece: in slices
+            views = [v[i : i + _CHUNK] for v in views for i in range(0, len(v), _CHUNK)]
+        if self._batch and (
+            self._size + nbytes > _CHUNK or len(self._batch) + len(views) > _IOV_MAX
+        ):
+            self._close()
+        self._batch += views
+        self._size += nbytes
+        if len(views) > _IOV_MAX or self._size >= _CHUNK:
+            self._close()
+
+    def skip(self, nbytes: int) -> None:
+        self._close()
+        self.steps.append(nbytes)
+
+    def done(self) -> list[tuple[list[Buffer], int] | int]:
+        self._close()
+        return self.steps
+
+    def _close(self) -> None:
+        if self._batch:
+            self.steps.append((self._batch, self._size))
+            self._batch, self._size = [], 0
+
+
+def _read_checked(
+    fd: int,
+    steps: list[tuple[list[Buffer], int] | int],
+    prefix: bytes,
+    checksum: int,
+    bufs: Buffers,
+) -> None:
+    """Read the file's data (``_read_steps``) and check the whole file's checksum."""
+    hasher = xxhash.xxh3_64(prefix)
+    _read_steps(fd, steps, len(prefix), hasher, bufs)
+    if hasher.intdigest() != checksum:
+        raise PayloadError("payload checksum mismatch")
+
+
+def _read_steps(
+    fd: int, steps: list[tuple[list[Buffer], int] | int], offset: int, hasher, bufs: Buffers
+) -> None:
+    """Read each batch of views with one ``preadv`` and hash it (or hash bytes only,
+    through the scratch), in file order from ``offset``."""
+    for step in steps:
+        if type(step) is int:
+            _hash_only(fd, offset, step, hasher, bufs.scratch(min(step, _CHUNK)))
+            offset += step
+            continue
+        batch, size = step  # type: ignore[misc]
+        preadv_all(fd, batch, offset, size)
+        deque(map(hasher.update, batch), maxlen=0)
+        offset += size
+
+
+def _hash_only(fd: int, offset: int, nbytes: int, hasher, scratch: np.ndarray) -> None:
+    """Hash ``nbytes`` of ``fd`` from ``offset``, read a ``scratch`` at a time."""
+    while nbytes > 0:
+        view = scratch[: min(nbytes, scratch.nbytes)]
+        if pread_all(fd, view, offset) != view.nbytes:
+            raise PayloadError("short read")
+        hasher.update(view)
+        offset += view.nbytes
+        nbytes -= view.nbytes
