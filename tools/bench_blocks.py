@@ -1,21 +1,19 @@
 """Restore cost against block count, on the cache shapes of real models.
 
-One model-shaped cache (``--shape``: presets of tools/shapes.py, ``all`` for
-every one; else ``--layers`` x ``--kv-heads`` x ``--head-dim``, bf16) of
-``--tokens`` tokens is stored at each ``--blocks`` size and restored through
-``PrefixCache.fetch``, from the hot tier and from the SSD tier, alternating
-with the references, in one run:
+One model-shaped cache (``--shape``: presets of tools/shapes.py, ``all`` for every
+one; else ``--layers`` x ``--kv-heads`` x ``--head-dim``, bf16) of ``--tokens`` tokens
+is stored at each ``--blocks`` size and restored through ``PrefixCache.fetch``, from
+the hot tier and from the SSD tier, alternating with the references, in one run:
 
   memcpy     the same bytes copied into ONE fresh buffer (numpy ``empty`` +
              ``copyto``: the page faults of fresh memory included; numpy asks
              for huge pages on a buffer this large), the hot restore's reference
   file       ONE file of the same bytes read into ONE fresh buffer
-             (``readinto``), the SSD restore's reference
+             (``readinto``), the SSD restore's reference (``--kept-ref``: one kept)
 
-SSD modes: ``warm`` (page cache warm) and ``cold`` (the payload files, and the
-reference file, evicted from the page cache before each read: only those files,
-so other processes' caches are left alone). Each round runs the fetch and its
-reference back to back, in alternating order.
+SSD modes: ``warm`` (page cache warm) and ``cold`` (the payload files, and the reference
+file, evicted from the page cache before each read: only those, so other processes' caches
+are left alone). Each round runs the fetch and its reference back to back, in turn first.
 
 Per shape and block size: the medians of fetch time / reference time (per
 round) with their range, the medians of both times, the fixed part of a fetch
@@ -30,7 +28,7 @@ another checkout (``git worktree add DIR COMMIT``), back to back with this one
 per shape, each in its own process, and prints both in one table.
 
     python tools/bench_blocks.py [--shape all] [--blocks 16,32,64,256] [--tiers hot,ssd]
-        [--tokens 4096] [--repeat 5] [--modes warm cold] [--base-root DIR]
+        [--tokens 4096] [--repeat 5] [--modes warm cold] [--base-root DIR] [--kept-ref]
 """
 
 from __future__ import annotations
@@ -88,6 +86,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         " Metal's default cache does; default: MLX's (32 MiB on the CPU)",
     )
     p.add_argument("--run-tokens", type=int, help="hot_run_tokens here (not in --base-root)")
+    p.add_argument("--kept-ref", action="store_true", help="SSD reference: into one kept buffer")
     p.add_argument("--shape-json", help=argparse.SUPPRESS)  # one shape, from the parent
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # rows, for it
     return p
@@ -101,9 +100,9 @@ def memcpy(source: np.ndarray) -> Clock:
     return clock
 
 
-def file_read(path: str, nbytes: int) -> Clock:
+def file_read(path: str, nbytes: int, kept: np.ndarray | None = None) -> Clock:
     with Clock() as clock:
-        out = read_into_fresh(path, nbytes)
+        out = read_into_fresh(path, nbytes, kept)
     del out
     return clock
 
@@ -140,13 +139,14 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
         del cache
         files = payload_files(cfg.ssd_path) if tier == "ssd" else []
         cold = mode == "cold"
+        kept = np.ones(nbytes, np.uint8) if args.kept_ref and tier == "ssd" else None
 
         def reference() -> Clock:
             if tier == "hot":
                 return memcpy(source)
             if cold:
                 evict([path])
-            return file_read(path, nbytes)
+            return file_read(path, nbytes, kept)
 
         def restore() -> Clock:
             if cold:
@@ -213,7 +213,7 @@ def measure_in(root: str, args, shape, label: str) -> list[dict[str, object]]:
     argv += ["--repeat", str(args.repeat), "--modes", *args.modes]
     if args.mx_cache_limit is not None:
         argv += ["--mx-cache-limit", str(args.mx_cache_limit)]
-    argv += ["--dir", args.dir] if args.dir else []
+    argv += (["--dir", args.dir] if args.dir else []) + ["--kept-ref"] * args.kept_ref
     argv += ["--run-tokens", str(args.run_tokens)] if label == "this" and args.run_tokens else []
     rows = rows_in(root, os.path.abspath(__file__), argv)
     for row in rows:

@@ -127,10 +127,10 @@ def read_reused(paths: list[str], buf: bytearray) -> None:
                 pass
 
 
-def read_into_fresh(path: str, nbytes: int) -> np.ndarray:
+def read_into_fresh(path: str, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
     """ONE file read into ONE fresh buffer of ``nbytes`` (``readinto``): the SSD
-    restore targets' reference (issue 19)."""
-    out = np.empty(nbytes, dtype=np.uint8)
+    restore targets' reference (issue 19); or into ``out``, a buffer kept."""
+    out = np.empty(nbytes, dtype=np.uint8) if out is None else out
     with open(path, "rb", buffering=0) as f:
         f.readinto(memoryview(out))
     return out
