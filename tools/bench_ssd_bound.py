@@ -127,6 +127,13 @@ def scratch_restore(paths: list[str], args, bs: int, threads: int) -> list[np.nd
 
 def direct_restore(paths: list[str], args, bs: int, threads: int) -> list[np.ndarray]:
     bufs = fresh_buffers(args)
+    place_files(paths, bufs, args, bs, threads)
+    return bufs
+
+
+def place_files(paths: list[str], bufs: list[np.ndarray], args, bs: int, threads: int) -> None:
+    """Each file of ``bs`` tokens read straight into its rows of ``bufs`` (one
+    ``readv``, an iovec per tensor and head), then hashed over the placed rows."""
 
     def work(blocks: range) -> None:
         header = bytearray(HEADER)
@@ -149,7 +156,6 @@ def direct_restore(paths: list[str], args, bs: int, threads: int) -> list[np.nda
             hasher.intdigest()
 
     run_threads(work, share(len(paths), threads))
-    return bufs
 
 
 def timed(fn) -> tuple[float, float]:

@@ -38,36 +38,10 @@ import tempfile
 
 import numpy as np
 import xxhash
-from bench_ssd_bound import HEADER, run_threads, share, timed, write_chain
+from bench_ssd_bound import place_files, timed, write_chain
 from benchlib import add_chain_args, chain_fetch, read_fresh, restore_like_buffers, shaped_model
 
 MiB = 1 << 20
-
-
-def placed(paths: list[str], bufs: list[np.ndarray], args, bs: int, threads: int) -> None:
-    """Each file of ``bs`` tokens read straight into its rows of ``bufs``, hashed."""
-
-    def work(files: range) -> None:
-        header = bytearray(HEADER)
-        for i in files:
-            lo = i * bs
-            rows = [memoryview(header)]
-            rows += [
-                memoryview(buf[0, h, lo : lo + bs, :]).cast("B")
-                for buf in bufs
-                for h in range(args.kv_heads)
-            ]
-            fd = os.open(paths[i], os.O_RDONLY)
-            try:
-                os.readv(fd, rows)
-            finally:
-                os.close(fd)
-            hasher = xxhash.xxh3_64()
-            for row in rows:
-                hasher.update(row)
-            hasher.intdigest()
-
-    run_threads(work, share(len(paths), threads))
 
 
 def read_kept(ref: str, buf: np.ndarray, hashed: bool) -> None:
@@ -83,8 +57,10 @@ def ways_for(ref, kept, bufs, blocks, runs, args, bs, fetch) -> dict:
         "read+hash": lambda: read_kept(ref, kept, True),
     }
     for n in args.threads:
-        ways[f"block files/{n}"] = lambda n=n: placed(blocks, bufs, args, bs, n)
-        ways[f"run files/{n}"] = lambda n=n: placed(runs, bufs, args, max(bs, args.run_tokens), n)
+        ways[f"block files/{n}"] = lambda n=n: place_files(blocks, bufs, args, bs, n)
+        ways[f"run files/{n}"] = lambda n=n: place_files(
+            runs, bufs, args, max(bs, args.run_tokens), n
+        )
     if fetch is not None:
         ways["fetch"] = fetch
     return ways
