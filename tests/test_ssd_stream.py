@@ -389,6 +389,34 @@ def test_primer_pulls_uncached_files_into_the_page_cache_until_the_first_block_i
     assert resident_pages(files[0][0]) == 0
 
 
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no page-cache probe on this OS")
+def test_a_file_read_only_in_its_leading_part_counts_as_cached(tmp_path):
+    """A restore may read a file's header and leading tensors only (window K/V
+    and state are written last): that file is cached for the primer and the
+    warm check; one whose head is not cached is not, whatever its tail."""
+    path = str(tmp_path / "payload")
+    size = 64 * mmap.PAGESIZE
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+    # (the probe itself may start readahead of what it asks: dropped after each)
+    if not drop_pages(path):
+        pytest.skip("this filesystem keeps the pages cached")
+    assert not cached(path, size)
+    assert drop_pages(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is read
+        os.pread(fd, mmap.PAGESIZE, size - mmap.PAGESIZE)  # the tail only
+        assert 0 < resident_pages(path) < 64
+        assert not cached(path, size)
+        assert drop_pages(path)
+        os.pread(fd, mmap.PAGESIZE, 0)  # the head
+        assert 0 < resident_pages(path) < 64
+    finally:
+        os.close(fd)
+    assert cached(path, size)
+
+
 def test_a_lying_first_header_sizes_no_buffer(tmp_path, monkeypatch):
     """The first block's header is read before its checksum can be: one whose
     tensors claim one token each (as many bytes, spread over many heads) would

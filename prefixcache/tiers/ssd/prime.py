@@ -65,14 +65,16 @@ class Primer:
 
 
 def cached(path: str, size: int) -> bool:
-    """Whether a file's last byte is in the page cache (payloads are written and
-    read whole, so it stands for the file)."""
+    """Whether a file's first byte is in the page cache: the header every restore
+    reads, whole file or only its leading tensors (window K/V and state written
+    last may never be read), so it stands for what a restore reads. ``size``
+    0: nothing to read."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return True  # nothing to prime
     try:
-        return os.preadv(fd, [bytearray(1)], max(size - 1, 0), os.RWF_NOWAIT) == 1
+        return size == 0 or os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT) == 1
     except OSError:
         return False  # EAGAIN: not cached
     finally:
