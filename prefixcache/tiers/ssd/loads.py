@@ -16,7 +16,6 @@ digests: each tensor against its own digest).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -87,13 +86,16 @@ def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: got for name, got in answers.items() if got is UNNEEDED}
 
 
-def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFile:
-    """Read a small payload file into ``slot`` (its size + 1) and verify it: whole,
-    or (it has digests and some of its tensors are UNNEEDED) its header and the
-    tensors the restore uses, each against its digest."""
+def load(job: Job, fd: int, st_size: int, slot: np.ndarray, judged: Judged | None) -> LoadedFile:
+    """Read a small payload file (``st_size``: its size as ``fstat`` gave it) into
+    ``slot`` (the index's size + 1) and verify it: whole, or (it has digests and
+    some of its tensors are UNNEEDED) its header and the tensors the restore uses,
+    each against its digest."""
     meta = job.meta
     assert meta is not None
     size = meta.file_bytes
+    if st_size != size:  # refused unread
+        raise PayloadError(f"payload has {st_size} bytes, index says {size}")
     if judged is None or judged.skips is False:
         return _verified(job, slot, pread_all(fd, slot, 0))
     got = pread_all(fd, slot[: min(size + 1, max(judged.head, judged.front))], 0)
@@ -116,8 +118,6 @@ def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFi
     if not judged.skips:
         got += pread_all(fd, slot[got:], got)
         return _verified(job, slot, got, spans)
-    if os.fstat(fd).st_size != size:
-        raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
     judged.front = base + used[-1][4] if front else 0
     if lead is None:
         assert digests is not None
