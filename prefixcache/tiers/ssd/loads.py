@@ -97,8 +97,8 @@ def load(job: Job, fd: int, st_size: int, slot: np.ndarray, judged: Judged | Non
     if st_size != size:  # refused unread
         raise PayloadError(f"payload has {st_size} bytes, index says {size}")
     if judged is None or judged.skips is False:
-        return _verified(job, slot, pread_all(fd, slot, 0))
-    got = pread_all(fd, slot[: min(size + 1, max(judged.head, judged.front))], 0)
+        return _verified(job, slot, pread_all(fd, slot[:size], 0))  # one read: sized already
+    got = pread_all(fd, slot[: min(size, max(judged.head, judged.front))], 0)
     base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
     if got < base <= size:
         got += pread_all(fd, slot[got:base], got)
@@ -116,7 +116,7 @@ def load(job: Job, fd: int, st_size: int, slot: np.ndarray, judged: Judged | Non
     digests = tensor_digests.parse(text, spans, used, layout) if skip and lead is None else None
     judged.skips = lead is not None or digests is not None
     if not judged.skips:
-        got += pread_all(fd, slot[got:], got)
+        got += pread_all(fd, slot[got:size], got)
         return _verified(job, slot, got, spans)
     judged.front = base + used[-1][4] if front else 0
     if lead is None:

@@ -2,9 +2,10 @@
 
 A reader thread takes the chain's small payload files (up to ``SMALL_READ``
 bytes) in runs of consecutive blocks of one file size, up to ``RUN_BYTES`` in
-all. Each file is read whole, in one read of one byte more than the index says
-(a longer file shows), into its slot of the reader's scratch buffer (reused,
-so it stays in the CPU's caches), and verified there in one hash call: nothing
+all. Each file, opened relative to the payloads' root held open for the restore
+(``files.PayloadRoot``) and its size (``fstat``) checked against the index, is read
+whole in one read into its slot of the reader's scratch buffer (reused, so it
+stays in the CPU's caches), and verified there in one hash call: nothing
 reaches the restore buffers before its block's checksum matched. The run's
 files are opened first and asked into the page cache together, so that read
 cold their reads are in flight at once.
