@@ -151,6 +151,7 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
         with monkeypatch.context() as m:
             m.setattr(tensor_digests, "parse", lambda *args: None)
             m.setattr(tensor_digests, "lead", lambda *args: None)
+            m.setattr(tensor_digests, "lead_at", lambda *args: None)
             num, diff, whole = restore(gemma, pc, probe)
             assert num == POINT and diff == 0.0
         num, diff, read = restore(gemma, pc, probe)

@@ -141,12 +141,20 @@ def lead(
 ) -> int | None:
     """The lead digest of tensor ``name`` (of the data from the first tensor to its
     end) in a checked header's ``text``; None where the file has none."""
+    at = lead_at(text, spans, name, layout)
+    return None if at is None else int(text[at : at + 16], 16)
+
+
+def lead_at(
+    text: bytes, spans: Sequence[_Span], name: str, layout: Layout | None = None
+) -> int | None:
+    """Where ``lead``'s 16 hex digits start in ``text``; None where it has none."""
     found = _found(text, spans, layout)
     if found is None:
         return None
     cut, where = found
     at = where[name][1]
-    return None if at < 0 else int(text[cut + at : cut + at + 16], 16)
+    return None if at < 0 else cut + at
 
 
 def _found(

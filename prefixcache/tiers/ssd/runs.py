@@ -2,10 +2,10 @@
 
 A reader thread takes the chain's small payload files (up to ``SMALL_READ``
 bytes) in runs of consecutive blocks of one file size, up to ``RUN_BYTES`` in
-all. Each file, opened relative to the payloads' root held open for the restore
-(``files.PayloadRoot``) and its size (``fstat``) checked against the index, is read
-whole in one read into its slot of the reader's scratch buffer (reused, so it
-stays in the CPU's caches), and verified there in one hash call: nothing
+all. Each file (opened by ``files.PayloadRoot``, its size checked against the
+index, its header parsed once per run: ``headers.py``) is read whole in one read
+into its slot of the reader's scratch buffer (reused: it stays in the CPU's
+caches), and verified there in one hash call: nothing
 reaches the restore buffers before its block's checksum matched. The run's
 files are opened first and asked into the page cache together, so that read
 cold their reads are in flight at once.
@@ -32,6 +32,7 @@ import numpy as np
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from .files import PayloadRoot, open_sized
+from .headers import Headers
 from .loads import Judged, LoadedFile, load, unneeded
 from .read_into import Buffers, Job, Outcome, Span, streamed
 
@@ -146,13 +147,14 @@ def _load_all(
     """The run's files, each read into its slot of ``scratch`` and verified (or why not)."""
     size = (scratch.nbytes - 1) // len(jobs)
     files: list[LoadedFile | PayloadError | OSError] = []
+    headers = Headers()  # one layout: each header alike to the first is parsed once
     with _opened(jobs, willneed, root) as fds:
         for k, (job, opened) in enumerate(zip(jobs, fds, strict=True)):
             try:  # slot k, plus the next slot's first byte (read over by the next file)
                 if isinstance(opened, BaseException):
                     raise opened
                 slot = scratch[k * size : (k + 1) * size + 1]
-                files.append(load(job, *opened, slot, judged))
+                files.append(load(job, *opened, slot, judged, headers))
             except (PayloadError, OSError) as e:
                 files.append(e)
     return files
@@ -162,9 +164,8 @@ def _load_all(
 def _opened(
     jobs: Sequence[Job], willneed: bool, root: PayloadRoot | None
 ) -> Iterator[list[tuple[int, int] | PayloadError | OSError]]:
-    """The run's files opened, each (descriptor, size), or why not; each asked into
-    the page cache at once: read cold, the run's reads are in flight together, not
-    one after another."""
+    """The run's files opened, each (descriptor, size), or why not; each asked into the
+    page cache at once: read cold, the run's reads are in flight together."""
     fds: list[tuple[int, int] | PayloadError | OSError] = []
     try:
         for job in jobs:
