@@ -63,9 +63,9 @@ class Headers:
         spans: tuple[Span, ...],
         layout: tensor_digests.Layout,
     ) -> None:
-        free = [range(KEY_AT, KEY_AT + 2 * len(key))]
-        free += [range(m.start() + _QUOTED, m.end() - 1) for m in _DIGEST.finditer(text)]
-        self._free = np.fromiter((i for r in free for i in r), np.intp)
+        digits = [m.start() + _QUOTED for m in _DIGEST.finditer(text)]
+        free = np.add.outer(np.array(digits, np.intp), np.arange(16)).ravel()
+        self._free = np.concatenate([np.arange(KEY_AT, KEY_AT + 2 * len(key)), free])
         fixed = np.frombuffer(text, np.uint8).copy()
         fixed[self._free] = 0
         self._first, self._parsed, self._fixed = (text, data_bytes), (spans, layout), fixed
