@@ -13,6 +13,7 @@ is not parsed again. Any other header is parsed and checked in full.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -63,9 +64,7 @@ class Headers:
         spans: tuple[Span, ...],
         layout: tensor_digests.Layout,
     ) -> None:
-        digits = [m.start() + _QUOTED for m in _DIGEST.finditer(text)]
-        free = np.add.outer(np.array(digits, np.intp), np.arange(16)).ravel()
-        self._free = np.concatenate([np.arange(KEY_AT, KEY_AT + 2 * len(key)), free])
+        self._free = _free_at(layout[0], layout[1], 2 * len(key))
         fixed = np.frombuffer(text, np.uint8).copy()
         fixed[self._free] = 0
         self._first, self._parsed, self._fixed = (text, data_bytes), (spans, layout), fixed
@@ -82,3 +81,14 @@ class Headers:
             return False
         got[self._free] = 0
         return bool(np.array_equal(got, self._fixed))
+
+
+@functools.lru_cache(maxsize=64)
+def _free_at(cut: int, entries: bytes, key_digits: int) -> np.ndarray:
+    """Where the key's and the digests' hex digits lie in a header of this layout
+    (``cut``: where its ``entries``, digests zeroed, start): found once per layout."""
+    digits = [cut + m.start() + _QUOTED for m in _DIGEST.finditer(entries)]
+    free = np.add.outer(np.array(digits, np.intp), np.arange(16)).ravel()
+    out = np.concatenate([np.arange(KEY_AT, KEY_AT + key_digits), free])
+    out.flags.writeable = False
+    return out
