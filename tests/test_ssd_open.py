@@ -17,7 +17,7 @@ from prefixcache.tiers.ssd import files
 from prefixcache.tiers.ssd.files import PayloadRoot, payload_path
 from prefixcache.tiers.ssd.stream import stream
 
-HAS_OPENAT2 = bool(files._openat2)
+HAS_OPENAT2 = files.openat2 is not None
 
 
 @pytest.fixture(params=["openat2", "two opens"])
@@ -26,7 +26,7 @@ def way(request, monkeypatch):
     if request.param == "openat2" and not HAS_OPENAT2:
         pytest.skip("this kernel has no openat2")
     if request.param == "two opens":
-        monkeypatch.setattr(files, "_openat2", [])
+        monkeypatch.setattr(files, "openat2", None)
     return request.param
 
 
@@ -77,7 +77,7 @@ def test_a_restore_follows_no_symlink_and_refuses_odd_files(tier, tmp_path, way,
     assert tier.stats()["num_corrupt"] == 1 and tier.get_meta(keys[3]) is None
     if how != "directory" and how != "longer":
         assert os.path.exists(outside)  # the link's target was never touched
-    assert bool(files._openat2) == (way == "openat2")  # the way asked for was the way taken
+    assert (files.openat2 is not None) == (way == "openat2")  # the way asked for was the way taken
 
 
 def test_payload_root_opens_files_below_it_only_through_directories(tier, tmp_path, way):

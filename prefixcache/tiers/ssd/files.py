@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ...errors import PayloadError
 
@@ -130,45 +130,48 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-_SYS_OPENAT2 = 437  # one number on every Linux architecture
+_SYS_OPENAT2 = 437
 _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x04, 0x08
 _HOW = _OpenHow(os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, 0, _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
 _HOW_AT, _HOW_SIZE = ctypes.addressof(_HOW), ctypes.sizeof(_HOW)
-_openat2: list = []  # [the syscall function] while the kernel is believed to have openat2
 
 
-def _load_openat2() -> None:
-    if not sys.platform.startswith("linux"):
-        return
+def _load_openat2() -> Callable[..., int] | None:
+    """libc's ``syscall``, set to call openat2, where its number is known (437 on these)."""
+    if not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"):
+        return None
     try:
         call = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
-        return
+        return None
     call.restype = ctypes.c_long
     call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-    _openat2.append(call)
+    return call
+
+
+# None where the kernel lacks openat2, or is found to (then never asked again)
+openat2: Callable[..., int] | None = _load_openat2()
 
 
 def _beneath(dfd: int, rel: str) -> int | None:
     """``rel`` opened read-only below directory ``dfd`` through no symlink (one
-    ``openat2``), or None where the kernel lacks openat2 (then never asked again).
+    ``openat2``), or None where the kernel lacks openat2.
 
     Raises:
         OSError: ELOOP where a symlink is met, EXDEV where ``rel`` leaves ``dfd``.
     """
-    if not _openat2:
+    global openat2
+    call = openat2  # one read: another thread may clear it
+    if call is None:
         return None
-    fd = _openat2[0](_SYS_OPENAT2, dfd, os.fsencode(rel), _HOW_AT, _HOW_SIZE)
+    fd = call(_SYS_OPENAT2, dfd, os.fsencode(rel), _HOW_AT, _HOW_SIZE)
     if fd >= 0:
         return fd
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EPERM):  # an old kernel, or a filter that forbids it
-        _openat2.clear()
+        openat2 = None
         return None
     raise OSError(err, os.strerror(err), rel)
-
-
-_load_openat2()
 
 
 @contextlib.contextmanager
