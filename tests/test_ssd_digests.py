@@ -252,3 +252,9 @@ def test_a_lead_digest_covers_the_data_and_the_entries_before_it():
     assert not tensor_digests.lead_matches(flat[:96], renamed, leads[1])
     reshaped = [spans[0], (spans[1][0], "U8", (2, 16), *spans[1][3:])]
     assert not tensor_digests.lead_matches(flat[:96], reshaped, leads[1])
+    # the seeds packed once for a run's files bind the entries alike
+    packed = tensor_digests.packed_seeds(spans[:2])
+    assert tensor_digests.lead_matches(flat[:96], spans[:2], leads[1], packed)
+    assert not tensor_digests.lead_matches(changed[:96], spans[:2], leads[1], packed)
+    wrong = tensor_digests.packed_seeds(renamed)
+    assert not tensor_digests.lead_matches(flat[:96], spans[:2], leads[1], wrong)

@@ -92,10 +92,22 @@ def _lead(data: int, seeds: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(seeds) + 1}Q", data, *seeds))
 
 
-def lead_matches(data: Buffer, spans: Sequence[_Span], digest: int) -> bool:
+def lead_matches(
+    data: Buffer, spans: Sequence[_Span], digest: int, seeds: bytes | None = None
+) -> bool:
     """Whether ``data`` (the data of ``spans``, the file's first tensors) has the lead
-    digest of the last of them: one hash call verifies them all."""
-    return _lead(xxhash.xxh3_64_intdigest(data), [seed(s) for s in spans]) == digest
+    digest of the last of them: one hash call verifies them all. ``seeds``:
+    ``packed_seeds(spans)``, where a caller checks many files of one layout."""
+    seeds = packed_seeds(spans) if seeds is None else seeds
+    return (
+        xxhash.xxh3_64_intdigest(struct.pack("<Q", xxhash.xxh3_64_intdigest(data)) + seeds)
+        == digest
+    )
+
+
+def packed_seeds(spans: Sequence[_Span]) -> bytes:
+    """The seeds of ``spans`` as a lead digest binds them (``_lead``)."""
+    return struct.pack(f"<{len(spans)}Q", *(seed(s) for s in spans))
 
 
 def masked(text: bytes) -> bytes:

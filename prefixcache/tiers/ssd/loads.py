@@ -117,7 +117,7 @@ def load(
         plan = _plan(text, spans, layout, unneeded)
         if alike:  # of the run's layout: the digests lie where the first file's do
             headers.plans[unneeded] = plan
-    used, skip, front, at = plan
+    used, skip, front, at, seeds = plan
     lead = None if at is None else int(text[at : at + 16], 16)
     digests = tensor_digests.parse(text, spans, used, layout) if skip and lead is None else None
     judged.skips = lead is not None or digests is not None
@@ -129,32 +129,34 @@ def load(
         assert digests is not None
         _read_used(fd, slot, base, used, digests, got)
     else:
-        _read_lead(fd, slot, base, used, lead, got)
+        _read_lead(fd, slot, base, used, (lead, seeds), got)
     return LoadedFile(job, meta.index, slot[:size], base, spans)
 
 
 def _plan(
     text: bytes, spans: tuple[Span, ...], layout: Layout | None, unneeded: frozenset[str]
-) -> tuple[list[Span], bool, bool, int | None]:
+) -> tuple[list[Span], bool, bool, int | None, bytes]:
     """(the used tensors, whether skipping the others is worth it, whether the used
-    ones lead the file, where the last one's lead digest lies in the header)."""
+    ones lead the file, where the last one's lead digest lies in the header, the
+    used tensors' seeds as the lead digest binds them)."""
     used = [s for s in spans if s[0] not in unneeded]
     skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
     # the used tensors lead the file: one read up to their end, one hash (its lead digest)
     front = bool(used) and tuple(used) == spans[: len(used)]
     at = tensor_digests.lead_at(text, spans, used[-1][0], layout) if skip and front else None
-    return used, skip, front, at
+    return used, skip, front, at, tensor_digests.packed_seeds(used)
 
 
 def _read_lead(
-    fd: int, slot: np.ndarray, base: int, used: list[Span], digest: int, got: int
+    fd: int, slot: np.ndarray, base: int, used: list[Span], lead: tuple[int, bytes], got: int
 ) -> None:
     """Read the file's first tensors (``used``, the first ``got`` bytes of ``slot``
-    held already) into ``slot`` and verify them against the last one's lead digest."""
+    held already) into ``slot`` and verify them against ``lead``: the last one's lead
+    digest, and their packed seeds."""
     end = base + used[-1][4]
     if got < end and pread_all(fd, slot[got:end], got) != end - got:
         raise PayloadError("short read")
-    if not tensor_digests.lead_matches(slot[base:end], used, digest):
+    if not tensor_digests.lead_matches(slot[base:end], used, *lead):
         raise PayloadError(f"payload tensors {used[0][0]!r} to {used[-1][0]!r} digest mismatch")
 
 
