@@ -151,6 +151,7 @@ def test_a_restore_far_past_the_window_leaves_unneeded_tensors_unread(
         with monkeypatch.context() as m:
             m.setattr(tensor_digests, "parse", lambda *args: None)
             m.setattr(tensor_digests, "lead", lambda *args: None)
+            m.setattr(tensor_digests, "lead_at", lambda *args: None)
             num, diff, whole = restore(gemma, pc, probe)
             assert num == POINT and diff == 0.0
         num, diff, read = restore(gemma, pc, probe)
@@ -251,3 +252,9 @@ def test_a_lead_digest_covers_the_data_and_the_entries_before_it():
     assert not tensor_digests.lead_matches(flat[:96], renamed, leads[1])
     reshaped = [spans[0], (spans[1][0], "U8", (2, 16), *spans[1][3:])]
     assert not tensor_digests.lead_matches(flat[:96], reshaped, leads[1])
+    # the seeds packed once for a run's files bind the entries alike
+    packed = tensor_digests.packed_seeds(spans[:2])
+    assert tensor_digests.lead_matches(flat[:96], spans[:2], leads[1], packed)
+    assert not tensor_digests.lead_matches(changed[:96], spans[:2], leads[1], packed)
+    wrong = tensor_digests.packed_seeds(renamed)
+    assert not tensor_digests.lead_matches(flat[:96], spans[:2], leads[1], wrong)

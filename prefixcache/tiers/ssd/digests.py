@@ -92,10 +92,22 @@ def _lead(data: int, seeds: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(seeds) + 1}Q", data, *seeds))
 
 
-def lead_matches(data: Buffer, spans: Sequence[_Span], digest: int) -> bool:
+def lead_matches(
+    data: Buffer, spans: Sequence[_Span], digest: int, seeds: bytes | None = None
+) -> bool:
     """Whether ``data`` (the data of ``spans``, the file's first tensors) has the lead
-    digest of the last of them: one hash call verifies them all."""
-    return _lead(xxhash.xxh3_64_intdigest(data), [seed(s) for s in spans]) == digest
+    digest of the last of them: one hash call verifies them all. ``seeds``:
+    ``packed_seeds(spans)``, where a caller checks many files of one layout."""
+    seeds = packed_seeds(spans) if seeds is None else seeds
+    return (
+        xxhash.xxh3_64_intdigest(struct.pack("<Q", xxhash.xxh3_64_intdigest(data)) + seeds)
+        == digest
+    )
+
+
+def packed_seeds(spans: Sequence[_Span]) -> bytes:
+    """The seeds of ``spans`` as a lead digest binds them (``_lead``)."""
+    return struct.pack(f"<{len(spans)}Q", *(seed(s) for s in spans))
 
 
 def masked(text: bytes) -> bytes:
@@ -141,12 +153,20 @@ def lead(
 ) -> int | None:
     """The lead digest of tensor ``name`` (of the data from the first tensor to its
     end) in a checked header's ``text``; None where the file has none."""
+    at = lead_at(text, spans, name, layout)
+    return None if at is None else int(text[at : at + 16], 16)
+
+
+def lead_at(
+    text: bytes, spans: Sequence[_Span], name: str, layout: Layout | None = None
+) -> int | None:
+    """Where ``lead``'s 16 hex digits start in ``text``; None where it has none."""
     found = _found(text, spans, layout)
     if found is None:
         return None
     cut, where = found
     at = where[name][1]
-    return None if at < 0 else int(text[cut + at : cut + at + 16], 16)
+    return None if at < 0 else cut + at
 
 
 def _found(

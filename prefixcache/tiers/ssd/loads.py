@@ -16,7 +16,6 @@ digests: each tensor against its own digest).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -26,7 +25,9 @@ import xxhash
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, Place
 from . import digests as tensor_digests
-from .payload import header_length, parse_header, parse_layout
+from .digests import Layout
+from .headers import Headers
+from .payload import header_length
 from .read_into import Job, Span, pread_all
 
 
@@ -87,60 +88,80 @@ def unneeded(answers: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: got for name, got in answers.items() if got is UNNEEDED}
 
 
-def load(job: Job, fd: int, slot: np.ndarray, judged: Judged | None) -> LoadedFile:
-    """Read a small payload file into ``slot`` (its size + 1) and verify it: whole,
-    or (it has digests and some of its tensors are UNNEEDED) its header and the
-    tensors the restore uses, each against its digest."""
+def load(
+    job: Job, fd: int, st_size: int, slot: np.ndarray, judged: Judged | None, headers: Headers
+) -> LoadedFile:
+    """Read a small payload file (``st_size``: its size as ``fstat`` gave it) into
+    ``slot`` (the index's size + 1) and verify it: whole, or (it has digests and
+    some of its tensors are UNNEEDED) its header and the tensors the restore uses,
+    each against its digest. ``headers``: its run's, each parsed once."""
     meta = job.meta
     assert meta is not None
     size = meta.file_bytes
+    if st_size != size:  # refused unread
+        raise PayloadError(f"payload has {st_size} bytes, index says {size}")
     if judged is None or judged.skips is False:
-        return _verified(job, slot, pread_all(fd, slot, 0))
-    got = pread_all(fd, slot[: min(size + 1, max(judged.head, judged.front))], 0)
+        return _verified(job, slot, pread_all(fd, slot[:size], 0), headers)  # sized already
+    got = pread_all(fd, slot[: min(size, max(judged.head, judged.front))], 0)
     base = 8 + header_length(slot[:8].tobytes(), size) if got >= 8 else size + 1
     if got < base <= size:
         got += pread_all(fd, slot[got:base], got)
     if got < base or size - base != meta.nbytes:
-        return _verified(job, slot, got)  # the sizes' error
+        return _verified(job, slot, got, headers)  # the sizes' error
     judged.head = base
     text = slot[8:base].tobytes()
-    spans, layout = parse_layout(text, job.key, size - base)
+    spans, layout, alike = headers.parse(text, job.key, size - base)
     unneeded = judged.unneeded(spans, meta.index)
-    used = [s for s in spans if s[0] not in unneeded]
-    skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
-    # the used tensors lead the file: one read up to their end, one hash (its lead digest)
-    front = used and tuple(used) == spans[: len(used)]
-    lead = tensor_digests.lead(text, spans, used[-1][0], layout) if skip and front else None
+    plan = headers.plans.get(unneeded) if alike else None
+    if plan is None:
+        plan = _plan(text, spans, layout, unneeded)
+        if alike:  # of the run's layout: the digests lie where the first file's do
+            headers.plans[unneeded] = plan
+    used, skip, front, at, seeds = plan
+    lead = None if at is None else int(text[at : at + 16], 16)
     digests = tensor_digests.parse(text, spans, used, layout) if skip and lead is None else None
     judged.skips = lead is not None or digests is not None
     if not judged.skips:
-        got += pread_all(fd, slot[got:], got)
-        return _verified(job, slot, got, spans)
-    if os.fstat(fd).st_size != size:
-        raise PayloadError(f"payload has {os.fstat(fd).st_size} bytes, index says {size}")
+        got += pread_all(fd, slot[got:size], got)
+        return _verified(job, slot, got, headers, spans)
     judged.front = base + used[-1][4] if front else 0
     if lead is None:
         assert digests is not None
         _read_used(fd, slot, base, used, digests, got)
     else:
-        _read_lead(fd, slot, base, used, lead, got)
+        _read_lead(fd, slot, base, used, (lead, seeds), got)
     return LoadedFile(job, meta.index, slot[:size], base, spans)
 
 
+def _plan(
+    text: bytes, spans: tuple[Span, ...], layout: Layout | None, unneeded: frozenset[str]
+) -> tuple[list[Span], bool, bool, int | None, bytes]:
+    """(the used tensors, whether skipping the others is worth it, whether the used
+    ones lead the file, where the last one's lead digest lies in the header, the
+    used tensors' seeds as the lead digest binds them)."""
+    used = [s for s in spans if s[0] not in unneeded]
+    skip = tensor_digests.worth_skipping(spans, [s[0] in unneeded for s in spans])
+    # the used tensors lead the file: one read up to their end, one hash (its lead digest)
+    front = bool(used) and tuple(used) == spans[: len(used)]
+    at = tensor_digests.lead_at(text, spans, used[-1][0], layout) if skip and front else None
+    return used, skip, front, at, tensor_digests.packed_seeds(used)
+
+
 def _read_lead(
-    fd: int, slot: np.ndarray, base: int, used: list[Span], digest: int, got: int
+    fd: int, slot: np.ndarray, base: int, used: list[Span], lead: tuple[int, bytes], got: int
 ) -> None:
     """Read the file's first tensors (``used``, the first ``got`` bytes of ``slot``
-    held already) into ``slot`` and verify them against the last one's lead digest."""
+    held already) into ``slot`` and verify them against ``lead``: the last one's lead
+    digest, and their packed seeds."""
     end = base + used[-1][4]
     if got < end and pread_all(fd, slot[got:end], got) != end - got:
         raise PayloadError("short read")
-    if not tensor_digests.lead_matches(slot[base:end], used, digest):
+    if not tensor_digests.lead_matches(slot[base:end], used, *lead):
         raise PayloadError(f"payload tensors {used[0][0]!r} to {used[-1][0]!r} digest mismatch")
 
 
 def _verified(
-    job: Job, slot: np.ndarray, got: int, spans: tuple[Span, ...] | None = None
+    job: Job, slot: np.ndarray, got: int, headers: Headers, spans: tuple[Span, ...] | None = None
 ) -> LoadedFile:
     """The file read whole (``got`` bytes into ``slot``), size-checked and verified."""
     meta = job.meta
@@ -156,7 +177,7 @@ def _verified(
     if size - base != meta.nbytes:
         raise PayloadError(f"payload holds {size - base} bytes, index says {meta.nbytes}")
     if spans is None:
-        spans = parse_header(data[8:base].tobytes(), job.key, size - base)
+        spans = headers.parse(data[8:base].tobytes(), job.key, size - base)[0]
     return LoadedFile(job, meta.index, data, base, spans)
 
 

@@ -52,6 +52,7 @@ _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start,
 # encode_header's first member up to the key's hex. Blocks of one layout differ in
 # their header only there: the rest is parsed once (parse_header).
 _HEAD = b'{"__metadata__":{"format":"' + PAYLOAD_FORMAT.encode() + b'","key":"'
+KEY_AT = len(_HEAD)  # where the key's hex starts in such a header
 _STAND_IN = "g" * 32  # never a key's hex
 # Up to this file size one read + one copy beats mx.load's per-array reads
 # (tools/bench_ssd.py: ~1.3x at 0.5 MiB; mx.load wins from ~5 MiB on).

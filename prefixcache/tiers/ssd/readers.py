@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...memory.host import Place, StreamedBlock
+from .files import PayloadRoot
 from .large import read_large_run
 from .prime import SLICE, Primer, cached
 from .read_into import Buffers, Job, Outcome, Stopped
@@ -79,6 +80,7 @@ class Readers:
         later = [(j.path, j.meta.file_bytes) for j in jobs[ahead:] if j.meta is not None]
         primer = Primer(later, self.first_taken)
         self._place = None if place is None else _patient(place, primer, self._stopped)
+        self._root = _root(jobs)
         self._threads = [
             threading.Thread(target=self._run, args=(k,), name=f"prefixcache-ssd-read-{k}")
             for k in range(n)
@@ -106,6 +108,8 @@ class Readers:
             free.put(None)  # wakes a reader waiting for its buffer
         for t in self._threads:
             t.join()
+        if self._root is not None:
+            self._root.close()
         # the places reach the restore buffers: hold nothing once stopped
         self._first_place = self._place = self._judge = None
 
@@ -132,7 +136,9 @@ class Readers:
         if jobs[0].meta is None:  # queued, absent or a bad entry: the caller sees to it
             yield None, None
         elif small(jobs[0]):
-            yield from read_run(jobs, bufs, place, willneed=not self.warm, judge=self._judge)
+            yield from read_run(
+                jobs, bufs, place, willneed=not self.warm, judge=self._judge, root=self._root
+            )
         else:
             yield from read_large_run(jobs, bufs, place)
 
@@ -148,6 +154,18 @@ def _order(jobs: list[Job], runs: list[range]) -> list[int]:
     ]
     taken = set(large)
     return [0, *large, *(r for r in range(1, len(runs)) if r not in taken)] if runs else []
+
+
+def _root(jobs: list[Job]) -> PayloadRoot | None:
+    """The payloads' root (``root/ab/file``) held open for the restore; None where
+    it cannot be opened (each file is then opened by its path, and fails alike)."""
+    path = next((j.path for j in jobs if j.meta is not None), None)
+    if path is None:
+        return None
+    try:
+        return PayloadRoot(os.path.dirname(os.path.dirname(path)))
+    except OSError:
+        return None
 
 
 def _warm(jobs: list[Job]) -> bool:

@@ -2,9 +2,10 @@
 
 A reader thread takes the chain's small payload files (up to ``SMALL_READ``
 bytes) in runs of consecutive blocks of one file size, up to ``RUN_BYTES`` in
-all. Each file is read whole, in one read of one byte more than the index says
-(a longer file shows), into its slot of the reader's scratch buffer (reused,
-so it stays in the CPU's caches), and verified there in one hash call: nothing
+all. Each file (opened by ``files.PayloadRoot``, its size checked against the
+index, its header parsed once per run: ``headers.py``) is read whole in one read
+into its slot of the reader's scratch buffer (reused: it stays in the CPU's
+caches), and verified there in one hash call: nothing
 reaches the restore buffers before its block's checksum matched. The run's
 files are opened first and asked into the page cache together, so that read
 cold their reads are in flight at once.
@@ -30,7 +31,8 @@ import numpy as np
 
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
-from .files import open_payload
+from .files import PayloadRoot, open_sized
+from .headers import Headers
 from .loads import Judged, LoadedFile, load, unneeded
 from .read_into import Buffers, Job, Outcome, Span, streamed
 
@@ -91,13 +93,15 @@ def read_run(
     *,
     willneed: bool = True,
     judge: Place | None = None,
+    root: PayloadRoot | None = None,
 ) -> Iterator[Outcome]:
     """The blocks of a run of small files (``plan_runs``), in order: each a
     (lent loose buffer or None, block) or the error that makes it a miss.
     ``willneed``: ask the run's files into the page cache at once (pointless
     when they are there already, and a system call each). ``judge``: a place that
     never waits, asked only whether a tensor is UNNEEDED (then, where the file has
-    digests, left unread); None: every file read whole.
+    digests, left unread); None: every file read whole. ``root``: the payloads'
+    root held open, the files opened relative to it (None: each by its path).
 
     Raises:
         Stopped: the stream closed while a block waited for the loose buffer.
@@ -107,7 +111,7 @@ def read_run(
     size = first.file_bytes
     scratch = bufs.scratch(len(jobs) * size + 1)
     judged = None if judge is None else Judged(judge, first.index, len(jobs))
-    files = _load_all(jobs, scratch, willneed, judged)
+    files = _load_all(jobs, scratch, willneed, judged, root)
     good = [f for f in files if isinstance(f, LoadedFile)]
     arrays: list[dict[str, HostArray | Placed]] = [{} for _ in files]
     loose: list[list[tuple[str, Span]]] = [[] for _ in files]
@@ -134,41 +138,49 @@ def read_run(
 
 
 def _load_all(
-    jobs: Sequence[Job], scratch: np.ndarray, willneed: bool, judged: Judged | None
+    jobs: Sequence[Job],
+    scratch: np.ndarray,
+    willneed: bool,
+    judged: Judged | None,
+    root: PayloadRoot | None,
 ) -> list[LoadedFile | PayloadError | OSError]:
     """The run's files, each read into its slot of ``scratch`` and verified (or why not)."""
     size = (scratch.nbytes - 1) // len(jobs)
     files: list[LoadedFile | PayloadError | OSError] = []
-    with _opened(jobs, willneed) as fds:
-        for k, (job, fd) in enumerate(zip(jobs, fds, strict=True)):
+    headers = Headers()  # one layout: each header alike to the first is parsed once
+    with _opened(jobs, willneed, root) as fds:
+        for k, (job, opened) in enumerate(zip(jobs, fds, strict=True)):
             try:  # slot k, plus the next slot's first byte (read over by the next file)
-                if isinstance(fd, BaseException):
-                    raise fd
-                files.append(load(job, fd, scratch[k * size : (k + 1) * size + 1], judged))
+                if isinstance(opened, BaseException):
+                    raise opened
+                slot = scratch[k * size : (k + 1) * size + 1]
+                files.append(load(job, *opened, slot, judged, headers))
             except (PayloadError, OSError) as e:
                 files.append(e)
     return files
 
 
 @contextlib.contextmanager
-def _opened(jobs: Sequence[Job], willneed: bool) -> Iterator[list[int | PayloadError | OSError]]:
-    """The run's files opened (or why not), each asked into the page cache at once:
-    read cold, the run's reads are in flight together, not one after another."""
-    fds: list[int | PayloadError | OSError] = []
+def _opened(
+    jobs: Sequence[Job], willneed: bool, root: PayloadRoot | None
+) -> Iterator[list[tuple[int, int] | PayloadError | OSError]]:
+    """The run's files opened, each (descriptor, size), or why not; each asked into the
+    page cache at once: read cold, the run's reads are in flight together."""
+    fds: list[tuple[int, int] | PayloadError | OSError] = []
     try:
         for job in jobs:
             try:
-                fds.append(fd := open_payload(job.path))
+                fds.append(root.open(job.path) if root else open_sized(job.path))
             except (PayloadError, OSError) as e:
                 fds.append(e)
                 continue
             if willneed and _WILLNEED is not None:
-                os.posix_fadvise(fd, 0, 0, _WILLNEED)
+                os.posix_fadvise(fds[-1][0], 0, 0, _WILLNEED)
         yield fds
     finally:
-        for fd in fds:
-            if isinstance(fd, int):
-                os.close(fd)
+        for opened in fds:
+            if isinstance(opened, tuple):
+                os.close(opened[0])
 
 
 def _place_run(
