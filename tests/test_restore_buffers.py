@@ -189,24 +189,10 @@ def _thp_mode() -> str | None:
         return None
 
 
-def _huge_bytes_in(start: int, nbytes: int) -> int:
-    """AnonHugePages of the mappings overlapping [start, start + nbytes)."""
-    inside, total = False, 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < start + nbytes and start < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
-
-
 _HUGE_CHILD = """
 import mlx.core as mx, numpy as np, sys
-sys.path.insert(0, {tests!r})
-from test_restore_buffers import _huge_bytes_in
+sys.path.insert(0, {tools!r})
+from benchlib import huge_bytes_in
 from prefixcache.codecs.buffer import TokenBuffer
 from prefixcache.memory.host import HostArray
 rows = np.zeros((1, 16, 256, 128), np.uint16)
@@ -214,7 +200,7 @@ buf = TokenBuffer(8448)
 buf.add(0, HostArray(rows.reshape(-1).view(np.uint8), mx.bfloat16, rows.shape))
 host = np.asarray(memoryview(buf.finish()).cast("B"))
 host[...] = 1  # as the readers' copies would
-print(_huge_bytes_in(host.ctypes.data, host.nbytes))
+print(huge_bytes_in(host.ctypes.data, host.nbytes))
 """
 
 
@@ -225,7 +211,8 @@ def test_restore_buffers_get_huge_pages_when_advised(advise):
     written; with PREFIXCACHE_HUGE_PAGES=0 (the control) it does not. In a fresh
     process: memory another allocation advised before keeps its advice."""
     env = {**os.environ, "PREFIXCACHE_HUGE_PAGES": "1" if advise else "0"}
-    code = _HUGE_CHILD.format(tests=os.path.dirname(__file__))
+    tools = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools")
+    code = _HUGE_CHILD.format(tools=tools)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     huge = int(out.stdout.strip())

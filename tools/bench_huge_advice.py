@@ -38,6 +38,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from benchlib import huge_bytes_in
 from shapes import cache_bytes, filled_cache, model_for, named
 
 import prefixcache.codecs.arrays as arrays_codec
@@ -170,20 +171,6 @@ def _fetches(args) -> None:
         pc.close()
 
 
-def _huge_kib(start: int, nbytes: int) -> int:
-    """AnonHugePages (KiB) of the mappings overlapping [start, start + nbytes)."""
-    inside, total = False, 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < start + nbytes and start < hi
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1])
-    return total
-
-
 def _one_range_collapse(rounds: int) -> None:
     took: dict[str, list[float]] = {"one call per region": [], "one call over four": []}
     huge: dict[str, list[int]] = {k: [] for k in took}
@@ -201,7 +188,7 @@ def _one_range_collapse(rounds: int) -> None:
             for start, size in calls:
                 _libc.madvise(start, size, COLLAPSE)
             took[way].append(time.perf_counter() - began)
-            huge[way].append(_huge_kib(first, 4 * HUGE))
+            huge[way].append(huge_bytes_in(first, 4 * HUGE) // 1024)
             del view
             mem.close()
     for way in took:

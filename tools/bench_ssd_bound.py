@@ -60,6 +60,13 @@ RUN_BYTES = 8 * MiB  # a run of consecutive blocks copied per tensor at once (as
 HEADER = 4096  # bytes before the tensors (a safetensors header's size, order of magnitude)
 
 
+def write_random(path: str, nbytes: int) -> None:
+    """A file of ``nbytes`` random bytes (whole MiB), written a MiB at a time."""
+    with open(path, "wb") as f:
+        for _ in range(nbytes // MiB):
+            f.write(os.urandom(MiB))
+
+
 def write_chain(work: str, args, bs: int) -> list[str]:
     """One file per block: a header, then 2 x layers tensors of (1, heads, bs, dim)."""
     rng = np.random.default_rng(bs)
@@ -227,9 +234,7 @@ def main() -> None:
     print("|---" * (10 + 3 * args.fetch) + "|")
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         ref = os.path.join(work, "one")
-        with open(ref, "wb") as f:
-            for _ in range(nbytes // MiB):
-                f.write(os.urandom(MiB))
+        write_random(ref, nbytes)
         for bs in args.block_sizes:
             paths = write_chain(work, args, bs)
             read_fresh([ref, *paths])  # into the page cache

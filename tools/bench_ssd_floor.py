@@ -38,8 +38,14 @@ import tempfile
 
 import numpy as np
 import xxhash
-from bench_ssd_bound import place_files, timed, write_chain
-from benchlib import add_chain_args, chain_fetch, read_fresh, restore_like_buffers, shaped_model
+from bench_ssd_bound import place_files, timed, write_chain, write_random
+from benchlib import (
+    add_chain_args,
+    chain_fetch,
+    read_fresh,
+    restore_like_buffers,
+    shaped_model,
+)
 
 MiB = 1 << 20
 
@@ -117,9 +123,7 @@ def main() -> None:
     kept = np.ones(nbytes, np.uint8)
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         ref = os.path.join(work, "one")
-        with open(ref, "wb") as f:
-            for _ in range(nbytes // MiB):
-                f.write(os.urandom(MiB))
+        write_random(ref, nbytes)
         for bs in args.block_sizes:
             sub = os.path.join(work, f"b{bs}")
             os.makedirs(os.path.join(sub, "runs"))

@@ -282,3 +282,17 @@ def write_csv(path: str | None, rows: list[dict[str, object]]) -> None:
         writer.writeheader()
         for row in rows:  # six significant digits: the figures are no more precise
             writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+
+
+def huge_bytes_in(start: int, nbytes: int) -> int:
+    """AnonHugePages (bytes) of this process's mappings overlapping [start, start + nbytes)."""
+    inside, total = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < start + nbytes and start < hi
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
