@@ -49,7 +49,7 @@ import time
 from dataclasses import replace
 
 import mlx.core as mx
-from bench_tenants import Result, Share, make_trace, row
+from bench_tenants import Result, Share, add_traffic_args, make_trace, row
 from mlx_lm.models.cache import make_prompt_cache
 
 from prefixcache import CacheConfig, PrefixCache
@@ -226,14 +226,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hot", type=parse_bytes, default=parse_bytes("32K"), help="hot budget")
     p.add_argument("--remote", type=parse_bytes, default=parse_bytes("512K"), help="remote budget")
-    p.add_argument("--flood", type=int, default=10, help="A's bytes, times the remote budget")
-    p.add_argument("--rounds", type=int, default=8, help="B's and C's requests each")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--system-tokens", type=int, default=64)
-    p.add_argument("--user-tokens", type=int, default=24)
-    p.add_argument("--a-tokens", type=int, default=96, help="tokens of each of A's prompts")
-    p.add_argument("--floor", type=parse_bytes, help="B's and C's floor (default: budget / 4)")
-    p.add_argument("--cap", type=parse_bytes, help="A's cap (default: budget / 4)")
+    add_traffic_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead", action="store_true", help="time the write and fetch path")
     p.add_argument("--chains", type=int, default=24, help="--overhead: chains written")

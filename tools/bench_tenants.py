@@ -1,41 +1,37 @@
 """Fair shares per tenant: tenant A floods a tier while B and C chat on their system prompts.
 
-One trace through a PrefixCache (real ``fetch`` / ``store`` of real mlx-lm
-caches of a tiny llama, the uncached tokens prefilled on the model), hot-only
-(``--tier hot``) or with a tiny hot tier over a bounded SSD tier in a
-temporary directory (``--tier ssd``: the shares are the SSD tier's, B's and
-C's hits come from the SSD): A replays one-off prompts adding up to
-``--flood`` times the tier's budget,
-spread evenly over ``--rounds`` rounds; each round ends with one request of
-B and one of C, each its own system prompt plus a new user message. The same
-B and C requests run alone (no A) as the reference. Systems:
+One trace through a PrefixCache (real ``fetch`` / ``store`` of real mlx-lm caches
+of a tiny llama, the uncached tokens prefilled on the model), hot-only (``--tier
+hot``) or a tiny hot tier over a bounded SSD tier in a temporary directory
+(``--tier ssd``: the SSD tier's shares, B's and C's hits from the SSD): A replays
+one-off prompts adding up to ``--flood`` times the tier's budget over ``--rounds``
+rounds; each ends with one request of B and one of C, each its own system prompt
+plus a new user message; B and C alone (no A) are the reference. Systems:
 
   alone     B and C only, no tenant shares
   no shares A, B and C, no tenant shares (today's default)
   floors    A, B and C, floors B=C=``--floor`` (hot_/ssd_tenant_floors)
   A capped  A, B and C, A capped at ``--cap`` (hot_/ssd_tenant_caps), no floors
 
-"hit %" per tenant: prompt tokens its fetches restored over its prompt
-tokens (a fetch always leaves one token to prefill). "A held %": A's share
-of the tier's bytes at the end. The accounting columns sum the per-tenant
-counters of ``stats()["tenants"]`` on the tier: stored, evicted (of which for
-A's own cap) and refused blocks; "lost" is, on hot, every block placed
-(``stored_blocks`` + ``upgraded_blocks``) minus those the tenants counted
-(stored + refused) minus those the stack dropped before hot (a parent gone:
-``num_discarded`` minus hot's evictions); on the SSD, the blocks its writer
-indexed or refused (``num_writes``, ``num_no_room``) minus those the tenants
-counted (stored, refused), plus writes dropped otherwise (a full queue, a
-disk failure); and per tenant stored - held - evicted - removed: all 0 when
-no block leaves uncounted. Hit shares and counts are exact (no timing).
+"hit %" per tenant: prompt tokens its fetches restored over its prompt tokens (a
+fetch always leaves one token to prefill). "A held %": A's share of the tier's bytes
+at the end. The accounting columns sum the tier's per-tenant counters of
+``stats()["tenants"]``: stored, evicted (of which for A's own cap) and refused
+blocks; "lost" is, on hot, every block placed (``stored_blocks`` +
+``upgraded_blocks``) minus those the tenants counted (stored + refused) minus those
+the stack dropped before hot (a parent gone: ``num_discarded`` minus hot's
+evictions); on the SSD, the blocks its writer indexed or refused (``num_writes``,
+``num_no_room``) minus those the tenants counted, plus writes dropped otherwise (a
+full queue, a disk failure); and per tenant stored - held - evicted - removed: all
+0 when no block leaves uncounted. Hit shares and counts are exact (no timing).
 
-``--overhead``: the cost of the accounting instead. The hot tier alone
-takes chains of 4 payload-light blocks from three tenants (``--puts``
-blocks, a budget of 256 blocks, so nearly every put evicts), with no shares
-and with floors; then the B and C trace through the library with no shares
-and with accounting only (floors of 0). Each pair alternates ``--repeats``
-times; the medians of the process's CPU seconds and their ratio are printed
-(CPU time, not wall time: other processes on the machine stretch the wall
-clock, less the CPU time; compare only within one run).
+``--overhead``: the cost of the accounting instead. The hot tier alone takes chains
+of 4 payload-light blocks from three tenants (``--puts`` blocks, a budget of 256
+blocks, so nearly every put evicts), with no shares and with floors; then the B and
+C trace through the library with no shares and with accounting only (floors of 0).
+Each pair alternates ``--repeats`` times; the medians of the process's CPU seconds
+and their ratio are printed (CPU time: other processes on the machine stretch the
+wall clock, less the CPU time; compare only within one run).
 
     python tools/bench_tenants.py
     python tools/bench_tenants.py --rounds 16 --flood 10 --eviction lru
@@ -225,11 +221,7 @@ def overhead(args: argparse.Namespace, model, trace: list[Request], base: dict) 
         )
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tier", choices=("hot", "ssd"), default="hot", help="the shares' tier")
-    p.add_argument("--hot", type=parse_bytes, help="hot budget (256K; --tier ssd: 32K)")
-    p.add_argument("--ssd", type=parse_bytes, default=parse_bytes("512K"), help="SSD budget")
+def add_traffic_args(p: argparse.ArgumentParser) -> None:  # the tenants' traffic, shares
     p.add_argument("--flood", type=int, default=10, help="A's bytes, times the tier's budget")
     p.add_argument("--rounds", type=int, default=8, help="B's and C's requests each")
     p.add_argument("--block-size", type=int, default=16)
@@ -238,6 +230,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--a-tokens", type=int, default=96, help="tokens of each of A's prompts")
     p.add_argument("--floor", type=parse_bytes, help="B's and C's floor (default: budget / 4)")
     p.add_argument("--cap", type=parse_bytes, help="A's cap (default: budget / 4)")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tier", choices=("hot", "ssd"), default="hot", help="the shares' tier")
+    p.add_argument("--hot", type=parse_bytes, help="hot budget (256K; --tier ssd: 32K)")
+    p.add_argument("--ssd", type=parse_bytes, default=parse_bytes("512K"), help="SSD budget")
+    add_traffic_args(p)
     p.add_argument("--eviction", choices=EVICTIONS, help="hot eviction (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the rows as JSON too")
