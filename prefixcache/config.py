@@ -84,6 +84,12 @@ class CacheConfig:
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
         ssd_max_bytes: byte budget of the SSD tier's payloads.
         ssd_min_free_bytes: free disk space the SSD tier always leaves.
+        ssd_run_tokens: consecutive blocks of one chain written in one batch,
+            whose every tensor is (B, heads, tokens, dim) (plain and quantized
+            K/V), share one payload file of up to this many tokens (each
+            tensor the blocks' tensors one after another on the token axis),
+            so a restore reads big pieces (tiers/ssd/runfiles.py); 0: one
+            file per block.
         write_policy: ``write_back`` spills on hot eviction; ``write_through``
             writes every stored block at once.
         write_queue_bytes: bound of each background writer's queue (ssd,
@@ -201,6 +207,7 @@ class CacheConfig:
     ssd_dir: str = "~/.cache/prefixcache"
     ssd_max_bytes: int = 64 << 30
     ssd_min_free_bytes: int = 1 << 30
+    ssd_run_tokens: int = 256
     write_policy: WritePolicy = "write_back"
     write_queue_bytes: int | None = None
     queue_full: QueueFullPolicy = "drop"
@@ -275,6 +282,7 @@ class CacheConfig:
             "hot_run_tokens",
             "ssd_max_bytes",
             "ssd_min_free_bytes",
+            "ssd_run_tokens",
             "quantized_kv_start",
             "restore_headroom",
             "remote_breaker_ms",

@@ -34,8 +34,12 @@ TEXT = (
 
 
 def config(path: str) -> CacheConfig:
-    return CacheConfig(
-        block_size=BLOCK, ssd_dir=path, ssd_min_free_bytes=0, write_policy="write_through"
+    return CacheConfig(  # a file per block: the tests count each block's file bytes
+        block_size=BLOCK,
+        ssd_dir=path,
+        ssd_min_free_bytes=0,
+        write_policy="write_through",
+        ssd_run_tokens=0,
     )
 
 

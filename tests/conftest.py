@@ -117,10 +117,15 @@ def redis_server(tmp_path):
 
 @pytest.fixture
 def tier(tmp_path):
-    """An SSD tier in a temp dir (1 GiB cap, no free-space floor); a module may
-    define its own ``tier``."""
+    """An SSD tier in a temp dir (1 GiB cap, no free-space floor), one payload file
+    per block (run files: test_ssd_run_files.py); a module may define its own ``tier``."""
     t = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
+        CacheConfig(
+            ssd_dir=str(tmp_path / "ssd"),
+            ssd_max_bytes=1 << 30,
+            ssd_min_free_bytes=0,
+            ssd_run_tokens=0,
+        )
     )
     yield t
     t.close()

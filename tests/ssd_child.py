@@ -82,6 +82,7 @@ def write(path: str, seed: int, count: int, wait: bool, shares: list[str]) -> No
     tenant, max_bytes, floors = shares or ("", str(1 << 40), "")
     tier = SsdTier(
         CacheConfig(
+            ssd_run_tokens=0,
             ssd_dir=path,
             ssd_max_bytes=int(max_bytes),
             write_queue_bytes=1 << 20,
@@ -106,7 +107,9 @@ def write(path: str, seed: int, count: int, wait: bool, shares: list[str]) -> No
 
 
 def verify(path: str) -> None:
-    tier = SsdTier(CacheConfig(ssd_dir=path, ssd_max_bytes=1 << 40, ssd_min_free_bytes=0))
+    tier = SsdTier(
+        CacheConfig(ssd_run_tokens=0, ssd_dir=path, ssd_max_bytes=1 << 40, ssd_min_free_bytes=0)
+    )
     num = 0
     for meta in tier.iter_meta():
         block = tier.load(meta.key)

@@ -119,7 +119,7 @@ def test_stats_per_model_with_persisted_counters(made):
     ssd, _, built = made
     d = ("--ssd-dir", str(ssd))
     doc, text = cli_all(("stats", *d, "--json"), ("stats", *d))
-    assert doc["format"] == {"name": "prefixcache-ssd", "version": 2}
+    assert doc["format"] == {"name": "prefixcache-ssd", "version": 3}
     assert doc["num_blocks"] == 9 and doc["num_tokens"] == 144
     models = {m["model"]: m for m in doc["models"]}
     assert set(models) == {A, B}
@@ -450,7 +450,7 @@ def test_unusable_directories_are_refused(copy, tmp_path):
     ]
     (rc1, _, err1), (rc2, _, err2), (rc3, out3, _) = map(finish, procs)
     assert rc1 == 2 and "no SSD tier directory" in err1 and not missing.exists()
-    assert rc2 == 2 and "version 99" in err2 and "reads prefixcache-ssd versions 1, 2" in err2
+    assert rc2 == 2 and "version 99" in err2 and "reads prefixcache-ssd versions 1, 2, 3" in err2
     assert rc3 == 0 and json.loads(out3)["ssd_dir"] == copy
 
 

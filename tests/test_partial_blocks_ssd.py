@@ -26,7 +26,12 @@ BLOCK = 16
 def ssd_pc(model, tmp_path, kv=None, **overrides) -> PrefixCache:
     quant = {} if kv is None else dict(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0, **quant, **overrides
+        ssd_run_tokens=0,
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        **quant,
+        **overrides,
     )
     return PrefixCache(model, config, model_id="tiny")
 
@@ -106,7 +111,7 @@ def test_prompt_diverging_inside_a_block_only_ssd_holds(tmp_path):
 def test_tails_go_only_to_tiers_that_list_children(tier_class, llama):
     tokens = prompt(1, 45)
     tier = tier_class()
-    config = CacheConfig(block_size=BLOCK, hot_max_bytes=1)
+    config = CacheConfig(ssd_run_tokens=0, block_size=BLOCK, hot_max_bytes=1)
     with PrefixCache(llama, config, model_id="tiny", tiers=[tier]) as pc:
         pc.store(tokens, finished(llama, tokens))
         pc.flush()
@@ -152,7 +157,11 @@ def test_a_tail_still_queued_for_the_writer_is_found_and_restored(tmp_path, llam
     a = prompt(1, 45)
     probe = a + prompt(3, 5)
     config = CacheConfig(
-        block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0, hot_max_bytes=1
+        ssd_run_tokens=0,
+        block_size=BLOCK,
+        ssd_dir=str(tmp_path / "ssd"),
+        ssd_min_free_bytes=0,
+        hot_max_bytes=1,
     )
     hold = threading.Event()
     ssd = SsdTier(config, writer_hold=hold)

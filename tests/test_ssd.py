@@ -45,7 +45,7 @@ def open_tier(tmp_path):
 
     def opener(path=None, writer_hold=None, map_size=1 << 36, **settings) -> SsdTier:
         settings = {"ssd_max_bytes": 1 << 30, "ssd_min_free_bytes": 0, **settings}
-        config = CacheConfig(ssd_dir=str(path or tmp_path / "ssd"), **settings)
+        config = CacheConfig(ssd_run_tokens=0, ssd_dir=str(path or tmp_path / "ssd"), **settings)
         tier = SsdTier(config, writer_hold=writer_hold, map_size=map_size)
         tiers.append(tier)
         return tier
@@ -215,9 +215,14 @@ def test_other_format_version_is_refused(open_tier, tmp_path):
     with env.begin(write=True, db=env.open_db(b"meta")) as txn:
         txn.put(b"version", b"99")
     env.close()
-    with pytest.raises(SsdFormatError, match=r"version 99.*versions 1, 2"):
+    with pytest.raises(SsdFormatError, match=r"version 99.*versions 1, 2, 3"):
         SsdTier(
-            CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0)
+            CacheConfig(
+                ssd_run_tokens=0,
+                ssd_dir=str(tmp_path / "ssd"),
+                ssd_max_bytes=1 << 20,
+                ssd_min_free_bytes=0,
+            )
         )
 
 
@@ -458,6 +463,7 @@ def test_capacity_property(tmp_path_factory, ops, cap_blocks):
     per_block = 2 * 1024 + 300  # rough file size of one block
     with SsdTier(
         CacheConfig(
+            ssd_run_tokens=0,
             ssd_dir=str(path),
             ssd_max_bytes=cap_blocks * per_block,
             write_queue_bytes=1 << 20,
@@ -519,7 +525,12 @@ def test_queue_full_policy(open_tier, tmp_path, policy):
 
 def test_a_write_failure_turns_writes_off_without_raising(tmp_path, caplog):
     tier = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0)
+        CacheConfig(
+            ssd_run_tokens=0,
+            ssd_dir=str(tmp_path / "ssd"),
+            ssd_max_bytes=1 << 20,
+            ssd_min_free_bytes=0,
+        )
     )
     block = make_block(9, 0)
     with open(os.path.join(tmp_path, "ssd", "blocks", block.key.hex()[:2]), "wb"):
@@ -543,7 +554,12 @@ def test_a_write_failure_turns_writes_off_without_raising(tmp_path, caplog):
 def test_blocks_written_before_a_failure_in_the_same_batch_are_indexed(tmp_path):
     hold = threading.Event()
     tier = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 20, ssd_min_free_bytes=0),
+        CacheConfig(
+            ssd_run_tokens=0,
+            ssd_dir=str(tmp_path / "ssd"),
+            ssd_max_bytes=1 << 20,
+            ssd_min_free_bytes=0,
+        ),
         writer_hold=hold,
     )
     good, bad = make_block(9, 1), make_block(9, 0)
@@ -568,6 +584,7 @@ def test_disk_full_disables_the_tier_and_keeps_serving(tiny_fs, caplog):
     # Out of inodes: a real ENOSPC that no free-bytes check can foresee.
     with SsdTier(
         CacheConfig(
+            ssd_run_tokens=0,
             ssd_dir=str(tiny_fs / "ssd"),
             ssd_max_bytes=1 << 30,
             write_queue_bytes=1 << 20,
@@ -594,7 +611,12 @@ def test_disk_full_disables_the_tier_and_keeps_serving(tiny_fs, caplog):
 
 def test_min_free_bytes_is_kept_by_evicting(tiny_fs):
     with SsdTier(
-        CacheConfig(ssd_dir=str(tiny_fs / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=1 << 20)
+        CacheConfig(
+            ssd_run_tokens=0,
+            ssd_dir=str(tiny_fs / "ssd"),
+            ssd_max_bytes=1 << 30,
+            ssd_min_free_bytes=1 << 20,
+        )
     ) as tier:
         for i in range(60):
             tier.put(make_block(11, i, scale=8))

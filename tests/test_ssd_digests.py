@@ -74,6 +74,7 @@ def rchar() -> int:
 
 def ssd_only(model, tmp_path) -> PrefixCache:
     config = CacheConfig(
+        ssd_run_tokens=0,
         block_size=BLOCK,
         snapshot_interval=6,
         checkpoint_tail=0,

@@ -5,6 +5,8 @@ for bit. The control: one restored block changed gives other logits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
@@ -33,7 +35,9 @@ def test_a_chain_from_either_read_path_grows_with_the_live_logits(tmp_path, monk
     model = tiny_model("llama", **WIDE)
     shared = prompt(51, 6 * BLOCK)
     stored_tokens, asked = shared + prompt(52, 20), shared + prompt(53, 300)
-    with PrefixCache(model, config("ssd", tmp_path, 0), model_id="t") as pc:
+    with PrefixCache(
+        model, replace(config("ssd", tmp_path, 0), ssd_run_tokens=0), model_id="t"
+    ) as pc:
         cache = make_prompt_cache(model)
         prefill(model, stored_tokens, cache, step=BLOCK)
         pc.store(stored_tokens, cache)

@@ -232,7 +232,9 @@ def test_held_goes_on_past_a_block_still_queued(tmp_path):
     import threading
 
     hold = threading.Event()
-    config = CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0)
+    config = CacheConfig(
+        ssd_run_tokens=0, ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0
+    )
     tier = SsdTier(config, writer_hold=hold)
     try:
         blocks = [make_block(27, i) for i in range(5)]
@@ -328,7 +330,7 @@ def test_a_chain_with_hot_blocks_between_ssd_blocks_restores_exactly(
     after it land one place early and the logits differ."""
     model = tiny_model("llama")
     tokens = prompt(31, 8 * 16 + 5)
-    config = CacheConfig(block_size=16, promote=False, ssd_dir=str(tmp_path))
+    config = CacheConfig(ssd_run_tokens=0, block_size=16, promote=False, ssd_dir=str(tmp_path))
 
     def fetch_logits(pc):
         restored, num = pc.fetch(tokens)
@@ -384,7 +386,9 @@ def test_placed_blocks_of_one_layout_are_checked_once_per_restore(tmp_path, monk
     monkeypatch.setattr(KVBuilder, "add", lambda self, i, a: calls.append(i) or real(self, i, a))
     model = tiny_model("llama", num_hidden_layers=2)
     tokens = prompt(30, 64)
-    config = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    config = CacheConfig(
+        ssd_run_tokens=0, block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path)
+    )
     with PrefixCache(model, config, model_id="t") as pc:
         cache = make_prompt_cache(model)
         prefill(model, tokens, cache)

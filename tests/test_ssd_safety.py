@@ -22,7 +22,7 @@ from prefixcache.tiers.ssd.tier import SsdTier
 
 
 def _tier(path, **settings) -> SsdTier:
-    settings = {"ssd_max_bytes": 1 << 30, "ssd_min_free_bytes": 0, **settings}
+    settings = {"ssd_max_bytes": 1 << 30, "ssd_min_free_bytes": 0, "ssd_run_tokens": 0, **settings}
     return SsdTier(CacheConfig(ssd_dir=str(path), **settings))
 
 

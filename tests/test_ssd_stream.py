@@ -57,7 +57,9 @@ def flip_byte(path: str, from_end: int) -> None:
 @contextlib.contextmanager
 def stored_on_ssd(tmp_path, model, tokens, kv=None):
     """A PrefixCache holding ``tokens``' blocks on the SSD tier only."""
-    cfg = CacheConfig(block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path))
+    cfg = CacheConfig(
+        ssd_run_tokens=0, block_size=16, hot_max_bytes=1, promote=False, ssd_dir=str(tmp_path)
+    )
     if kv is not None:
         cfg = cfg.replace(kv_bits=kv[0], kv_group_size=kv[1], quantized_kv_start=kv[2])
     with PrefixCache(model, cfg, model_id="tiny") as pc:
@@ -117,7 +119,12 @@ def test_absent_keys_are_misses(tier):
 def test_a_block_still_queued_for_the_writer_is_served(tmp_path):
     hold = threading.Event()
     tier = SsdTier(
-        CacheConfig(ssd_dir=str(tmp_path / "ssd"), ssd_max_bytes=1 << 30, ssd_min_free_bytes=0),
+        CacheConfig(
+            ssd_run_tokens=0,
+            ssd_dir=str(tmp_path / "ssd"),
+            ssd_max_bytes=1 << 30,
+            ssd_min_free_bytes=0,
+        ),
         writer_hold=hold,
     )
     try:

@@ -54,6 +54,7 @@ def partial(model) -> set[int]:
 
 def ssd_only(model, tmp_path) -> PrefixCache:
     config = CacheConfig(
+        ssd_run_tokens=0,
         block_size=BLOCK,
         hot_max_bytes=1,  # every block on SSD only
         promote=False,

@@ -39,7 +39,9 @@ def open_tier(tmp_path):
 
     def opener(path=None, **settings) -> SsdTier:
         base = {"ssd_max_bytes": 1 << 30, "ssd_min_free_bytes": 0, "queue_full": "inline"}
-        config = CacheConfig(ssd_dir=str(path or tmp_path / "ssd"), **(base | settings))
+        config = CacheConfig(
+            ssd_run_tokens=0, ssd_dir=str(path or tmp_path / "ssd"), **(base | settings)
+        )
         tiers.append(SsdTier(config))
         return tiers[-1]
 
@@ -176,7 +178,7 @@ def test_two_processes_writing_at_once_keep_one_right_set_of_figures(tmp_path):
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0 and out.strip().endswith("done")
     config = {"ssd_max_bytes": 12 * FILE, "ssd_min_free_bytes": 0, "ssd_tenant_floors": floors}
-    with SsdTier(CacheConfig(ssd_dir=path, **config)) as tier:
+    with SsdTier(CacheConfig(ssd_run_tokens=0, ssd_dir=path, **config)) as tier:
         figures = add_up(tier)
         assert figures["a"]["num_stored"] + figures["a"]["num_refused"] == 60
         assert figures["b"]["num_stored"] + figures["b"]["num_refused"] == 60
@@ -189,6 +191,7 @@ def test_two_processes_writing_at_once_keep_one_right_set_of_figures(tmp_path):
 def test_blocks_dropped_for_a_full_queue_are_refused_for_their_tenant(tmp_path):
     hold = threading.Event()  # the writer waits: the queue stays full
     config = CacheConfig(
+        ssd_run_tokens=0,
         ssd_dir=str(tmp_path / "ssd"),
         ssd_min_free_bytes=0,
         queue_full="drop",
@@ -302,8 +305,8 @@ def test_an_index_of_the_old_format_opens_and_nothing_stored_is_lost(open_tier, 
     tier.close()
     again = open_tier(path)
     assert add_up(again)[""]["num_stored"] == 6 and again.tenant_stats()["b"]["num_blocks"] == 2
-    assert again.index.transact(lambda t: t.get(b"version", db=again.index._db["meta"])) == b"2"
-    assert again.index.format_version == 2
+    assert again.index.transact(lambda t: t.get(b"version", db=again.index._db["meta"])) == b"3"
+    assert again.index.format_version == 3
 
 
 # -- through the library ----------------------------------------------------------------
@@ -321,6 +324,7 @@ def test_ssd_floors_keep_b_s_system_prompt_when_a_floods_hot_and_ssd(tmp_path):
 
     def b_after_flood(name: str, **shares) -> tuple[int, dict]:
         config = CacheConfig(
+            ssd_run_tokens=0,
             block_size=16,
             hot_max_bytes=24 << 10,
             ssd_dir=str(tmp_path / name),
@@ -353,6 +357,7 @@ def test_stats_cli_and_prometheus_show_the_ssd_figures_per_tenant(tmp_path):
     model = tiny_model("llama")
     ssd = str(tmp_path / "ssd")
     config = CacheConfig(
+        ssd_run_tokens=0,
         block_size=16,
         hot_max_bytes=16 << 10,
         ssd_dir=ssd,
@@ -393,6 +398,7 @@ def test_a_salt_too_long_for_the_index_is_charged_under_its_digest(tmp_path):
     model = tiny_model("llama")
     salt = "\U0001f600" * 200  # 800 UTF-8 bytes: over what the index's keys take (511)
     config = CacheConfig(
+        ssd_run_tokens=0,
         block_size=16,
         hot_max_bytes=16 << 10,
         ssd_dir=str(tmp_path / "ssd"),
@@ -408,7 +414,7 @@ def test_a_salt_too_long_for_the_index_is_charged_under_its_digest(tmp_path):
     (name,) = [n for n in stats["tenants"] if n.startswith("#")]
     assert len(name) == 33 and stats["tenants"][name]["ssd"]["num_stored"] > 0
     with pytest.raises(ConfigError, match="is over 256 bytes"):
-        CacheConfig(ssd_tenant_floors=f"{salt}=1K")
+        CacheConfig(ssd_run_tokens=0, ssd_tenant_floors=f"{salt}=1K")
 
 
 @pytest.mark.parametrize(
@@ -423,7 +429,7 @@ def test_a_salt_too_long_for_the_index_is_charged_under_its_digest(tmp_path):
 )
 def test_bad_ssd_shares_are_refused_naming_the_value(changes, named):
     with pytest.raises(ConfigError, match=named) as err:
-        CacheConfig(ssd_max_bytes=1 << 20, **changes)
+        CacheConfig(ssd_run_tokens=0, ssd_max_bytes=1 << 20, **changes)
     assert err.value.field in changes
     assert "\n" not in str(err.value)
 
@@ -441,7 +447,7 @@ def test_bench_tenants_ssd_floors_match_running_alone_and_lose_nothing():
     alone = [r for r in trace if r.tenant != "a"]
 
     def run(requests, name, **shares):
-        config = CacheConfig(**base, **shares)
+        config = CacheConfig(ssd_run_tokens=0, **base, **shares)
         return bench_tenants.run(model, requests, config, name, "ssd")
 
     solo = run(alone, "alone")

@@ -20,7 +20,9 @@ BLOCK_BYTES = 8192  # tiny llama: 2 layers x K,V x 2 heads x 16 tokens x 16 dims
 
 
 def config(tmp_path, **changes) -> CacheConfig:
-    base = CacheConfig(block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0)
+    base = CacheConfig(
+        ssd_run_tokens=0, block_size=BLOCK, ssd_dir=str(tmp_path / "ssd"), ssd_min_free_bytes=0
+    )
     return base.replace(**changes)
 
 
@@ -99,7 +101,7 @@ RESTART_CHILD = textwrap.dedent(
     from prefixcache import CacheConfig, PrefixCache
 
     llama = tiny_model("llama")
-    cfg = CacheConfig(block_size=16, ssd_dir={ssd!r}, ssd_min_free_bytes=0)
+    cfg = CacheConfig(ssd_run_tokens=0, block_size=16, ssd_dir={ssd!r}, ssd_min_free_bytes=0)
     tokens = prompt(5, 4 * 16) + prompt(6, 9)
     with PrefixCache(llama, cfg, model_id="m") as pc:
         cache, n = pc.fetch(tokens)

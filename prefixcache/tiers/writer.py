@@ -32,6 +32,8 @@ from . import quiet
 
 logger = logging.getLogger(__name__)
 
+_BATCH_ITEMS = 256  # items a batch takes at most
+
 
 @dataclass(slots=True)
 class WriteItem:
@@ -64,6 +66,10 @@ class Writer:
         hold: if given, the thread waits for this event before each batch; lets
             tests keep blocks pending with a real thread.
         batch_bytes: a batch is cut once it holds this many bytes.
+        linger: seconds a batch waits for more items while they keep coming (each
+            within ``linger`` of the last), at most ``8 * linger`` from its first
+            one, unless it is urgent: a store's blocks queued one by one are then
+            written together (the SSD tier's run files); 0: never.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class Writer:
         housekeeping: Callable[[], None] | None = None,
         hold: threading.Event | None = None,
         batch_bytes: int = 64 << 20,
+        linger: float = 0.0,
         name: str = "prefixcache-ssd-writer",
     ) -> None:
         self.max_bytes = max_bytes
@@ -82,6 +89,8 @@ class Writer:
         self._housekeeping = housekeeping
         self._hold = hold
         self._batch_bytes = batch_bytes
+        self._linger = linger
+        self._last_in = 0.0  # time.monotonic() of the last item queued
         self._cond = threading.Condition()
         self._queue: deque[WriteItem] = deque()
         self._pending: dict[bytes, WriteItem] = {}
@@ -120,6 +129,7 @@ class Writer:
             self._by_parent.setdefault(item.block.parent, {})[item.block.key] = None
             self._queue_bytes += item.nbytes
             self._num_in += 1
+            self._last_in = time.monotonic()
             self._cond.notify_all()
         return True
 
@@ -194,6 +204,7 @@ class Writer:
                     return
                 has_work = bool(self._queue)
                 self._wait_quiet()
+                self._wait_more()
             if has_work and self._hold is not None:
                 self._hold.wait()
             with self._cond:
@@ -228,10 +239,26 @@ class Writer:
                 return
             self._cond.wait(left)
 
+    def _wait_more(self) -> None:
+        """While items keep coming (see ``linger``), wait (under ``_cond``) for the
+        batch to fill, unless the writer stops, a flush waits or the queue is over
+        half full."""
+        if not self._linger or not self._queue:
+            return
+        until = time.monotonic() + 8 * self._linger
+        while len(self._queue) < _BATCH_ITEMS and self._queue_bytes < self._batch_bytes:
+            if self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes:
+                return
+            now = time.monotonic()
+            left = min(self._last_in + self._linger, until) - now
+            if left <= 0:
+                return
+            self._cond.wait(left)
+
     def _take(self) -> list[WriteItem]:
         """The next batch, left in the queue (still pending) until it is written."""
         batch, nbytes = [], 0
-        for item in itertools.islice(self._queue, 256):
+        for item in itertools.islice(self._queue, _BATCH_ITEMS):
             if batch and nbytes + item.nbytes > self._batch_bytes:
                 break
             batch.append(item)

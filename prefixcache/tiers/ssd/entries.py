@@ -23,8 +23,9 @@ import time
 import lmdb
 
 from ...blocks import BlockMeta, decode_meta, encode_meta
-from . import nearby, shares
+from . import nearby, runfiles, shares
 from .files import payload_path, unlink
+from .runfiles import RunRef
 
 _U64 = struct.Struct("<Q")
 PIN = struct.Struct("<dQ")  # pin end (Unix time, inf: never), file bytes of the block
@@ -82,13 +83,25 @@ class Entries:
         for path in paths if committed else ():
             unlink(path)
 
+    def drop_file(self, key: bytes) -> None:
+        """Remove payload file ``key`` once the open write transaction commits."""
+        self._drop_file(key)
+
     def _drop_file(self, key: bytes) -> None:
         self._local.paths.append(payload_path(self.payloads, key))
 
     def meta(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta | None:
         return decode_or_none(key, txn.get(key, db=self.db["blocks"]))
 
-    def insert(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
+    def insert(
+        self,
+        txn: lmdb.Transaction,
+        meta: BlockMeta,
+        run: RunRef | None = None,
+        run_keys: tuple[bytes, ...] = (),
+    ) -> None:
+        """Index ``meta``; ``run``: its place in a run file of blocks ``run_keys``
+        (the file's bytes charged with its first block indexed: runfiles.py)."""
         txn.put(meta.key, encode_meta(meta), db=self.db["blocks"])
         self.link(txn, meta)
         if not self.has_children(txn, meta.key) and not self.pinned(txn, meta.key):
@@ -96,16 +109,19 @@ class Entries:
         parent = self.meta(txn, meta.parent)
         if parent is not None:
             self.lru_delete(txn, parent)  # no longer a leaf
-        self.add_counter(txn, b"total_bytes", meta.file_bytes)
-        charge = {"nbytes": meta.file_bytes, "num_blocks": 1, "num_stored": 1}
+        charged = meta.file_bytes
+        if run is not None:
+            charged = runfiles.link(txn, self.db, meta.key, run, meta.file_bytes, run_keys)
+        self.add_counter(txn, b"total_bytes", charged)
+        charge = {"nbytes": charged, "num_blocks": 1, "num_stored": 1}
         shares.add(txn, self.db["meta"], meta.tenant, charge)
 
     def drop(
         self, txn: lmdb.Transaction, meta: BlockMeta, *, evicted: bool = False, cap: bool = False
     ) -> int:
-        """Remove an entry and its file; its parent may become a leaf. Counted to its
-        tenant as evicted (``cap``: for its tenant's cap), else removed. Returns
-        file bytes."""
+        """Remove an entry and its file (a run file: with its last block indexed);
+        its parent may become a leaf. Counted to its tenant as evicted (``cap``: for
+        its tenant's cap), else removed. Returns the file bytes freed."""
         txn.delete(meta.key, db=self.db["blocks"])
         self.lru_delete(txn, meta)
         txn.delete(meta.parent, meta.key, db=self.db["children"])
@@ -113,12 +129,17 @@ class Entries:
         parent = self.meta(txn, meta.parent)
         if parent is not None and not self.leaf_pinned(txn, parent):
             self.lru_put(txn, parent)
-        self.add_counter(txn, b"total_bytes", -meta.file_bytes)
+        freed, file = meta.file_bytes, meta.key
+        run = runfiles.ref(txn, self.db, meta.key)
+        if run is not None:
+            freed, file = runfiles.unlink(txn, self.db, meta.key, run), run.file_key
+        self.add_counter(txn, b"total_bytes", -freed)
         why = {"num_evicted": 1, "num_cap_evictions": int(cap)} if evicted else {"num_removed": 1}
-        release = {"nbytes": -meta.file_bytes, "num_blocks": -1}
+        release = {"nbytes": -freed, "num_blocks": -1}
         shares.add(txn, self.db["meta"], meta.tenant, release | why)
-        self._drop_file(meta.key)
-        return meta.file_bytes
+        if freed or run is None:
+            self._drop_file(file)
+        return freed
 
     def link(self, txn: lmdb.Transaction, meta: BlockMeta) -> None:
         """List ``meta`` under its parent: in ``children`` and in ``nearby``."""
@@ -189,9 +210,12 @@ class Entries:
         for meta in metas:
             if not self.leaf_pinned(txn, meta):
                 self.lru_put(txn, meta)
-        total = sum(m.file_bytes for m in metas)
+        charged, dead = runfiles.recount(txn, self.db, metas)
+        for file in dead:
+            self._drop_file(file)
+        total = sum(m.file_bytes for m in charged)
         txn.put(b"total_bytes", _U64.pack(total), db=self.db["meta"])
-        shares.recount(txn, self.db["meta"], metas)
+        shares.recount(txn, self.db["meta"], charged)
         return num_bad
 
     def counter(self, txn: lmdb.Transaction, name: bytes) -> int:

@@ -10,13 +10,15 @@ Named databases of one environment (one per path per process)::
     writing   key -> pid, thread id, file bytes of each payload being written
     pins      key -> pin end, file bytes
     tenant_lru  each tenant's leaves, least recently used first (shares.py)
+    runs      key -> its run file's key, position, block count (runfiles.py)
+    runfiles  run file key -> file bytes, blocks indexed, block keys
 
 A write reserves its bytes (:meth:`SsdIndex.reserve`: room made by evicting LRU
 leaves, within the cap and the disk's free space), writes the payload, then
 :meth:`SsdIndex.finish_writes` indexes it; every verb keeps the databases
 consistent (``Entries``). Opening clears dead processes' ``writing`` records: O(1).
-An index of the previous format version (no tenant in its entries) opens as
-it is read-only, and is upgraded once when opened to write (version.py).
+An index of an older format version (no tenant in its entries, no run files)
+opens as it is read-only, and is upgraded once when opened to write (version.py).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ import lmdb
 
 from ...blocks import BlockMeta, encode_meta
 from ...errors import SsdFormatError
-from . import budget, nearby, pinning, shares, space
+from . import budget, nearby, pinning, runfiles, shares, space
 from .entries import Entries, decode_or_none
 from .files import DIR_MODE, FILE_MODE
 from .lmdb_env import SharedEnv
 from .records import RECORD_DBS
+from .runfiles import RUN_DBS, RunRef
 from .space import Reservation, Wanted
 from .version import FORMAT_VERSION, recorded_version, upgrade
 
@@ -51,8 +54,9 @@ _DBS = (
     *("meta", "blocks", "lru", "children", nearby.DB, "writing", "pins"),
     *RECORD_DBS,
     *shares.TENANT_DBS,
+    *RUN_DBS,
 )
-_OPTIONAL = (*shares.TENANT_DBS, nearby.DB)  # read-only: absent from an older index
+_OPTIONAL = (*shares.TENANT_DBS, nearby.DB, *RUN_DBS)  # read-only: absent from an older index
 _DUPSORT = ("children",)
 
 
@@ -133,6 +137,19 @@ class SsdIndex:
             return out
 
         return self.transact(read)
+
+    def get_runs(self, keys: Sequence[bytes]) -> list[tuple[bytes | None, RunRef | None]]:
+        """(entry, run file reference or None) of each of ``keys``, in one read."""
+
+        def read(txn: lmdb.Transaction) -> list[tuple[bytes | None, RunRef | None]]:
+            raws = [txn.get(key, db=self._db["blocks"]) for key in keys]
+            return list(zip(raws, runfiles.refs(txn, self._db, keys), strict=True))
+
+        return self.transact(read)
+
+    def run_file(self, file_key: bytes) -> tuple[int, int, list[bytes]] | None:
+        """(file bytes, blocks indexed, block keys) of a run file, or None."""
+        return self.transact(lambda t: runfiles.file_record(t, self._db, file_key))
 
     def children(self, parent: bytes) -> list[tuple[bytes, bytes]]:
         """(key, entry) of every block indexed under ``parent``, in one read."""
@@ -233,18 +250,37 @@ class SsdIndex:
         self.transact(run, write=True)
 
     def finish_writes(
-        self, reserved: Sequence[bytes], written: Sequence[BlockMeta], *, write_budget: int = 0
+        self,
+        reserved: Sequence[bytes],
+        written: Sequence[BlockMeta],
+        *,
+        write_budget: int = 0,
+        runs: Mapping[bytes, tuple[RunRef, tuple[bytes, ...]]] | None = None,
     ) -> None:
         """Release reservations, index the payloads that were written, charge their
-        bytes to today's total and the write budget's bucket (budget.py)."""
+        bytes to today's total and the write budget's bucket (budget.py). ``runs``:
+        block key -> its run file reference and the file's block keys (a run file
+        none of whose blocks was indexed here is removed)."""
+        runs = runs or {}
 
         def run(txn: lmdb.Transaction) -> None:
             for key in reserved:
                 txn.delete(key, db=self._db["writing"])
+            files = {ref.file_key: False for ref, _ in runs.values()}
             for meta in written:
                 if txn.get(meta.key, db=self._db["blocks"]) is None:
-                    self.entries.insert(txn, meta)
-            nbytes = sum(m.file_bytes for m in written)
+                    ref, keys = runs.get(meta.key, (None, ()))
+                    self.entries.insert(txn, meta, ref, keys)
+                    if ref is not None:
+                        files[ref.file_key] = True
+            for file, used in files.items():
+                if not used:  # every block indexed meanwhile (another process)
+                    self.entries.drop_file(file)
+            # a run file's bytes once, whichever of its blocks were written
+            sizes = {
+                runs[m.key][0].file_key if m.key in runs else m.key: m.file_bytes for m in written
+            }
+            nbytes = sum(sizes.values())
             budget.charge(txn, self._db["records"], nbytes, write_budget, time.time())
 
         self.transact(run, write=True)
@@ -287,15 +323,20 @@ class SsdIndex:
         """One small write transaction: raises if the index cannot be written now."""
         self.transact(lambda t: t.put(b"probe", os.urandom(8), db=self._db["meta"]), write=True)
 
-    def quarantine(self, key: bytes, raw: bytes) -> int:
-        """Drop an entry found corrupt unless it changed meanwhile; how many bad ones went
-        (0: it changed; an unreadable one's rebuild drops every other unreadable one)."""
+    def quarantine(self, key: bytes, raw: bytes, dropped: list[bytes] | None = None) -> int:
+        """Drop an entry found corrupt unless it changed meanwhile, with every other
+        block of its run file; how many bad ones went (0: it changed; an unreadable
+        one's rebuild drops every other unreadable one). The keys of the blocks
+        dropped are appended to ``dropped``."""
 
         def run(txn: lmdb.Transaction) -> int:
             if txn.get(key, db=self._db["blocks"]) != raw:
                 return 0  # evicted or rewritten by someone else: a race, not corruption
-            num = self.entries.drop_key(txn, key)
+            keys = runfiles.siblings(txn, self._db, key)
+            num = sum(self.entries.drop_key(txn, k) for k in keys)
             self.entries.add_counter(txn, b"num_corrupt", num)
+            if dropped is not None:
+                dropped.extend(keys)
             return num
 
         return self.transact(run, write=True)

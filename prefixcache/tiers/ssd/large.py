@@ -84,13 +84,13 @@ class _RunPlaces:
                 continue
             if region is None or region.nbytes != self._count * (end - start):
                 continue
-            rows = _rows(region)
+            rows = region_rows(region)
             if rows is not None:
                 self.regions[name] = (region, rows)
                 self.whole[name] = Placed(region, dt, shape)
 
 
-def _rows(region: np.ndarray) -> list[np.ndarray] | None:
+def region_rows(region: np.ndarray) -> list[np.ndarray] | None:
     """A run region's (batch, head) rows, flat (None if one is not contiguous: its
     blocks are then placed one by one). numpy views, not memoryviews: a block's
     hundreds of slices of them are then no work for the garbage collector."""
@@ -139,7 +139,7 @@ def _read_file(
     loose = sum(end - start for (*_, start, end), d in zip(spans, dests, strict=True) if d is None)
     lent = bufs.loose(loose) if loose else None
     arrays: dict[str, HostArray | Placed] = {}
-    steps = _Steps()
+    steps = Steps()
     used = 0
     for (name, dtype, shape, start, end), dest in zip(spans, dests, strict=True):
         if dest is UNNEEDED:
@@ -157,7 +157,7 @@ def _read_file(
     digests = tensor_digests.parse(prefix[8:], spans) if skip else None
     try:
         if digests is None:
-            _read_checked(fd, steps.done(), prefix, meta.checksum, bufs)
+            read_checked(fd, steps.done(), prefix, meta.checksum, bufs)
         else:
             tensor_digests.read_used(fd, _used_views(spans, dests, lent), base, digests)
     except (PayloadError, OSError):
@@ -215,7 +215,7 @@ def _destination(span: Span, j: int, regions: dict | None, place: Place | None, 
     return contiguous(got), Placed(got, dt, shape), False
 
 
-class _Steps:
+class Steps:
     """A file's reads in file order: batches of views (about _CHUNK bytes, at most
     _IOV_MAX views: one ``preadv`` each, hashed while still in the CPU cache), and
     byte counts only to hash (tensors no layer reads)."""
@@ -258,7 +258,7 @@ class _Steps:
             self._batch, self._size = [], 0
 
 
-def _read_checked(
+def read_checked(
     fd: int,
     steps: list[tuple[list[Buffer], int] | int],
     prefix: bytes,

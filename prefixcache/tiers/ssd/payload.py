@@ -1,26 +1,23 @@
-"""Payload files of the SSD tier: one safetensors file per block, checksummed.
+"""Payload files of the SSD tier: a safetensors file per block or run (runfiles.py).
 
-A block's arrays are written as a standard safetensors file (readable by
-``mx.load`` and the ``safetensors`` package) named by the block key's hex and
-fanned out into 256 subdirectories. Writes are atomic: a temp file named with
-pid and thread id in the same directory, fsync, rename, fsync of the
-directory. The xxh3-64 of the whole file's bytes is computed while writing and
-verified on every read of the whole file. Each tensor's header entry also holds
-its own xxh3-64 and that of the data from the first tensor to its end
-(``digests.py``, computed in a pass before the write: the header comes first),
-so a restore can leave tensors it does not use unread.
+A block's arrays are written as a standard safetensors file (readable by ``mx.load``
+and the ``safetensors`` package) named by its key's hex and fanned out into 256
+subdirectories. Writes are atomic: a temp file named with pid and thread id in the
+same directory, fsync, rename, fsync of the directory. The xxh3-64 of the whole
+file's bytes is computed while writing and verified on every read of the whole
+file. Each tensor's header entry also holds its own xxh3-64 and that of the data
+from the first tensor to its end (``digests.py``, computed in a pass before the
+write: the header comes first), so a restore can leave tensors it does not use unread.
 
-A header is checked before anything is sized from it: its length against the
-file and MAX_HEADER, every tensor's dtype, shape and offsets against the data
-bytes that follow (so no claimed shape can make a reader allocate more than
-the file holds).
+A header is checked before anything is sized from it: its length against the file
+and MAX_HEADER, every tensor's dtype, shape and offsets against the data bytes that
+follow (so no claimed shape can make a reader allocate more than the file holds).
 
-Reading picks the faster of two readers by file size (``SMALL_PAYLOAD``):
-small files are read whole, verified, and copied into MLX once (the arrays
-are views of that copy); large ones go through ``mx.load``, which reads each
-array straight into fresh MLX memory with a thread pool, and are verified by
-hashing the arrays in file order (safetensors has no holes, so that covers
-every byte of the file).
+Reading picks the faster of two readers by file size (``SMALL_PAYLOAD``): small
+files are read whole, verified, and copied into MLX once (the arrays are views of
+that copy); large ones go through ``mx.load``, which reads each array straight into
+fresh MLX memory with a thread pool, and are verified by hashing the arrays in file
+order (safetensors has no holes, so that covers every byte of the file).
 """
 
 from __future__ import annotations
@@ -61,7 +58,10 @@ _HASH_CHUNK = 1 << 20  # hash in slices: a stall is bounded where xxhash holds t
 
 
 def encode_header(
-    tensors: list[Tensor], key: bytes, digests: Sequence[tuple[int, int | None]] | None = None
+    tensors: list[Tensor],
+    key: bytes,
+    digests: Sequence[tuple[int, int | None]] | None = None,
+    run: str | None = None,
 ) -> bytes:
     """The safetensors prefix: u64 length + JSON header padded to 8 bytes, each
     tensor's entry with its digest and lead digest (``digests.py``).
@@ -70,13 +70,15 @@ def encode_header(
         digests: the tensors' (digest, lead digest or None: none written) in
             order; None: computed here (a pass over the data); ``()``: none
             written (files as written before digests).
+        run: a run file's ``run`` metadata (``runfiles.metadata``), or None.
 
     Raises:
         ValueError: the header would be longer than MAX_HEADER (readers refuse it).
     """
     if digests is None:
         digests = tensor_digests.of_tensors(tensors)
-    entries: dict[str, object] = {"__metadata__": {"format": PAYLOAD_FORMAT, "key": key.hex()}}
+    meta = {"format": PAYLOAD_FORMAT, "key": key.hex(), **({"run": run} if run else {})}
+    entries: dict[str, object] = {"__metadata__": meta}
     offset = 0
     for i, t in enumerate(tensors):
         end = offset + t.data.nbytes
@@ -270,7 +272,8 @@ def _parse(text: bytes, key_hex: str, data_bytes: int) -> tuple[_Span, ...]:
         spans = [(name, v["dtype"], tuple(v["shape"]), s, e) for (s, e), name, v in raw]
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise PayloadError(f"bad safetensors header: {type(e).__name__}: {e}") from None
-    if meta != {"format": PAYLOAD_FORMAT, "key": key_hex}:
+    run = meta.pop("run", "") if isinstance(meta, dict) else ""  # a run file's (runfiles.py)
+    if meta != {"format": PAYLOAD_FORMAT, "key": key_hex} or not isinstance(run, str):
         raise PayloadError(f"payload metadata {meta!r} does not match key {key_hex}")
     offset = 0
     for name, dtype, shape, start, end in spans:

@@ -20,6 +20,7 @@ from ...memory.host import (
     Placed,
     StreamedBlock,
 )
+from .runfiles import RunRef
 
 Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
 Buffer = np.ndarray | memoryview  # a writable, contiguous run of bytes
@@ -34,6 +35,7 @@ class Job:
     raw: bytes | None  # index value, for a quarantine that only drops this version
     meta: BlockMeta | None  # None: queued for the writer, absent, or a bad entry
     path: str
+    run: RunRef | None = None  # where it lies in a run file (path: that file's)
 
 
 class Stopped(Exception):

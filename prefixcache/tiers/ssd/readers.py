@@ -23,6 +23,7 @@ from .files import PayloadRoot
 from .large import read_large_run
 from .prime import SLICE, Primer, cached
 from .read_into import Buffers, Job, Outcome, Stopped
+from .run_reads import plan, read_run_file
 from .runs import plan_runs, read_run, small
 
 # Reader threads. Warm (the files in the page cache) each is mostly copying,
@@ -56,7 +57,7 @@ class Readers:
 
     def __init__(self, jobs: list[Job], place: Place | None):
         self.jobs = jobs
-        self.runs = plan_runs(jobs)
+        self.runs = plan(jobs, plan_runs)  # a run file's blocks: one run (run_reads.py)
         # a chain of a few runs gets as many readers either way: no probe (a request's
         # few blocks are its common case), its files asked into the page cache as cold
         self.warm = len(self.runs) > _WARM_READERS and _warm(jobs)
@@ -77,7 +78,7 @@ class Readers:
         # the first job's read triggers the allocation: it must not wait for it
         self._first_place = self._judge = place  # the judge: is a tensor UNNEEDED (never waits)
         ahead = self.runs[n].start if len(self.runs) > n else len(jobs)  # readers' first runs
-        later = [(j.path, j.meta.file_bytes) for j in jobs[ahead:] if j.meta is not None]
+        later = list(dict.fromkeys((j.path, j.meta.file_bytes) for j in jobs[ahead:] if j.meta))
         primer = Primer(later, self.first_taken)
         self._place = None if place is None else _patient(place, primer, self._stopped)
         self._root = _root(jobs)
@@ -135,6 +136,8 @@ class Readers:
         place = self._place if run.start else self._first_place
         if jobs[0].meta is None:  # queued, absent or a bad entry: the caller sees to it
             yield None, None
+        elif jobs[0].run is not None:
+            yield from read_run_file(jobs, bufs, place)
         elif small(jobs[0]):
             yield from read_run(
                 jobs, bufs, place, willneed=not self.warm, judge=self._judge, root=self._root

@@ -14,13 +14,16 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import mlx.core as mx
+
 from ...blocks import Block, BlockMeta
 from ...errors import PayloadError
 from ..writer import Writer
 from .files import payload_path
 from .health import Counts
 from .index import SsdIndex, decode_or_none
-from .payload import read_payload
+from .payload import read_header, read_payload
+from .run_reads import run_block
 from .writes import SsdWrites, TierError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,22 @@ class SsdReads:
         """Where ``key``'s payload file is (whether or not it exists)."""
         return payload_path(self.path, key)
 
+    def header(self, key: bytes) -> list[tuple[str, mx.Dtype, tuple[int, ...]]]:
+        """Block ``key``'s tensors' (name, dtype, shape) from its payload header alone
+        (unverified; a run file's tensors cut to one block's tokens).
+
+        Raises:
+            OSError: the file cannot be read.
+            PayloadError: the header is bad, or the block is not indexed.
+        """
+        run = self.index.get_runs([key])[0][1]
+        if run is None:
+            return read_header(self.payload_file(key), key)
+        specs = read_header(self.payload_file(run.file_key), run.file_key)
+        if any(len(shape) != 4 or shape[2] % run.count for _, _, shape in specs):
+            raise PayloadError(f"run file {run.file_key.hex()} has tensors of another layout")
+        return [(n, dt, (b, h, t // run.count, d)) for n, dt, (b, h, t, d) in specs]
+
     def decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
         """The decoded entry; None if absent or unreadable (then quarantined)."""
         meta = decode_or_none(key, raw)
@@ -64,12 +83,15 @@ class SsdReads:
         if item is not None:
             self._counts.add("num_pending_loads")
             return item.fresh_block()
-        raw = self.index.get(key)
+        raw, run = self.index.get_runs([key])[0]
         if (meta := self.decoded(key, raw)) is None:
             return None
         try:
-            path = self.payload_file(key)
-            arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
+            if run is None:
+                path = self.payload_file(key)
+                arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
+            else:
+                arrays, nbytes = run_block(self.payload_file(run.file_key), meta, run)
             if nbytes != meta.nbytes:
                 raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
         except (PayloadError, FileNotFoundError) as e:
@@ -102,13 +124,14 @@ class SsdReads:
     def quarantine(self, key: bytes, raw: bytes, reason: str) -> None:
         """Drop a corrupt entry and its file; count it and log the first one."""
         try:
-            dropped = self.index.quarantine(key, raw)  # > 1: other unreadable entries too
+            gone: list[bytes] = []  # a run file's: all its blocks
+            dropped = self.index.quarantine(key, raw, gone)  # > 1: other bad entries too
         except TierError as e:  # e.g. disk full: the block is still never served
             logger.debug("SSD tier: could not quarantine %s: %s", key.hex(), e)
             dropped = 1
         if not dropped:
             return  # evicted or replaced meanwhile: a plain miss
-        self._writes.report_removed([key])
+        self._writes.report_removed(gone or [key])
         first = self._counts.add("num_corrupt", dropped) == dropped
         log = logger.warning if first else logger.debug
         log("SSD tier %s: corrupt block %s quarantined (%s)", self.path, key.hex(), reason)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import lmdb
 
 from ...blocks import BlockMeta
-from . import pinning, shares
+from . import pinning, runfiles, shares
 from .entries import Entries, decode_or_none, lru_key
 from .files import payload_path, temp_owner, temp_path, unlink
 from .records import pid_alive
@@ -63,7 +63,8 @@ def clear_writes(
         pid, tid, _ = WRITING.unpack(value)
         final = payload_path(entries.payloads, key)
         unlink(temp_path(final, pid, tid))
-        if txn.get(key, db=entries.db["blocks"]) is None:
+        indexed = txn.get(key, db=entries.db["blocks"]) is not None
+        if not indexed and runfiles.file_record(txn, entries.db, key) is None:
             unlink(final)
         txn.delete(key, db=entries.db["writing"])
 
@@ -228,14 +229,18 @@ def reconcile(
     live = {k for k, v in writing_records(txn, entries) if pid_alive(WRITING.unpack(v)[0])}
     dangling = 0
     for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=entries.db["blocks"])]:
-        path = payload_path(entries.payloads, key)
-        if decode_or_none(key, raw) is None or (key not in files and not os.path.lexists(path)):
+        run = runfiles.ref(txn, entries.db, key)
+        file = key if run is None else run.file_key
+        path = payload_path(entries.payloads, file)
+        if decode_or_none(key, raw) is None or (file not in files and not os.path.lexists(path)):
             txn.delete(key, db=entries.db["blocks"])
-            unlink(path)
+            if run is None:  # a run file goes with its last block (the rebuild)
+                unlink(path)
             dangling += 1
     orphans = 0
     for key, path in files.items():
-        if key not in live and txn.get(key, db=entries.db["blocks"]) is None:
+        indexed = txn.get(key, db=entries.db["blocks"]) is not None
+        if key not in live and not indexed and runfiles.file_record(txn, entries.db, key) is None:
             unlink(path)
             orphans += 1
     for path in temps:

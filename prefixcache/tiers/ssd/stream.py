@@ -41,7 +41,6 @@ from ...errors import PayloadError
 from ...memory.host import Place, Placed, StreamedBlock
 from ..base import TierReader
 from .index import decode_or_none
-from .payload import read_header
 from .read_into import Job
 from .readers import Readers
 from .reads import SsdReads
@@ -66,7 +65,7 @@ class SsdReader(TierReader):
         if self.tier.writer.pending(key) is not None:
             return None
         try:
-            specs = read_header(self.tier.payload_file(key), key)
+            specs = self.tier.header(key)
         except (OSError, PayloadError):
             return None  # the stream reads it again and tells
         return {name: Placed(None, dtype, shape) for name, dtype, shape in specs}
@@ -128,12 +127,12 @@ def stream(
 def _jobs(tier: SsdReads, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
     queued for the writer gets none (it is served from the queue)."""
-    raws = tier.index.get_many(keys)
     jobs = []
-    for key, raw in zip(keys, raws, strict=True):
+    for key, (raw, run) in zip(keys, tier.index.get_runs(keys), strict=True):
         if tier.writer.pending(key) is not None:
-            raw = None
-        jobs.append(Job(key, raw, decode_or_none(key, raw), tier.payload_file(key)))
+            raw = run = None
+        path = tier.payload_file(key if run is None else run.file_key)
+        jobs.append(Job(key, raw, decode_or_none(key, raw), path, run))
     return jobs
 
 

@@ -45,7 +45,7 @@ from ..writer import WriteItem, Writer
 from .directory import open_dir
 from .health import Counts, Health
 from .index import SsdIndex, decode_or_none
-from .payload import encode_header, read_header
+from .payload import encode_header
 from .reads import SsdReads
 from .recent import recent_chains
 from .records import SsdRecords
@@ -53,6 +53,11 @@ from .shares import COUNTERS, FIELDS
 from .writes import SsdWrites
 
 logger = logging.getLogger(__name__)
+
+# A batch waits for more blocks while they keep coming, each within this many
+# seconds (at most 8x from its first): a store's or a spill's blocks, queued one
+# by one, are written in one batch and so as run files (runfiles.py).
+_LINGER = 0.005
 
 
 class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, SharesTenants, Tier):
@@ -100,6 +105,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
             max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             hold=writer_hold,
+            linger=_LINGER if config.ssd_run_tokens else 0.0,
         )
         self.reads = SsdReads(self.index, self.writer, self._payloads, self._counts, self._writes)
 
@@ -118,8 +124,10 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
         self._writes.max_bytes = value
 
     def payload_file(self, key: bytes) -> str:
-        """Where ``key``'s payload file is (whether or not it exists)."""
-        return self.reads.payload_file(key)
+        """Where ``key``'s payload file is (whether or not it exists): its run file's
+        while the index says it lies in one (runfiles.py)."""
+        run = self.index.get_runs([key])[0][1]
+        return self.reads.payload_file(key if run is None else run.file_key)
 
     def put(self, block: Block) -> bool:
         """Queue a block (arrays already evaluated); False if the write was dropped."""
@@ -171,7 +179,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
         if item is not None:
             return item.block.arrays
         try:
-            return {name for name, _, _ in read_header(self.payload_file(key), key)}
+            return {name for name, _, _ in self.reads.header(key)}
         except (OSError, PayloadError):
             return None
 

@@ -19,10 +19,12 @@ from ...errors import SsdFormatError
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = b"prefixcache-ssd"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Versions this prefixcache reads; an older one is upgraded when opened to write
 # (index.py). 1: index entries without a tenant (read as the default tenant's).
-READABLE = (1, 2)
+# 2: no run files (every block its own file; 3 adds them: runfiles.py). An
+# older prefixcache refuses version 3: it would take run blocks' files as lost.
+READABLE = (1, 2, 3)
 
 
 def recorded_version(txn: lmdb.Transaction, meta_db: object, path: str) -> int | None:
@@ -59,7 +61,7 @@ def upgrade(
     entries, of no tenant, are the default tenant's), then record it. Nothing
     if another process did it first."""
     was = recorded_version(txn, meta_db, path)
-    if was is not None and was < FORMAT_VERSION:
+    if was is not None and was < 2:  # version 2 to 3 adds databases only
         rebuild(txn)
         logger.info("SSD tier index %s: upgraded from version %d", path, was)
     if was != FORMAT_VERSION:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import lmdb
 
@@ -23,10 +24,12 @@ from ...config import CacheConfig
 from ...shares_config import tier_shares
 from ..base import BlockListener
 from ..writer import WriteItem
+from . import runfiles
 from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
 from .index import SsdIndex
 from .payload import encode_header, write_payload
+from .runfiles import RunRef
 from .shares import Limits
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class SsdWrites:
         self.index, self.payloads = index, payloads
         self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
         self.write_budget = config.ssd_write_budget
+        self.run_tokens = config.ssd_run_tokens
         self.limits = Limits(*tier_shares(config, "ssd"))
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
@@ -115,14 +119,12 @@ class SsdWrites:
         self.health.recover()
 
     def _write(self, items: list[WriteItem]) -> None:
-        headers = self._headers(items)
-        items = [it for it in items if it.block.key in headers]
+        files = self._files(items)
         fs_block = os.statvfs(self.payloads).f_frsize
-        wanted = []
-        for it in items:
-            file_bytes = len(headers[it.block.key]) + it.nbytes
-            footprint = _footprint(file_bytes, fs_block)
-            wanted.append((it.block.key, file_bytes, footprint, it.block.tenant))
+        wanted = [
+            (f.key, f.file_bytes, _footprint(f.file_bytes, fs_block), f.items[0].block.tenant)
+            for f in files
+        ]
         try:
             res = self.index.reserve(
                 wanted,
@@ -137,62 +139,126 @@ class SsdWrites:
         self.counts.add("num_existing", res.num_existing)
         self.counts.add("num_evictions", res.num_evicted)
         self.report_removed(res.evicted)
-        self.counts.add("num_no_room", res.num_no_room + res.num_over_cap)
         accepted = set(res.accepted)
-        todo = [it for it in items if it.block.key in accepted]
+        todo = [f for f in files if f.key in accepted]
+        refused = sum(len(f.items) for f in files if f.key not in accepted)
+        self.counts.add("num_no_room", refused - res.num_existing)
         written: list[BlockMeta] = []
         try:
-            self._write_files(todo, headers, written)
+            self._write_files(todo, written)
         finally:  # release the reservations even if a write failed
             try:
-                self._finish(res.accepted, written)
+                self._finish(res.accepted, written, todo)
             finally:
-                refused = res.num_no_room + res.num_over_cap
-                self.counts.add("num_dropped_writes", len(todo) - len(written) + refused)
+                num = sum(len(f.items) for f in todo)
+                self.counts.add(
+                    "num_dropped_writes", num - len(written) + refused - res.num_existing
+                )
+
+    def _files(self, items: list[WriteItem]) -> list[PayloadFile]:
+        """The batch's payload files: its runs of blocks (runfiles.py), one file
+        each, and every other block in a file of its own."""
+        files = []
+        for run in runfiles.group(self._unindexed(items), self.run_tokens):
+            if len(run) > 1:
+                files.append(PayloadFile.of_run(run))
+            elif (header := self._header(run[0])) is not None:
+                key = run[0].block.key
+                files.append(PayloadFile(key, run, len(header) + run[0].nbytes, header))
+        return files
+
+    def _unindexed(self, items: list[WriteItem]) -> list[WriteItem]:
+        """``items`` not indexed yet (another process may have written some)."""
+        raws = self.index.get_many([it.block.key for it in items])
+        out = [it for it, raw in zip(items, raws, strict=True) if raw is None]
+        self.counts.add("num_existing", len(items) - len(out))
+        return out
 
     def report_removed(self, keys: Sequence[bytes]) -> None:
         """Tell the listener (KV events) blocks left the tier."""
         if self.listener is not None and keys:
             self.listener.removed("ssd", keys)
 
-    def _headers(self, items: list[WriteItem]) -> dict[bytes, bytes]:
-        headers = {}
-        for it in items:
-            try:
-                headers[it.block.key] = encode_header(it.tensors, it.block.key)
-            except ValueError as e:  # too many tensors for a header readers accept
-                if self.counts.add("num_unwritable") == 1:
-                    logger.warning("SSD tier: block %s not written: %s", it.block.key.hex(), e)
-                self.counts.add("num_dropped_writes")
-        return headers
-
-    def _finish(self, reserved: list[bytes], written: list[BlockMeta]) -> None:
+    def _header(self, item: WriteItem) -> bytes | None:
         try:
-            self.index.finish_writes(reserved, written, write_budget=self.write_budget)
+            return encode_header(item.tensors, item.block.key)
+        except ValueError as e:  # too many tensors for a header readers accept
+            if self.counts.add("num_unwritable") == 1:
+                logger.warning("SSD tier: block %s not written: %s", item.block.key.hex(), e)
+            self.counts.add("num_dropped_writes")
+            return None
+
+    def _finish(
+        self, reserved: list[bytes], written: list[BlockMeta], files: list[PayloadFile]
+    ) -> None:
+        runs = {k: v for f in files for k, v in f.refs().items()}
+        try:
+            self.index.finish_writes(reserved, written, write_budget=self.write_budget, runs=runs)
             if self.listener is not None and written:
                 self.listener.stored("ssd", written)
         except TierError:
-            for meta in written:
-                unlink(payload_path(self.payloads, meta.key))
+            for key in {runs[m.key][0].file_key if m.key in runs else m.key for m in written}:
+                unlink(payload_path(self.payloads, key))
             written.clear()
             raise
         finally:
             self.counts.add("num_writes", len(written))
-            self.counts.add("written_bytes", sum(m.file_bytes for m in written))
+            self.counts.add("written_bytes", _bytes_written(written, runs))
 
-    def _write_files(
-        self, items: list[WriteItem], headers: dict[bytes, bytes], written: list[BlockMeta]
-    ) -> None:
-        """Write payloads, appending each one's meta as it lands (kept if a later one fails)."""
-        for item in items:
-            key = item.block.key
+    def _write_files(self, files: list[PayloadFile], written: list[BlockMeta]) -> None:
+        """Write payloads, appending their blocks' metas as each lands (kept if a
+        later one fails)."""
+        for f in files:
+            header, tensors = f.header, f.items[0].tensors
+            if f.run is not None:
+                tensors = runfiles.tensors(f.items)
+                header = encode_header(tensors, f.key, run=f.run)
             file_bytes, checksum = write_payload(
-                payload_path(self.payloads, key), headers[key], item.tensors
+                payload_path(self.payloads, f.key), header, tensors
             )
-            meta = BlockMeta.of(
-                item.block, file_bytes=file_bytes, checksum=checksum, now=time.time()
-            )
-            written.append(meta)
+            now = time.time()
+            for item in f.items:
+                written.append(
+                    BlockMeta.of(item.block, file_bytes=file_bytes, checksum=checksum, now=now)
+                )
+
+
+@dataclass(slots=True)
+class PayloadFile:
+    """One payload file to write: a block's own, or a run of blocks' (``run``: its
+    header's run metadata)."""
+
+    key: bytes
+    items: list[WriteItem]
+    file_bytes: int  # as reserved
+    header: bytes = b""  # a block's own file's (a run file's is made as it is written)
+    run: str | None = None
+
+    @classmethod
+    def of_run(cls, items: list[WriteItem]) -> PayloadFile:
+        keys = [it.block.key for it in items]
+        key = runfiles.file_key(keys)
+        run = runfiles.metadata(items[0].block.num_tokens, keys)
+        first = items[0].tensors
+        header = encode_header(first, key, [(0, 0)] * len(first), run)  # digests: fixed width
+        # reserved: the run's header bound by its first block's (its shapes and offsets
+        # take a few more digits each), the file's size once written
+        size = len(header) + 24 * len(first) + sum(it.nbytes for it in items)
+        return cls(key, items, size, run=run)
+
+    def refs(self) -> dict[bytes, tuple[RunRef, tuple[bytes, ...]]]:
+        """Each block's run reference and the run's keys (none for a block's own file)."""
+        if self.run is None:
+            return {}
+        keys = tuple(it.block.key for it in self.items)
+        k = len(keys)
+        return {key: (RunRef(self.key, j, k), keys) for j, key in enumerate(keys)}
+
+
+def _bytes_written(written: list[BlockMeta], runs: dict) -> int:
+    """File bytes of the files behind ``written`` (a run file's once)."""
+    files = {(runs[m.key][0].file_key if m.key in runs else m.key): m.file_bytes for m in written}
+    return sum(files.values())
 
 
 def _free_bytes(path: str) -> int:

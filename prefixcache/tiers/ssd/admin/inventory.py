@@ -8,6 +8,7 @@ fields but not its token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ class Entry:
     index: int
     num_tokens: int
     nbytes: int  # payload bytes of the arrays
-    file_bytes: int  # bytes of the payload file on disk
+    file_bytes: int  # bytes of the payload file on disk (a run file's: this block's share)
     created: float
     last_used: float
 
@@ -59,6 +60,17 @@ class Entry:
             m.created,
             m.last_used,
         )
+
+
+def _share_run_files(view: SsdView, entries: dict[bytes, Entry]) -> None:
+    """Charge each block of a run file its share of the file's bytes (the shares
+    add up to the file's size), so sums over blocks are the files' bytes."""
+    keys = list(entries)
+    for key, (_, run) in zip(keys, view.index.get_runs(keys), strict=True):
+        if run is not None:
+            size = entries[key].file_bytes
+            share = size // run.count + (size % run.count if run.position == 0 else 0)
+            entries[key] = dataclasses.replace(entries[key], file_bytes=share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +146,7 @@ class Inventory:
                 bad.append(key)
             else:
                 entries[key] = Entry.of(meta)
+        _share_run_files(view, entries)
         recorded = view.records.namespaces()
         roots = set(recorded) | {e.root for e in entries.values()}
         namespaces = {r: NamespaceInfo.parse(r, recorded.get(r)) for r in sorted(roots)}

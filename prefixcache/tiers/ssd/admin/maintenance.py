@@ -60,8 +60,9 @@ def verify(
     report = VerifyReport(other_pids=view.records.other_pids())
     rows = list(scan(view))
     report.num_blocks = len(rows)
+    files: dict[bytes, tuple[bool, str] | None] = {}  # run files checked: each once
     for key, raw, meta in rows:
-        problem = _check(view, key, meta)
+        problem = _check(view, key, meta, files)
         if problem is not None and view.index.get(key) != raw:
             problem = None  # evicted or rewritten while we read: a race, not a verdict
         if problem is not None:
@@ -78,21 +79,35 @@ def verify(
     return report
 
 
-def _check(view: SsdView, key: bytes, meta: BlockMeta | None) -> tuple[bool, str] | None:
-    """None if the block reads back intact, else (is it bad, why); I/O errors are not bad."""
+def _check(
+    view: SsdView, key: bytes, meta: BlockMeta | None, files: dict[bytes, tuple[bool, str] | None]
+) -> tuple[bool, str] | None:
+    """None if the block reads back intact, else (is it bad, why); I/O errors are not
+    bad. A run file is read and verified once (``files``) for all its blocks."""
     if meta is None:
         return True, "index entry does not decode"
+    run = view.index.get_runs([key])[0][1]
+    if run is not None:
+        if run.file_key not in files:
+            size = (meta.file_bytes, meta.checksum, run.count * meta.nbytes)
+            files[run.file_key] = _check_file(view.payload_file(run.file_key), run.file_key, *size)
+        return files[run.file_key]
+    return _check_file(view.payload_file(key), key, meta.file_bytes, meta.checksum, meta.nbytes)
+
+
+def _check_file(
+    path: str, key: bytes, file_bytes: int, checksum: int, nbytes: int
+) -> tuple[bool, str] | None:
     try:
-        path = view.payload_file(key)
-        _, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
+        _, got = read_payload(path, key, file_bytes, checksum)
     except FileNotFoundError:
         return True, "payload file is missing"
     except PayloadError as e:
         return True, str(e)
     except OSError as e:
         return False, f"cannot read: {e}"
-    if nbytes != meta.nbytes:
-        return True, f"payload holds {nbytes} bytes, index says {meta.nbytes}"
+    if got != nbytes:
+        return True, f"payload holds {got} bytes, index says {nbytes}"
     return None
 
 

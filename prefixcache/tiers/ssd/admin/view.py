@@ -51,8 +51,10 @@ class SsdView:
             raise
 
     def payload_file(self, key: bytes) -> str:
-        """Where ``key``'s payload file is (whether or not it exists)."""
-        return payload_path(self._payloads, key)
+        """Where ``key``'s payload file is (whether or not it exists): its run file's
+        while the index says it lies in one."""
+        run = self.index.get_runs([key])[0][1]
+        return payload_path(self._payloads, key if run is None else run.file_key)
 
     def close(self) -> None:
         self.records.close()

@@ -1,0 +1,205 @@
+"""Reads of run files: a chain's blocks that share one payload file, as one job.
+
+Runs on a reader thread: plain file I/O, xxh3, numpy, no MLX. The blocks of a
+restore that lie in one run file (``runfiles.py``), consecutive in it and in
+the chain, are read together: the file is opened once, and each tensor's
+(batch, head) rows go straight into the restore buffer's region for those
+blocks (``place(first index, name, dtype, block shape, count)``: the blocks one
+after another on the token axis, as in the file), one piece per row; the
+run's blocks before and after them (a chain that uses part of the run) are
+read only to be hashed. The whole file's checksum is verified as it is read,
+so its bytes may reach a place before the checksum fails: the stream then
+stops before these blocks, all of which are misses (the file quarantines all
+its blocks). A tensor without such a region (no buffer yet, a layout the
+restore does not place as a run, no place at all) is read into a fresh buffer
+and handed to the caller per block (``HostArray``); one no layer reads
+(``UNNEEDED``) is only hashed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ...blocks import BlockMeta
+from ...errors import PayloadError
+from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
+from .files import open_payload
+from .large import Steps, read_checked, region_rows
+from .payload import read_payload, read_spans
+from .read_into import Buffers, Job, Outcome, Span, streamed
+from .runfiles import RunRef
+
+
+def run_block(path: str, meta: BlockMeta, run: RunRef) -> tuple[dict[str, mx.array], int]:
+    """One block of a run file as fresh arrays (the whole file read and verified:
+    a load of a single block, not a restore's stream); (arrays, their nbytes).
+
+    Raises:
+        FileNotFoundError, PayloadError: as ``payload.read_payload``.
+    """
+    arrays, nbytes = read_payload(path, run.file_key, meta.file_bytes, meta.checksum)
+    n = meta.num_tokens
+    if nbytes != run.count * meta.nbytes or any(
+        a.ndim != 4 or a.shape[2] != run.count * n for a in arrays.values()
+    ):
+        raise PayloadError(f"run file holds {nbytes} bytes, index says {run.count} x {meta.nbytes}")
+    lo, hi = run.position * n, (run.position + 1) * n
+    out = {name: mx.contiguous(a[:, :, lo:hi, :]) for name, a in arrays.items()}
+    mx.eval(out)
+    return out, sum(a.nbytes for a in out.values())
+
+
+def same_file(first: Job, job: Job, gap: int) -> bool:
+    """Whether ``job`` is ``gap`` blocks after ``first`` in ``first``'s run file
+    (and in the chain): then they are read as one job."""
+    a, b = first.run, job.run
+    return (
+        a is not None
+        and b is not None
+        and first.meta is not None
+        and job.meta is not None
+        and b.file_key == a.file_key
+        and b.position == a.position + gap
+        and job.meta.index == first.meta.index + gap
+    )
+
+
+def plan(jobs: Sequence[Job], cut: Callable[[Sequence[Job]], list[range]]) -> list[range]:
+    """The jobs cut into runs: the blocks of one run file that follow each other one
+    run (read as one job), the stretches between them as ``cut`` (``runs.plan_runs``)
+    cuts them."""
+    out: list[range] = []
+    start = i = 0
+    while i <= len(jobs):
+        if i < len(jobs) and jobs[i].run is None:
+            i += 1
+            continue
+        out += [range(start + r.start, start + r.stop) for r in cut(jobs[start:i])]
+        if i == len(jobs):
+            return out
+        j = i + 1
+        while j < len(jobs) and same_file(jobs[i], jobs[j], j - i):
+            j += 1
+        out.append(range(i, j))
+        start = i = j
+    return out
+
+
+def read_run_file(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
+    """The blocks of ``jobs`` (consecutive blocks of one run file), in order: each
+    (None, block) or (None, the error that makes every one of them a miss)."""
+    try:
+        fd = open_payload(jobs[0].path)
+        try:
+            blocks = _read(fd, jobs, bufs, place)
+        finally:
+            os.close(fd)
+    except (PayloadError, OSError) as e:
+        for _ in jobs:
+            yield None, e
+        return
+    for job, arrays in zip(jobs, blocks, strict=True):
+        yield None, streamed(job, arrays)
+
+
+def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> list:
+    """Read and verify the file; each job's tensors (Placed in its region, or a
+    HostArray of its own)."""
+    first, run = jobs[0].meta, jobs[0].run
+    assert first is not None and run is not None
+    size = os.fstat(fd).st_size
+    if size != first.file_bytes:
+        raise PayloadError(f"payload has {size} bytes, index says {first.file_bytes}")
+    prefix, spans = read_spans(fd, run.file_key, size)
+    if size - len(prefix) != run.count * first.nbytes:
+        raise PayloadError(
+            f"run file holds {size - len(prefix)} bytes, index says {run.count} x {first.nbytes}"
+        )
+    n, m = first.num_tokens, len(jobs)
+    steps = Steps()
+    whole: dict[str, Placed] = {}
+    loose: dict[str, tuple[np.ndarray, Span]] = {}
+    for span in spans:
+        name, dtype, shape, start, end = span
+        if len(shape) != 4 or shape[2] != run.count * n:
+            raise PayloadError(f"run file tensor {name!r} has shape {shape}")
+        block_shape = (shape[0], shape[1], n, shape[3])
+        dt = MX_DTYPES[dtype]
+        region = None if place is None else place(first.index, name, dt, block_shape, m)
+        if region is UNNEEDED:
+            steps.skip(end - start)
+            continue
+        rows = region_rows(region) if region is not None else None
+        if rows is not None and region.nbytes * run.count == m * (end - start):
+            _add_rows(steps, rows, (end - start) // len(rows), run.position, run.count, m)
+            whole[name] = Placed(region, dt, block_shape)
+            continue
+        data = np.empty(end - start, np.uint8)
+        steps.add([data] if data.nbytes else [], data.nbytes)
+        loose[name] = (data, span)
+    read_checked(fd, steps.done(), prefix, first.checksum, bufs)
+    at = _Loose(loose, place, first.index, run.position, n)
+    return [_block(spans, whole, at, i) for i in range(m)]
+
+
+def _add_rows(steps: Steps, rows: list[np.ndarray], row_bytes: int, j: int, k: int, m: int):
+    """Each (batch, head) row of a tensor of the file: its blocks ``j`` to ``j + m``
+    into ``rows`` (the region's), the others only hashed."""
+    piece = row_bytes // k
+    before, after = j * piece, (k - j - m) * piece
+    if not before and not after:
+        steps.add(rows, row_bytes * len(rows))
+        return
+    for row in rows:
+        if before:
+            steps.skip(before)
+        steps.add([row], m * piece)
+        if after:
+            steps.skip(after)
+
+
+class _Loose:
+    """The verified tensors read without a run region: each block's part placed
+    on its own (``place`` per block), left out where UNNEEDED, else a copy of its
+    own handed to the caller."""
+
+    def __init__(self, loose: dict, place: Place | None, index: int, position: int, n: int):
+        self.loose, self.place = loose, place
+        self.index, self.position, self.n = index, position, n
+
+    def part(self, name: str, i: int) -> HostArray | Placed | None:
+        data, (_, dtype, shape, _, _) = self.loose[name]
+        b, h, _, d = shape
+        n, j = self.n, self.position + i
+        rows = data.reshape(b, h, shape[2], -1)[:, :, j * n : (j + 1) * n]
+        dt, block_shape = MX_DTYPES[dtype], (b, h, n, d)
+        got = None if self.place is None else self.place(self.index + i, name, dt, block_shape)
+        if got is UNNEEDED:
+            return None
+        if got is not None and got.nbytes == rows.nbytes:
+            np.copyto(got, rows.reshape(got.shape))
+            return Placed(got, dt, block_shape)
+        return HostArray(np.ascontiguousarray(rows).reshape(-1), dt, block_shape)
+
+
+def _block(
+    spans: tuple[Span, ...], whole: dict[str, Placed], loose: _Loose, i: int
+) -> PlacedRun | dict[str, HostArray | Placed]:
+    """Block ``i`` of the job: its token range of the placed regions, and its part
+    of each loose tensor, in file order."""
+    n = loose.n
+    tokens = (i * n, (i + 1) * n)
+    if not loose.loose:
+        return PlacedRun(whole, tokens)
+    out: dict[str, HostArray | Placed] = {}
+    for name, *_ in spans:
+        if name in whole:
+            p = whole[name]
+            out[name] = Placed(p.region, p.dtype, p.shape, tokens)
+        elif name in loose.loose and (part := loose.part(name, i)) is not None:
+            out[name] = part
+    return out

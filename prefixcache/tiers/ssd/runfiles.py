@@ -1,0 +1,252 @@
+"""Run files: consecutive blocks of one chain kept in ONE payload file of the SSD tier.
+
+The writer groups the consecutive blocks of a chain that one batch holds (each
+block's parent the previous one's key, one root and tenant, one layout of
+tensor names, dtypes and shapes, every tensor (B, heads, tokens, dim): plain
+and quantized K/V) into files of up to ``ssd_run_tokens`` tokens. The file is
+a normal payload (``payload.py``: checksum, per-tensor digests, atomic write)
+named by a key derived from its blocks' keys; each tensor is its blocks'
+tensors one after another on the token axis, (B, heads, k * block_size, dim),
+so a restore reads each (batch, head) row of a run in one piece. Its header's
+metadata names it a run: ``"run": "<block size>:<key hex>,<key hex>,..."``.
+
+Each block keeps its own index entry (its file bytes and checksum: the run
+file's) and gains a reference in the index's ``runs`` database (block key ->
+file key, its position, the run's block count); ``runfiles`` holds, per run
+file, its size, how many of its blocks are indexed, and its block keys. The
+tier's and the tenant's bytes count a run file once, from its first block
+indexed until its last one is dropped: only then is the file unlinked and its
+bytes freed. Every function here runs inside the caller's write transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import xxhash
+
+from ...blocks import BlockMeta
+from ...memory.host import Tensor
+from ..writer import WriteItem
+
+RUN_DBS = ("runs", "runfiles")
+_REF = struct.Struct("<16sII")  # file key, position, block count
+_FILE = struct.Struct("<QI")  # file bytes, indexed blocks; then the block keys
+_KEY = 16
+
+
+@dataclass(frozen=True, slots=True)
+class RunRef:
+    """Where a block's payload lies in a run file: block ``position`` of ``count``."""
+
+    file_key: bytes
+    position: int
+    count: int
+
+
+def file_key(keys: Sequence[bytes]) -> bytes:
+    """The run file's key: a hash of its blocks' keys (never a block's own key)."""
+    return xxhash.xxh3_128_digest(b"prefixcache-run\0" + b"".join(keys))
+
+
+def metadata(block_size: int, keys: Sequence[bytes]) -> str:
+    """The header's ``run`` field: block size and the blocks' keys in order."""
+    return f"{block_size}:" + ",".join(k.hex() for k in keys)
+
+
+def parse_metadata(text: str) -> tuple[int, list[bytes]]:
+    """(block size, block keys) of a ``run`` field.
+
+    Raises:
+        ValueError: it is not as ``metadata`` writes it.
+    """
+    size, _, keys = text.partition(":")
+    out = [bytes.fromhex(k) for k in keys.split(",")]
+    if not size.isdigit() or any(len(k) != _KEY for k in out):
+        raise ValueError(f"bad run metadata {text[:80]!r}")
+    return int(size), out
+
+
+# -- the writer's side ------------------------------------------------------------
+
+
+def _spec(item: WriteItem) -> tuple[object, ...] | None:
+    """The layout a block of a run must share, or None: it cannot be in one."""
+    n = item.block.num_tokens
+    spec = []
+    for t in item.tensors:
+        if len(t.shape) != 4 or t.shape[2] != n or not n:
+            return None
+        spec.append((t.name, t.dtype, t.shape))
+    return (item.block.root, item.block.tenant, tuple(spec)) if spec else None
+
+
+def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
+    """``items`` cut into runs (lists of two blocks or more, in chain order) and
+    single blocks (lists of one), whatever order the batch holds them in."""
+    if run_tokens <= 0 or len(items) < 2:
+        return [[it] for it in items]
+    by_key = {it.block.key: it for it in items}
+    kids: dict[bytes, list[WriteItem]] = {}
+    for it in items:
+        kids.setdefault(it.block.parent, []).append(it)
+    heads = deque(it for it in items if it.block.parent not in by_key)
+    out: list[list[WriteItem]] = []
+    while heads:
+        item: WriteItem | None = heads.popleft()
+        current: list[WriteItem] = []
+        spec = None
+        while item is not None:
+            mine = _spec(item)
+            tokens = item.block.num_tokens * (len(current) + 1)
+            if mine is None or mine != spec or tokens > run_tokens:
+                out.extend(_cut(current))
+                current, spec = [], mine
+            current.append(item)
+            below = kids.get(item.block.key, [])
+            heads.extend(below[1:])  # a branch starts runs of its own
+            item = below[0] if below else None
+        out.extend(_cut(current))
+    if sum(map(len, out)) != len(items):  # not a forest of chains: each block alone
+        return [[it] for it in items]
+    return out
+
+
+def _cut(run: list[WriteItem]) -> list[list[WriteItem]]:
+    """A run of two blocks or more as one file; one block as its own."""
+    return [run] if len(run) > 1 else [[it] for it in run]
+
+
+def tensors(items: Sequence[WriteItem]) -> list[Tensor]:
+    """The run file's tensors: each name's blocks' tensors joined on the token axis."""
+    out = []
+    for pieces in zip(*(it.tensors for it in items), strict=True):
+        first = pieces[0]
+        b, h, n, d = first.shape
+        rows = [np.frombuffer(p.data, np.uint8).reshape(b, h, n, -1) for p in pieces]
+        joined = np.concatenate(rows, axis=2)
+        shape = (b, h, n * len(pieces), d)
+        out.append(Tensor(first.name, first.dtype, shape, memoryview(joined).cast("B")))
+    return out
+
+
+# -- the index's side ------------------------------------------------------------
+
+
+def has_runs(dbs: dict[str, object]) -> bool:
+    """Whether this index keeps run files (an older one open read-only does not)."""
+    return all(name in dbs for name in RUN_DBS)
+
+
+def ref(txn: lmdb.Transaction, dbs: dict[str, object], key: bytes) -> RunRef | None:
+    """Block ``key``'s run reference, or None: it has its own file."""
+    if not has_runs(dbs):
+        return None
+    raw = txn.get(key, db=dbs["runs"])
+    return None if raw is None else RunRef(*_REF.unpack(raw))
+
+
+def refs(txn: lmdb.Transaction, dbs: dict[str, object], keys: Iterable[bytes]) -> list:
+    """``ref`` of each key, in one transaction."""
+    return [ref(txn, dbs, key) for key in keys]
+
+
+def link(
+    txn: lmdb.Transaction,
+    dbs: dict[str, object],
+    key: bytes,
+    run: RunRef,
+    file_bytes: int,
+    keys: Sequence[bytes],
+) -> int:
+    """Index block ``key`` in its run file ``run`` (of ``keys``); the bytes to charge:
+    the file's, for its first block indexed, else 0."""
+    txn.put(key, _REF.pack(run.file_key, run.position, run.count), db=dbs["runs"])
+    raw = txn.get(run.file_key, db=dbs["runfiles"])
+    if raw is None:
+        txn.put(run.file_key, _FILE.pack(file_bytes, 1) + b"".join(keys), db=dbs["runfiles"])
+        return file_bytes
+    size, live = _FILE.unpack_from(raw)
+    txn.put(run.file_key, _FILE.pack(size, live + 1) + bytes(raw)[_FILE.size :], db=dbs["runfiles"])
+    return 0
+
+
+def unlink(txn: lmdb.Transaction, dbs: dict[str, object], key: bytes, run: RunRef) -> int:
+    """Drop block ``key``'s reference; the file's bytes if it was the file's last
+    block (the caller then removes the file), else 0."""
+    txn.delete(key, db=dbs["runs"])
+    raw = txn.get(run.file_key, db=dbs["runfiles"])
+    if raw is None:
+        return 0
+    size, live = _FILE.unpack_from(raw)
+    if live <= 1:
+        txn.delete(run.file_key, db=dbs["runfiles"])
+        return size
+    txn.put(run.file_key, _FILE.pack(size, live - 1) + bytes(raw)[_FILE.size :], db=dbs["runfiles"])
+    return 0
+
+
+def file_record(
+    txn: lmdb.Transaction, dbs: dict[str, object], key: bytes
+) -> tuple[int, int, list[bytes]] | None:
+    """(file bytes, indexed blocks, block keys) of run file ``key``, or None."""
+    raw = txn.get(key, db=dbs["runfiles"]) if has_runs(dbs) else None
+    if raw is None:
+        return None
+    raw = bytes(raw)
+    size, live = _FILE.unpack_from(raw)
+    rest = raw[_FILE.size :]
+    return size, live, [rest[i : i + _KEY] for i in range(0, len(rest), _KEY)]
+
+
+def siblings(txn: lmdb.Transaction, dbs: dict[str, object], key: bytes) -> list[bytes]:
+    """``key`` and, if it lies in a run file, that file's other blocks still indexed
+    there (a corrupt file fails them all)."""
+    run = ref(txn, dbs, key)
+    record = None if run is None else file_record(txn, dbs, run.file_key)
+    if run is None or record is None:
+        return [key]
+    file = run.file_key
+    same = [k for k in record[2] if k != key and (r := ref(txn, dbs, k)) and r.file_key == file]
+    return [key, *same]
+
+
+def recount(
+    txn: lmdb.Transaction, dbs: dict[str, object], metas: Sequence[BlockMeta]
+) -> tuple[list[BlockMeta], list[bytes]]:
+    """After entries were dropped behind the links' back (a rebuild): references of
+    blocks gone removed, each file's count of indexed blocks set again. Returns
+    ``metas`` charged as the index charges them (a run file's bytes on one of its
+    blocks, 0 on the others) and the run files left with no block (to unlink)."""
+    if not has_runs(dbs):
+        return list(metas), []
+    live = {m.key for m in metas}
+    counts: dict[bytes, int] = {}
+    for key, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs["runs"])]:
+        if key not in live:
+            txn.delete(key, db=dbs["runs"])
+            continue
+        file = _REF.unpack(raw)[0]
+        counts[file] = counts.get(file, 0) + 1
+    dead = []
+    for file, raw in [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs["runfiles"])]:
+        size, _ = _FILE.unpack_from(raw)
+        if not counts.get(file):
+            txn.delete(file, db=dbs["runfiles"])
+            dead.append(file)
+        else:
+            txn.put(file, _FILE.pack(size, counts[file]) + raw[_FILE.size :], db=dbs["runfiles"])
+    charged, out = set(), []
+    for meta, run in zip(metas, refs(txn, dbs, (m.key for m in metas)), strict=True):
+        if run is not None and run.file_key in charged:
+            meta = dataclasses.replace(meta, file_bytes=0)
+        elif run is not None:
+            charged.add(run.file_key)
+        out.append(meta)
+    return out, dead
