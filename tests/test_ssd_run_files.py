@@ -16,6 +16,7 @@ writes one file per block.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -29,6 +30,7 @@ from ssd_child import block_key, check_block, make_block
 from test_restore_grows import grow
 
 from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cli import main
 from prefixcache.memory.host import tensors_of
 from prefixcache.tiers.ssd import runfiles
 from prefixcache.tiers.ssd.admin.maintenance import reconcile, verify
@@ -340,3 +342,23 @@ def test_an_index_written_before_run_files_opens_and_serves(tmp_path):
         assert tier.stats()["nbytes"] == disk_bytes(tmp_path)
         for key in [*old, *(block_key(15, i) for i in range(4))]:
             check_block(tier.load(key))
+
+
+def test_the_cli_counts_verifies_and_collects_run_files(tmp_path, capsys):
+    d = ("--ssd-dir", str(tmp_path / "ssd"))
+    with SsdTier(tier_config(tmp_path)) as tier:
+        put_chain(tier, 16, 8)
+        put_chain(tier, 17, 3)
+    on_disk = disk_bytes(tmp_path)
+    assert len(files_on_disk(tmp_path / "ssd")) == 3
+    capsys.readouterr()
+    assert main(["stats", *d, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["num_blocks"] == 11 and doc["nbytes"] == on_disk
+    assert doc["format"]["version"] == 3
+    assert main(["verify", *d, "--no-progress"]) == 0
+    assert main(["gc", *d, "--older-than", "0", "--json"]) == 0
+    assert files_on_disk(tmp_path / "ssd") == []
+    capsys.readouterr()
+    assert main(["stats", *d, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["nbytes"] == 0

@@ -162,7 +162,8 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
                 ref, took = reference(), restore()
             rounds.append((took, ref))
         os.remove(path)
-    return _row(shape.name, tier, mode, block_size, args.tokens, nbytes, rounds)
+    row = _row(shape.name, tier, mode, block_size, args.tokens, nbytes, rounds)
+    return {**row, "files": len(files)}  # payload files the chain took (ssd_run_tokens)
 
 
 def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds) -> dict[str, object]:
@@ -261,7 +262,8 @@ def main() -> None:
 
 def print_table(rows: list[dict[str, object]], load: tuple[float, ...]) -> None:
     print()
-    head = ["shape", "code", "tier", "mode", "block", "blocks", "MiB", "fetch ms", "ref ms"]
+    head = ["shape", "code", "tier", "mode", "block", "blocks", "files", "MiB", "fetch ms"]
+    head += ["ref ms"]
     head += [
         "fetch / ref",
         "range",
@@ -276,7 +278,8 @@ def print_table(rows: list[dict[str, object]], load: tuple[float, ...]) -> None:
     for r in rows:
         print(
             f"| {r['shape']} | {r['code']} | {r['tier']} | {r['mode']} | {r['block']} "
-            f"| {r['blocks']} | {r['mib']:.0f} | {r['fetch_ms']:.1f} | {r['ref_ms']:.1f} "
+            f"| {r['blocks']} | {r.get('files', '-')} | {r['mib']:.0f} "
+            f"| {r['fetch_ms']:.1f} | {r['ref_ms']:.1f} "
             f"| {r['ratio']:.2f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} "
             f"| {r['cpu_ratio']:.2f} | {r['faults']:.0f} / {r['ref_faults']:.0f} "
             f"| {r['target_ms']:.1f} | {'yes' if r['meets'] else 'no'} |"

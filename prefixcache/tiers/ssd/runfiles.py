@@ -152,9 +152,15 @@ def ref(txn: lmdb.Transaction, dbs: dict[str, object], key: bytes) -> RunRef | N
     return None if raw is None else RunRef(*_REF.unpack(raw))
 
 
-def refs(txn: lmdb.Transaction, dbs: dict[str, object], keys: Iterable[bytes]) -> list:
+def refs(
+    txn: lmdb.Transaction, dbs: dict[str, object], keys: Iterable[bytes]
+) -> list[RunRef | None]:
     """``ref`` of each key, in one transaction."""
-    return [ref(txn, dbs, key) for key in keys]
+    if not has_runs(dbs):
+        return [None for _ in keys]
+    db, unpack = dbs["runs"], _REF.unpack
+    raws = [txn.get(key, db=db) for key in keys]
+    return [None if raw is None else RunRef(*unpack(raw)) for raw in raws]
 
 
 def link(
