@@ -162,11 +162,10 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
                 ref, took = reference(), restore()
             rounds.append((took, ref))
         os.remove(path)
-    row = _row(shape.name, tier, mode, block_size, args.tokens, nbytes, rounds)
-    return {**row, "files": len(files)}  # payload files the chain took (ssd_run_tokens)
+    return _row(shape.name, tier, mode, block_size, args.tokens, nbytes, rounds, len(files))
 
 
-def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds) -> dict[str, object]:
+def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds, files) -> dict[str, object]:
     ratios = [t.wall / r.wall for t, r in rounds]
     fetch_ms = statistics.median(t.wall for t, _ in rounds) * 1e3
     ref_ms = statistics.median(r.wall for _, r in rounds) * 1e3
@@ -178,6 +177,7 @@ def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds) -> dict[str, 
         "block": block_size,
         "mib": nbytes / MiB,
         "blocks": num_tokens // block_size,
+        "files": files,  # payload files the chain took (ssd_run_tokens)
         "fetch_ms": fetch_ms,
         "ref_ms": ref_ms,
         "ratio": statistics.median(ratios),
@@ -263,23 +263,15 @@ def main() -> None:
 def print_table(rows: list[dict[str, object]], load: tuple[float, ...]) -> None:
     print()
     head = ["shape", "code", "tier", "mode", "block", "blocks", "files", "MiB", "fetch ms"]
-    head += ["ref ms"]
-    head += [
-        "fetch / ref",
-        "range",
-        "over ms",
-        "cpu / ref cpu",
-        "faults / ref",
-        "target ms",
-        "meets",
-    ]
+    head += ["ref ms", "fetch / ref", "range", "over ms", "cpu / ref cpu", "faults / ref"]
+    head += ["target ms", "meets"]
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     for r in rows:
         print(
             f"| {r['shape']} | {r['code']} | {r['tier']} | {r['mode']} | {r['block']} "
-            f"| {r['blocks']} | {r.get('files', '-')} | {r['mib']:.0f} "
-            f"| {r['fetch_ms']:.1f} | {r['ref_ms']:.1f} "
+            f"| {r['blocks']} | {r['files']} | {r['mib']:.0f} | {r['fetch_ms']:.1f} "
+            f"| {r['ref_ms']:.1f} "
             f"| {r['ratio']:.2f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} "
             f"| {r['cpu_ratio']:.2f} | {r['faults']:.0f} / {r['ref_faults']:.0f} "
             f"| {r['target_ms']:.1f} | {'yes' if r['meets'] else 'no'} |"
