@@ -32,7 +32,7 @@ from test_restore_grows import grow
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cli import main
 from prefixcache.memory.host import tensors_of
-from prefixcache.tiers.ssd import runfiles
+from prefixcache.tiers.ssd import run_reads, runfiles
 from prefixcache.tiers.ssd.admin.maintenance import reconcile, verify
 from prefixcache.tiers.ssd.admin.view import SsdView
 from prefixcache.tiers.ssd.files import payload_path
@@ -362,3 +362,16 @@ def test_the_cli_counts_verifies_and_collects_run_files(tmp_path, capsys):
     capsys.readouterr()
     assert main(["stats", *d, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["nbytes"] == 0
+
+
+def test_single_block_loads_in_chain_order_read_a_run_file_once(tmp_path, monkeypatch):
+    reads = []
+    real = run_reads.read_payload
+    monkeypatch.setattr(run_reads, "read_payload", lambda *a, **k: reads.append(a) or real(*a, **k))
+    with SsdTier(tier_config(tmp_path)) as tier:
+        keys = put_chain(tier, 18, 8)
+        for key in keys:  # a warm start's or a pin's loads: one block at a time
+            check_block(tier.load(key))
+        assert len(reads) == 2  # each run file once, dropped after its last block
+        check_block(tier.load(keys[1]))
+        assert len(reads) == 3  # read again: nothing held once a file's last block went

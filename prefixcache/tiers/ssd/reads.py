@@ -23,7 +23,7 @@ from .files import payload_path
 from .health import Counts
 from .index import SsdIndex, decode_or_none
 from .payload import read_header, read_payload
-from .run_reads import run_block
+from .run_reads import LastRunFile
 from .writes import SsdWrites, TierError
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class SsdReads:
         self._writes = writes
         self._lock = threading.Lock()  # touches
         self._touches: set[bytes] = set()
+        self._runs = LastRunFile()  # single-block loads of run files
 
     def payload_file(self, key: bytes) -> str:
         """Where ``key``'s payload file is (whether or not it exists)."""
@@ -91,7 +92,7 @@ class SsdReads:
                 path = self.payload_file(key)
                 arrays, nbytes = read_payload(path, key, meta.file_bytes, meta.checksum)
             else:
-                arrays, nbytes = run_block(self.payload_file(run.file_key), meta, run)
+                arrays, nbytes = self._runs.block(self.payload_file(run.file_key), meta, run)
             if nbytes != meta.nbytes:
                 raise PayloadError(f"payload holds {nbytes} bytes, index says {meta.nbytes}")
         except (PayloadError, FileNotFoundError) as e:

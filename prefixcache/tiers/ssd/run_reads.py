@@ -19,6 +19,7 @@ and handed to the caller per block (``HostArray``); one no layer reads
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -34,23 +35,41 @@ from .read_into import Buffers, Job, Outcome, Span, streamed
 from .runfiles import RunRef
 
 
-def run_block(path: str, meta: BlockMeta, run: RunRef) -> tuple[dict[str, mx.array], int]:
-    """One block of a run file as fresh arrays (the whole file read and verified:
-    a load of a single block, not a restore's stream); (arrays, their nbytes).
+class LastRunFile:
+    """Single-block loads of run files (a warm start's, a pin's, a prefetch's one at a
+    time, in chain order): the last run file read, verified, as MLX arrays, so the
+    loads of its other blocks cut theirs from it instead of reading it again. It is
+    dropped once its last block is loaded, or replaced by another file's: one run
+    file's bytes at most."""
 
-    Raises:
-        FileNotFoundError, PayloadError: as ``payload.read_payload``.
-    """
-    arrays, nbytes = read_payload(path, run.file_key, meta.file_bytes, meta.checksum)
-    n = meta.num_tokens
-    if nbytes != run.count * meta.nbytes or any(
-        a.ndim != 4 or a.shape[2] != run.count * n for a in arrays.values()
-    ):
-        raise PayloadError(f"run file holds {nbytes} bytes, index says {run.count} x {meta.nbytes}")
-    lo, hi = run.position * n, (run.position + 1) * n
-    out = {name: mx.contiguous(a[:, :, lo:hi, :]) for name, a in arrays.items()}
-    mx.eval(out)
-    return out, sum(a.nbytes for a in out.values())
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: tuple[tuple[bytes, int], dict[str, mx.array]] | None = None
+
+    def block(self, path: str, meta: BlockMeta, run: RunRef) -> tuple[dict[str, mx.array], int]:
+        """Block ``meta`` (at ``run`` in the file at ``path``) as fresh arrays; (arrays,
+        their nbytes).
+
+        Raises:
+            FileNotFoundError, PayloadError: as ``payload.read_payload``.
+        """
+        which = (run.file_key, meta.checksum)
+        with self._lock:
+            held = self._held
+        if held is None or held[0] != which:
+            arrays, nbytes = read_payload(path, run.file_key, meta.file_bytes, meta.checksum)
+            n = meta.num_tokens
+            if nbytes != run.count * meta.nbytes or any(
+                a.ndim != 4 or a.shape[2] != run.count * n for a in arrays.values()
+            ):
+                raise PayloadError(f"run file holds {nbytes} bytes, index: {run.count} blocks")
+            held = (which, arrays)
+        with self._lock:
+            self._held = None if run.position == run.count - 1 else held
+        lo, hi = run.position * meta.num_tokens, (run.position + 1) * meta.num_tokens
+        out = {name: mx.contiguous(a[:, :, lo:hi, :]) for name, a in held[1].items()}
+        mx.eval(out)
+        return out, sum(a.nbytes for a in out.values())
 
 
 def same_file(first: Job, job: Job, gap: int) -> bool:
