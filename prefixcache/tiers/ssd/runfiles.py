@@ -60,19 +60,6 @@ def metadata(block_size: int, keys: Sequence[bytes]) -> str:
     return f"{block_size}:" + ",".join(k.hex() for k in keys)
 
 
-def parse_metadata(text: str) -> tuple[int, list[bytes]]:
-    """(block size, block keys) of a ``run`` field.
-
-    Raises:
-        ValueError: it is not as ``metadata`` writes it.
-    """
-    size, _, keys = text.partition(":")
-    out = [bytes.fromhex(k) for k in keys.split(",")]
-    if not size.isdigit() or any(len(k) != _KEY for k in out):
-        raise ValueError(f"bad run metadata {text[:80]!r}")
-    return int(size), out
-
-
 # -- the writer's side ------------------------------------------------------------
 
 
@@ -109,8 +96,10 @@ def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
                 out.extend(_cut(current))
                 current, spec = [], mine
             current.append(item)
-            below = kids.get(item.block.key, [])
-            heads.extend(below[1:])  # a branch starts runs of its own
+            # the child of a full block's size goes on (a tail or a branch: their own)
+            size = item.block.num_tokens
+            below = sorted(kids.get(item.block.key, []), key=lambda c: c.block.num_tokens != size)
+            heads.extend(below[1:])
             item = below[0] if below else None
         out.extend(_cut(current))
     if sum(map(len, out)) != len(items):  # not a forest of chains: each block alone

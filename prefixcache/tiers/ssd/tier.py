@@ -3,11 +3,12 @@
 Layout of a directory::
 
     index/                 LMDB (see index.py)
-    blocks/ab/<key hex>.safetensors
+    blocks/ab/<key hex>.safetensors   a block's payload, or a run file's (runfiles.py)
 
 ``put`` only queues (the caller's thread takes zero-copy byte views of the
 already evaluated arrays); a writer thread reserves room (evicting LRU leaves),
-writes each payload atomically and indexes it. ``load`` serves a block from the
+writes each payload atomically (a batch's consecutive blocks of a chain as run
+files) and indexes it. ``load`` serves a block from the
 queue while pending, else reads and verifies its payload; tails are kept and
 listed (``children``) like blocks. A corrupt block (or a symlinked payload: never
 followed) is quarantined, counted, logged once and becomes a miss. A disk or
