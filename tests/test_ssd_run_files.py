@@ -375,3 +375,41 @@ def test_single_block_loads_in_chain_order_read_a_run_file_once(tmp_path, monkey
         assert len(reads) == 2  # each run file once, dropped after its last block
         check_block(tier.load(keys[1]))
         assert len(reads) == 3  # read again: nothing held once a file's last block went
+
+
+@pytest.mark.parametrize("hot_at", [[3], [1, 4]], ids=["one_hot_block", "two_hot_blocks"])
+def test_hot_blocks_between_a_run_files_blocks_split_its_reads_and_restore_exactly(
+    tmp_path, monkeypatch, hot_at
+):
+    """Blocks held by hot inside a run file's stretch (as promotion leaves them): the
+    run file's blocks around them are read as separate jobs, each placed where it
+    belongs, the blocks it skips hashed only. The control (block 1 hot): one job
+    across the gap places block 2 where block 1's data lie: other logits."""
+    model = tiny_model("llama")
+    tokens = prompt(32, 8 * BLOCK + 5)
+    cfg = ssd_config(tmp_path, hot_max_bytes=64 << 20)
+    with PrefixCache(model, cfg, model_id="t") as pc:
+        assert pc.fetch(tokens)[1] == 0  # its quiet window: the spills in one writer batch
+        cache = make_prompt_cache(model)
+        prefill(model, tokens, cache, step=BLOCK)
+        pc.store(tokens, cache)
+        pc.trim_hot(0)
+        pc.flush()
+        assert [r.position for r in runs_of(pc)] == [0, 1, 2, 3] * 2
+        metas = sorted(pc.ssd.iter_meta(), key=lambda m: (m.num_tokens != BLOCK, m.index))
+        keys = [m.key for m in metas[:8]]
+        for i in hot_at:
+            assert pc.hot.put(pc.ssd.load(keys[i]))
+        restored, num = pc.fetch(tokens)
+        assert num == 8 * BLOCK + 4
+        got = prefill(model, tokens[num:], restored, step=BLOCK)
+        want = live_logits(model, tokens, num, step=BLOCK)
+        assert max_diff(got, want) == 0.0
+        if hot_at == [1, 4]:
+
+            def one_job(a, b, gap):  # any blocks of one file, gaps or not
+                return b.run is not None and b.run.file_key == a.run.file_key
+
+            monkeypatch.setattr(run_reads, "same_file", one_job)
+            bad, _ = pc.fetch(tokens)
+            assert max_diff(prefill(model, tokens[num:], bad, step=BLOCK), want) > 0.0
