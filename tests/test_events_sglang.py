@@ -77,6 +77,7 @@ def run(tmp_path, port: int, *, remote_url: str | None = None) -> tuple[list, li
         events_url=f"tcp://*:{port}",
         events_format="sglang",
         counters_save_seconds=0,
+        ssd_run_tokens=0,  # no batch waits for more: each block's write evicts for itself
         **lower,
     )
     with PrefixCache(model, cfg, model_id="m") as pc:

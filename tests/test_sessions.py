@@ -20,6 +20,7 @@ def config(tmp_path, **changes) -> CacheConfig:
         ssd_dir=str(tmp_path / "ssd"),
         ssd_min_free_bytes=0,
         counters_save_seconds=0,
+        ssd_run_tokens=0,  # a file per block: the tests name each block's file
     )
     return base.replace(**changes)
 
