@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
+from ..memory.runs import COVERED
 from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
 from .unused import UNUSED
@@ -103,19 +104,21 @@ class KVBuilder(Builder):
             return False  # not one run (a layer's blocks are a range): one at a time
         keys, values = prefix + "keys", prefix + "values"
         try:
-            arrays = [(a[keys], a[values]) for a, _ in blocks]  # the payload holds them
-            # a run's consecutive blocks come as one view, the rest of them empty (runs.py)
-            ks = [v[keys] for _, v in blocks if v]
-            vs = [v[values] for _, v in blocks if v]
+            # the payloads hold them: each block's views (a run's first block's span
+            # its run's blocks, the others' are COVERED: runs.py) and so its arrays
+            heads = [v for _, v in blocks if v is not COVERED]
+            ks, vs = [v[keys] for v in heads], [v[values] for v in heads]
+            first, last = blocks[0][0], blocks[-1][0]
+            like_k, like_v, last_k, last_v = first[keys], first[values], last[keys], last[values]
         except KeyError:
             return False  # e.g. a chunked block trimmed in front: one at a time
         bs = self.block_size
         start = indices[0] * bs - self.first
         # every block but a chain's last is whole: a shorter one fails numpy's copy
-        end_k = start + (len(indices) - 1) * bs + arrays[-1][0].shape[2]
-        end_v = start + (len(indices) - 1) * bs + arrays[-1][1].shape[2]
-        self.keys.add_views(start, end_k, arrays[0][0], ks)
-        self.values.add_views(start, end_v, arrays[0][1], vs)
+        end_k = start + (len(indices) - 1) * bs + last_k.shape[2]
+        end_v = start + (len(indices) - 1) * bs + last_v.shape[2]
+        self.keys.add_views(start, end_k, like_k, ks)
+        self.values.add_views(start, end_v, like_v, vs)
         return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:
