@@ -16,7 +16,10 @@ its CPU time (every thread) outside the copies of the blocks' bytes into the res
 buffers (each code's ``codecs.buffer._copy_run`` is timed per call, on whichever
 thread runs it, by ``time.thread_time``): making and advising the buffers, the
 Python per block and per layer, the evaluations; on a busy machine it moves much
-less than wall times do.
+less than wall times do. Two parts of it in wall time: making the restore buffers
+(``memory.restore_buffers._load``: one ``mx.load``, whose tensors MLX evaluates one
+at a time, each a round trip through its stream and IO threads) and advising them
+onto huge pages (``advise_huge``: a collapse faults a region in).
 
     python tools/bench_hot_ab.py --base-root DIR [--shape gpt-oss-20b llama-3.2-1b]
         [--blocks 16,32,64,256] [--tokens 4096] [--repeat 9]
@@ -40,24 +43,37 @@ from shapes import cache_bytes, filled_cache, model_for, named
 import prefixcache
 
 BASE = "prefixcache_base"
-_copy_cpu = [0.0]  # CPU seconds in the copies, every thread
-_copy_lock = threading.Lock()
+# seconds: CPU in the copies (every thread); wall in making the restore buffers (one
+# ``mx.load`` of an unwritten stream) and in their huge-page advice (on the caller's thread)
+_spent = {"copies": 0.0, "buffers": 0.0, "advice": 0.0}
+_lock = threading.Lock()
 
 
-def time_copies(buffer_module) -> None:
-    """Count the CPU time of ``buffer_module._copy_run`` (one copy of a run of
-    segments into a restore buffer) in ``_copy_cpu``."""
-    copy = buffer_module._copy_run
+def time_parts(pkg) -> None:
+    """Count into ``_spent`` the parts of ``pkg``'s fetches: its copies' CPU
+    (``codecs.buffer._copy_run``, on whichever thread), and the wall time of making
+    the restore buffers (``memory.restore_buffers._load``) and advising them
+    (``advise_huge`` as ``codecs.buffer`` calls it)."""
+    buffer = importlib.import_module(pkg.__name__ + ".codecs.buffer")
+    buffers = importlib.import_module(pkg.__name__ + ".memory.restore_buffers")
+    for module, name, part, clock in (
+        (buffer, "_copy_run", "copies", time.thread_time),
+        (buffers, "_load", "buffers", time.perf_counter),
+        (buffer, "advise_huge", "advice", time.perf_counter),
+    ):
+        setattr(module, name, _timed_part(getattr(module, name), part, clock))
 
-    def timed_copy(*args):
-        start = time.thread_time()
+
+def _timed_part(fn, part: str, clock):
+    def timed_fn(*args, **kwargs):
+        start = clock()
         try:
-            return copy(*args)
+            return fn(*args, **kwargs)
         finally:
-            with _copy_lock:
-                _copy_cpu[0] += time.thread_time() - start
+            with _lock:
+                _spent[part] += clock() - start
 
-    buffer_module._copy_run = timed_copy
+    return timed_fn
 
 
 def _ints(text: str) -> list[int]:
@@ -88,14 +104,16 @@ def import_base(root: str):
     return module
 
 
-def timed(fn) -> tuple[float, float, float]:
-    """Wall and process CPU seconds of ``fn()``, and its CPU outside the copies."""
+def timed(fn) -> tuple[float, ...]:
+    """Seconds of ``fn()``: wall, process CPU, CPU outside the copies, making the
+    buffers, advising them."""
     gc.collect()
-    copies = _copy_cpu[0]
+    before = dict(_spent)
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return wall, cpu, cpu - (_copy_cpu[0] - copies)
+    spent = {k: v - before[k] for k, v in _spent.items()}
+    return wall, cpu, cpu - spent["copies"], spent["buffers"], spent["advice"]
 
 
 def copy_into_fresh(source: np.ndarray) -> None:
@@ -131,11 +149,12 @@ def run_shape(name: str, args, codes: dict[str, object]) -> list[str]:
             pc.close()
             ts = [t for t, _ in pairs[code]]
             ratio = statistics.median(t[0] / r[0] for t, r in pairs[code])
-            took, cpu, own = (statistics.median(t[i] for t in ts) for i in range(3))
+            took, cpu, own, made, advised = (statistics.median(t[i] for t in ts) for i in range(5))
             target = "met" if took <= 1.2 * ref + 1e-3 else "not met"
             rows.append(
                 f"| {name} | {bs} | {code} | {took * 1e3:.1f} | {ref * 1e3:.1f} | {ratio:.2f} "
-                f"| {cpu / ref_cpu:.2f} | {own * 1e3:.2f} | {target} |"
+                f"| {cpu / ref_cpu:.2f} | {own * 1e3:.2f} | {made * 1e3:.2f} | {advised * 1e3:.2f} "
+                f"| {target} |"
             )
             print(rows[-1], flush=True)
     return rows
@@ -149,11 +168,12 @@ def main() -> None:
         raise SystemExit(str(err)) from None
     codes = {"base": import_base(args.base_root), "this": prefixcache}
     for pkg in codes.values():
-        time_copies(importlib.import_module(pkg.__name__ + ".codecs.buffer"))
+        time_parts(pkg)
     load = os.getloadavg()[0]
     header = (
         "| shape | block | code | fetch ms | ref ms | fetch / ref | cpu / ref cpu "
-        "| CPU outside copies ms | target |\n|---|---|---|---|---|---|---|---|---|"
+        "| CPU outside copies ms | buffers ms | advice ms | target |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     print(header)
     rows = [row for name in args.shape for row in run_shape(name, args, codes)]
