@@ -51,8 +51,8 @@ class Stats:
         if reason is not None:
             self.miss_reasons[reason.value] += 1
 
-    def block_hit(self, tier: str) -> None:
-        self.block_hits[tier] = self.block_hits.get(tier, 0) + 1
+    def block_hit(self, tier: str, count: int = 1) -> None:
+        self.block_hits[tier] = self.block_hits.get(tier, 0) + count
 
     def kept(self, nbytes: int, *, upgrade: bool) -> None:
         """A block placed in the tiers: new, or a fuller version of a stored one."""

@@ -77,13 +77,14 @@ def kinds(arrays) -> Counter:
 def spy_blocks(monkeypatch) -> dict[int, Counter]:
     """Block index -> the kinds of tensors its payload reached the builders as."""
     seen: dict[int, Counter] = {}
-    add_block = restore._add_block
+    payloads = restore.ChainLoad.payloads
 
-    def spy(builders, users, index, arrays, resident, checked):
-        seen[index] = kinds(arrays)
-        return add_block(builders, users, index, arrays, resident, checked)
+    def spy(self, index, limit):
+        got, resident = payloads(self, index, limit)
+        seen.update((index + j, kinds(arrays)) for j, arrays in enumerate(got))
+        return got, resident
 
-    monkeypatch.setattr(restore, "_add_block", spy)
+    monkeypatch.setattr(restore.ChainLoad, "payloads", spy)
     return seen
 
 

@@ -291,14 +291,14 @@ def test_fetch_reads_streamed_blocks_straight_into_the_cache(tmp_path, monkeypat
     real = restore_module.rebuild
 
     def watched(fresh, loader, **kwargs):
-        load = loader.payload
+        load = loader.payloads
 
-        def load_and_note(index):
-            arrays, resident = load(index)
-            seen.append((index, {type(a) for a in arrays.values()}))
-            return arrays, resident
+        def load_and_note(index, limit):
+            payloads, resident = load(index, limit)
+            seen.extend((index + j, {type(a) for a in p.values()}) for j, p in enumerate(payloads))
+            return payloads, resident
 
-        loader.payload = load_and_note
+        loader.payloads = load_and_note
         return real(fresh, loader, **kwargs)
 
     monkeypatch.setattr(restore_module, "rebuild", watched)

@@ -11,8 +11,9 @@ fetch itself (medians):
   caller       CPU time of the caller's thread, split into
     lookup       Lookup.plan: chain keys, the index reads, the token checks
     alloc        the restore buffers sized and allocated from the first header
-    blocks       taking each block from the stream and handing it to the
-                 builders (restore._add_block: split by layer, checks)
+    blocks       taking the blocks from the stream (ChainLoad.payloads: a run
+                 file's at once) and handing them to the builders
+                 (_add_block: split by layer, checks)
     rest         the remainder: thread start and join, headroom zeroing, eval
 
 and ``file``: ONE file of the same bytes read into fresh memory (wall and CPU),
@@ -80,21 +81,23 @@ class Meter:
 
 @contextlib.contextmanager
 def metered() -> Iterator[Meter]:
+    try:  # the streamed blocks' module; an older checkout keeps them in restore
+        from prefixcache.cache import streamed as streamed_module
+    except ImportError:
+        streamed_module = restore_module
     meter = Meter()
-    saved = [
-        (Lookup, "plan", Lookup.plan),
-        (restore_module, "reserve_ahead", restore_module.reserve_ahead),
-        (restore_module, "_add_block", restore_module._add_block),
-        (restore_module.ChainLoad, "payload", restore_module.ChainLoad.payload),
-        (readers_module.Readers, "_run", readers_module.Readers._run),
-    ]
-    for owner, attr, name in [
+    # the loader's verb: a block at a time, or a run of blocks loaded as one unit
+    load = "payloads" if hasattr(restore_module.ChainLoad, "payloads") else "payload"
+    adds = restore_module if hasattr(restore_module, "_add_block") else streamed_module
+    wrapped = [
         (Lookup, "plan", "lookup"),
         (restore_module, "reserve_ahead", "alloc"),
-        (restore_module, "_add_block", "blocks"),
-        (restore_module.ChainLoad, "payload", "blocks"),
+        (adds, "_add_block", "blocks"),
+        (restore_module.ChainLoad, load, "blocks"),
         (readers_module.Readers, "_run", "readers"),
-    ]:
+    ]
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in wrapped]
+    for owner, attr, name in wrapped:
         meter.wrap(owner, attr, name)
     try:
         yield meter

@@ -7,8 +7,9 @@ evaluation and copied into (``Copies``: on a few threads when large). Lower
 tiers stream theirs: the buffers are allocated, unwritten, from the first
 streamed block's header, and the tier's reader writes each tensor straight
 into its buffer (``place``); tensors without a destination come as HostArrays
-(views of a read buffer). A block that fails to load is excluded and the next
-plan tried. Lower-tier blocks worth promoting are listed
+(views of a read buffer); they reach the builders as their tiers hand them
+over (``streamed``: a run file's blocks at once). A block that fails to load is
+excluded and the next plan tried. Lower-tier blocks worth promoting are listed
 (``Restored.promote``) for the caller to load into the tiers above off the
 request's path, so the request pays for one copy.
 """
@@ -25,16 +26,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..blocks import split_layers
 from ..codecs import Builder, Codec, Resident, codec_for
 from ..codecs.placing import placer
-from ..errors import LayoutMismatchError, MissReason, Shortfall
+from ..errors import MissReason, Shortfall
 from ..hashing import TOKEN_BYTES
 from ..memory.copies import Copies
-from ..memory.host import HostArray, Place, Placed, PlacedRun
+from ..memory.host import Place, Placed
 from ..memory.restore_buffers import batched
 from ..memory.runs import coalesce
 from ..tiers.base import Tier, TierReader
 from ..tiers.stack import TierStack
 from .ahead import reserve_ahead
 from .lookup import Lookup, Plan
+from .streamed import add_streamed
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,23 +120,28 @@ class ChainLoad:
             if not tier.resident:
                 self._reader(tier).prepare([i for i in order if tiers[i] is tier], place)
 
-    def payload(self, index: int) -> tuple[Mapping[str, Any], bool]:
-        """(block ``index``'s flat payload, whether it stays in memory anyway).
+    def payloads(self, index: int, limit: int) -> tuple[list[Mapping[str, Any]], bool]:
+        """(the flat payloads of block ``index`` and of the blocks after it that its
+        tier loaded with it: a run file's, at most ``limit``; whether they stay in
+        memory anyway).
 
         Raises:
-            Shortfall: the tier could not load it.
+            Shortfall: the tier could not load one of them (the first such).
         """
         tier = self.plan.tiers[index]
         reader = self._reader(tier)
-        block = reader.load(index)
-        if block is None:
-            raise Shortfall(index, reader.miss(index))
-        self.stack.stats.block_hit(tier.name)
+        blocks = reader.load_run(index, limit)
+        good = len(blocks) if None not in blocks else blocks.index(None)
+        if good:
+            self.stack.stats.block_hit(tier.name, good)
         promote = self.stack.config.promote and not tier.resident
-        if promote and (self.stack.above(tier) or block.nbytes <= self._room):
-            self._room -= block.nbytes
-            self.promote.append((index, tier, block.nbytes))
-        return block.arrays, tier.resident
+        for i, block in enumerate(blocks[:good] if promote else ()):
+            if self.stack.above(tier) or block.nbytes <= self._room:
+                self._room -= block.nbytes
+                self.promote.append((index + i, tier, block.nbytes))
+        if good < len(blocks):
+            raise Shortfall(index + good, reader.miss(index + good))
+        return [block.arrays for block in blocks], tier.resident
 
     def residents(self, order: Sequence[int]) -> dict[int, Resident]:
         """Blocks ``order``, all of tiers that keep them in memory (hot): each one's
@@ -168,9 +175,6 @@ class ChainLoad:
         return reader
 
 
-Checked = tuple[frozenset[str], tuple[int, ...]]  # a placed block's names and layers
-
-
 def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: int) -> list[Any]:
     """Fill every layer of ``fresh`` from the blocks of ``loader``'s plan.
 
@@ -194,9 +198,7 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
         else:
             reserve_ahead(builders, users, order, plan, loader.specs)
             loader.start(order, placer(builders, users))
-            checked: set[Checked] = set()
-            for index in order:
-                _add_block(builders, users, index, *loader.payload(index), checked)
+            add_streamed(builders, users, order, loader)
     finally:
         loader.stop()
     with batched(mx.cpu) as batch:  # every buffer still to make, in one load
@@ -258,43 +260,3 @@ def _add_resident(
                 if i not in split:
                     split[i] = split_layers(resident[i][0])
             builders[layer].add_each(indices, [split[i].get(layer, {}) for i in indices])
-
-
-def _add_block(
-    builders: list[Builder],
-    users: dict[int, list[int]],
-    index: int,
-    arrays: Mapping[str, Any],
-    resident: bool,
-    checked: set[Checked],
-) -> None:
-    """Hand block ``index``'s payload to the builders of the layers that use it. A
-    block read wholly into place with an earlier one's names and layers (``checked``)
-    needs nothing more where ``add`` only checks names (``placed_checks_only``)."""
-    mine = users[index]
-    # a block read wholly into place by host-taking builders leaves no MLX work
-    placed = type(arrays) is PlacedRun or all(type(a) is Placed for a in arrays.values())
-    only_checks = placed and all(builders[i].placed_checks_only for i in mine)
-    seen = (frozenset(arrays), tuple(mine)) if only_checks else None
-    if seen in checked:
-        return
-    layers = split_layers(arrays)
-    streamed = not resident and not (placed and all(builders[i].takes_host for i in mine))
-    if streamed:  # allocate every layer's buffer (unwritten) before the copies
-        with batched(mx.cpu) as batch:
-            lazy = [builders[i].reserve(index, layers.get(i, {})) for i in mine]
-        mx.async_eval(lazy, batch.arrays)
-    for layer in mine:
-        builder, part = builders[layer], layers.get(layer, {})
-        if not builder.takes_host:
-            part = {
-                n: a.to_mx() if isinstance(a, HostArray | Placed) else a for n, a in part.items()
-            }
-        try:
-            builder.add(index, part)
-        except (LayoutMismatchError, KeyError) as err:
-            raise Shortfall.of(index, err) from err
-    if streamed:
-        mx.eval([b.buffers() for b in builders])
-    if seen is not None:
-        checked.add(seen)

@@ -169,6 +169,11 @@ class PlacedRun(Mapping[str, Placed]):
     def __init__(self, run: dict[str, Placed], tokens: tuple[int, int]):
         self._run, self._tokens = run, tokens
 
+    @property
+    def run(self) -> dict[str, Placed]:
+        """The run's tensors (shared by its blocks: a block of the same run is this object's)."""
+        return self._run
+
     def __getitem__(self, name: str) -> Placed:
         whole = self._run[name]
         return Placed(whole.region, whole.dtype, whole.shape, self._tokens)

@@ -88,6 +88,13 @@ class TierReader(ABC):
     def load(self, index: int) -> Loaded | None:
         """Chain block ``index`` with its payload, or None when it is unusable."""
 
+    def load_run(self, index: int, limit: int | None = None) -> list[Loaded | None]:
+        """Block ``index`` (as ``load``) and the blocks after it in the order of
+        ``prepare`` that are ready with it, at most ``limit`` in all: consecutive
+        chain indices, each loaded or None. A tier that reads several blocks as
+        one unit hands them over at once; by default one block."""
+        return [self.load(index)]
+
     def miss(self, index: int) -> MissReason:
         """Why block ``index`` could not be loaded (``load`` gave None): a damaged
         block unless the tier knows better (the hot tier: evicted meanwhile)."""

@@ -4,7 +4,9 @@ Plain file I/O, xxh3, numpy copies and header checks: no MLX call leaves the
 caller's thread. The jobs are cut into runs of consecutive files (small files read whole and
 placed together; large ones each read straight into their places, the places
 asked once per run); each reader takes the next run nobody has taken. How many readers
-depends on whether the chain's files are in the page cache (a few probed).
+depends on whether the chain's files are in the page cache (a few probed). The
+blocks of one run file are handed over as one batch (read together, ready
+together); other blocks one by one, as each is read.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class Readers:
         self._free: list[queue.SimpleQueue[np.ndarray | None]] = [
             queue.SimpleQueue() for _ in range(n)
         ]
-        # per run: (the reader that read it, its outcome), per job in order
-        self._done: list[queue.SimpleQueue[tuple[int, tuple[np.ndarray | None, object]]]] = [
+        # per run: (the reader that read them, a batch of outcomes), its jobs in order
+        self._done: list[queue.SimpleQueue[tuple[int, list[tuple[np.ndarray | None, object]]]]] = [
             queue.SimpleQueue() for _ in self.runs
         ]
         self._lender: dict[int, int] = {}  # job -> the reader whose loose buffer it holds
@@ -90,13 +92,16 @@ class Readers:
             t.daemon = True
             t.start()
 
-    def take(self, i: int) -> tuple[np.ndarray | None, StreamedBlock | BaseException | None]:
-        k, (buf, result) = self._done[self._run_of[i]].get()
-        if isinstance(result, _Crash):
-            raise RuntimeError("SSD stream reader failed") from result.error
-        if buf is not None:
-            self._lender[i] = k
-        return buf, result  # type: ignore[return-value]
+    def take(self, i: int) -> list[tuple[np.ndarray | None, StreamedBlock | BaseException | None]]:
+        """The outcomes of job ``i`` and of the jobs read with it (a run file's
+        blocks: one batch), in order; ``i`` is the first job not taken yet."""
+        k, batch = self._done[self._run_of[i]].get()
+        for j, (buf, result) in enumerate(batch):
+            if isinstance(result, _Crash):
+                raise RuntimeError("SSD stream reader failed") from result.error
+            if buf is not None:
+                self._lender[i + j] = k
+        return batch  # type: ignore[return-value]
 
     def give_back(self, i: int, buf: np.ndarray | None) -> None:
         if buf is not None:
@@ -122,28 +127,34 @@ class Readers:
                 if self._stopped.is_set():
                     return
                 done = self._done[r]
-                for outcome in self._outcomes(self.runs[r], bufs):
+                for batch in self._outcomes(self.runs[r], bufs):
                     if self._stopped.is_set():  # a long run's later files are not read
                         return
-                    done.put((k, outcome))
+                    done.put((k, batch))
         except Stopped:
             return
         except BaseException as e:  # a bug: hand it to the caller instead of hanging it
-            self._done[r].put((k, (None, _Crash(e))))
+            self._done[r].put((k, [(None, _Crash(e))]))
 
-    def _outcomes(self, run: range, bufs: Buffers) -> Iterator[Outcome | tuple[None, None]]:
+    def _outcomes(self, run: range, bufs: Buffers) -> Iterator[list[Outcome | tuple[None, None]]]:
+        """The run's outcomes in batches: a run file's blocks all at once (they are
+        read together and lend no buffer), any other block on its own."""
         jobs = self.jobs[run.start : run.stop]
         place = self._place if run.start else self._first_place
         if jobs[0].meta is None:  # queued, absent or a bad entry: the caller sees to it
-            yield None, None
-        elif jobs[0].run is not None:
-            yield from read_run_file(jobs, bufs, place)
-        elif small(jobs[0]):
-            yield from read_run(
+            yield [(None, None)]
+            return
+        if jobs[0].run is not None:
+            yield list(read_run_file(jobs, bufs, place))
+            return
+        if small(jobs[0]):
+            each = read_run(
                 jobs, bufs, place, willneed=not self.warm, judge=self._judge, root=self._root
             )
         else:
-            yield from read_large_run(jobs, bufs, place)
+            each = read_large_run(jobs, bufs, place)
+        for outcome in each:
+            yield [outcome]
 
 
 def _order(jobs: list[Job], runs: list[range]) -> list[int]:

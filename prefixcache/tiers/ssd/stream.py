@@ -24,7 +24,10 @@ the kernel's own readahead serves each file.
 
 A yielded :class:`StreamedBlock` holds ``Placed`` tensors (already in their
 place) and HostArrays (zero-copy views into a read buffer, verified, valid until
-the next block is requested). A block still queued for the writer is served
+the next block is requested). The blocks of one run file come to the caller
+as one batch (``stream_runs``, ``SsdReader.load_run``): read together, they
+are taken together, so the caller's work is per batch, not per block. A block
+still queued for the writer is served
 from the queue (a fresh :class:`Block`). A block that is missing or fails its
 checks is quarantined (on the caller's thread), counted, and yielded as None: a
 miss. A large one's bytes may already be in the restore buffer (a small one is
@@ -51,9 +54,11 @@ class SsdReader(TierReader):
 
     def __init__(self, tier: SsdReads, keys: Sequence[bytes]):
         self.tier, self.keys = tier, keys
-        self._stream: Iterator[Block | StreamedBlock | None] | None = None
+        self._stream: Iterator[list[Block | StreamedBlock | None]] | None = None
         self._order: list[int] = []
         self._next = 0
+        self._ready: list[Block | StreamedBlock | None] = []  # the batch being loaded
+        self._at = 0  # its first block not loaded yet
 
     def first_shapes(self, indices: list[int]) -> Mapping[str, Placed] | None:
         """Block ``indices[0]``'s tensor dtypes and shapes from its payload header
@@ -74,16 +79,33 @@ class SsdReader(TierReader):
         self.close()
         self._order, self._next = list(indices), 0
         if indices:
-            self._stream = stream(self.tier, [self.keys[i] for i in indices], place)
+            self._stream = stream_runs(self.tier, [self.keys[i] for i in indices], place)
 
     def load(self, index: int) -> Block | StreamedBlock | None:
-        if self._stream is None or self._order[self._next : self._next + 1] != [index]:
-            return self.tier.load(self.keys[index])  # unplanned: one synchronous load
-        self._next += 1
-        return next(self._stream)
+        return self.load_run(index, 1)[0]
+
+    def load_run(self, index: int, limit: int | None = None) -> list[Block | StreamedBlock | None]:
+        """Block ``index`` and the blocks after it read with it (a run file's), at
+        most ``limit``, while their chain indices follow on: the stream hands a run
+        file's blocks over as one batch."""
+        order, at = self._order, self._next
+        if self._stream is None or order[at : at + 1] != [index]:
+            return [self.tier.load(self.keys[index])]  # unplanned: one synchronous load
+        if not self._ready:
+            self._ready, self._at = next(self._stream), 0
+        ready, first = self._ready, self._at
+        stop = len(ready) if limit is None else min(len(ready), first + limit)
+        n = 1
+        while first + n < stop and order[at + n] == index + n:
+            n += 1
+        self._next, self._at = at + n, first + n
+        if self._at == len(ready):
+            self._ready = []
+        return ready[first : first + n]
 
     def close(self) -> None:
         """Stop the stream and wait for its readers; safe to call more than once."""
+        self._ready = []
         if self._stream is not None:
             self._stream.close()  # type: ignore[attr-defined]
             self._stream = None
@@ -102,23 +124,43 @@ def stream(
     Closing the generator (a restore done or falling short) stops the readers
     and waits for them: after that nothing writes into a destination.
     """
+    runs = stream_runs(tier, keys, place)
+    try:
+        for batch in runs:
+            yield from batch
+    finally:
+        runs.close()
+
+
+def stream_runs(
+    tier: SsdReads, keys: Sequence[bytes], place: Place | None = None
+) -> Iterator[list[Block | StreamedBlock | None]]:
+    """As ``stream``, in batches of consecutive blocks: a run file's blocks read
+    together come as one batch (the caller's work is per batch), any other
+    block on its own. A batch's views stay valid until the next is requested."""
     jobs = _jobs(tier, keys)
     readers = Readers(jobs, place)
     served: list[bytes] = []  # read by the readers: counted once, at the end
     nbytes = 0
+    i = 0
     try:
-        for i, job in enumerate(jobs):
-            buf, result = readers.take(i)
+        while i < len(jobs):
+            batch = readers.take(i)
             try:
-                block = _result(tier, job, result)
-                if block is not None and block is result:
-                    served.append(job.key)
-                    nbytes += block.nbytes
-                yield block
+                out = []
+                for job, (_, result) in zip(jobs[i : i + len(batch)], batch, strict=True):
+                    block = _result(tier, job, result)
+                    if block is not None and block is result:
+                        served.append(job.key)
+                        nbytes += block.nbytes
+                    out.append(block)
+                yield out
             finally:
-                readers.give_back(i, buf)
+                for j, (buf, _) in enumerate(batch):
+                    readers.give_back(i + j, buf)
                 if not i:
                     readers.first_taken.set()
+                i += len(batch)
     finally:
         readers.stop()
         tier.note_loads(served, nbytes)
@@ -126,12 +168,17 @@ def stream(
 
 def _jobs(tier: SsdReads, keys: Sequence[bytes]) -> list[Job]:
     """A job per key: the index entries read in one transaction; a block still
-    queued for the writer gets none (it is served from the queue)."""
+    queued for the writer gets none (it is served from the queue). A run file's
+    path is made once for all its blocks."""
     jobs = []
+    paths: dict[bytes, str] = {}
     for key, (raw, run) in zip(keys, tier.index.get_runs(keys), strict=True):
         if tier.writer.pending(key) is not None:
             raw = run = None
-        path = tier.payload_file(key if run is None else run.file_key)
+        file_key = key if run is None else run.file_key
+        path = paths.get(file_key)
+        if path is None:
+            path = paths[file_key] = tier.payload_file(file_key)
         jobs.append(Job(key, raw, decode_or_none(key, raw), path, run))
     return jobs
 
