@@ -6,10 +6,14 @@ first alone (the others lie in the same run region). Restored this way, from
 run files only or starting inside a run (its first blocks hot), the chain
 prefills and decodes past its restored length with the live run's logits bit
 for bit; each block is still counted as a hit. The control: one block inside a
-unit (not its first) changed gives other logits.
+unit (not its first) changed gives other logits. The readers open a run file
+relative to the payloads' root held open, and refuse one that became a symlink.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 from conftest import max_diff, prefill, prompt, tiny_model
@@ -19,6 +23,7 @@ from test_ssd_run_files import BLOCK, runs_of, ssd_config, store
 
 from prefixcache import PrefixCache
 from prefixcache.cache import restore
+from prefixcache.tiers.ssd.files import payload_path
 
 
 def spy_units(monkeypatch) -> list[tuple[int, int]]:
@@ -75,3 +80,27 @@ def test_a_run_files_blocks_are_restored_as_one_unit_and_grow_exactly(tmp_path, 
     layer.keys[..., 6 * BLOCK : 7 * BLOCK, :] = layer.keys[..., 6 * BLOCK : 7 * BLOCK, :] + 1
     wrong = grow(model, bad, asked[num:], 4, step=BLOCK)
     assert max_diff(wrong[0], want[0]) > 0.0
+
+
+@pytest.mark.parametrize("linked", [True, False], ids=["symlink", "control_real_file"])
+def test_a_run_file_replaced_by_a_symlink_is_refused_by_the_readers(tmp_path, linked):
+    """The readers open run files relative to the payloads' root held open: a run
+    file that became a symlink (to a copy with the very same bytes, so following it
+    would pass every check) fails its blocks. The control: the same copy moved back
+    as a real file restores the chain."""
+    model = tiny_model("llama")
+    tokens = prompt(13, 8 * BLOCK + 3)
+    with PrefixCache(model, ssd_config(tmp_path, background_quiet_ms=0), model_id="t") as pc:
+        store(pc, model, tokens)
+        first = runs_of(pc)[0]
+        path = payload_path(os.path.join(pc.ssd.path, "blocks"), first.file_key)
+        outside = str(tmp_path / "outside.safetensors")
+        shutil.copyfile(path, outside)
+        os.remove(path)
+        if linked:
+            os.symlink(outside, path)
+        else:
+            shutil.move(outside, path)
+        _, num = pc.fetch(tokens)
+        assert num == (0 if linked else 8 * BLOCK + 2)
+        assert (pc.ssd.stats()["num_corrupt"] > 0) == linked

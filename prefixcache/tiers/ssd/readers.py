@@ -145,7 +145,7 @@ class Readers:
             yield [(None, None)]
             return
         if jobs[0].run is not None:
-            yield list(read_run_file(jobs, bufs, place))
+            yield list(read_run_file(jobs, bufs, place, self._root))
             return
         if small(jobs[0]):
             each = read_run(

@@ -28,7 +28,7 @@ import numpy as np
 from ...blocks import BlockMeta
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
-from .files import open_payload
+from .files import PayloadRoot, open_payload
 from .large import Steps, read_checked, region_rows
 from .payload import read_payload, read_spans
 from .read_into import Buffers, Job, Outcome, Span, streamed
@@ -108,11 +108,14 @@ def plan(jobs: Sequence[Job], cut: Callable[[Sequence[Job]], list[range]]) -> li
     return out
 
 
-def read_run_file(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
+def read_run_file(
+    jobs: Sequence[Job], bufs: Buffers, place: Place | None, root: PayloadRoot | None = None
+) -> Iterator[Outcome]:
     """The blocks of ``jobs`` (consecutive blocks of one run file), in order: each
-    (None, block) or (None, the error that makes every one of them a miss)."""
+    (None, block) or (None, the error that makes every one of them a miss).
+    ``root``: the payloads' root held open, the file opened relative to it."""
     try:
-        fd = open_payload(jobs[0].path)
+        fd = root.open(jobs[0].path)[0] if root is not None else open_payload(jobs[0].path)
         try:
             blocks = _read(fd, jobs, bufs, place)
         finally:
