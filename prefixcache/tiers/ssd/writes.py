@@ -122,8 +122,9 @@ class SsdWrites:
         files = self._files(items)
         fs_block = os.statvfs(self.payloads).f_frsize
         wanted = [
-            (f.key, f.file_bytes, _footprint(f.file_bytes, fs_block), f.items[0].block.tenant)
+            (f.key, f.file_bytes, _footprint(f.file_bytes, fs_block), tenant, len(f.items))
             for f in files
+            for tenant in [f.items[0].block.tenant]
         ]
         try:
             res = self.index.reserve(
