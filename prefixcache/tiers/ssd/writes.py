@@ -166,7 +166,7 @@ class SsdWrites:
             elif (header := self._header(run[0])) is not None:
                 key = run[0].block.key
                 files.append(PayloadFile(key, run, len(header) + run[0].nbytes, header))
-        return files
+        return newest_first(files, items)
 
     def _unindexed(self, items: list[WriteItem]) -> list[WriteItem]:
         """``items`` not indexed yet (another process may have written some)."""
@@ -254,6 +254,34 @@ class PayloadFile:
         keys = tuple(it.block.key for it in self.items)
         k = len(keys)
         return {key: (RunRef(self.key, j, k), keys) for j, key in enumerate(keys)}
+
+
+def newest_first(files: list[PayloadFile], items: list[WriteItem]) -> list[PayloadFile]:
+    """``files`` by tree of blocks (a root and what the batch holds under it), the tree
+    whose latest block came last in the batch first; within a tree in their order
+    (a parent's file before its children's). A batch over the budget then keeps its
+    newest blocks, as LRU would, and never a block whose parent it refused."""
+    order = {it.block.key: i for i, it in enumerate(items)}
+    parent = {it.block.key: it.block.parent for it in items}
+    tops: dict[bytes, bytes] = {}
+
+    def top(key: bytes) -> bytes:
+        seen = []
+        while key in parent and parent[key] in parent and key not in tops:
+            seen.append(key)
+            key = parent[key]
+        found = tops.get(key, key)
+        tops.update(dict.fromkeys(seen, found))
+        return found
+
+    latest: dict[bytes, int] = {}
+    for f in files:
+        for it in f.items:
+            t = top(it.block.key)
+            latest[t] = max(latest.get(t, -1), order[it.block.key])
+    tree = [top(f.items[0].block.key) for f in files]
+    ranked = sorted(range(len(files)), key=lambda i: (-latest[tree[i]], i))
+    return [files[i] for i in ranked]
 
 
 def _bytes_written(written: list[BlockMeta], runs: dict) -> int:
