@@ -19,6 +19,7 @@ from .settings import ENV_PREFIX, parse_bytes
 from .shares_config import check_tenant_shares
 
 __all__ = [
+    "DEFAULT_EVICTION",
     "ENV_PREFIX",
     "EVENTS_FORMATS",
     "EVICTIONS",
@@ -33,6 +34,7 @@ WritePolicy = Literal["write_back", "write_through"]
 WRITE_POLICIES = ("write_back", "write_through")
 Eviction = Literal["cost", "lru", "fifo", "density", "frequency", "adaptive"]
 EVICTIONS = ("adaptive", "cost", "lru", "fifo", "density", "frequency")
+DEFAULT_EVICTION: Eviction = "adaptive"  # serve's, replay's and simulate's default too
 QueueFullPolicy = Literal["drop", "inline"]
 EventsFormat = Literal["vllm", "sglang"]
 EVENTS_FORMATS = ("vllm", "sglang")
@@ -202,7 +204,7 @@ class CacheConfig:
     hot_max_bytes: int = 4 << 30
     hot_cache_only: bool = False
     hot_run_tokens: int = 256
-    eviction: Eviction = "adaptive"
+    eviction: Eviction = DEFAULT_EVICTION
     prefetch_bytes: int = 256 << 20
     ssd_dir: str = "~/.cache/prefixcache"
     ssd_max_bytes: int = 64 << 30

@@ -326,7 +326,9 @@ def test_ssd_admission_by_reach_in_a_simulation(tmp_path):
     requests = read_trace(_write(tmp_path / "t.jsonl", _flood_trace()))
 
     def run(admit: int) -> Simulation:
-        sim = Simulation(SimConfig(LLAMA, 2 * BLOCK, 8 * BLOCK, ssd_admit_after=admit))
+        sim = Simulation(
+            SimConfig(LLAMA, 2 * BLOCK, 8 * BLOCK, eviction="lru", ssd_admit_after=admit)
+        )
         if admit == 0:
             sim.governor.reach.share = 0.3  # as a measured reach of 0.3 would hold it
             sim.governor.reach.decide_after = 1 << 30

@@ -20,6 +20,7 @@ from test_restore_grows import grow
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.hashing import token_bytes
+from prefixcache.tiny.archs import VOCAB_SIZE
 
 BLOCK = 16
 RUN = 4 * BLOCK  # runs of 4 blocks
@@ -68,7 +69,8 @@ def test_a_restore_from_runs_grows_with_the_live_logits():
     assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 6
     # the control: one token of the restored chain other (its K/V as another run's)
     other = make_prompt_cache(model)
-    prefill(model, [*asked[: 5 * BLOCK], 999, *asked[5 * BLOCK + 1 : num]], other, step=BLOCK)
+    changed = (asked[5 * BLOCK] + 1) % VOCAB_SIZE  # a token of the vocabulary: no gather past it
+    prefill(model, [*asked[: 5 * BLOCK], changed, *asked[5 * BLOCK + 1 : num]], other, step=BLOCK)
     for layer, o in zip(bad, other, strict=True):
         layer.keys[..., :num, :] = o.keys[..., :num, :]
         layer.values[..., :num, :] = o.values[..., :num, :]

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections import OrderedDict
 
 import pytest
 
-from prefixcache.cli import main
+from prefixcache.cli import main, replay
+from prefixcache.config import CacheConfig
 from prefixcache.tiers.hot.frequency import FrequencyPolicy
 from prefixcache.traces.optimum import optimum_hit_rates
 from prefixcache.traces.reader import TraceError, TraceRequest, read_trace, request_tokens
+from prefixcache.traces.replay import ReplayConfig
 from prefixcache.traces.shapes import PRESETS
 from prefixcache.traces.simulator import SimConfig, Simulation
 
@@ -133,6 +136,32 @@ def test_simulate_sweep_writes_csv_and_plot(tmp_path, capsys):
     assert main([*args, "--eviction", "mru"]) == 2  # not a policy: one line, exit 2
 
 
+def test_simulate_defaults_to_the_library_eviction(tmp_path, capsys):
+    """Without ``--eviction``, simulate sizes the policy a server runs: CacheConfig's."""
+    path = _write(tmp_path / "t.jsonl", _scan_trace())
+
+    def point(*flags: str) -> dict:
+        assert main(["simulate", path, "--hot", "1G", "--json", *flags]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        del doc["seconds"]
+        return doc
+
+    default = point()
+    assert default["eviction"] == CacheConfig().eviction == "adaptive"
+    assert default == point("--eviction", "adaptive")
+    # control: LRU, the former default, keeps other blocks on this trace (16 blocks)
+    lru = point("--eviction", "lru")
+    assert lru["cached_tokens"] != default["cached_tokens"]
+
+
+def test_replay_defaults_to_the_library_eviction():
+    parser = argparse.ArgumentParser()
+    replay.add_args(parser)
+    args = parser.parse_args(["t.jsonl", "--model", "m"])
+    assert args.eviction == CacheConfig().eviction == ReplayConfig(1).eviction
+    assert parser.parse_args(["t", "--model", "m", "--eviction", "lru"]).eviction == "lru"
+
+
 def _plain_lru(trace, capacity: int) -> int:
     """Cached tokens of a plain LRU of chain prefixes: evict the least recent leaf,
     never the block just stored; hits touched deepest first, as the hot tier does."""
@@ -159,7 +188,8 @@ def test_simulate_agrees_with_a_plain_lru(tmp_path, seed):
     trace = _random_trace(seed)
     requests = read_trace(_write(tmp_path / "t.jsonl", trace))
     for capacity in (6, 12):
-        got = Simulation(SimConfig(LLAMA, capacity * BLOCK)).run(requests).cached_tokens
+        config = SimConfig(LLAMA, capacity * BLOCK, eviction="lru")
+        got = Simulation(config).run(requests).cached_tokens
         assert got == _plain_lru(trace, capacity)
     # negative control: a cache one block larger hits differently
     assert _plain_lru(trace, 13) != _plain_lru(trace, 12)
@@ -173,7 +203,8 @@ def test_no_policy_beats_the_optimum(tmp_path):
             sim = Simulation(SimConfig(LLAMA, capacity * BLOCK, eviction=eviction)).run(requests)
             assert sim.as_json()["hit_rate"] <= best + 1e-9
     # negative control: the optimum does better than LRU somewhere
-    lru = Simulation(SimConfig(LLAMA, 8 * BLOCK)).run(requests).as_json()["hit_rate"]
+    config = SimConfig(LLAMA, 8 * BLOCK, eviction="lru")
+    lru = Simulation(config).run(requests).as_json()["hit_rate"]
     assert optimum_hit_rates(requests, 8)[0] > lru
 
 
@@ -191,7 +222,7 @@ def _scan_trace() -> list[tuple[int, list[int]]]:
 
 def test_density_keeps_what_is_reused_through_a_scan(tmp_path):
     requests = read_trace(_write(tmp_path / "t.jsonl", _scan_trace()))
-    config = SimConfig(LLAMA, 8 * BLOCK)
+    config = SimConfig(LLAMA, 8 * BLOCK, eviction="lru")
     lru = Simulation(config).run(requests).as_json()["hit_rate_last_half"]
     sim = Simulation(replace_eviction(config, "density"))
     density = sim.run(requests).as_json()["hit_rate_last_half"]
@@ -200,15 +231,15 @@ def test_density_keeps_what_is_reused_through_a_scan(tmp_path):
     assert sim.hot.eviction.num_refused > 0  # one-off blocks were not admitted
 
 
-def replace_eviction(config: SimConfig, eviction: str) -> SimConfig:
+def replace_eviction(config: SimConfig, eviction: str, **changes: object) -> SimConfig:
     from dataclasses import replace
 
-    return replace(config, eviction=eviction)
+    return replace(config, eviction=eviction, **changes)
 
 
 def test_frequency_keeps_what_is_reused_through_a_scan(tmp_path):
     requests = read_trace(_write(tmp_path / "t.jsonl", _scan_trace()))
-    config = SimConfig(LLAMA, 8 * BLOCK)
+    config = SimConfig(LLAMA, 8 * BLOCK, eviction="lru")
     sim = Simulation(replace_eviction(config, "frequency"))
     frequency = sim.run(requests).as_json()["hit_rate_last_half"]
     lru = Simulation(config).run(requests).as_json()["hit_rate_last_half"]
@@ -288,8 +319,9 @@ def test_ssd_admission_keeps_one_offs_off_the_ssd(tmp_path):
         trace.append((2 * t, list(turn)))
         trace.append((2 * t + 1, [5000 + 3 * t, 5001 + 3 * t, 5002 + 3 * t]))
     requests = read_trace(_write(tmp_path / "t.jsonl", trace))
-    once = Simulation(SimConfig(LLAMA, 4 * BLOCK, 1 << 40, ssd_admit_after=1)).run(requests)
-    twice = Simulation(SimConfig(LLAMA, 4 * BLOCK, 1 << 40, ssd_admit_after=2)).run(requests)
+    config = SimConfig(LLAMA, 4 * BLOCK, 1 << 40, eviction="lru", ssd_admit_after=1)
+    once = Simulation(config).run(requests)
+    twice = Simulation(replace_eviction(config, "lru", ssd_admit_after=2)).run(requests)
     assert twice.ssd_bytes_written < once.ssd_bytes_written / 2  # one-offs stay off the SSD
     assert twice.hit_tokens["ssd"] > 0.9 * once.hit_tokens["ssd"]  # the conversation does not
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..blocks import split_layers
-from ..codecs import Builder, Codec, codec_for
+from ..codecs import Builder, Codec, Resident, codec_for
 from ..codecs.placing import placer
 from ..errors import LayoutMismatchError, MissReason, Shortfall
 from ..hashing import TOKEN_BYTES
@@ -136,10 +136,25 @@ class ChainLoad:
             self.promote.append((index, tier, block.nbytes))
         return block.arrays, tier.resident
 
-    def resident_views(self, index: int) -> Mapping[str, Any]:
-        """Host bytes of block ``index``'s arrays, when its tier keeps them (hot)."""
-        views = self._reader(self.plan.tiers[index]).host_views(index)
-        return {} if views is None else views
+    def residents(self, order: Sequence[int]) -> dict[int, Resident]:
+        """Blocks ``order``, all of tiers that keep them in memory (hot): each one's
+        payload and the host bytes of its arrays, counted as hits (none promoted).
+
+        Raises:
+            Shortfall: a block left its tier since the plan (another thread evicted it).
+        """
+        tiers, stats = self.plan.tiers, self.stack.stats
+        out: dict[int, Resident] = {}
+        for index in order:
+            tier = tiers[index]
+            reader = self._reader(tier)
+            block = reader.load(index)
+            if block is None:
+                raise Shortfall(index, reader.miss(index))
+            stats.block_hit(tier.name)
+            views = reader.host_views(index)
+            out[index] = (block.arrays, {} if views is None else views)
+        return out
 
     def stop(self) -> None:
         """Stop every reader (and wait for its threads); safe to call more than once."""
@@ -169,13 +184,13 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
     """
     plan, num_tokens, codecs = loader.plan, loader.plan.num_tokens, [codec_for(c) for c in fresh]
     builders = [codec_for(f).builder(f, num_tokens, capacity, block_size) for f in fresh]
-    users = _users(codecs, fresh, num_tokens, block_size)
+    users, alike = _users(codecs, fresh, num_tokens, block_size)
     if users and max(users) >= len(plan.entries):
         raise ValueError(f"{num_tokens} tokens need block {max(users)} of {len(plan.entries)}")
     order = sorted(users)
     try:
         if order and all(plan.tiers[i].resident for i in order):
-            _add_resident(builders, users, order, loader)
+            _add_resident(builders, alike, order, loader)
         else:
             reserve_ahead(builders, users, order, plan, loader.specs)
             loader.start(order, placer(builders, users))
@@ -196,12 +211,16 @@ def rebuild(fresh: list[Any], loader: ChainLoad, *, capacity: int, block_size: i
     return caches
 
 
+Needs = dict[Sequence[int], list[int]]  # blocks needed -> the layers needing just those
+
+
 def _users(
     codecs: Sequence[Codec], fresh: Sequence[Any], num_tokens: int, block_size: int
-) -> dict[int, list[int]]:
-    """Chain index -> the layers that need that block (layers needing the same
-    blocks, e.g. every K/V layer, are added together)."""
-    alike: dict[Sequence[int], list[int]] = {}
+) -> tuple[dict[int, list[int]], Needs]:
+    """(chain index -> the layers that need that block, the blocks needed -> the
+    layers needing them: every K/V layer needs the same ones, and is added with the
+    others)."""
+    alike: Needs = {}
     for layer, (codec, cache) in enumerate(zip(codecs, fresh, strict=True)):
         needed = codec.blocks_needed(cache, num_tokens, block_size)
         alike.setdefault(needed if isinstance(needed, range) else tuple(needed), []).append(layer)
@@ -212,28 +231,25 @@ def _users(
     if len(alike) > 1:
         for layers in users.values():
             layers.sort()
-    return users
+    return users, alike
 
 
 def _add_resident(
-    builders: list[Builder], users: dict[int, list[int]], order: list[int], loader: ChainLoad
+    builders: list[Builder], alike: Needs, order: list[int], loader: ChainLoad
 ) -> None:
     """Blocks all held in memory: each layer's builder takes them together where it
     can (``Builder.add_resident``: one copy per buffer), else one at a time (each
     block's payload split by layer once, when first needed). For the layers that
-    take the same blocks (every K/V layer; a window's layers their last ones), a
-    run's consecutive blocks are merged where the run holds those layers (one copy
-    each)."""
-    resident = {i: (loader.payload(i)[0], loader.resident_views(i)) for i in order}
-    layers: dict[int, list[int]] = {}
-    for index in order:
-        for layer in users[index]:
-            layers.setdefault(layer, []).append(index)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for layer, indices in layers.items():
-        groups.setdefault(tuple(indices), []).append(layer)
+    take the same blocks (``alike``: every K/V layer; a window's layers their last
+    ones), a run's consecutive blocks are merged where the run holds those layers
+    (one copy each). The work is per group of layers and per run, not per block and
+    layer."""
+    resident = loader.residents(order)
     split: dict[int, dict[int, dict[str, Any]]] = {}
-    for indices, group in groups.items():
+    for needed, group in alike.items():
+        indices = needed if isinstance(needed, range) else sorted(needed)
+        if not indices:
+            continue
         blocks = coalesce([resident[i] for i in indices], frozenset(group))
         for layer in group:
             if builders[layer].add_resident(indices, blocks, f"{layer}."):

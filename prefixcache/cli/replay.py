@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 
-from ..config import EVICTIONS
+from ..config import DEFAULT_EVICTION, EVICTIONS
 from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
@@ -37,7 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot", type=parse_bytes, help="RAM budget of each system (bytes: 64M)")
     p.add_argument("--ssd-dir", help="an SSD tier behind ours (library mode)")
     p.add_argument("--ssd", type=parse_bytes, default=64 << 30, help="its budget")
-    p.add_argument("--eviction", choices=EVICTIONS, default="adaptive", help="our hot eviction")
+    p.add_argument(
+        "--eviction",
+        choices=EVICTIONS,
+        default=DEFAULT_EVICTION,
+        help=f"our hot eviction (default: the library's, {DEFAULT_EVICTION})",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which of them to run")
     p.add_argument("--speed", type=float, default=1.0, help="server mode: arrivals x SPEED")
     p.add_argument("--max-tokens", type=int, default=1, help="server mode: tokens per reply")

@@ -22,6 +22,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
+from ..config import DEFAULT_EVICTION
 from ..settings import parse_bytes
 from .common import EXIT_OK, Args, Command, UsageError
 from .report import format_bytes, table
@@ -46,7 +47,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd", type=parse_bytes, help="SSD tier budget")
     p.add_argument("--remote", type=parse_bytes, help="remote tier budget")
     p.add_argument(
-        "--eviction", default="lru", help=f"one or more of {','.join(POLICIES)} (comma-separated)"
+        "--eviction",
+        default=DEFAULT_EVICTION,
+        help=f"one or more of {','.join(POLICIES)} (comma-separated; default: the library's, "
+        f"{DEFAULT_EVICTION})",
     )
     p.add_argument(
         "--ssd-admit-after", type=int, default=1, help="uses before an SSD write; 0: by its reach"

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
+from ..memory.runs import COVERED
 from .base import Builder, Codec, Resident, owned_tokens, run_shape
 from .buffer import TokenBuffer
 from .unused import UNUSED
@@ -102,20 +103,22 @@ class KVBuilder(Builder):
         if indices[-1] - indices[0] != len(indices) - 1:
             return False  # not one run (a layer's blocks are a range): one at a time
         keys, values = prefix + "keys", prefix + "values"
-        try:
-            arrays = [(a[keys], a[values]) for a, _ in blocks]  # the payload holds them
-            # a run's consecutive blocks come as one view, the rest of them empty (runs.py)
-            ks = [v[keys] for _, v in blocks if v]
-            vs = [v[values] for _, v in blocks if v]
-        except KeyError:
+        if not all(keys in a and values in a for a, _ in blocks):
             return False  # e.g. a chunked block trimmed in front: one at a time
+        # a run's consecutive blocks come as one view, the rest of them COVERED (runs.py)
+        heads = [v for _, v in blocks if v is not COVERED]
+        try:
+            ks, vs = [v[keys] for v in heads], [v[values] for v in heads]
+        except KeyError:
+            return False
+        last_k, last_v = blocks[-1][0][keys], blocks[-1][0][values]
         bs = self.block_size
         start = indices[0] * bs - self.first
         # every block but a chain's last is whole: a shorter one fails numpy's copy
-        end_k = start + (len(indices) - 1) * bs + arrays[-1][0].shape[2]
-        end_v = start + (len(indices) - 1) * bs + arrays[-1][1].shape[2]
-        self.keys.add_views(start, end_k, arrays[0][0], ks)
-        self.values.add_views(start, end_v, arrays[0][1], vs)
+        end_k = start + (len(indices) - 1) * bs + last_k.shape[2]
+        end_v = start + (len(indices) - 1) * bs + last_v.shape[2]
+        self.keys.add_views(start, end_k, blocks[0][0][keys], ks)
+        self.values.add_views(start, end_v, blocks[0][0][values], vs)
         return True
 
     def reserve(self, index: int, arrays: dict[str, Any]) -> list[mx.array]:

@@ -219,23 +219,29 @@ class RotatingBuilder(Builder):
             self._add(arrays, window, first, a, b, self.keep + a - self.tail)
 
     def add_resident(self, indices: Sequence[int], blocks: Sequence[Resident], prefix: str) -> bool:
-        """Hot blocks whose window payload is whole: each one's kept and window
-        tokens queued as numpy views of its host bytes (copied with the restore's
-        other copies; no MLX slice to evaluate). False, taking nothing, where a
-        block holds only part of its window (one at a time, checked, then)."""
+        """Hot blocks whose window payload is whole: their kept and window tokens as
+        numpy views of their host bytes, one entry for those that follow each other.
+        False, taking nothing, where a block holds part of its window (then one at a time)."""
         keys, values = prefix + "keys", prefix + "values"
-        if not all(keys in views and values in views for _, views in blocks):
-            return False
-        for index, (arrays, views) in zip(indices, blocks, strict=True):
-            start = index * self.block_size
-            stop = min(start + self.block_size, self.num_tokens)
-            window = max(start, self.tail)  # kept in front, then the window's tokens
-            for a, b, pos in ((start, min(stop, self.keep), start), (window, stop, None)):
-                pos = self.keep + a - self.tail if pos is None else pos
-                for buf, name in ((self.keys, keys), (self.values, values)):
+        spans: list[list[Any]] = []  # [position, end, first payload, keys' and values' parts]
+        try:
+            for index, (arrays, views) in zip(indices, blocks, strict=True):
+                start = index * self.block_size
+                stop = min(start + self.block_size, self.num_tokens)
+                window = max(start, self.tail)  # kept in front, then the window's tokens
+                for a, b, pos in ((start, min(stop, self.keep), start), (window, stop, None)):
                     if a < b:
-                        part = views[name][:, :, a - start : b - start]
-                        buf.add_views(pos, pos + b - a, arrays[name], [part])
+                        pos = self.keep + a - self.tail if pos is None else pos
+                        if not spans or spans[-1][1] != pos:  # not where the last one ends
+                            spans.append([pos, pos, arrays, [], []])
+                        spans[-1][1] = pos + b - a
+                        spans[-1][3].append(views[keys][:, :, a - start : b - start])
+                        spans[-1][4].append(views[values][:, :, a - start : b - start])
+        except KeyError:
+            return False  # a block holding part of its window only
+        for pos, end, arrays, ks, vs in spans:
+            self.keys.add_views(pos, end, arrays[keys], ks)
+            self.values.add_views(pos, end, arrays[values], vs)
         return True
 
     def _add(self, arrays: dict[str, Any], name: str, first: int, a: int, b: int, pos: int):

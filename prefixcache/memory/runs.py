@@ -114,8 +114,11 @@ class RunViews(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.run.arrays:
             return self.own[name]
+        host = host_of(self.run, name)
+        if self.lo == 0 and self.hi == self.run.num_blocks:
+            return host  # the whole run (a chain restored whole): no slice to make
         bs = self.run.block_size
-        return host_of(self.run, name)[:, :, self.lo * bs : self.hi * bs, :]
+        return host[:, :, self.lo * bs : self.hi * bs, :]
 
     def __contains__(self, name: object) -> bool:
         return name in self.run.arrays or name in self.own

@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import CacheConfig
+from ..config import DEFAULT_EVICTION, CacheConfig
 from .reader import TraceRequest, request_tokens
 from .shapes import ModelShape
 from .simulator import SimResult
@@ -47,7 +47,7 @@ class ReplayConfig:
     ssd_dir: str | None = None
     ssd_bytes: int = 64 << 30
     block_tokens: int = 16
-    eviction: str = "adaptive"
+    eviction: str = DEFAULT_EVICTION
     seed: int = 0
     prefill_step: int = 512
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from ..blocks import Block
-from ..config import CacheConfig
+from ..config import DEFAULT_EVICTION, CacheConfig
 from ..stats import Stats
 from ..tiers.governor import WriteGovernor
 from ..tiers.hot.tier import HotTier
@@ -44,13 +44,14 @@ TIERS = ("hot", "ssd", "remote")
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One configuration: budgets in bytes (None: the tier is absent; 0 with
-    ``unlimited``: unbounded), the hot tier's eviction and the SSD's admission."""
+    ``unlimited``: unbounded), the hot tier's eviction (the library's default:
+    ``DEFAULT_EVICTION``) and the SSD's admission."""
 
     shape: ModelShape
     hot_bytes: int | None
     ssd_bytes: int | None = None
     remote_bytes: int | None = None
-    eviction: str = "lru"
+    eviction: str = DEFAULT_EVICTION
     ssd_admit_after: int = 1
     ssd_write_budget: int = 0
     block_tokens: int = TRACE_BLOCK_TOKENS

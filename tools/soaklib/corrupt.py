@@ -9,6 +9,8 @@ against the live run) and stores them again, which rewrites what was dropped.
 Every damaged block must be counted (``stats()["ssd"]["num_corrupt"]``). Some
 rounds also plant a stale temp file (ignored, then removed by ``prefixcache
 gc``) or mark the directory as written by a newer format (refused on open).
+Payloads are written one file per block (``ssd_run_tokens=0``), so that a damage
+is one block's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def payload_keys(ssd_dir: str) -> dict[str, str]:
 
 def serve_all(work: Workload, ssd_dir: str, tally: Tally, groups=None) -> dict:
     """Serve (check + store) every prompt (of ``groups``) on a fresh cache; its stats."""
-    pc = open_cache(work.model, ssd_dir, hot_max_bytes=1, promote=False)
+    # one payload file per block: each damage hits one block, counted once (run files'
+    # damage, all of a file's blocks missed and counted: tests/test_ssd_run_files.py)
+    pc = open_cache(work.model, ssd_dir, hot_max_bytes=1, promote=False, ssd_run_tokens=0)
     try:
         for i in range(len(work.prompts)):
             if groups is None or i in groups:
