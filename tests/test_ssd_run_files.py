@@ -468,6 +468,18 @@ def test_blocks_with_and_without_extras_share_a_run_file_and_read_back_exactly(t
                     assert same_bits(block.arrays[name], a), (i, name)
         # the control: another block's state differs (what was compared could fail)
         assert not same_bits(blocks[0].arrays["9.1"], blocks[2].arrays["9.1"])
+        view = SsdView(tier.path, writable=False)
+        try:
+            assert verify(view).ok  # the blocks' bytes differ: the checksum covers them
+            path = tier.reads.payload_file(runs[0].file_key)
+            with open(path, "r+b") as f:  # one byte of block 4's extra flipped
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+            assert set(verify(view).bad) == set(keys)
+        finally:
+            view.close()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "lfm2", "falcon_h1"])
