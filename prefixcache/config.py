@@ -86,12 +86,11 @@ class CacheConfig:
         ssd_dir: directory of the SSD tier (LMDB index + payload files).
         ssd_max_bytes: byte budget of the SSD tier's payloads.
         ssd_min_free_bytes: free disk space the SSD tier always leaves.
-        ssd_run_tokens: consecutive blocks of one chain written in one batch,
-            whose every tensor is (B, heads, tokens, dim) (plain and quantized
-            K/V), share one payload file of up to this many tokens (each
-            tensor the blocks' tensors one after another on the token axis),
-            so a restore reads big pieces (tiers/ssd/runfiles.py); 0: one
-            file per block.
+        ssd_run_tokens: consecutive blocks of one chain written in one batch
+            share one payload file of up to this many tokens (the K/V they all
+            have one after another on the token axis, a block's other tensors,
+            such as state snapshots, whole), so a restore reads big pieces
+            (tiers/ssd/runfiles.py); 0: one file per block.
         write_policy: ``write_back`` spills on hot eviction; ``write_through``
             writes every stored block at once.
         write_queue_bytes: bound of each background writer's queue (ssd,

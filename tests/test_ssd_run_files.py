@@ -23,6 +23,7 @@ import shutil
 from itertools import pairwise
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from conftest import live_logits, max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
@@ -32,11 +33,12 @@ from test_restore_grows import grow
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cli import main
 from prefixcache.memory.host import tensors_of
-from prefixcache.tiers.ssd import run_reads, runfiles
+from prefixcache.tiers.ssd import run_layout, run_reads, runfiles
 from prefixcache.tiers.ssd.admin.maintenance import reconcile, verify
 from prefixcache.tiers.ssd.admin.view import SsdView
 from prefixcache.tiers.ssd.files import payload_path
 from prefixcache.tiers.ssd.index import SsdIndex
+from prefixcache.tiers.ssd.payload import read_header
 from prefixcache.tiers.ssd.stream import stream
 from prefixcache.tiers.ssd.tier import SsdTier
 from prefixcache.tiers.writer import WriteItem
@@ -72,6 +74,10 @@ def runs_of(pc: PrefixCache, block_size: int = BLOCK) -> list:
         (m for m in ssd.iter_meta() if m.num_tokens == block_size), key=lambda m: m.index
     )
     return [run for _, run in ssd.index.get_runs([m.key for m in metas])]
+
+
+def payload(pc: PrefixCache, key: bytes) -> str:
+    return pc.tiers.named("ssd").reads.payload_file(key)
 
 
 def files_on_disk(path) -> list[str]:
@@ -155,9 +161,10 @@ def test_blocks_read_alone_or_from_the_middle_of_a_run_are_exact(tmp_path):
             check_block(block)
 
 
-def test_window_blocks_stay_in_their_own_files_beside_run_files_and_restore_exactly(tmp_path):
+def test_window_blocks_share_run_files_with_their_window_payload_as_extras(tmp_path):
     """gemma3_text stored in two prefill chunks: the first chunk's blocks lose their
-    window layers' payload (a layout of their own), the rest keep it."""
+    window layers' payload, the rest keep it: they share run files all the same, the
+    window K/V kept whole per block (extras), and restore exactly."""
     model = tiny_model("gemma3_text")
     tokens = prompt(6, 12 * BLOCK + 3)
     cfg = ssd_config(tmp_path, block_size=8, ssd_run_tokens=32)
@@ -168,7 +175,9 @@ def test_window_blocks_stay_in_their_own_files_beside_run_files_and_restore_exac
         pc.store(tokens, cache)
         pc.flush()
         runs = runs_of(pc, 8)
-        assert any(r is not None for r in runs) and any(r is None for r in runs)
+        assert all(r is not None for r in runs) and len({r.file_key for r in runs}) == 24 // 4
+        names = [n for r in runs for n, *_ in read_header(payload(pc, r.file_key), r.file_key)]
+        assert any(run_layout.split_extra(n) for n in names)  # window K/V of some blocks
         asked = tokens + prompt(7, 20)
         restored, num = pc.fetch(asked)
     assert num == len(tokens)
@@ -413,3 +422,90 @@ def test_hot_blocks_between_a_run_files_blocks_split_its_reads_and_restore_exact
             monkeypatch.setattr(run_reads, "same_file", one_job)
             bad, _ = pc.fetch(tokens)
             assert max_diff(prefill(model, tokens[num:], bad, step=BLOCK), want) > 0.0
+
+
+# -- extras: tensors a block keeps whole (state snapshots, window K/V of some blocks) --
+
+
+def with_extras(block, i: int):
+    """Every other block gets a 3-D state and a 4-D one shaped like its K/V (so only
+    its name tells it is not on the token axis of every block)."""
+    if i % 2:
+        return block
+    base = int.from_bytes(block.key[:2], "little")
+    conv = mx.arange(24, dtype=mx.float32).reshape(1, 3, 8) + base
+    state = mx.arange(256, dtype=mx.float32).reshape(1, 2, 16, 8) * 3 + base
+    arrays = {**block.arrays, "9.0": conv, "9.1": state}
+    mx.eval(arrays)
+    return dataclasses.replace(block, arrays=arrays, nbytes=sum(a.nbytes for a in arrays.values()))
+
+
+def same_bits(a: mx.array, b: mx.array) -> bool:
+    return a.dtype == b.dtype and mx.array_equal(a.view(mx.uint8), b.view(mx.uint8)).item()
+
+
+def test_blocks_with_and_without_extras_share_a_run_file_and_read_back_exactly(tmp_path):
+    blocks = [with_extras(make_block(80, i), i) for i in range(6)]
+    with SsdTier(tier_config(tmp_path, ssd_run_tokens=6 * BLOCK)) as tier:
+        items = [WriteItem(b, tensors_of(b.arrays), b.nbytes) for b in blocks]
+        tier.writer.run_inline(items)
+        keys = [b.key for b in blocks]
+        runs = [r for _, r in tier.index.get_runs(keys)]
+        assert [r.position for r in runs] == list(range(6)) and len({r.file_key for r in runs}) == 1
+        names = [
+            n for n, *_ in read_header(tier.reads.payload_file(runs[0].file_key), runs[0].file_key)
+        ]
+        assert sorted(n for n in names if "@" in n) == sorted(
+            f"9.{s}@{j}" for j in (0, 2, 4) for s in (0, 1)
+        )
+        streamed = {b.key: b.to_block() for b in stream(tier.reads, keys[1:5])}  # one job
+        for i, want in enumerate(blocks):
+            got = [tier.load(want.key)] + ([streamed[want.key]] if 1 <= i < 5 else [])
+            assert {n for n, *_ in tier.reads.header(want.key)} == set(want.arrays)
+            for block in got:
+                assert set(block.arrays) == set(want.arrays)
+                for name, a in want.arrays.items():
+                    assert same_bits(block.arrays[name], a), (i, name)
+        # the control: another block's state differs (what was compared could fail)
+        assert not same_bits(blocks[0].arrays["9.1"], blocks[2].arrays["9.1"])
+        view = SsdView(tier.path, writable=False)
+        try:
+            assert verify(view).ok  # the blocks' bytes differ: the checksum covers them
+            path = tier.reads.payload_file(runs[0].file_key)
+            with open(path, "r+b") as f:  # one byte of block 4's extra flipped
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 1]))
+            assert set(verify(view).bad) == set(keys)
+        finally:
+            view.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "lfm2", "falcon_h1"])
+def test_a_hybrid_chain_with_snapshots_in_run_files_restores_exactly_and_grows(tmp_path, arch):
+    model = tiny_model(arch)
+    tokens = prompt(8, 8 * BLOCK + 5)
+    asked = tokens[: 6 * BLOCK] + prompt(9, 21)
+    with PrefixCache(model, ssd_config(tmp_path, snapshot_interval=2), model_id="t") as pc:
+        pc.prefill(tokens, prefill_step_size=BLOCK)
+        pc.flush()  # one writer batch: the quiet window held it
+        runs = runs_of(pc)
+        assert len(runs) == 8 and all(r is not None for r in runs)  # with or without snapshot
+        headers = [read_header(payload(pc, r.file_key), r.file_key) for r in runs]
+        assert any(run_layout.split_extra(n) for h in headers for n, *_ in h)
+    again = ssd_config(tmp_path, snapshot_interval=2, background_quiet_ms=0)
+    with PrefixCache(model, again, model_id="t") as pc:
+        (cache, num), (earlier, before) = pc.fetch(asked), pc.fetch(asked[: 4 * BLOCK + 1])
+        assert pc.stats()["ssd_block_hits"] >= 6 and pc.stats()["hot"]["num_blocks"] == 0
+    assert num == 6 * BLOCK and before == 4 * BLOCK
+    live = make_prompt_cache(model)
+    prefill(model, asked[:num], live, step=BLOCK)
+    want = grow(model, live, asked[num:], 4, step=BLOCK)
+    got = grow(model, cache, asked[num:], 4, step=BLOCK)
+    assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 5
+    # the control: the first layer's cache (state or K/V) of an earlier block: other logits
+    wrong = make_prompt_cache(model)
+    prefill(model, asked[:num], wrong, step=BLOCK)
+    wrong[0] = earlier[0]
+    assert max_diff(grow(model, wrong, asked[num:], 0, step=BLOCK)[0], want[0]) > 0.0

@@ -220,8 +220,8 @@ class SsdIndex:
         free_bytes: int,
         limits: shares.Limits | None = None,
     ) -> Reservation:
-        """Reserve room for payloads (key, file bytes, disk footprint, tenant) about to
-        be written.
+        """Reserve room for payloads (key, file bytes, disk footprint, tenant, blocks
+        in it) about to be written.
 
         Evicts leaves so that indexed + reserved file bytes stay <= ``max_bytes``
         and ``free_bytes`` (free disk now) minus the footprints stays >=

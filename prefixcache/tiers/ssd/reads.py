@@ -19,6 +19,7 @@ import mlx.core as mx
 from ...blocks import Block, BlockMeta
 from ...errors import PayloadError
 from ..writer import Writer
+from . import run_layout
 from .files import payload_path
 from .health import Counts
 from .index import SsdIndex, decode_or_none
@@ -67,9 +68,18 @@ class SsdReads:
         if run is None:
             return read_header(self.payload_file(key), key)
         specs = read_header(self.payload_file(run.file_key), run.file_key)
-        if any(len(shape) != 4 or shape[2] % run.count for _, _, shape in specs):
-            raise PayloadError(f"run file {run.file_key.hex()} has tensors of another layout")
-        return [(n, dt, (b, h, t // run.count, d)) for n, dt, (b, h, t, d) in specs]
+        out = []
+        for name, dt, shape in specs:
+            extra = run_layout.split_extra(name)
+            if extra is not None:  # a block's own, kept whole
+                if extra[1] == run.position:
+                    out.append((extra[0], dt, shape))
+            elif len(shape) != 4 or shape[2] % run.count:
+                raise PayloadError(f"run file {run.file_key.hex()} has tensors of another layout")
+            else:
+                b, h, t, d = shape
+                out.append((name, dt, (b, h, t // run.count, d)))
+        return out
 
     def decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
         """The decoded entry; None if absent or unreadable (then quarantined)."""

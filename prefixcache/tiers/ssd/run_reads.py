@@ -28,6 +28,7 @@ import numpy as np
 from ...blocks import BlockMeta
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
+from . import run_layout
 from .files import PayloadRoot, open_payload
 from .large import Steps, read_checked, region_rows
 from .payload import read_payload, read_spans
@@ -59,15 +60,23 @@ class LastRunFile:
         if held is None or held[0] != which:
             arrays, nbytes = read_payload(path, run.file_key, meta.file_bytes, meta.checksum)
             n = meta.num_tokens
-            if nbytes != run.count * meta.nbytes or any(
-                a.ndim != 4 or a.shape[2] != run.count * n for a in arrays.values()
+            if any(
+                run_layout.split_extra(name) is None
+                and (a.ndim != 4 or a.shape[2] != run.count * n)
+                for name, a in arrays.items()
             ):
-                raise PayloadError(f"run file holds {nbytes} bytes, index: {run.count} blocks")
+                raise PayloadError(f"run file of {nbytes} bytes is not {run.count} blocks")
             held = (which, arrays)
         with self._lock:
             self._held = None if run.position == run.count - 1 else held
         lo, hi = run.position * meta.num_tokens, (run.position + 1) * meta.num_tokens
-        out = {name: mx.contiguous(a[:, :, lo:hi, :]) for name, a in held[1].items()}
+        out = {}
+        for name, a in held[1].items():
+            extra = run_layout.split_extra(name)
+            if extra is None:
+                out[name] = mx.contiguous(a[:, :, lo:hi, :])
+            elif extra[1] == run.position:
+                out[extra[0]] = mx.array(a)
         mx.eval(out)
         return out, sum(a.nbytes for a in out.values())
 
@@ -137,16 +146,15 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
     if size != first.file_bytes:
         raise PayloadError(f"payload has {size} bytes, index says {first.file_bytes}")
     prefix, spans = read_spans(fd, run.file_key, size)
-    if size - len(prefix) != run.count * first.nbytes:
-        raise PayloadError(
-            f"run file holds {size - len(prefix)} bytes, index says {run.count} x {first.nbytes}"
-        )
     n, m = first.num_tokens, len(jobs)
     steps = Steps()
     whole: dict[str, Placed] = {}
     loose: dict[str, tuple[np.ndarray, Span]] = {}
+    extras = _Extras(place, first.index, run.position, m)
     for span in spans:
         name, dtype, shape, start, end = span
+        if extras.take(span, steps):
+            continue
         if len(shape) != 4 or shape[2] != run.count * n:
             raise PayloadError(f"run file tensor {name!r} has shape {shape}")
         block_shape = (shape[0], shape[1], n, shape[3])
@@ -165,7 +173,7 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
         loose[name] = (data, span)
     read_checked(fd, steps.done(), prefix, first.checksum, bufs)
     at = _Loose(loose, place, first.index, run.position, n)
-    return [_block(spans, whole, at, i) for i in range(m)]
+    return [_block(spans, whole, at, extras.of(i), i) for i in range(m)]
 
 
 def _add_rows(steps: Steps, rows: list[np.ndarray], row_bytes: int, j: int, k: int, m: int):
@@ -208,14 +216,61 @@ class _Loose:
         return HostArray(np.ascontiguousarray(rows).reshape(-1), dt, block_shape)
 
 
+class _Extras:
+    """The run file's extras (``run_layout.extra_name``: a tensor kept whole per block)
+    of the job's blocks: each read into a buffer of its own, placed (``place`` per
+    block, as a block's own file's) once the file is verified; the other blocks'
+    and those UNNEEDED only hashed."""
+
+    def __init__(self, place: Place | None, index: int, position: int, m: int) -> None:
+        self.place, self.index, self.position, self.m = place, index, position, m
+        self.got: list[dict[str, tuple[np.ndarray, mx.Dtype, tuple, object]]] = [
+            {} for _ in range(m)
+        ]
+
+    def take(self, span: Span, steps: Steps) -> bool:
+        """Whether ``span`` is an extra (then read or skipped here)."""
+        name, dtype, shape, start, end = span
+        extra = run_layout.split_extra(name)
+        if extra is None:
+            return False
+        base, i = extra[0], extra[1] - self.position
+        dt = MX_DTYPES[dtype]
+        region = None
+        if 0 <= i < self.m and self.place is not None:
+            region = self.place(self.index + i, base, dt, tuple(shape))
+        if not 0 <= i < self.m or region is UNNEEDED:
+            steps.skip(end - start)
+            return True
+        data = np.empty(end - start, np.uint8)
+        steps.add([data] if data.nbytes else [], data.nbytes)
+        self.got[i][base] = (data, dt, tuple(shape), region)
+        return True
+
+    def of(self, i: int) -> dict[str, HostArray | Placed]:
+        """Block ``i``'s extras, verified: in their regions, or HostArrays."""
+        out: dict[str, HostArray | Placed] = {}
+        for base, (data, dt, shape, region) in self.got[i].items():
+            if region is not None and region.nbytes == data.nbytes:
+                np.copyto(region, data.reshape(region.shape))
+                out[base] = Placed(region, dt, shape)
+            else:
+                out[base] = HostArray(data, dt, shape)
+        return out
+
+
 def _block(
-    spans: tuple[Span, ...], whole: dict[str, Placed], loose: _Loose, i: int
+    spans: tuple[Span, ...],
+    whole: dict[str, Placed],
+    loose: _Loose,
+    extras: dict[str, HostArray | Placed],
+    i: int,
 ) -> PlacedRun | dict[str, HostArray | Placed]:
     """Block ``i`` of the job: its token range of the placed regions, and its part
-    of each loose tensor, in file order."""
+    of each loose tensor, in file order, then its extras."""
     n = loose.n
     tokens = (i * n, (i + 1) * n)
-    if not loose.loose:
+    if not loose.loose and not extras:
         return PlacedRun(whole, tokens)
     out: dict[str, HostArray | Placed] = {}
     for name, *_ in spans:
@@ -224,4 +279,4 @@ def _block(
             out[name] = Placed(p.region, p.dtype, p.shape, tokens)
         elif name in loose.loose and (part := loose.part(name, i)) is not None:
             out[name] = part
-    return out
+    return out | extras

@@ -1,14 +1,18 @@
 """Run files: consecutive blocks of one chain kept in ONE payload file of the SSD tier.
 
 The writer groups the consecutive blocks of a chain that one batch holds (each
-block's parent the previous one's key, one root and tenant, one layout of
-tensor names, dtypes and shapes, every tensor (B, heads, tokens, dim): plain
-and quantized K/V) into files of up to ``ssd_run_tokens`` tokens. The file is
-a normal payload (``payload.py``: checksum, per-tensor digests, atomic write)
-named by a key derived from its blocks' keys; each tensor is its blocks'
-tensors one after another on the token axis, (B, heads, k * block_size, dim),
-so a restore reads each (batch, head) row of a run in one piece. Its header's
-metadata names it a run: ``"run": "<block size>:<key hex>,<key hex>,..."``.
+block's parent the previous one's key, one root and tenant, some tensor (B,
+heads, tokens, dim) alike in all of them: plain and quantized K/V) into files
+of up to ``ssd_run_tokens`` tokens. The file is a normal payload
+(``payload.py``: checksum, per-tensor digests, atomic write) named by a key
+derived from its blocks' keys; each K/V tensor (B, heads, tokens, dim) every
+block has alike is its blocks' tensors one after another on the token axis, (B,
+heads, k * block_size, dim), so a restore reads each (batch, head) row of a run
+in one piece; any other tensor of a block (a recurrent layer's state snapshot
+at a checkpoint, window K/V only some blocks keep) is an extra, kept whole for
+that block after them, named ``"<name>@<block position>"``: blocks with and
+without snapshots share a run. Its header's metadata names it a run:
+``"run": "<block size>:<key hex>,<key hex>,..."``.
 
 Each block keeps its own index entry (its file bytes and checksum: the run
 file's) and gains a reference in the index's ``runs`` database (block key ->
@@ -28,12 +32,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 import xxhash
 
 from ...blocks import BlockMeta
-from ...memory.host import Tensor
 from ..writer import WriteItem
+from .run_layout import EXTRA, joined
 
 RUN_DBS = ("runs", "runfiles")
 _REF = struct.Struct("<16sII")  # file key, position, block count
@@ -63,15 +66,22 @@ def metadata(block_size: int, keys: Sequence[bytes]) -> str:
 # -- the writer's side ------------------------------------------------------------
 
 
-def _spec(item: WriteItem) -> tuple[object, ...] | None:
-    """The layout a block of a run must share, or None: it cannot be in one."""
+def _spec(item: WriteItem) -> tuple[bytes, str, frozenset] | None:
+    """(root, tenant, the block's tensors on the token axis), or None: it cannot be
+    in a run (none on the token axis)."""
     n = item.block.num_tokens
-    spec = []
-    for t in item.tensors:
-        if len(t.shape) != 4 or t.shape[2] != n or not n:
-            return None
-        spec.append((t.name, t.dtype, t.shape))
-    return (item.block.root, item.block.tenant, tuple(spec)) if spec else None
+    if not n or any(EXTRA in t.name for t in item.tensors):
+        return None
+    spec = frozenset((t.name, t.dtype, t.shape) for t in item.tensors if joined(t.name, t.shape, n))
+    return (item.block.root, item.block.tenant, spec) if spec else None
+
+
+def _joins(spec: tuple | None, mine: tuple | None) -> tuple | None:
+    """The run's spec with a block of spec ``mine`` added: the tensors on the token
+    axis that every block has alike; None if none is left (the block starts another)."""
+    if spec is None or mine is None or spec[:2] != mine[:2] or not spec[2] & mine[2]:
+        return None
+    return (*spec[:2], spec[2] & mine[2])
 
 
 def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
@@ -92,9 +102,11 @@ def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
         while item is not None:
             mine = _spec(item)
             tokens = item.block.num_tokens * (len(current) + 1)
-            if mine is None or mine != spec or tokens > run_tokens:
+            both = _joins(spec, mine)
+            if both is None or tokens > run_tokens:
                 out.extend(_cut(current))
-                current, spec = [], mine
+                current, both = [], mine
+            spec = both
             current.append(item)
             # the child of a full block's size goes on (a tail or a branch: their own)
             size = item.block.num_tokens
@@ -110,19 +122,6 @@ def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
 def _cut(run: list[WriteItem]) -> list[list[WriteItem]]:
     """A run of two blocks or more as one file; one block as its own."""
     return [run] if len(run) > 1 else [[it] for it in run]
-
-
-def tensors(items: Sequence[WriteItem]) -> list[Tensor]:
-    """The run file's tensors: each name's blocks' tensors joined on the token axis."""
-    out = []
-    for pieces in zip(*(it.tensors for it in items), strict=True):
-        first = pieces[0]
-        b, h, n, d = first.shape
-        rows = [np.frombuffer(p.data, np.uint8).reshape(b, h, n, -1) for p in pieces]
-        joined = np.concatenate(rows, axis=2)
-        shape = (b, h, n * len(pieces), d)
-        out.append(Tensor(first.name, first.dtype, shape, memoryview(joined).cast("B")))
-    return out
 
 
 # -- the index's side ------------------------------------------------------------

@@ -29,7 +29,7 @@ from .files import payload_path, temp_owner, temp_path, unlink
 from .records import pid_alive
 
 WRITING = struct.Struct("<IQQ")  # pid, native thread id, file bytes
-Wanted = tuple[bytes, int, int, str]  # key, file bytes, disk footprint, tenant
+Wanted = tuple[bytes, int, int, str, int]  # key, file bytes, disk footprint, tenant, blocks
 Pick = Callable[[lmdb.Transaction, Entries], BlockMeta | None]  # the next leaf to evict
 
 
@@ -38,6 +38,7 @@ class Reservation:
     """Outcome of :func:`reserve`."""
 
     accepted: list[bytes] = field(default_factory=list)
+    # blocks (a run file counts each of its blocks):
     num_existing: int = 0  # already indexed or being written (maybe by another process)
     num_no_room: int = 0  # would not fit under the cap or the free-disk headroom
     num_over_cap: int = 0  # would not fit under its tenant's cap (tenant shares)
@@ -86,15 +87,15 @@ def reserve(
     reserved = sum(WRITING.unpack(v)[2] for _, v in writing_records(txn, entries))
     mine: dict[str, int] = {}  # bytes reserved here per tenant
     pick = tenant_leaf(limits, mine) if limits else lru_leaf
-    for key, nbytes, footprint, tenant in wanted:
+    for key, nbytes, footprint, tenant, blocks in wanted:
         busy = txn.get(key, db=entries.db["writing"]) is not None
         if busy or txn.get(key, db=entries.db["blocks"]) is not None:
-            res.num_existing += 1
+            res.num_existing += blocks
             continue
         wants = nbytes + mine.get(tenant, 0)  # with what this call reserved for it
         if limits and not _under_cap(txn, entries, limits, tenant, wants, res):
-            res.num_over_cap += 1
-            shares.add(txn, entries.db["meta"], tenant, {"num_refused": 1})
+            res.num_over_cap += blocks
+            shares.add(txn, entries.db["meta"], tenant, {"num_refused": blocks})
             continue
         budget = max_bytes - reserved - nbytes
         total = entries.counter(txn, b"total_bytes")
@@ -106,8 +107,8 @@ def reserve(
             res.num_evicted += num
             free += freed
         if not fits or entries.counter(txn, b"total_bytes") > budget or free < min_free + footprint:
-            res.num_no_room += 1  # would not fit with every evictable leaf gone
-            shares.add(txn, entries.db["meta"], tenant, {"num_refused": 1})
+            res.num_no_room += blocks  # would not fit with every evictable leaf gone
+            shares.add(txn, entries.db["meta"], tenant, {"num_refused": blocks})
             continue
         txn.put(key, WRITING.pack(*owner, nbytes), db=entries.db["writing"])
         reserved += nbytes

@@ -24,11 +24,12 @@ from ...config import CacheConfig
 from ...shares_config import tier_shares
 from ..base import BlockListener
 from ..writer import WriteItem
-from . import runfiles
+from . import run_layout, runfiles
+from .batch_order import newest_first
 from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
 from .index import SsdIndex
-from .payload import encode_header, write_payload
+from .payload import MAX_HEADER, encode_header, write_payload
 from .runfiles import RunRef
 from .shares import Limits
 
@@ -122,8 +123,9 @@ class SsdWrites:
         files = self._files(items)
         fs_block = os.statvfs(self.payloads).f_frsize
         wanted = [
-            (f.key, f.file_bytes, _footprint(f.file_bytes, fs_block), f.items[0].block.tenant)
+            (f.key, f.file_bytes, _footprint(f.file_bytes, fs_block), tenant, len(f.items))
             for f in files
+            for tenant in [f.items[0].block.tenant]
         ]
         try:
             res = self.index.reserve(
@@ -160,12 +162,15 @@ class SsdWrites:
         each, and every other block in a file of its own."""
         files = []
         for run in runfiles.group(self._unindexed(items), self.run_tokens):
-            if len(run) > 1:
-                files.append(PayloadFile.of_run(run))
-            elif (header := self._header(run[0])) is not None:
-                key = run[0].block.key
-                files.append(PayloadFile(key, run, len(header) + run[0].nbytes, header))
-        return files
+            if len(run) > 1 and (of_run := PayloadFile.of_run(run)) is not None:
+                files.append(of_run)
+                continue
+            for item in run:  # a block alone (or a run whose header would be too long)
+                if (header := self._header(item)) is not None:
+                    files.append(
+                        PayloadFile(item.block.key, [item], len(header) + item.nbytes, header)
+                    )
+        return newest_first(files, items)
 
     def _unindexed(self, items: list[WriteItem]) -> list[WriteItem]:
         """``items`` not indexed yet (another process may have written some)."""
@@ -211,7 +216,7 @@ class SsdWrites:
         for f in files:
             header, tensors = f.header, f.items[0].tensors
             if f.run is not None:
-                tensors = runfiles.tensors(f.items)
+                tensors = run_layout.tensors(f.items)
                 header = encode_header(tensors, f.key, run=f.run)
             file_bytes, checksum = write_payload(
                 payload_path(self.payloads, f.key), header, tensors
@@ -235,15 +240,21 @@ class PayloadFile:
     run: str | None = None
 
     @classmethod
-    def of_run(cls, items: list[WriteItem]) -> PayloadFile:
+    def of_run(cls, items: list[WriteItem]) -> PayloadFile | None:
+        """The run file of ``items``; None if its header would be too long for readers."""
         keys = [it.block.key for it in items]
         key = runfiles.file_key(keys)
         run = runfiles.metadata(items[0].block.num_tokens, keys)
-        first = items[0].tensors
-        header = encode_header(first, key, [(0, 0)] * len(first), run)  # digests: fixed width
-        # reserved: the run's header bound by its first block's (its shapes and offsets
+        specs = run_layout.layout(items)
+        try:
+            header = encode_header(specs, key, [(0, 0)] * len(specs), run)  # fixed width digests
+        except ValueError:
+            return None
+        if len(header) + 24 * len(specs) > MAX_HEADER:  # as written: a few digits more
+            return None
+        # reserved: the run's header bound by its tensors' with no data (their offsets
         # take a few more digits each), the file's size once written
-        size = len(header) + 24 * len(first) + sum(it.nbytes for it in items)
+        size = len(header) + 24 * len(specs) + sum(it.nbytes for it in items)
         return cls(key, items, size, run=run)
 
     def refs(self) -> dict[bytes, tuple[RunRef, tuple[bytes, ...]]]:
