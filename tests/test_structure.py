@@ -30,7 +30,8 @@ OVER_TARGET: dict[str, str] = {
     "prefixcache/cache/prefix_cache.py": "the facade: every public verb of PrefixCache in "
     "one class, each a few lines handing the work down",
     "prefixcache/tiers/ssd/index.py": "the SSD tier's LMDB index: each verb one short "
-    "transaction over its named databases (entries, space, pinning, shares do the work)",
+    "transaction over its named databases (entries, space, pinning, shares, runfiles "
+    "do the work)",
     "prefixcache/tiers/ssd/tier.py": "the SSD tier: every hook of the tier contract over one "
     "index, one writer and one payload directory",
     "prefixcache/tiers/hot/tier.py": "the hot tier: every hook of the tier contract over one "
