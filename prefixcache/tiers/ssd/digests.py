@@ -98,11 +98,16 @@ def lead_matches(
     """Whether ``data`` (the data of ``spans``, the file's first tensors) has the lead
     digest of the last of them: one hash call verifies them all. ``seeds``:
     ``packed_seeds(spans)``, where a caller checks many files of one layout."""
+    return data_leads(xxhash.xxh3_64_intdigest(data), spans, digest, seeds)
+
+
+def data_leads(
+    data_digest: int, spans: Sequence[_Span], digest: int, seeds: bytes | None = None
+) -> bool:
+    """``lead_matches`` for data hashed already (``data_digest``: its xxh3-64, as a
+    streaming hasher gives it while the data is read into place)."""
     seeds = packed_seeds(spans) if seeds is None else seeds
-    return (
-        xxhash.xxh3_64_intdigest(struct.pack("<Q", xxhash.xxh3_64_intdigest(data)) + seeds)
-        == digest
-    )
+    return xxhash.xxh3_64_intdigest(struct.pack("<Q", data_digest) + seeds) == digest
 
 
 def packed_seeds(spans: Sequence[_Span]) -> bytes:

@@ -25,11 +25,9 @@ through the scratch only to be hashed.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import (
@@ -42,14 +40,10 @@ from ...memory.host import (
     contiguous,
 )
 from . import digests as tensor_digests
+from .checked import Steps, read_checked
 from .files import open_payload
 from .payload import read_spans
-from .read_into import Buffer, Buffers, Job, Outcome, Span, pread_all, preadv_all, streamed
-
-# Read and hash in slices: each is hashed while still in the CPU cache. (xxhash
-# 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
-_CHUNK = 1 << 20
-_IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
+from .read_into import Buffer, Buffers, Job, Outcome, Span, streamed
 
 
 class _RunPlaces:
@@ -213,87 +207,3 @@ def _destination(span: Span, j: int, regions: dict | None, place: Place | None, 
     if got is None or got.nbytes != end - start:
         return None
     return contiguous(got), Placed(got, dt, shape), False
-
-
-class Steps:
-    """A file's reads in file order: batches of views (about _CHUNK bytes, at most
-    _IOV_MAX views: one ``preadv`` each, hashed while still in the CPU cache), and
-    byte counts only to hash (tensors no layer reads)."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[list[Buffer], int] | int] = []
-        self._batch: list[Buffer] = []
-        self._size = 0
-
-    def add(self, views: list[Buffer], nbytes: int) -> None:
-        """A tensor's views (``nbytes`` in all), in order."""
-        if len(views) > 1 and nbytes > _CHUNK:  # pieces apart: each batch hashed while cached
-            each = len(views[0])
-            per = max(1, _CHUNK // each)
-            for i in range(0, len(views), per):
-                self.add(views[i : i + per], sum(len(v) for v in views[i : i + per]))
-            return
-        if views and len(views[0]) > _CHUNK:  # one large piece: in slices
-            views = [v[i : i + _CHUNK] for v in views for i in range(0, len(v), _CHUNK)]
-        if self._batch and (
-            self._size + nbytes > _CHUNK or len(self._batch) + len(views) > _IOV_MAX
-        ):
-            self._close()
-        self._batch += views
-        self._size += nbytes
-        if len(views) > _IOV_MAX or self._size >= _CHUNK:
-            self._close()
-
-    def skip(self, nbytes: int) -> None:
-        self._close()
-        self.steps.append(nbytes)
-
-    def done(self) -> list[tuple[list[Buffer], int] | int]:
-        self._close()
-        return self.steps
-
-    def _close(self) -> None:
-        if self._batch:
-            self.steps.append((self._batch, self._size))
-            self._batch, self._size = [], 0
-
-
-def read_checked(
-    fd: int,
-    steps: list[tuple[list[Buffer], int] | int],
-    prefix: bytes,
-    checksum: int,
-    bufs: Buffers,
-) -> None:
-    """Read the file's data (``_read_steps``) and check the whole file's checksum."""
-    hasher = xxhash.xxh3_64(prefix)
-    _read_steps(fd, steps, len(prefix), hasher, bufs)
-    if hasher.intdigest() != checksum:
-        raise PayloadError("payload checksum mismatch")
-
-
-def _read_steps(
-    fd: int, steps: list[tuple[list[Buffer], int] | int], offset: int, hasher, bufs: Buffers
-) -> None:
-    """Read each batch of views with one ``preadv`` and hash it (or hash bytes only,
-    through the scratch), in file order from ``offset``."""
-    for step in steps:
-        if type(step) is int:
-            _hash_only(fd, offset, step, hasher, bufs.scratch(min(step, _CHUNK)))
-            offset += step
-            continue
-        batch, size = step  # type: ignore[misc]
-        preadv_all(fd, batch, offset, size)
-        deque(map(hasher.update, batch), maxlen=0)
-        offset += size
-
-
-def _hash_only(fd: int, offset: int, nbytes: int, hasher, scratch: np.ndarray) -> None:
-    """Hash ``nbytes`` of ``fd`` from ``offset``, read a ``scratch`` at a time."""
-    while nbytes > 0:
-        view = scratch[: min(nbytes, scratch.nbytes)]
-        if pread_all(fd, view, offset) != view.nbytes:
-            raise PayloadError("short read")
-        hasher.update(view)
-        offset += view.nbytes
-        nbytes -= view.nbytes

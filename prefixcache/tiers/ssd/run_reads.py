@@ -7,7 +7,9 @@ the chain, are read together: the file is opened once, and each tensor's
 blocks (``place(first index, name, dtype, block shape, count)``: the blocks one
 after another on the token axis, as in the file), one piece per row; the
 run's blocks before and after them (a chain that uses part of the run) are
-read only to be hashed. The whole file's checksum is verified as it is read,
+read only to be hashed. The whole file's checksum is verified as it is read
+(where the tensors after the last one read are all unused, only the data up
+to its end, against its lead digest: those are not read at all),
 so its bytes may reach a place before the checksum fails: the stream then
 stops before these blocks, all of which are misses (the file quarantines all
 its blocks). A tensor without such a region (no buffer yet, a layout the
@@ -29,8 +31,9 @@ from ...blocks import BlockMeta
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from . import run_layout
+from .checked import Steps, verify
 from .files import PayloadRoot, open_payload
-from .large import Steps, read_checked, region_rows
+from .large import region_rows
 from .payload import read_payload, read_spans
 from .read_into import Buffers, Job, Outcome, Span, streamed
 from .runfiles import RunRef
@@ -151,15 +154,18 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
     whole: dict[str, Placed] = {}
     loose: dict[str, tuple[np.ndarray, Span]] = {}
     extras = _Extras(place, first.index, run.position, m)
+    read: list[bool] = []  # per tensor: read (else only hashed)
     for span in spans:
         name, dtype, shape, start, end = span
-        if extras.take(span, steps):
+        if (taken := extras.take(span, steps)) is not None:
+            read.append(taken)
             continue
         if len(shape) != 4 or shape[2] != run.count * n:
             raise PayloadError(f"run file tensor {name!r} has shape {shape}")
         block_shape = (shape[0], shape[1], n, shape[3])
         dt = MX_DTYPES[dtype]
         region = None if place is None else place(first.index, name, dt, block_shape, m)
+        read.append(region is not UNNEEDED)
         if region is UNNEEDED:
             steps.skip(end - start)
             continue
@@ -171,7 +177,7 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
         data = np.empty(end - start, np.uint8)
         steps.add([data] if data.nbytes else [], data.nbytes)
         loose[name] = (data, span)
-    read_checked(fd, steps.done(), prefix, first.checksum, bufs)
+    verify(fd, steps.done(), prefix, spans, read, first.checksum, bufs)
     at = _Loose(loose, place, first.index, run.position, n)
     return [_block(spans, whole, at, extras.of(i), i) for i in range(m)]
 
@@ -228,12 +234,12 @@ class _Extras:
             {} for _ in range(m)
         ]
 
-    def take(self, span: Span, steps: Steps) -> bool:
-        """Whether ``span`` is an extra (then read or skipped here)."""
+    def take(self, span: Span, steps: Steps) -> bool | None:
+        """Whether extra ``span`` is read (False: only hashed); None if it is no extra."""
         name, dtype, shape, start, end = span
         extra = run_layout.split_extra(name)
         if extra is None:
-            return False
+            return None
         base, i = extra[0], extra[1] - self.position
         dt = MX_DTYPES[dtype]
         region = None
@@ -241,7 +247,7 @@ class _Extras:
             region = self.place(self.index + i, base, dt, tuple(shape))
         if not 0 <= i < self.m or region is UNNEEDED:
             steps.skip(end - start)
-            return True
+            return False
         data = np.empty(end - start, np.uint8)
         steps.add([data] if data.nbytes else [], data.nbytes)
         self.got[i][base] = (data, dt, tuple(shape), region)
