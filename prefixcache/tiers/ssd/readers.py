@@ -88,9 +88,16 @@ class Readers:
             threading.Thread(target=self._run, args=(k,), name=f"prefixcache-ssd-read-{k}")
             for k in range(n)
         ]
-        for t in self._threads:
-            t.daemon = True
-            t.start()
+        # every reader started before any reads: ``start`` waits until the new thread
+        # runs, and a reader already reading keeps the interpreter lock from the caller
+        # for up to the switch interval (5 ms) at each start
+        self._go = threading.Event()
+        try:
+            for t in self._threads:
+                t.daemon = True
+                t.start()
+        finally:
+            self._go.set()
 
     def take(self, i: int) -> list[tuple[np.ndarray | None, StreamedBlock | BaseException | None]]:
         """The outcomes of job ``i`` and of the jobs read with it (a run file's
@@ -120,6 +127,7 @@ class Readers:
         self._first_place = self._place = self._judge = None
 
     def _run(self, k: int) -> None:
+        self._go.wait()
         bufs = Buffers(self._free[k])
         r = 0
         try:
