@@ -12,6 +12,9 @@ file), then measured warm (page cache), in one run, each round in turn order:
              copy any restore of these files makes
   hashed/N   the same, each 1 MiB slice hashed (xxh3) as it lands: the verified
              copy, what the fetch's readers do at least
+  fresh/N    ``hashed/N`` into buffers made each round as the restore makes its
+             own (MLX, unwritten, huge-page advice; one per file, their making
+             included): the verified copy into the memory a restore gets
   fetch      ``PrefixCache.fetch`` of the chain (hot empty, no promotion), and
              inside it: ``alloc``, the restore buffers made before the readers
              start (``reserve_ahead``: MLX makes each buffer through one round
@@ -21,9 +24,10 @@ file), then measured warm (page cache), in one run, each round in turn order:
 Per block size: the medians (ms) and the median per-round ratio to ``read``, with
 the CPU time (this process, every thread) of the fetch over the read's, and the
 fetch's page faults. The fetch cannot beat ``alloc`` + the best ``hashed/N`` on
-this machine. Only names every version of the restore path keeps are wrapped:
-``PYTHONPATH`` set to another checkout measures its code the same way. On a shared machine
-the thread counts only help while the cores are free: say the load.
+this machine, nor ``fresh/N`` by much. Only names every version of the restore
+path keeps are wrapped: ``PYTHONPATH`` set to another checkout measures its code
+the same way. On a shared machine the thread counts only help while the cores
+are free: say the load.
 
     python tools/bench_fetch_floor.py [--shape qwen3-next-80b-a3b] [--blocks 16,64,256]
         [--threads 1 2] [--tokens 4096] [--repeat 7]
@@ -44,7 +48,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import Clock, tier_config
+from benchlib import Clock, restore_like_buffers, tier_config
 from shapes import filled_cache, model_for, named
 
 from prefixcache import PrefixCache
@@ -88,6 +92,15 @@ def read_files(files: list[tuple[str, np.ndarray]], threads: int, hashed: bool) 
         t.start()
     for t in pool:
         t.join()
+
+
+def read_fresh(paths: list[str], threads: int) -> None:
+    """``hashed`` into buffers made as the restore makes its own (MLX, unwritten,
+    huge-page advice: fresh or recycled memory, as MLX gives it), one per file."""
+    sizes = [os.path.getsize(p) for p in paths]
+    dests = restore_like_buffers([(-(-size // 2),) for size in sizes])
+    files = [(p, d.view(np.uint8)[:size]) for p, d, size in zip(paths, dests, sizes, strict=True)]
+    read_files(files, threads, hashed=True)
 
 
 def _timed(real, into: list[float]):
@@ -148,6 +161,8 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
         for n, hashed in itertools.product(args.threads, (False, True)):
             name = f"{'hashed' if hashed else 'files'}/{n}"
             ways[name] = functools.partial(read_files, files, n, hashed)
+        for n in args.threads:
+            ways[f"fresh/{n}"] = functools.partial(read_fresh, paths, n)
         for owner, attr, real, part in saved:
             setattr(owner, attr, _timed(real, parts[part]))
         try:
