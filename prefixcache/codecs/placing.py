@@ -51,8 +51,8 @@ _NONE: frozenset[int] = frozenset()
 
 
 def _blocks_of_layers(users: dict[int, list[int]]) -> dict[int, set[int]]:
-    """layer -> the chain indices it uses, in one pass over ``users``: 0.2 ms for 48
-    layers at 256 blocks, where scanning every block for each layer takes 1.5 ms."""
+    """layer -> the chain indices it uses, in one pass over ``users`` (not a scan of
+    every block for each layer: layers x blocks lookups in lists of layers)."""
     out: dict[int, set[int]] = {}
     for index, using in users.items():
         for layer in using:
