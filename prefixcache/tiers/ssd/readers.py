@@ -96,8 +96,10 @@ class Readers:
             for t in self._threads:
                 t.daemon = True
                 t.start()
-        finally:
-            self._go.set()
+        except BaseException:  # a start failed (no thread to be had): stop those started
+            self.stop()
+            raise
+        self._go.set()
 
     def take(self, i: int) -> list[tuple[np.ndarray | None, StreamedBlock | BaseException | None]]:
         """The outcomes of job ``i`` and of the jobs read with it (a run file's
@@ -119,8 +121,10 @@ class Readers:
         self.first_taken.set()  # wakes a reader waiting for the first block
         for free in self._free:
             free.put(None)  # wakes a reader waiting for its buffer
+        self._go.set()
         for t in self._threads:
-            t.join()
+            if t.ident is not None:  # started
+                t.join()
         if self._root is not None:
             self._root.close()
         # the places reach the restore buffers: hold nothing once stopped
