@@ -17,9 +17,11 @@ file), then measured warm (page cache), in one run, each round in turn order:
              included): the verified copy into the memory a restore gets
   fetch      ``PrefixCache.fetch`` of the chain (hot empty, no promotion), and
              inside it: ``alloc``, the restore buffers made before the readers
-             start (``reserve_ahead``: MLX makes each buffer through one round
-             trip of its IO thread), and ``start``, the reader threads started
-             (``Readers.__init__``)
+             start (``reserve_ahead``), of which ``load`` is MLX making them (one
+             round trip of its IO thread each) and ``advice`` their huge-page
+             advice (``advise_huge``: on fresh memory a collapse of a buffer's
+             partly filled end regions), and ``start``, the reader threads
+             started (``Readers.__init__``); per fetch, means
 
 Per block size: the medians (ms) and the median per-round ratio to ``read``, with
 the CPU time (this process, every thread) of the fetch over the read's, and the
@@ -53,6 +55,9 @@ from shapes import filled_cache, model_for, named
 
 from prefixcache import PrefixCache
 from prefixcache.cache import restore as restore_module
+from prefixcache.codecs import arrays as arrays_codec
+from prefixcache.codecs import buffer as buffer_codec
+from prefixcache.memory import restore_buffers
 from prefixcache.tiers.ssd import readers as readers_module
 
 MiB = 1 << 20
@@ -103,8 +108,9 @@ def read_fresh(paths: list[str], threads: int) -> None:
     read_files(files, threads, hashed=True)
 
 
-def _timed(real, into: list[float]):
-    """``real`` appending the wall time of each call to ``into``."""
+def _timed(real, into: list[float], inside: threading.Event):
+    """``real`` appending the wall time of each call made while ``inside`` is set
+    (a fetch runs: ``fresh/N`` makes its buffers through ``_load`` too) to ``into``."""
 
     @functools.wraps(real)
     def timed_call(*args, **kwargs):
@@ -112,7 +118,8 @@ def _timed(real, into: list[float]):
         try:
             return real(*args, **kwargs)
         finally:
-            into.append(time.perf_counter() - start)
+            if inside.is_set():
+                into.append(time.perf_counter() - start)
 
     return timed_call
 
@@ -141,9 +148,12 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
         with open(one, "wb") as f:
             f.write(os.urandom(nbytes))
         kept = np.ones(nbytes, np.uint8)
-        parts: dict[str, list[float]] = {"alloc": [], "start": []}
+        parts: dict[str, list[float]] = {"alloc": [], "load": [], "advice": [], "start": []}
         saved = [
             (restore_module, "reserve_ahead", "alloc"),
+            (restore_buffers, "_load", "load"),
+            (arrays_codec, "advise_huge", "advice"),
+            (buffer_codec, "advise_huge", "advice"),
             (readers_module.Readers, "__init__", "start"),
         ]
         saved = [(owner, attr, getattr(owner, attr), part) for owner, attr, part in saved]
@@ -152,9 +162,15 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
             with open(one, "rb", buffering=0) as f:
                 f.readinto(memoryview(kept))
 
+        inside = threading.Event()
+
         def fetch() -> None:
-            got, num = pc.fetch(probe)
-            mx.eval([c.state for c in got])
+            inside.set()
+            try:
+                got, num = pc.fetch(probe)
+                mx.eval([c.state for c in got])
+            finally:
+                inside.clear()
             assert num == args.tokens, num
 
         ways = {"read": read, "fetch": fetch}
@@ -164,7 +180,7 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
         for n in args.threads:
             ways[f"fresh/{n}"] = functools.partial(read_fresh, paths, n)
         for owner, attr, real, part in saved:
-            setattr(owner, attr, _timed(real, parts[part]))
+            setattr(owner, attr, _timed(real, parts[part], inside))
         try:
             for fn in ways.values():  # warm: page cache, MLX's first buffers
                 fn()
@@ -188,8 +204,9 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
             row[f"{name} / read"] = statistics.median(
                 c.wall / r.wall for c, r in zip(clocks, ref, strict=True)
             )
-    for part, times in parts.items():
-        row[f"{part} ms"] = statistics.median(times) * 1e3
+    fetches = len(rounds["fetch"])
+    for part, times in parts.items():  # each fetch's calls together
+        row[f"{part} ms"] = sum(times) / fetches * 1e3
     row["fetch faults"] = int(statistics.median(c.faults for c in rounds["fetch"]))
     row["fetch cpu / read cpu"] = statistics.median(
         c.cpu / r.cpu for c, r in zip(rounds["fetch"], ref, strict=True)
