@@ -32,7 +32,7 @@ the same way. On a shared machine the thread counts only help while the cores
 are free: say the load.
 
     python tools/bench_fetch_floor.py [--shape qwen3-next-80b-a3b] [--blocks 16,64,256]
-        [--threads 1 2] [--tokens 4096] [--repeat 7]
+        [--threads 1 2] [--tokens 4096] [--repeat 7] [--mx-cache-gib 4]
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--dir", default=None, help="parent directory of the SSD tiers")
+    p.add_argument(
+        "--mx-cache-gib", type=float, default=None, help="MLX's buffer cache limit (its default)"
+    )
     return p
 
 
@@ -216,6 +219,8 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
+    if args.mx_cache_gib is not None:  # freed restore buffers kept for the next fetch
+        mx.set_cache_limit(int(args.mx_cache_gib * (1 << 30)))
     shape = named([args.shape])[0]
     model = model_for(shape)
     rows = []
