@@ -260,12 +260,8 @@ def rows_in(root: str, script: str, argv: list[str]) -> list[dict[str, object]]:
     import subprocess
     import sys
 
-    # the checkout's prefixcache first; the rest kept (packages installed beside it)
-    paths = [
-        os.path.abspath(root),
-        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    rest = os.environ.get("PYTHONPATH")  # kept after the checkout: packages beside it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(root), rest]))}
     cmd = [sys.executable, script, "--json", *argv]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
