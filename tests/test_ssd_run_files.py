@@ -329,6 +329,29 @@ def test_gc_keeps_live_run_files_and_removes_orphans_and_verify_checks_them(tmp_
         assert tier.stats()["num_blocks"] == 4 and tier.stats()["nbytes"] == disk_bytes(tmp_path)
 
 
+def test_verify_quarantine_drops_and_lists_every_block_of_a_bad_run_file(tmp_path):
+    with SsdTier(tier_config(tmp_path)) as tier:
+        keys = put_chain(tier, 18, 8)
+        path = payload_path(
+            os.path.join(tier.path, "blocks"), tier.index.get_runs(keys)[5][1].file_key
+        )
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1)
+    view = SsdView(str(tmp_path / "ssd"), writable=True)
+    try:
+        report = verify(view, quarantine=True)
+        assert set(report.bad) == set(keys[4:])  # the file's four blocks, each named
+        assert sorted(report.quarantined) == sorted(keys[4:])  # each once
+        assert sorted(k for k, _ in view.index.rows()) == sorted(keys[:4])
+    finally:
+        view.close()
+    assert not os.path.exists(path)
+    with SsdTier(tier_config(tmp_path)) as tier:
+        assert tier.stats()["num_blocks"] == 4 and tier.stats()["nbytes"] == disk_bytes(tmp_path)
+        for key in keys[:4]:
+            check_block(tier.load(key))
+
+
 def test_an_index_written_before_run_files_opens_and_serves(tmp_path):
     path = tmp_path / "ssd"
     shutil.copytree(V2_INDEX, path)

@@ -13,16 +13,13 @@ a byte flipped in a tensor the fetch uses fails the file's blocks.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from conftest import max_diff, prefill, prompt, tiny_model
 from mlx_lm.models.cache import make_prompt_cache
+from test_ssd_digests import flip_in, spans_of
 from test_ssd_run_files import payload, runs_of, ssd_config
 
 from prefixcache import PrefixCache
-from prefixcache.tiers.ssd.files import open_payload
-from prefixcache.tiers.ssd.payload import read_spans
 
 BLOCK = 8
 RUN = 4 * BLOCK
@@ -46,18 +43,9 @@ def stored(tmp_path):
 def flip(path: str, key: bytes, which: str) -> str:
     """Flip a byte in the middle of the file's last tensor (``which="last"``: a
     window layer's values) or its first (a full layer's keys); the tensor's name."""
-    fd = open_payload(path)
-    try:
-        prefix, spans = read_spans(fd, key, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    name, _, _, start, end = spans[-1] if which == "last" else spans[0]
-    at = len(prefix) + (start + end) // 2
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
+    _, spans = spans_of(path, key)
+    name = spans[-1][0] if which == "last" else spans[0][0]
+    flip_in(path, key, name)
     return name
 
 

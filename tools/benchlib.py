@@ -260,7 +260,8 @@ def rows_in(root: str, script: str, argv: list[str]) -> list[dict[str, object]]:
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.path.abspath(root)}
+    rest = os.environ.get("PYTHONPATH")  # kept after the checkout: packages beside it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(root), rest]))}
     cmd = [sys.executable, script, "--json", *argv]
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

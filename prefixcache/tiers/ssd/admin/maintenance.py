@@ -61,15 +61,18 @@ def verify(
     rows = list(scan(view))
     report.num_blocks = len(rows)
     files: dict[bytes, tuple[bool, str] | None] = {}  # run files checked: each once
+    gone: dict[bytes, tuple[bool, str]] = {}  # dropped with a bad block of their run file
     for key, raw, meta in rows:
         problem = _check(view, key, meta, files)
         if problem is not None and view.index.get(key) != raw:
-            problem = None  # evicted or rewritten while we read: a race, not a verdict
+            problem = gone.get(key)  # else evicted or rewritten while we read: a race
         if problem is not None:
             bad, why = problem
             (report.bad if bad else report.unreadable)[key] = why
-            if bad and quarantine and view.index.quarantine(key, raw):
-                report.quarantined.append(key)
+            dropped: list[bytes] = []
+            if bad and quarantine and view.index.quarantine(key, raw, dropped):
+                report.quarantined += dropped  # the run file's other blocks with it
+                gone.update((k, problem) for k in dropped)
         report.num_checked += 1
         if progress is not None:
             progress(report.num_checked, report.num_blocks)
