@@ -51,7 +51,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 from benchlib import Clock, restore_like_buffers, tier_config
-from shapes import filled_cache, model_for, named
+from shapes import model_for, named, stored_chain
 
 from prefixcache import PrefixCache
 from prefixcache.cache import restore as restore_module
@@ -134,14 +134,9 @@ def timed(fn) -> Clock:
 
 
 def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]:
-    tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
-    probe = [*tokens, 1]
     cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
-        cache = filled_cache(shape, model, args.tokens)
-        pc.store(tokens, cache)
-        pc.flush()
-        del cache
+        probe, _ = stored_chain(pc, shape, model, args.tokens)
         blocks = os.path.join(cfg.ssd_path, "blocks")
         paths = [os.path.join(d, f) for d, _, names in os.walk(blocks) for f in names]
         paths.sort(key=os.path.getsize, reverse=True)

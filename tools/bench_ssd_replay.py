@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 from bench_blocks import fetch, file_read
 from benchlib import tier_config
-from shapes import RESTORE_SHAPES, cache_bytes, filled_cache, model_for, named
+from shapes import RESTORE_SHAPES, model_for, named, stored_chain
 
 from prefixcache import PrefixCache
 
@@ -137,15 +137,9 @@ def _replay(reads: list[Read], buf: np.ndarray) -> None:
 
 
 def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
-    tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
-    probe = [*tokens, 1]
     cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
-        cache = filled_cache(shape, model, args.tokens)
-        pc.store(tokens, cache)
-        pc.flush()
-        restored = cache_bytes(cache, args.tokens, block_size)
-        del cache
+        probe, restored = stored_chain(pc, shape, model, args.tokens)
         fetch(pc, probe)  # warm: the page cache, MLX's first allocations
         with Recorder() as rec:
             fetch(pc, probe)

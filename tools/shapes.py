@@ -24,6 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from prefixcache.tiny.models import build_model
@@ -143,3 +144,14 @@ def cache_bytes(cache: list[Any], num_tokens: int, block_size: int) -> int:
         per_token = (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
         total += keep * per_token
     return total
+
+
+def stored_chain(pc, shape: ModelShape, model, num_tokens: int) -> tuple[list[int], int]:
+    """A cache of ``num_tokens`` random tokens shaped like ``shape`` stored in ``pc`` (a
+    PrefixCache) and flushed: (the probe that fetches all of it, the bytes its restore
+    copies)."""
+    tokens = np.random.default_rng(0).integers(0, 512, num_tokens).tolist()
+    cache = filled_cache(shape, model, num_tokens)
+    pc.store(tokens, cache)
+    pc.flush()
+    return [*tokens, 1], cache_bytes(cache, num_tokens, pc.config.block_size)
