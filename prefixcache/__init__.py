@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .cache.prefix_cache import PrefixCache
     from .codecs import Codec, register_codec
     from .config import CacheConfig
-    from .stats import prometheus_text
+    from .prometheus import prometheus_text
     from .stats_types import CacheStats
 
 # Exported names are imported on first use: the inspection CLI (``prefixcache
@@ -23,7 +23,7 @@ _EXPORTS = {
     "Codec": ".codecs",
     "Explanation": ".cache.explanation",
     "PrefixCache": ".cache.prefix_cache",
-    "prometheus_text": ".stats",
+    "prometheus_text": ".prometheus",
     "register_codec": ".codecs",
     "Why": ".cache.explanation",
 }

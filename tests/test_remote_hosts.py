@@ -130,7 +130,7 @@ def test_cost_gate_refuses_a_remote_restore_slower_than_recomputing(tmp_path, ll
 def test_stats_cli_reports_the_server_per_namespace(tmp_path, llama, redis_server, capsys):
     from prefixcache.cli import main
     from prefixcache.cli.serve import add_serve_args, serve_config
-    from prefixcache.stats import prometheus_text
+    from prefixcache.prometheus import prometheus_text
 
     with cache_for(tmp_path, "a", redis_server.url, llama) as a:
         tokens = prompt(31, 3 * BLOCK + 1)

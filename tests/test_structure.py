@@ -38,8 +38,6 @@ OVER_TARGET: dict[str, str] = {
     "LRU and its children map, with the eviction policy's and the tenant shares' hooks",
     "prefixcache/config.py": "every setting in one frozen dataclass: each field's default, "
     "meaning and rule in one place, read as flags and PREFIXCACHE_* variables",
-    "prefixcache/stats.py": "the counters of one cache and the Prometheus name of every "
-    "stats() key, the labelled per-reason and per-tenant series included",
 }
 
 

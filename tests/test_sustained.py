@@ -21,7 +21,7 @@ import pytest
 from conftest import prefill, prompt
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.stats import prometheus_text
+from prefixcache.prometheus import prometheus_text
 from prefixcache.tiers import quiet
 from prefixcache.tiers.ssd.index import decode_or_none
 from prefixcache.tiers.ssd.tier import SsdTier

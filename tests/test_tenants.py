@@ -295,7 +295,7 @@ def test_a_bad_tenant_name_is_refused_and_nothing_stored_is_lost():
 
 
 def test_prometheus_text_has_every_tenant_figure_labelled():
-    from prefixcache.stats import prometheus_text
+    from prefixcache.prometheus import prometheus_text
 
     model = tiny_model("llama")
     config = tenants_config(hot_tenant_floors="b=16K", hot_tenant_caps='q"x=32K')

@@ -353,7 +353,7 @@ def test_stats_cli_and_prometheus_show_the_remote_figures_per_tenant(
     tmp_path, llama, server, capsys
 ):
     from prefixcache.cli import main
-    from prefixcache.stats import prometheus_text
+    from prefixcache.prometheus import prometheus_text
 
     config = CacheConfig(
         block_size=16,

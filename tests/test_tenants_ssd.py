@@ -352,7 +352,7 @@ def test_ssd_floors_keep_b_s_system_prompt_when_a_floods_hot_and_ssd(tmp_path):
 def test_stats_cli_and_prometheus_show_the_ssd_figures_per_tenant(tmp_path):
     from test_cli import cli, cli_all
 
-    from prefixcache.stats import prometheus_text
+    from prefixcache.prometheus import prometheus_text
 
     model = tiny_model("llama")
     ssd = str(tmp_path / "ssd")

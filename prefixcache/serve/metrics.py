@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from ..stats import prometheus_text
+from ..prometheus import prometheus_text
 
 logger = logging.getLogger(__name__)
 
