@@ -7,6 +7,8 @@ file), then measured warm (page cache), in one run, each round in turn order:
 
   read       ONE file of the same bytes read into ONE kept buffer (``readinto``):
              bench_blocks' ``--kept-ref`` reference
+  ref        the same file read into ONE fresh numpy buffer: bench_blocks' (and
+             issue 42's) reference, in whatever memory numpy's allocation gets
   files/N    the tier's own payload files read whole into kept buffers on N
              threads (each takes the next file, largest first), no checksum: the
              copy any restore of these files makes
@@ -25,13 +27,16 @@ file), then measured warm (page cache), in one run, each round in turn order:
 
 Per block size: the medians (ms) and the median per-round ratio to ``read``, with
 the CPU time (this process, every thread) of the fetch over the read's, and the
-fetch's page faults. The fetch cannot beat ``alloc`` + the best ``hashed/N`` on
-this machine, nor ``fresh/N`` by much. Only names every version of the restore
-path keeps are wrapped: ``PYTHONPATH`` set to another checkout measures its code
-the same way. On a shared machine the thread counts only help while the cores
-are free: say the load.
+fetch's page faults; then the fetch and ``fresh/N`` over ``ref`` and their page
+faults, and ``floor / ref``: ``load`` + the best ``hashed/N`` (per round), the
+least any restore into new MLX buffers does, over ``ref``. The fetch cannot beat
+``alloc`` + the best ``hashed/N`` on this machine, nor ``fresh/N`` by much: where
+``floor / ref`` is over 1.5 (the SSD restore target), no restore reaches the
+target here. Only names every version of the restore path keeps are wrapped:
+``PYTHONPATH`` set to another checkout measures its code the same way. On a
+shared machine the thread counts only help while the cores are free: say the load.
 
-    python tools/bench_fetch_floor.py [--shape qwen3-next-80b-a3b] [--blocks 16,64,256]
+    python tools/bench_fetch_floor.py [--shape qwen3-next-80b-a3b | all] [--blocks 16,64,256]
         [--threads 1 2] [--tokens 4096] [--repeat 7] [--mx-cache-gib 4]
 """
 
@@ -50,7 +55,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import xxhash
-from benchlib import Clock, restore_like_buffers, tier_config
+from benchlib import Clock, read_into_fresh, restore_like_buffers, tier_config
 from shapes import model_for, named, stored_chain
 
 from prefixcache import PrefixCache
@@ -66,7 +71,12 @@ SLICE = MiB  # the readers' read-and-hash step
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--shape", default="qwen3-next-80b-a3b", help="a preset of tools/shapes.py")
+    p.add_argument(
+        "--shape",
+        nargs="+",
+        default=["qwen3-next-80b-a3b"],
+        help="presets of tools/shapes.py, or all",
+    )
     p.add_argument("--blocks", default="16,64,256", help="block sizes, comma-separated")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tokens", type=int, default=4096)
@@ -171,7 +181,11 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
                 inside.clear()
             assert num == args.tokens, num
 
-        ways = {"read": read, "fetch": fetch}
+        ways = {
+            "read": read,
+            "ref": functools.partial(read_into_fresh, one, nbytes),
+            "fetch": fetch,
+        }
         for n, hashed in itertools.product(args.threads, (False, True)):
             name = f"{'hashed' if hashed else 'files'}/{n}"
             ways[name] = functools.partial(read_files, files, n, hashed)
@@ -209,32 +223,58 @@ def measure(args, shape, model, block_size: int, root: str) -> dict[str, object]
     row["fetch cpu / read cpu"] = statistics.median(
         c.cpu / r.cpu for c, r in zip(rounds["fetch"], ref, strict=True)
     )
-    return row
+    return row | against_ref(rounds, row["load ms"] / 1e3)
+
+
+def against_ref(rounds: dict[str, list[Clock]], load: float) -> dict[str, object]:
+    """The fetch, ``fresh/N`` and the floor (``load`` + the best ``hashed/N`` of the
+    round) over ``ref``, each the median of per-round ratios; page faults of each."""
+    ref = rounds["ref"]
+    hashed = [clocks for name, clocks in rounds.items() if name.startswith("hashed/")]
+    floor = [load + min(c[i].wall for c in hashed) for i in range(len(ref))]
+    out: dict[str, object] = {"ref faults": int(statistics.median(c.faults for c in ref))}
+    out["floor / ref"] = statistics.median(f / r.wall for f, r in zip(floor, ref, strict=True))
+    for name in ["fetch", *(n for n in rounds if n.startswith("fresh/"))]:
+        out[f"{name} / ref"] = statistics.median(
+            c.wall / r.wall for c, r in zip(rounds[name], ref, strict=True)
+        )
+    return out
 
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
     if args.mx_cache_gib is not None:  # freed restore buffers kept for the next fetch
         mx.set_cache_limit(int(args.mx_cache_gib * (1 << 30)))
-    shape = named([args.shape])[0]
-    model = model_for(shape)
     rows = []
-    with tempfile.TemporaryDirectory(dir=args.dir) as root:
-        for block_size in (int(b) for b in args.blocks.split(",") if b):
-            row = measure(args, shape, model, block_size, root)
-            rows.append(row)
-            print(
-                " ".join(f"{k}={v:.2f}" if type(v) is float else f"{k}={v}" for k, v in row.items())
-            )
-    keys = list(rows[0])
-    print(f"\nshape {shape.name}, {args.tokens} tokens, medians of {args.repeat}")
+    for shape in named(args.shape):
+        model = model_for(shape)
+        with tempfile.TemporaryDirectory(dir=args.dir) as root:
+            for block_size in (int(b) for b in args.blocks.split(",") if b):
+                row = {"shape": shape.name} | measure(args, shape, model, block_size, root)
+                rows.append(row)
+                print(
+                    " ".join(
+                        f"{k}={v:.2f}" if type(v) is float else f"{k}={v}" for k, v in row.items()
+                    )
+                )
+    print(f"\n{args.tokens} tokens, medians of {args.repeat}")
+    table(rows, list(rows[0]))
+    print("\nagainst ref (one read into a fresh numpy buffer), floor = load + best hashed/N:")
+    table(
+        rows,
+        ["shape", "block", "ref ms", "ref faults", "fetch ms", "fetch faults"]
+        + [k for k in rows[0] if k.endswith(" / ref")],
+    )
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) at end {load:.2f} on {os.cpu_count()} cores.")
+
+
+def table(rows: list[dict[str, object]], keys: list[str]) -> None:
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for row in rows:
         cells = (f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k]) for k in keys)
         print("| " + " | ".join(cells) + " |")
-    load = os.getloadavg()[0]
-    print(f"load average (1 min) at end {load:.2f} on {os.cpu_count()} cores.")
 
 
 if __name__ == "__main__":
