@@ -3,14 +3,16 @@
 Runs on a reader thread: numpy views and byte counts, no I/O, no MLX. A tensor
 of a run file is (batch, head) rows, each holding the file's blocks one after
 another. The blocks of a job that one region holds (the restore buffer's, for
-all of them) take one piece of each row (``add_run_rows``). A tensor with no
-such region, because its layer uses only some of the job's blocks (a window
-layer's K/V in the last run file of a chain: the blocks before the window are
-``UNNEEDED``), asks each block's own place (``BlockPlaces``): where every block
-has a usable region or is UNNEEDED, each block's piece of a row is read into
-its region's row and the others are only hashed, so the tensor needs no
-buffer of its own and no second copy. Where a block has no place, the caller
-reads the tensor into a loose buffer instead.
+all of them) take one piece of each row (``add_rows``). A tensor with no such
+region, because its layer uses only some of the job's blocks (a window layer's
+K/V in the last run file of a chain: the blocks before the window are
+``UNNEEDED``), asks each block's own place (``BlockPlaces``); where every block
+has one or is UNNEEDED, the blocks placed one after another are asked for one
+region (else each keeps its own), each row's pieces are read into those
+regions and the others' only hashed, read through the scratch in the same
+``preadv``: no buffer of the tensor's own, no second copy, no more reads than
+for the whole tensor. Where a block has no place, the caller reads the tensor
+into a loose buffer instead.
 """
 
 from __future__ import annotations
@@ -23,27 +25,37 @@ from .checked import Steps
 from .large import region_rows
 from .read_into import Span
 
+Part = tuple[int, int, np.ndarray, list[np.ndarray]]  # first block, blocks, region, its rows
 
-def add_run_rows(steps: Steps, rows: list[np.ndarray], row_bytes: int, j: int, k: int, m: int):
-    """Each (batch, head) row of a tensor of the file: its blocks ``j`` to ``j + m``
-    into ``rows`` (the region's), the others only hashed."""
-    piece = row_bytes // k
-    before, after = j * piece, (k - j - m) * piece
-    if not before and not after:
-        steps.add(rows, row_bytes * len(rows))
+
+def add_rows(steps: Steps, parts: list[Part], piece: int, j: int, k: int, m: int) -> None:
+    """Each (batch, head) row of a tensor of a run file of ``k`` blocks, in file order:
+    each part's blocks (of the job's ``m`` from block ``j`` of the file) into its
+    rows, every other piece (``piece`` bytes a block) only hashed."""
+    if len(parts) == 1 and parts[0][1] == m == k:  # the whole tensor: one view a row
+        rows = parts[0][3]
+        steps.add(rows, k * piece * len(rows))
         return
-    for row in rows:
-        if before:
-            steps.skip(before)
-        steps.add([row], m * piece)
-        if after:
-            steps.skip(after)
+    gap = 0  # bytes only hashed since the last piece read
+    for r in range(len(parts[0][3])):
+        gap += j * piece
+        at = 0  # the job's block after the last part's
+        for first, count, _, rows in parts:
+            gap += (first - at) * piece
+            if gap:
+                steps.through(gap)
+                gap = 0
+            steps.add([rows[r]], count * piece)
+            at = first + count
+        gap += (k - j - at) * piece  # the job's blocks after the last part, the file's
+    if gap:
+        steps.through(gap)
 
 
 class BlockPlaces:
     """The tensors of a job (``m`` blocks from ``position`` of a run file of ``count``
-    blocks, the first block ``index`` of the chain) read into each block's own place:
-    name -> per block its Placed, or None where it is UNNEEDED."""
+    blocks, the first block ``index`` of the chain) read into their blocks' own
+    places: name -> per block its Placed, or None where it is UNNEEDED."""
 
     def __init__(self, place: Place | None, index: int, position: int, count: int, m: int):
         self.place, self.index = place, index
@@ -57,25 +69,40 @@ class BlockPlaces:
         name, _, _, start, end = span
         if self.place is None:
             return None
-        heads = block_shape[0] * block_shape[1]  # rows of the tensor
+        got = [self.place(self.index + i, name, dt, block_shape) for i in range(self.m)]
+        if any(g is None for g in got):
+            return None
         size = (end - start) // self.count  # one block's bytes
-        regions: list[tuple[np.ndarray, list[np.ndarray]] | None] = []
-        for i in range(self.m):
-            region = self.place(self.index + i, name, dt, block_shape)
-            if region is UNNEEDED:
-                regions.append(None)
-                continue
-            rows = None if region is None or region.nbytes != size else region_rows(region)
-            if rows is None or len(rows) != heads:
-                return None
-            regions.append((region, rows))
-        if all(r is None for r in regions):
+        heads = block_shape[0] * block_shape[1]  # rows of the tensor
+        parts = self._parts(got, name, dt, block_shape, size)
+        if parts is None:
+            return None
+        if not parts:
             steps.skip(end - start)
             return False
-        pieces = [r and r[1] for r in regions]
-        _add_pieces(steps, pieces, size // heads, self.position, self.count)
-        self.placed[name] = [r and Placed(r[0], dt, block_shape) for r in regions]
+        add_rows(steps, parts, size // heads, self.position, self.count, self.m)
+        self.placed[name] = _placed(parts, self.m, dt, block_shape)
         return True
+
+    def _parts(
+        self, got: list[np.ndarray], name: str, dt: mx.Dtype, shape: tuple, size: int
+    ) -> list[Part] | None:
+        """The regions the blocks' pieces go into: one for each stretch of blocks
+        placed one after another where its place gives one (``count``), else each
+        block's own; None where a block's region is not rows of its size."""
+        heads = shape[0] * shape[1]
+        parts: list[Part] = []
+        for a, b in _stretches([g is not UNNEEDED for g in got]):
+            region = got[a] if b - a == 1 else self.place(self.index + a, name, dt, shape, b - a)
+            rows = _rows(region, (b - a) * size, heads)
+            if rows is not None:
+                parts.append((a, b - a, region, rows))
+                continue
+            for i in range(a, b):  # no region for them all: each block its own
+                if (rows := _rows(got[i], size, heads)) is None:
+                    return None
+                parts.append((i, 1, got[i], rows))
+        return parts
 
     def of(self, name: str, i: int) -> Placed | None:
         """Block ``i``'s tensor ``name`` where it was read into its place, else None."""
@@ -83,30 +110,31 @@ class BlockPlaces:
         return None if got is None else got[i]
 
 
-def _add_pieces(steps: Steps, blocks: list[list[np.ndarray] | None], piece: int, j: int, k: int):
-    """Each (batch, head) row of the file's tensor in file order: block ``j + i``'s
-    piece into ``blocks[i]``'s row, the pieces of the blocks outside the job and of
-    those without rows (UNNEEDED) only hashed: one skip for each stretch of them,
-    across the ends of rows."""
-    rows = len(next(r for r in blocks if r is not None))
-    after = (k - j - len(blocks)) * piece
-    skip = 0
-    for r in range(rows):
-        skip += j * piece
-        views: list[np.ndarray] = []
-        for block in blocks:
-            if block is None:
-                if views:
-                    steps.add(views, len(views) * piece)
-                    views = []
-                skip += piece
-                continue
-            if skip:
-                steps.skip(skip)
-                skip = 0
-            views.append(block[r])
-        if views:
-            steps.add(views, len(views) * piece)
-        skip += after
-    if skip:
-        steps.skip(skip)
+def _stretches(used: list[bool]) -> list[tuple[int, int]]:
+    """The [a, b) ranges of consecutive True values."""
+    out: list[tuple[int, int]] = []
+    for i, u in enumerate(used):
+        if u and out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        elif u:
+            out.append((i, i + 1))
+    return out
+
+
+def _rows(region: np.ndarray | None, nbytes: int, heads: int) -> list[np.ndarray] | None:
+    """A region's rows where it holds ``nbytes`` in ``heads`` contiguous rows, else None."""
+    if region is None or region.nbytes != nbytes:
+        return None
+    rows = region_rows(region)
+    return rows if rows is not None and len(rows) == heads else None
+
+
+def _placed(parts: list[Part], m: int, dt: mx.Dtype, shape: tuple) -> list[Placed | None]:
+    """Per block of the job, its Placed (its token range of its part's region), or None."""
+    out: list[Placed | None] = [None] * m
+    n = shape[2]
+    for first, count, region, _ in parts:
+        for i in range(count):
+            tokens = (i * n, (i + 1) * n) if count > 1 else None
+            out[first + i] = Placed(region, dt, shape, tokens)
+    return out

@@ -33,7 +33,7 @@ from ...blocks import BlockMeta
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from . import run_layout
-from .block_places import BlockPlaces, add_run_rows
+from .block_places import BlockPlaces, add_rows
 from .checked import Steps, verify
 from .files import PayloadRoot, open_payload
 from .large import region_rows
@@ -153,7 +153,7 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
         raise PayloadError(f"payload has {size} bytes, index says {first.file_bytes}")
     prefix, spans = read_spans(fd, run.file_key, size)
     n, m = first.num_tokens, len(jobs)
-    steps = Steps()
+    steps = Steps(bufs)
     whole: dict[str, Placed] = {}
     loose: dict[str, tuple[np.ndarray, Span]] = {}
     extras = _Extras(place, first.index, run.position, m)
@@ -174,7 +174,8 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
             steps.skip(end - start)
             read.append(False)
         elif rows is not None and region.nbytes * run.count == m * (end - start):
-            add_run_rows(steps, rows, (end - start) // len(rows), run.position, run.count, m)
+            piece = (end - start) // len(rows) // run.count
+            add_rows(steps, [(0, m, region, rows)], piece, run.position, run.count, m)
             whole[name] = Placed(region, dt, block_shape)
             read.append(True)
         elif (taken := each.take(span, dt, block_shape, steps)) is not None:
