@@ -23,6 +23,7 @@ from .read_into import Buffer, Buffers, Span, pread_all, preadv_all
 # 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
 _CHUNK = 1 << 20
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
+_GAPS = _CHUNK // 4  # scratch bytes a batch reads ``through``: fewer fresh pages to touch
 
 
 class Steps:
@@ -67,14 +68,14 @@ class Steps:
         with the batch's views (one ``preadv``, not one more) into the batch's own
         part of the scratch, which a later batch reuses once this one is hashed; as
         ``skip`` where there is no scratch or they are large."""
-        if self._bufs is None or nbytes > _CHUNK // 2:
+        if self._bufs is None or nbytes > _GAPS:
             self.skip(nbytes)
             return
         if self._scratch is None:
-            self._scratch = self._bufs.scratch(_CHUNK)
+            self._scratch = self._bufs.scratch(_GAPS)
         if self._batch and (
             self._size + nbytes > _CHUNK
-            or self._used + nbytes > _CHUNK
+            or self._used + nbytes > _GAPS
             or len(self._batch) >= _IOV_MAX
         ):
             self._close()
