@@ -6,13 +6,13 @@ another. The blocks of a job that one region holds (the restore buffer's, for
 all of them) take one piece of each row (``add_rows``). A tensor with no such
 region, because its layer uses only some of the job's blocks (a window layer's
 K/V in the last run file of a chain: the blocks before the window are
-``UNNEEDED``), asks each block's own place (``BlockPlaces``); where every block
-has one or is UNNEEDED, the blocks placed one after another are asked for one
-region (else each keeps its own), each row's pieces are read into those
-regions and the others' only hashed, read through the scratch in the same
-``preadv``: no buffer of the tensor's own, no second copy, no more reads than
-for the whole tensor. Where a block has no place, the caller reads the tensor
-into a loose buffer instead.
+``UNNEEDED``), asks each block's own place (``BlockPlaces``): where every block
+has one or is UNNEEDED (from the first placed one on, the blocks left are
+asked for one region: a window's blocks lie one after another), each row's
+pieces are read into those regions and the rest only hashed, read through the
+scratch in the same ``preadv``: no buffer of the tensor's own, no second copy,
+no more reads than for the whole tensor. Where a block has no place, the
+caller reads the tensor into a loose buffer instead.
 """
 
 from __future__ import annotations
@@ -67,58 +67,45 @@ class BlockPlaces:
         any of it is read (False: every block UNNEEDED, only hashed). None, adding
         nothing, where a block has no usable place (the tensor is then read loose)."""
         name, _, _, start, end = span
-        if self.place is None:
-            return None
-        got = [self.place(self.index + i, name, dt, block_shape) for i in range(self.m)]
-        if any(g is None for g in got):
-            return None
         size = (end - start) // self.count  # one block's bytes
-        heads = block_shape[0] * block_shape[1]  # rows of the tensor
-        parts = self._parts(got, name, dt, block_shape, size)
+        parts = None if self.place is None else self._parts(name, dt, block_shape, size)
         if parts is None:
             return None
         if not parts:
             steps.skip(end - start)
             return False
+        heads = block_shape[0] * block_shape[1]
         add_rows(steps, parts, size // heads, self.position, self.count, self.m)
         self.placed[name] = _placed(parts, self.m, dt, block_shape)
         return True
 
-    def _parts(
-        self, got: list[np.ndarray], name: str, dt: mx.Dtype, shape: tuple, size: int
-    ) -> list[Part] | None:
-        """The regions the blocks' pieces go into: one for each stretch of blocks
-        placed one after another where its place gives one (``count``), else each
-        block's own; None where a block's region is not rows of its size."""
+    def _parts(self, name: str, dt: mx.Dtype, shape: tuple, size: int) -> list[Part] | None:
+        """The regions the blocks' pieces go into, asking each block's own place in
+        turn: from the first one placed, the region of all the blocks left where its
+        place gives one (a window layer uses every block after its first), else that
+        block's own. None where a block has no place or one not rows of its size."""
+        assert self.place is not None
         heads = shape[0] * shape[1]
         parts: list[Part] = []
-        for a, b in _stretches([g is not UNNEEDED for g in got]):
-            region = got[a] if b - a == 1 else self.place(self.index + a, name, dt, shape, b - a)
-            rows = _rows(region, (b - a) * size, heads)
-            if rows is not None:
-                parts.append((a, b - a, region, rows))
+        for i in range(self.m):
+            got = self.place(self.index + i, name, dt, shape)
+            if got is UNNEEDED:
                 continue
-            for i in range(a, b):  # no region for them all: each block its own
-                if (rows := _rows(got[i], size, heads)) is None:
-                    return None
-                parts.append((i, 1, got[i], rows))
+            rest = self.m - i
+            if got is not None and rest > 1:
+                region = self.place(self.index + i, name, dt, shape, rest)
+                if (rows := _rows(region, rest * size, heads)) is not None:
+                    parts.append((i, rest, region, rows))
+                    break
+            if (rows := _rows(got, size, heads)) is None:
+                return None
+            parts.append((i, 1, got, rows))
         return parts
 
     def of(self, name: str, i: int) -> Placed | None:
         """Block ``i``'s tensor ``name`` where it was read into its place, else None."""
         got = self.placed.get(name)
         return None if got is None else got[i]
-
-
-def _stretches(used: list[bool]) -> list[tuple[int, int]]:
-    """The [a, b) ranges of consecutive True values."""
-    out: list[tuple[int, int]] = []
-    for i, u in enumerate(used):
-        if u and out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        elif u:
-            out.append((i, i + 1))
-    return out
 
 
 def _rows(region: np.ndarray | None, nbytes: int, heads: int) -> list[np.ndarray] | None:
