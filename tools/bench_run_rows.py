@@ -7,7 +7,8 @@ run's last blocks only: ``tiers/ssd/block_places.py`` reads them straight into
 each block's place (``places``); turned off (``loose``), they are read into a
 fresh buffer per tensor and then copied into the same places. Round after round
 the fetch runs in each mode, in turn first, so both meet the same memory state
-and load.
+and load. (Where the chain's last block is not in a run file, e.g. its window
+K/V kept in a file of its own, "-" stands for its read.)
 
 Per block size and mode: the medians of the fetch's ms, of the last run file's
 read (on its reader thread: ms and that thread's minor page faults) and of the
@@ -122,10 +123,9 @@ def main() -> None:
         for mode in MODES:
             columns = zip(*rounds[mode], strict=True)
             ms, read_ms, faults, loose = (statistics.median(c) for c in columns)
-            print(
-                f"| {shape.name} | {block_size} | {mode} | {ms:.1f} | {read_ms:.2f} "
-                f"| {faults:.0f} | {loose / 2**20:.2f} |"
-            )
+            last = "- | -" if faults < 0 else f"{read_ms:.2f} | {faults:.0f}"  # -: no run file
+            mib = loose / 2**20
+            print(f"| {shape.name} | {block_size} | {mode} | {ms:.1f} | {last} | {mib:.2f} |")
     load = os.getloadavg()[0]
     print(f"medians of {args.repeat} rounds; mmap threshold: {fresh}; load (1 min) {load:.2f}")
 
