@@ -23,17 +23,22 @@ from .read_into import Buffer, Buffers, Span, pread_all, preadv_all
 # 4.1 releases the GIL while it hashes; older ones may not: slices bound that too.)
 _CHUNK = 1 << 20
 _IOV_MAX = 512  # iovecs per preadv (the kernel's limit is 1024)
+_GAPS = _CHUNK // 4  # scratch bytes a batch reads ``through``: fewer fresh pages to touch
 
 
 class Steps:
     """A file's reads in file order: batches of views (about _CHUNK bytes, at most
     _IOV_MAX views: one ``preadv`` each, hashed while still in the CPU cache), and
-    byte counts only to hash (tensors no layer reads)."""
+    byte counts only to hash (tensors no layer reads). ``bufs``: the reader's
+    buffers, whose scratch takes the bytes of ``through``."""
 
-    def __init__(self) -> None:
+    def __init__(self, bufs: Buffers | None = None) -> None:
         self.steps: list[tuple[list[Buffer], int] | int] = []
         self._batch: list[Buffer] = []
         self._size = 0
+        self._bufs = bufs
+        self._scratch: np.ndarray | None = None
+        self._used = 0  # of the scratch, by the open batch
 
     def add(self, views: list[Buffer], nbytes: int) -> None:
         """A tensor's views (``nbytes`` in all), in order."""
@@ -58,6 +63,26 @@ class Steps:
         self._close()
         self.steps.append(nbytes)
 
+    def through(self, nbytes: int) -> None:
+        """Bytes only to hash between views (the pieces of a row no block takes): read
+        with the batch's views (one ``preadv``, not one more) into the batch's own
+        part of the scratch, which a later batch reuses once this one is hashed; as
+        ``skip`` where there is no scratch or they are large."""
+        if self._bufs is None or nbytes > _GAPS:
+            self.skip(nbytes)
+            return
+        if self._scratch is None:
+            self._scratch = self._bufs.scratch(_GAPS)
+        if self._batch and (
+            self._size + nbytes > _CHUNK
+            or self._used + nbytes > _GAPS
+            or len(self._batch) >= _IOV_MAX
+        ):
+            self._close()
+        self._batch.append(self._scratch[self._used : self._used + nbytes])
+        self._used += nbytes
+        self._size += nbytes
+
     def done(self) -> list[tuple[list[Buffer], int] | int]:
         self._close()
         return self.steps
@@ -65,7 +90,7 @@ class Steps:
     def _close(self) -> None:
         if self._batch:
             self.steps.append((self._batch, self._size))
-            self._batch, self._size = [], 0
+            self._batch, self._size, self._used = [], 0, 0
 
 
 def read_checked(

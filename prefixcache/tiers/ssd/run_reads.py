@@ -12,9 +12,11 @@ read only to be hashed. The whole file's checksum is verified as it is read
 to its end, against its lead digest: those are not read at all),
 so its bytes may reach a place before the checksum fails: the stream then
 stops before these blocks, all of which are misses (the file quarantines all
-its blocks). A tensor without such a region (no buffer yet, a layout the
-restore does not place as a run, no place at all) is read into a fresh buffer
-and handed to the caller per block (``HostArray``); one no layer reads
+its blocks). A tensor without such a region (a window layer that uses only
+the run's last blocks) is read into each block's own place where every block
+has one or is UNNEEDED (``block_places.py``); else (no buffer yet, a layout
+the restore does not place, no place at all) into a fresh buffer, handed to the
+caller per block (placed then, or a ``HostArray``); one no layer reads
 (``UNNEEDED``) is only hashed.
 """
 
@@ -31,6 +33,7 @@ from ...blocks import BlockMeta
 from ...errors import PayloadError
 from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, PlacedRun
 from . import run_layout
+from .block_places import BlockPlaces, add_rows
 from .checked import Steps, verify
 from .files import PayloadRoot, open_payload
 from .large import region_rows
@@ -150,10 +153,11 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
         raise PayloadError(f"payload has {size} bytes, index says {first.file_bytes}")
     prefix, spans = read_spans(fd, run.file_key, size)
     n, m = first.num_tokens, len(jobs)
-    steps = Steps()
+    steps = Steps(bufs)
     whole: dict[str, Placed] = {}
     loose: dict[str, tuple[np.ndarray, Span]] = {}
     extras = _Extras(place, first.index, run.position, m)
+    each = BlockPlaces(place, first.index, run.position, run.count, m)
     read: list[bool] = []  # per tensor: read (else only hashed)
     for span in spans:
         name, dtype, shape, start, end = span
@@ -165,37 +169,25 @@ def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> l
         block_shape = (shape[0], shape[1], n, shape[3])
         dt = MX_DTYPES[dtype]
         region = None if place is None else place(first.index, name, dt, block_shape, m)
-        read.append(region is not UNNEEDED)
+        rows = None if region is None else region_rows(region)  # None for UNNEEDED too
         if region is UNNEEDED:
             steps.skip(end - start)
-            continue
-        rows = region_rows(region) if region is not None else None
-        if rows is not None and region.nbytes * run.count == m * (end - start):
-            _add_rows(steps, rows, (end - start) // len(rows), run.position, run.count, m)
+            read.append(False)
+        elif rows is not None and region.nbytes * run.count == m * (end - start):
+            piece = (end - start) // len(rows) // run.count
+            add_rows(steps, [(0, m, region, rows)], piece, run.position, run.count, m)
             whole[name] = Placed(region, dt, block_shape)
-            continue
-        data = np.empty(end - start, np.uint8)
-        steps.add([data] if data.nbytes else [], data.nbytes)
-        loose[name] = (data, span)
+            read.append(True)
+        elif (taken := each.take(span, dt, block_shape, steps)) is not None:
+            read.append(taken)
+        else:
+            data = np.empty(end - start, np.uint8)
+            steps.add([data] if data.nbytes else [], data.nbytes)
+            loose[name] = (data, span)
+            read.append(True)
     verify(fd, steps.done(), prefix, spans, read, first.checksum, bufs)
     at = _Loose(loose, place, first.index, run.position, n)
-    return [_block(spans, whole, at, extras.of(i), i) for i in range(m)]
-
-
-def _add_rows(steps: Steps, rows: list[np.ndarray], row_bytes: int, j: int, k: int, m: int):
-    """Each (batch, head) row of a tensor of the file: its blocks ``j`` to ``j + m``
-    into ``rows`` (the region's), the others only hashed."""
-    piece = row_bytes // k
-    before, after = j * piece, (k - j - m) * piece
-    if not before and not after:
-        steps.add(rows, row_bytes * len(rows))
-        return
-    for row in rows:
-        if before:
-            steps.skip(before)
-        steps.add([row], m * piece)
-        if after:
-            steps.skip(after)
+    return [_block(spans, whole, each, at, extras.of(i), i) for i in range(m)]
 
 
 class _Loose:
@@ -268,21 +260,24 @@ class _Extras:
 def _block(
     spans: tuple[Span, ...],
     whole: dict[str, Placed],
+    each: BlockPlaces,
     loose: _Loose,
     extras: dict[str, HostArray | Placed],
     i: int,
 ) -> PlacedRun | dict[str, HostArray | Placed]:
-    """Block ``i`` of the job: its token range of the placed regions, and its part
-    of each loose tensor, in file order, then its extras."""
+    """Block ``i`` of the job: its token range of the placed regions, its own placed
+    tensors, and its part of each loose tensor, in file order, then its extras."""
     n = loose.n
     tokens = (i * n, (i + 1) * n)
-    if not loose.loose and not extras:
+    if not loose.loose and not extras and not each.placed:
         return PlacedRun(whole, tokens)
     out: dict[str, HostArray | Placed] = {}
     for name, *_ in spans:
         if name in whole:
             p = whole[name]
             out[name] = Placed(p.region, p.dtype, p.shape, tokens)
+        elif (own := each.of(name, i)) is not None:
+            out[name] = own
         elif name in loose.loose and (part := loose.part(name, i)) is not None:
             out[name] = part
     return out | extras
