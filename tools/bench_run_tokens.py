@@ -1,0 +1,127 @@
+"""SSD fetches of one chain written with several ``ssd_run_tokens``, in ONE process.
+
+For each preset shape of tools/shapes.py (``--shape``, or ``all``) and block size,
+one 4,096-token chain shaped like it is stored and flushed into one SSD tier per
+``--run-tokens`` value (hot kept empty, no promotion: ``benchlib.tier_config``);
+then round after round each tier's fetch of the whole chain runs, in turn first,
+so every value meets the same memory state and load. Longer run files mean fewer
+files and longer pieces per (batch, head) row (at 256 tokens of a 64-dim bf16
+head, 32 KiB: xxhash holds the interpreter lock for updates up to 64 KiB, so two
+readers hash one at a time), but the writer joins a whole run in memory before
+writing it, and a run file's bytes are freed only with its last block.
+
+Per shape, block size and value: the median fetch ms, its ratio to the first
+value's (median of per-round ratios), the payload files and the largest one's
+MiB (what the writer joins at once).
+
+    python tools/bench_run_tokens.py [--shape all] [--blocks 16,256]
+        [--run-tokens 256 512 1024] [--tokens 4096] [--repeat 11]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+import mlx.core as mx
+from benchlib import tier_config
+from shapes import model_for, named, stored_chain
+
+from prefixcache import PrefixCache
+
+MiB = 1 << 20
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=["all"], help="presets of tools/shapes.py, or all")
+    p.add_argument("--blocks", default="16,256", help="block sizes, comma-separated")
+    p.add_argument("--run-tokens", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeat", type=int, default=11)
+    p.add_argument("--dir", default=None, help="parent directory of the SSD tiers")
+    return p
+
+
+def payload_sizes(ssd_dir: str) -> list[int]:
+    blocks = os.path.join(ssd_dir, "blocks")
+    return [os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(blocks) for f in names]
+
+
+def measure(args, shape, model, block_size: int, root: str) -> list[dict[str, object]]:
+    values = args.run_tokens
+    with contextlib.ExitStack() as stack:
+        caches, sizes = {}, {}
+        for value in values:
+            ssd = os.path.join(root, f"ssd{block_size}-{value}")
+            cfg = tier_config("ssd", block_size, ssd).replace(ssd_run_tokens=value)
+            pc = stack.enter_context(PrefixCache(model, cfg, model_id="bench"))
+            caches[value] = (pc, stored_chain(pc, shape, model, args.tokens)[0])
+            sizes[value] = payload_sizes(ssd)
+
+        def fetch(value: int) -> float:
+            pc, probe = caches[value]
+            start = time.perf_counter()
+            cache, num = pc.fetch(probe)
+            mx.eval([c.state for c in cache])
+            took = time.perf_counter() - start
+            if num != args.tokens:
+                raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
+            return took
+
+        for value in values:  # warm: the page cache, MLX's first buffers
+            fetch(value)
+        times: dict[int, list[float]] = {value: [] for value in values}
+        for i in range(args.repeat):
+            for value in values[i % len(values) :] + values[: i % len(values)]:
+                times[value].append(fetch(value))
+    first = times[values[0]]
+    return [
+        {
+            "shape": shape.name,
+            "block": block_size,
+            "run tokens": value,
+            "fetch ms": statistics.median(times[value]) * 1e3,
+            "/ first": statistics.median(t / f for t, f in zip(times[value], first, strict=True)),
+            "files": len(sizes[value]),
+            "largest MiB": max(sizes[value]) / MiB,
+        }
+        for value in values
+    ]
+
+
+def main() -> None:
+    args = setup_arg_parser().parse_args()
+    if any(v < 0 for v in args.run_tokens):
+        raise SystemExit(f"--run-tokens must be 0 or more, got {args.run_tokens}")
+    rows = []
+    for shape in named(args.shape):
+        model = model_for(shape)
+        for block_size in (int(b) for b in args.blocks.split(",") if b):
+            with tempfile.TemporaryDirectory(dir=args.dir) as root:
+                rows += measure(args, shape, model, block_size, root)
+            print(
+                " ".join(
+                    f"{k}={v:.2f}" if type(v) is float else f"{k}={v}" for k, v in rows[-1].items()
+                ),
+                flush=True,
+            )
+    keys = list(rows[0])
+    print(f"\n{args.tokens} tokens, medians of {args.repeat}, each value's fetch in turn first")
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print(
+            "| "
+            + " | ".join(f"{row[k]:.2f}" if type(row[k]) is float else str(row[k]) for k in keys)
+            + " |"
+        )
+    print(f"load average (1 min) at end {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores.")
+
+
+if __name__ == "__main__":
+    main()
