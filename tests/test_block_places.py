@@ -142,3 +142,20 @@ def test_each_block_used_gets_its_bytes_in_its_place(tmp_path, case):
 def test_a_block_without_a_place_leaves_the_tensor_to_the_loose_buffer(tmp_path):
     _, buf, places, taken = take(tmp_path, {10, 11, 12, 13}, True, missing=frozenset({12}))
     assert taken is None and places.placed == {} and not buf.any()
+
+
+def test_a_region_s_rows_are_views_of_its_buffer_in_batch_then_head_order():
+    """``region_rows`` of a run region (a token-axis slice of a restore buffer): each
+    (batch, head) row is a view of exactly that row's bytes, so a read into it lands
+    in the buffer; a region whose rows are not contiguous has none."""
+    buf = np.zeros((2, 3, 40, 8), np.uint8)
+    region = buf[:, :, 16:24, :]
+    rows = region_rows(region)
+    assert rows is not None and len(rows) == 6
+    for r, row in enumerate(rows):
+        i, k = divmod(r, 3)
+        assert row.shape == (64,) and np.shares_memory(row, buf)
+        row[:] = r + 1
+        assert (buf[i, k, 16:24] == r + 1).all()
+    assert (buf[:, :, :16] == 0).all() and (buf[:, :, 24:] == 0).all()  # nothing outside
+    assert region_rows(buf[:, :, :, 2:6]) is None  # the control: rows not contiguous

@@ -71,11 +71,14 @@ def test_queue_is_bounded_in_bytes_and_items_stay_pending_until_written(writers)
     assert not writer.submit(c)  # 300 > 250 bytes
     assert writer.queue_bytes == 200 and writer.queue_depth == 2
     assert writer.pending(a.block.key) is a and writer.pending(c.block.key) is None
+    keys = [c.block.key, a.block.key, b.block.key, a.block.key]
+    assert writer.pending_many(keys) == [None, a, b, a]  # each key's, in order
     assert writer.submit(a)  # already queued: accepted, not queued twice
     assert writer.queue_depth == 2
     hold.set()
     writer.flush()
     assert writer.pending(a.block.key) is None and sink.batches == [[a.block.key, b.block.key]]
+    assert writer.pending_many(keys) == [None] * 4  # written: none pending
     assert writer.submit(c)
 
 

@@ -51,10 +51,14 @@ _NONE: frozenset[int] = frozenset()
 
 
 def _blocks_of_layers(users: dict[int, list[int]]) -> dict[int, set[int]]:
-    """layer -> the chain indices it uses, in one pass over ``users`` (not a scan of
-    every block for each layer: layers x blocks lookups in lists of layers)."""
-    out: dict[int, set[int]] = {}
+    """layer -> the chain indices it uses, in one pass over ``users`` grouped by the
+    layers using them (every K/V layer uses the same blocks: one set update per
+    group and layer, not one insert per block and layer)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for index, using in users.items():
+        groups.setdefault(tuple(using), []).append(index)
+    out: dict[int, set[int]] = {}
+    for using, indices in groups.items():
         for layer in using:
-            out.setdefault(layer, set()).add(index)
+            out.setdefault(layer, set()).update(indices)
     return out

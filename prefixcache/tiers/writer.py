@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -137,6 +137,14 @@ class Writer:
         """The queued item of ``key``, until it is written and indexed."""
         with self._cond:
             return self._pending.get(key)
+
+    def pending_many(self, keys: Sequence[bytes]) -> list[WriteItem | None]:
+        """``pending`` of each of ``keys``, under one hold of the lock (a restore's
+        chain: a lock and a lookup per block otherwise)."""
+        with self._cond:
+            if not self._pending:
+                return [None] * len(keys)
+            return [self._pending.get(key) for key in keys]
 
     def pending_children(self, parent: bytes) -> list[WriteItem]:
         """Queued items whose block's parent is ``parent``."""

@@ -41,7 +41,7 @@ from ...memory.host import (
 )
 from . import digests as tensor_digests
 from .checked import Steps, read_checked
-from .files import open_payload
+from .files import open_sized
 from .payload import read_spans
 from .read_into import Buffer, Buffers, Job, Outcome, Span, streamed
 
@@ -91,7 +91,10 @@ def region_rows(region: np.ndarray) -> list[np.ndarray] | None:
     if region.ndim != 4 or region.size == 0 or not region[0, 0].flags.c_contiguous:
         return None
     b, h = region.shape[:2]
-    return [region[i, k].reshape(-1) for i in range(b) for k in range(h)]
+    flat = region.reshape(b * h, -1)  # a view where the rows' strides allow (they do)
+    if not np.may_share_memory(flat, region):
+        return [region[i, k].reshape(-1) for i in range(b) for k in range(h)]
+    return list(flat)
 
 
 def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> Iterator[Outcome]:
@@ -104,9 +107,9 @@ def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> I
     runs = _RunPlaces(jobs, place)
     for j, job in enumerate(jobs):
         try:
-            fd = open_payload(job.path)
+            fd, size = open_sized(job.path)
             try:
-                outcome = _read_file(fd, job, j, runs, bufs, place)
+                outcome = _read_file(fd, size, job, j, runs, bufs, place)
             finally:
                 os.close(fd)
         except (PayloadError, OSError) as e:
@@ -115,13 +118,12 @@ def read_large_run(jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> I
 
 
 def _read_file(
-    fd: int, job: Job, j: int, runs: _RunPlaces, bufs: Buffers, place: Place | None
+    fd: int, size: int, job: Job, j: int, runs: _RunPlaces, bufs: Buffers, place: Place | None
 ) -> Outcome:
-    """Read, size-check, checksum and parse run file ``j``: each tensor straight
-    into its place, or into the loose buffer (then lent)."""
+    """Read, size-check, checksum and parse run file ``j`` (``size`` bytes, as opened):
+    each tensor straight into its place, or into the loose buffer (then lent)."""
     meta = job.meta
     assert meta is not None
-    size = os.fstat(fd).st_size
     if size != meta.file_bytes:
         raise PayloadError(f"payload has {size} bytes, index says {meta.file_bytes}")
     prefix, spans = read_spans(fd, job.key, size)

@@ -37,7 +37,7 @@ import xxhash
 from ...errors import PayloadError
 from ...memory.host import ITEMSIZE, MX_DTYPES, Tensor
 from . import digests as tensor_digests
-from .files import create_temp, open_payload, parent_fd, temp_path
+from .files import create_temp, open_sized, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"
 # Our headers take ~100 bytes per tensor (a few hundred tensors a block): far
@@ -144,8 +144,8 @@ def read_payload(
         PayloadError: wrong size, bad header, wrong key, checksum mismatch, or
             the path is a symlink (never followed).
     """
-    with os.fdopen(open_payload(path), "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+    fd, size = open_sized(path)
+    with os.fdopen(fd, "rb", buffering=0) as f:
         if size != file_bytes:
             raise PayloadError(f"payload has {size} bytes, index says {file_bytes}")
         prefix, spans = read_spans(f.fileno(), key, size)
@@ -219,9 +219,9 @@ def read_header(path: str, key: bytes) -> list[tuple[str, mx.Dtype, tuple[int, .
         OSError: the file cannot be read.
         PayloadError: the header is bad, or the path is a symlink.
     """
-    fd = open_payload(path)
+    fd, size = open_sized(path)
     try:
-        _, spans = read_spans(fd, key, os.fstat(fd).st_size)
+        _, spans = read_spans(fd, key, size)
     finally:
         os.close(fd)
     return [(name, MX_DTYPES[dtype], shape) for name, dtype, shape, _, _ in spans]

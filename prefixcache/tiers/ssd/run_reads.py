@@ -35,7 +35,7 @@ from ...memory.host import MX_DTYPES, UNNEEDED, HostArray, Place, Placed, Placed
 from . import run_layout
 from .block_places import BlockPlaces, add_rows
 from .checked import Steps, verify
-from .files import PayloadRoot, open_payload
+from .files import PayloadRoot, open_sized
 from .large import region_rows
 from .payload import read_payload, read_spans
 from .read_into import Buffers, Job, Outcome, Span, streamed
@@ -130,9 +130,9 @@ def read_run_file(
     (None, block) or (None, the error that makes every one of them a miss).
     ``root``: the payloads' root held open, the file opened relative to it."""
     try:
-        fd = root.open(jobs[0].path)[0] if root is not None else open_payload(jobs[0].path)
+        fd, size = root.open(jobs[0].path) if root is not None else open_sized(jobs[0].path)
         try:
-            blocks = _read(fd, jobs, bufs, place)
+            blocks = _read(fd, size, jobs, bufs, place)
         finally:
             os.close(fd)
     except (PayloadError, OSError) as e:
@@ -143,12 +143,11 @@ def read_run_file(
         yield None, streamed(job, arrays)
 
 
-def _read(fd: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> list:
-    """Read and verify the file; each job's tensors (Placed in its region, or a
-    HostArray of its own)."""
+def _read(fd: int, size: int, jobs: Sequence[Job], bufs: Buffers, place: Place | None) -> list:
+    """Read and verify the file (``size`` bytes, as opened); each job's tensors
+    (Placed in its region, or a HostArray of its own)."""
     first, run = jobs[0].meta, jobs[0].run
     assert first is not None and run is not None
-    size = os.fstat(fd).st_size
     if size != first.file_bytes:
         raise PayloadError(f"payload has {size} bytes, index says {first.file_bytes}")
     prefix, spans = read_spans(fd, run.file_key, size)

@@ -172,8 +172,9 @@ def _jobs(tier: SsdReads, keys: Sequence[bytes]) -> list[Job]:
     path is made once for all its blocks."""
     jobs = []
     paths: dict[bytes, str] = {}
-    for key, (raw, run) in zip(keys, tier.index.get_runs(keys), strict=True):
-        if tier.writer.pending(key) is not None:
+    queued = tier.writer.pending_many(keys)
+    for key, (raw, run), item in zip(keys, tier.index.get_runs(keys), queued, strict=True):
+        if item is not None:
             raw = run = None
         file_key = key if run is None else run.file_key
         path = paths.get(file_key)

@@ -165,8 +165,8 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
         pos = start
         while pos < len(keys):
             raws = self.index.get_many(keys[pos:], until_absent=True)
-            for key, raw in zip(keys[pos:], raws, strict=False):
-                item = self.writer.pending(key)
+            items = self.writer.pending_many(keys[pos : pos + len(raws)])
+            for key, raw, item in zip(keys[pos:], raws, items, strict=False):
                 if item is not None:
                     meta = BlockMeta.of(item.block, now=item.queued)
                 elif (meta := self.reads.decoded(key, raw)) is None:
