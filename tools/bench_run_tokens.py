@@ -12,10 +12,14 @@ writing it, and a run file's bytes are freed only with its last block.
 
 Per shape, block size and value: the median fetch ms, its ratio to the first
 value's (median of per-round ratios), the payload files and the largest one's
-MiB (what the writer joins at once).
+MiB (what the writer joins at once). With ``--prefix N``, each round also
+fetches a prompt sharing only the chain's first N tokens (a shared system
+prompt, say): a restore that uses part of a run file still reads and hashes
+the file up to its last tensor used, so longer runs cost such hits more
+(``prefix ms``, ``prefix / first``).
 
     python tools/bench_run_tokens.py [--shape all] [--blocks 16,256]
-        [--run-tokens 256 512 1024] [--tokens 4096] [--repeat 11]
+        [--run-tokens 256 512 1024] [--tokens 4096] [--repeat 11] [--prefix 600]
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-tokens", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=11)
+    p.add_argument("--prefix", type=int, default=0, help="also fetch the first N tokens' hit")
     p.add_argument("--dir", default=None, help="parent directory of the SSD tiers")
     return p
 
@@ -63,41 +68,58 @@ def measure(args, shape, model, block_size: int, root: str) -> list[dict[str, ob
             caches[value] = (pc, stored_chain(pc, shape, model, args.tokens)[0])
             sizes[value] = payload_sizes(ssd)
 
-        def fetch(value: int) -> float:
+        def fetch(value: int, prefix: int = 0) -> float | None:
             pc, probe = caches[value]
+            # a prefix's hit: its whole blocks, or every token of it (a block cut short)
+            want = {prefix // block_size * block_size, prefix} if prefix else {args.tokens}
             start = time.perf_counter()
-            cache, num = pc.fetch(probe)
+            cache, num = pc.fetch([*probe[:prefix], 512] if prefix else probe)  # 512: none of its
             mx.eval([c.state for c in cache])
             took = time.perf_counter() - start
-            if num != args.tokens:
-                raise AssertionError(f"fetch restored {num} of {args.tokens} tokens")
+            if prefix and not num:  # a recurrent layer's state kept at no block of it
+                return None
+            if num not in want:
+                raise AssertionError(f"fetch restored {num} tokens, not {sorted(want)}")
             return took
 
         for value in values:  # warm: the page cache, MLX's first buffers
             fetch(value)
         times: dict[int, list[float]] = {value: [] for value in values}
+        parts: dict[int, list[float]] | None = {value: [] for value in values}
         for i in range(args.repeat):
             for value in values[i % len(values) :] + values[: i % len(values)]:
                 times[value].append(fetch(value))
-    first = times[values[0]]
-    return [
-        {
-            "shape": shape.name,
-            "block": block_size,
-            "run tokens": value,
-            "fetch ms": statistics.median(times[value]) * 1e3,
-            "/ first": statistics.median(t / f for t, f in zip(times[value], first, strict=True)),
-            "files": len(sizes[value]),
-            "largest MiB": max(sizes[value]) / MiB,
-        }
-        for value in values
-    ]
+                if args.prefix and parts is not None:
+                    took = fetch(value, args.prefix)
+                    if took is None:
+                        parts = None
+                    else:
+                        parts[value].append(took)
+    return [_row(shape.name, block_size, value, times, parts, sizes[value]) for value in values]
+
+
+def _row(name: str, block: int, value: int, times: dict, parts, sizes: list[int]) -> dict:
+    first = times[next(iter(times))]
+    part = parts[next(iter(parts))] if parts is not None else []
+    row = {"shape": name, "block": block, "run tokens": value}
+    row["fetch ms"] = statistics.median(times[value]) * 1e3
+    row["/ first"] = statistics.median(t / f for t, f in zip(times[value], first, strict=True))
+    if parts is None:  # no prefix restorable: the columns stay
+        row["prefix ms"] = row["prefix / first"] = "-"
+    elif part:
+        row["prefix ms"] = statistics.median(parts[value]) * 1e3
+        row["prefix / first"] = statistics.median(
+            t / f for t, f in zip(parts[value], part, strict=True)
+        )
+    return row | {"files": len(sizes), "largest MiB": max(sizes) / MiB}
 
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
     if any(v < 0 for v in args.run_tokens):
         raise SystemExit(f"--run-tokens must be 0 or more, got {args.run_tokens}")
+    if not 0 <= args.prefix < args.tokens:
+        raise SystemExit(f"--prefix must be 0 to {args.tokens - 1}, got {args.prefix}")
     rows = []
     for shape in named(args.shape):
         model = model_for(shape)
