@@ -136,3 +136,37 @@ def test_an_empty_queue_takes_one_item_bigger_than_the_bound(writers):
     hold.set()
     writer.flush()
     assert writer.queue_bytes == 0 and writer.submit(item(1))
+
+
+@pytest.mark.parametrize("run_tokens", [0, 64])
+def test_a_batch_cut_inside_a_chain_ends_at_a_whole_run(writers, run_tokens):
+    """A batch full at its byte bound inside a chain that goes on in the queue ends at
+    the chain's last whole run of ``run_tokens`` (the SSD tier's run files), so no
+    short file is cut at the bound; with 0 (the control) it ends where the bound falls.
+    Blocks of 16 tokens: 64 tokens are 4 blocks."""
+    hold, sink = threading.Event(), Sink()
+    writer = writers(sink, max_bytes=10_000, batch_bytes=700, run_tokens=run_tokens, hold=hold)
+    chain = [item(i) for i in range(10)]  # one chain, 100 bytes a block: 7 fit a batch
+    assert all(writer.submit(it) for it in chain)
+    hold.set()
+    writer.flush()
+    sizes = [len(batch) for batch in sink.batches]
+    assert sizes == ([4, 6] if run_tokens else [7, 3])
+    assert [k for batch in sink.batches for k in batch] == [it.block.key for it in chain]
+
+
+def test_a_batch_ends_at_the_bound_where_the_chain_stops_or_holds_no_whole_run(writers):
+    hold, sink = threading.Event(), Sink()
+    writer = writers(sink, max_bytes=10_000, batch_bytes=300, run_tokens=64, hold=hold)
+    other = WriteItem(make_block(41, 0), [], 100)  # another chain's block after 3 of this one
+    assert all(writer.submit(it) for it in [item(0), item(1), item(2), other, item(3)])
+    hold.set()
+    writer.flush()
+    # 3 blocks fill the batch; the next queued is another chain's: no cut inside a run
+    assert [len(b) for b in sink.batches] == [3, 2]
+    hold.clear()
+    sink.batches.clear()
+    assert all(writer.submit(item(i, 200)) for i in range(4, 7))  # 200 bytes: one a batch
+    hold.set()
+    writer.flush()
+    assert [len(b) for b in sink.batches] == [1, 1, 1]  # no whole run fits: one at a time

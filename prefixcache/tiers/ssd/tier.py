@@ -55,9 +55,8 @@ from .writes import SsdWrites
 
 logger = logging.getLogger(__name__)
 
-# A batch waits for more blocks while they keep coming, each within this many
-# seconds (at most 8x from its first): a store's or a spill's blocks, queued one
-# by one, are written in one batch and so as run files (runfiles.py).
+# A batch waits for more blocks while they keep coming, each within this many seconds
+# (at most 8x from its first): a store's blocks go in one batch, so in run files.
 _LINGER = 0.005
 
 
@@ -106,6 +105,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
             max_bytes=config.write_queue_limit,
             housekeeping=self._housekeeping,
             hold=writer_hold,
+            run_tokens=config.ssd_run_tokens,
             linger=_LINGER if config.ssd_run_tokens else 0.0,
         )
         self.reads = SsdReads(self.index, self.writer, self._payloads, self._counts, self._writes)
