@@ -158,4 +158,11 @@ def test_a_region_s_rows_are_views_of_its_buffer_in_batch_then_head_order():
         row[:] = r + 1
         assert (buf[i, k, 16:24] == r + 1).all()
     assert (buf[:, :, :16] == 0).all() and (buf[:, :, 24:] == 0).all()  # nothing outside
+    # every other head: no one reshape is a view of those rows, each row is still one
+    rows = region_rows(buf[:, ::2, 30:32, :])
+    assert rows is not None and len(rows) == 4
+    for r, row in enumerate(rows):
+        row[:] = 100 + r
+        assert (buf[r // 2, 2 * (r % 2), 30:32] == 100 + r).all()
+    assert (buf[:, 1, 30:32] == 0).all()
     assert region_rows(buf[:, :, :, 2:6]) is None  # the control: rows not contiguous
