@@ -91,6 +91,11 @@ class CacheConfig:
             have one after another on the token axis, a block's other tensors,
             such as state snapshots, whole), so a restore reads big pieces
             (tiers/ssd/runfiles.py); 0: one file per block.
+        ssd_run_growth: a run file may also hold up to this share of the
+            chain's tokens before it, where that is more than ``ssd_run_tokens``:
+            a long chain then lies in few files (fewer opens and headers per
+            restore), while a hit ending inside a run reads at most this share
+            of its own tokens more; 0: every run ``ssd_run_tokens``.
         write_policy: ``write_back`` spills on hot eviction; ``write_through``
             writes every stored block at once.
         write_queue_bytes: bound of each background writer's queue (ssd,
@@ -209,6 +214,7 @@ class CacheConfig:
     ssd_max_bytes: int = 64 << 30
     ssd_min_free_bytes: int = 1 << 30
     ssd_run_tokens: int = 256
+    ssd_run_growth: float = 0.5
     write_policy: WritePolicy = "write_back"
     write_queue_bytes: int | None = None
     queue_full: QueueFullPolicy = "drop"
@@ -264,9 +270,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         settings.check_types(self)
-        ratio = self.snapshot_ratio
-        if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not ratio > 0:
-            raise ValueError(f"snapshot_ratio must be a number > 0, got {ratio!r}")
+        _check_shares(self.snapshot_ratio, self.ssd_run_growth)
         for name in (
             "block_size",
             "kv_group_size",
@@ -342,3 +346,11 @@ class CacheConfig:
                 ``field`` names it.
         """
         return settings.from_env(cls, os.environ if environ is None else environ, overrides)
+
+
+def _check_shares(ratio: object, growth: object) -> None:
+    """``snapshot_ratio`` > 0 and ``ssd_run_growth`` from 0 to 16 (numbers, not bools)."""
+    if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not ratio > 0:
+        raise ValueError(f"snapshot_ratio must be a number > 0, got {ratio!r}")
+    if not isinstance(growth, int | float) or isinstance(growth, bool) or not 0 <= growth <= 16:
+        raise ValueError(f"ssd_run_growth must be a number from 0 to 16, got {growth!r}")

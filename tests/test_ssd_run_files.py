@@ -59,6 +59,7 @@ def ssd_config(tmp_path, kv=None, **over) -> CacheConfig:
         ssd_min_free_bytes=0,
         write_queue_bytes=1 << 30,
         ssd_run_tokens=RUN,
+        ssd_run_growth=0.0,  # every run four blocks (tests/test_ssd_run_growth.py: growing)
         background_quiet_ms=60_000,  # a store after a fetch is written by the flush at once
     )
     if kv is not None:

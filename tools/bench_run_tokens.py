@@ -16,10 +16,13 @@ MiB (what the writer joins at once). With ``--prefix N``, each round also
 fetches a prompt sharing only the chain's first N tokens (a shared system
 prompt, say): a restore that uses part of a run file still reads and hashes
 the file up to its last tensor used, so longer runs cost such hits more
-(``prefix ms``, ``prefix / first``).
+(``prefix ms``, ``prefix / first``). ``--run-growth G ...`` adds a tier per G
+with the first ``--run-tokens`` value and ``ssd_run_growth=G`` (runs growing
+with their depth in the chain: ``run tokens`` reads ``256+0.5``).
 
     python tools/bench_run_tokens.py [--shape all] [--blocks 16,256]
-        [--run-tokens 256 512 1024] [--tokens 4096] [--repeat 11] [--prefix 600]
+        [--run-tokens 256 512 1024] [--run-growth 0.5 1] [--tokens 4096] [--repeat 11]
+        [--prefix 600]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", nargs="+", default=["all"], help="presets of tools/shapes.py, or all")
     p.add_argument("--blocks", default="16,256", help="block sizes, comma-separated")
     p.add_argument("--run-tokens", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--run-growth", type=float, nargs="+", default=[], help="ssd_run_growth values")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=11)
     p.add_argument("--prefix", type=int, default=0, help="also fetch the first N tokens' hit")
@@ -57,18 +61,27 @@ def payload_sizes(ssd_dir: str) -> list[int]:
     return [os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(blocks) for f in names]
 
 
+def variants(args) -> dict[str, tuple[int, float]]:
+    """Each tier's label and its (ssd_run_tokens, ssd_run_growth)."""
+    out = {str(t): (t, 0.0) for t in args.run_tokens}
+    first = args.run_tokens[0]
+    return out | {f"{first}+{g:g}": (first, g) for g in args.run_growth if g}
+
+
 def measure(args, shape, model, block_size: int, root: str) -> list[dict[str, object]]:
-    values = args.run_tokens
+    runs = variants(args)
+    values = list(runs)
     with contextlib.ExitStack() as stack:
         caches, sizes = {}, {}
-        for value in values:
+        for value, (tokens, growth) in runs.items():
             ssd = os.path.join(root, f"ssd{block_size}-{value}")
-            cfg = tier_config("ssd", block_size, ssd).replace(ssd_run_tokens=value)
+            cfg = tier_config("ssd", block_size, ssd)
+            cfg = cfg.replace(ssd_run_tokens=tokens, ssd_run_growth=growth)
             pc = stack.enter_context(PrefixCache(model, cfg, model_id="bench"))
             caches[value] = (pc, stored_chain(pc, shape, model, args.tokens)[0])
             sizes[value] = payload_sizes(ssd)
 
-        def fetch(value: int, prefix: int = 0) -> float | None:
+        def fetch(value: str, prefix: int = 0) -> float | None:
             pc, probe = caches[value]
             # a prefix's hit: its whole blocks, or every token of it (a block cut short)
             want = {prefix // block_size * block_size, prefix} if prefix else {args.tokens}
@@ -84,8 +97,8 @@ def measure(args, shape, model, block_size: int, root: str) -> list[dict[str, ob
 
         for value in values:  # warm: the page cache, MLX's first buffers
             fetch(value)
-        times: dict[int, list[float]] = {value: [] for value in values}
-        parts: dict[int, list[float]] | None = {value: [] for value in values}
+        times: dict[str, list[float]] = {value: [] for value in values}
+        parts: dict[str, list[float]] | None = {value: [] for value in values}
         for i in range(args.repeat):
             for value in values[i % len(values) :] + values[: i % len(values)]:
                 times[value].append(fetch(value))
@@ -98,7 +111,7 @@ def measure(args, shape, model, block_size: int, root: str) -> list[dict[str, ob
     return [_row(shape.name, block_size, value, times, parts, sizes[value]) for value in values]
 
 
-def _row(name: str, block: int, value: int, times: dict, parts, sizes: list[int]) -> dict:
+def _row(name: str, block: int, value: str, times: dict, parts, sizes: list[int]) -> dict:
     first = times[next(iter(times))]
     part = parts[next(iter(parts))] if parts is not None else []
     row = {"shape": name, "block": block, "run tokens": value}
@@ -118,6 +131,8 @@ def main() -> None:
     args = setup_arg_parser().parse_args()
     if any(v < 0 for v in args.run_tokens):
         raise SystemExit(f"--run-tokens must be 0 or more, got {args.run_tokens}")
+    if any(not 0 <= g <= 16 for g in args.run_growth):
+        raise SystemExit(f"--run-growth must be 0 to 16, got {args.run_growth}")
     if not 0 <= args.prefix < args.tokens:
         raise SystemExit(f"--prefix must be 0 to {args.tokens - 1}, got {args.prefix}")
     rows = []

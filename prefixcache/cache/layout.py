@@ -57,6 +57,9 @@ class ModelLayout:
         self.window_prefixes = tuple(p for p, _, _ in windows(probe))
         self.window_sizes = tuple(w + k for _, w, k in windows(probe))
         self.window, self.window_keep = window_tokens(probe)
+        # window layers whose K/V a restore takes from its last block only
+        sizes = zip(self.window_prefixes, self.window_sizes, strict=True)
+        self.whole_windows = tuple(p for p, size in sizes if size <= config.block_size)
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None

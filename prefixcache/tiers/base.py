@@ -212,8 +212,11 @@ class Persistent(ABC):
     the caches' counters, and names the blocks a warm start loads first."""
 
     @abstractmethod
-    def note_namespace(self, root: bytes, namespace_json: str) -> None:
-        """Record which model and layout ``root`` stands for (for inspection)."""
+    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
+        """Record which model and layout ``root`` stands for (for inspection). ``whole``:
+        the payload-name prefixes of its layers whose K/V a restore takes from one
+        block only (a window no longer than a block): a tier joining blocks' K/V
+        (the SSD tier's run files) keeps theirs whole per block."""
 
     @abstractmethod
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:

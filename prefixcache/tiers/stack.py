@@ -266,10 +266,10 @@ class TierStack:
             if isinstance(tier, CostGated):
                 tier.note_prefill(num_tokens, seconds)
 
-    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
         for tier in self.lower:
             if isinstance(tier, Persistent):
-                tier.note_namespace(root, namespace_json)
+                tier.note_namespace(root, namespace_json, whole)
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         for tier in self.lower:

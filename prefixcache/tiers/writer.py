@@ -29,6 +29,7 @@ from ..blocks import Block
 from ..memory import give_back
 from ..memory.host import Tensor
 from . import quiet
+from .run_length import whole_runs
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,11 @@ class Writer:
             tests keep blocks pending with a real thread.
         batch_bytes: a batch is cut once it holds this many bytes.
         run_tokens: where a batch is cut inside a chain that goes on in the queue,
-            it ends at the last whole run of this many tokens from the chain's first
+            it ends at the last whole run (``run_blocks``) from the chain's first
             block in it (the SSD tier's run files: a cut at the byte bound made a
             short file); 0: where the bound falls.
+        run_growth: a run also holds up to this share of the tokens before it
+            (``run_blocks``).
         linger: seconds a batch waits for more items while they keep coming (each
             within ``linger`` of the last), at most ``8 * linger`` from its first
             one, unless it is urgent: a store's blocks queued one by one are then
@@ -85,6 +88,7 @@ class Writer:
         hold: threading.Event | None = None,
         batch_bytes: int = 64 << 20,
         run_tokens: int = 0,
+        run_growth: float = 0.0,
         linger: float = 0.0,
         name: str = "prefixcache-ssd-writer",
     ) -> None:
@@ -95,6 +99,7 @@ class Writer:
         self._hold = hold
         self._batch_bytes = batch_bytes
         self._run_tokens = run_tokens
+        self._run_growth = run_growth
         self._linger = linger
         self._last_in = 0.0  # time.monotonic() of the last item queued
         self._cond = threading.Condition()
@@ -278,19 +283,6 @@ class Writer:
             batch.append(item)
             nbytes += item.nbytes
         if self._run_tokens and len(batch) < len(self._queue):  # cut at a bound
-            return _whole_runs(batch, self._queue[len(batch)], self._run_tokens)
+            after = self._queue[len(batch)]
+            return whole_runs(batch, after, self._run_tokens, self._run_growth)
         return batch
-
-
-def _whole_runs(batch: list[WriteItem], after: WriteItem, run_tokens: int) -> list[WriteItem]:
-    """``batch`` without the blocks of its last chain past its last whole run of
-    ``run_tokens`` tokens, where that chain goes on with ``after`` (they are the
-    next batch's first run); as is where the chain stops there or holds no whole run."""
-    if after.block.parent != batch[-1].block.key:
-        return batch
-    start = len(batch) - 1  # the chain's first block in the batch
-    while start and batch[start].block.parent == batch[start - 1].block.key:
-        start -= 1
-    per_run = max(1, run_tokens // max(1, batch[start].block.num_tokens))
-    whole = (len(batch) - start) // per_run * per_run
-    return batch[: start + whole] if whole else batch

@@ -189,7 +189,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
         self.writer.wake()
         return num
 
-    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
         with self._lock:
             self._namespaces[root] = namespace_json
         self.writer.wake()

@@ -163,11 +163,21 @@ def verify(
     read: list[bool],
     checksum: int,
     bufs: Buffers,
+    apart: dict[int, list[Buffer]] | None = None,
 ) -> None:
     """Read ``steps`` and verify the file: where the tensors after the last one read
     are only hashed (a window layer's K/V far behind its window, other blocks'
     extras: the writer puts them last), only the data up to that one's end, against
-    its lead digest (``digests.py``); else all of it, against the whole checksum."""
+    its lead digest (``digests.py``); else all of it, against the whole checksum.
+
+    ``apart``: tensors (by index) read whole into buffers of their own (a run
+    file's extras), with their views. Where every tensor read after the first
+    one only hashed is such, and what lies between is worth skipping, the
+    tensors before that one are verified by its predecessor's lead digest and
+    each later one by its own digest: the stretches between (other blocks'
+    window K/V or state snapshots) are neither read nor hashed."""
+    if apart and _verify_apart(fd, steps, prefix, spans, read, bufs, apart):
+        return
     last = max((i for i, r in enumerate(read) if r), default=len(spans) - 1)
     lead = None
     if last < len(spans) - 1:
@@ -178,3 +188,35 @@ def verify(
     tail = len(spans) - 1 - last  # each only hashed: one step of its bytes each
     assert all(type(s) is int for s in steps[-tail:]), "a trailing tensor was read"
     read_lead(fd, steps[:-tail], len(prefix), spans[: last + 1], lead, bufs)
+
+
+def _verify_apart(
+    fd: int,
+    steps: list,
+    prefix: bytes,
+    spans: tuple[Span, ...],
+    read: list[bool],
+    bufs: Buffers,
+    apart: dict[int, list[Buffer]],
+) -> bool:
+    """``verify`` of the tensors after the first one only hashed by their own digests;
+    False (nothing read) where that does not apply."""
+    gap = read.index(False) if False in read else len(read)
+    later = [i for i in range(gap + 1, len(read)) if read[i]]
+    if not gap or not later or any(i not in apart for i in later):
+        return False
+    if not tensor_digests.worth_skipping(spans[gap:], [not r for r in read[gap:]]):
+        return False
+    text = prefix[8:]
+    lead = tensor_digests.lead(text, spans, spans[gap - 1][0])
+    digests = tensor_digests.parse(text, spans, [spans[i] for i in later])
+    cut, at = 0, 0  # the steps before tensor ``gap`` (it starts with one only hashed)
+    while cut < len(steps) and at < spans[gap][3]:
+        step = steps[cut]
+        at += step if type(step) is int else step[1]
+        cut += 1
+    if lead is None or digests is None or at != spans[gap][3] or type(steps[cut]) is not int:
+        return False
+    read_lead(fd, steps[:cut], len(prefix), spans[:gap], lead, bufs)
+    tensor_digests.read_used(fd, [(spans[i], apart[i]) for i in later], len(prefix), digests)
+    return True

@@ -158,9 +158,12 @@ def _read(fd: int, size: int, jobs: Sequence[Job], bufs: Buffers, place: Place |
     extras = _Extras(place, first.index, run.position, m)
     each = BlockPlaces(place, first.index, run.position, run.count, m)
     read: list[bool] = []  # per tensor: read (else only hashed)
+    apart: dict[int, list] = {}  # extras read: their views (verified apart where that pays)
     for span in spans:
         name, dtype, shape, start, end = span
         if (taken := extras.take(span, steps)) is not None:
+            if taken:
+                apart[len(read)] = extras.views
             read.append(taken)
             continue
         if len(shape) != 4 or shape[2] != run.count * n:
@@ -184,7 +187,7 @@ def _read(fd: int, size: int, jobs: Sequence[Job], bufs: Buffers, place: Place |
             steps.add([data] if data.nbytes else [], data.nbytes)
             loose[name] = (data, span)
             read.append(True)
-    verify(fd, steps.done(), prefix, spans, read, first.checksum, bufs)
+    verify(fd, steps.done(), prefix, spans, read, first.checksum, bufs, apart)
     at = _Loose(loose, place, first.index, run.position, n)
     return [_block(spans, whole, each, at, extras.of(i), i) for i in range(m)]
 
@@ -221,6 +224,7 @@ class _Extras:
 
     def __init__(self, place: Place | None, index: int, position: int, m: int) -> None:
         self.place, self.index, self.position, self.m = place, index, position, m
+        self.views: list[np.ndarray] = []
         self.got: list[dict[str, tuple[np.ndarray, mx.Dtype, tuple, object]]] = [
             {} for _ in range(m)
         ]
@@ -240,7 +244,8 @@ class _Extras:
             steps.skip(end - start)
             return False
         data = np.empty(end - start, np.uint8)
-        steps.add([data] if data.nbytes else [], data.nbytes)
+        self.views = [data] if data.nbytes else []  # the last one taken's
+        steps.add(self.views, data.nbytes)
         self.got[i][base] = (data, dt, tuple(shape), region)
         return True
 

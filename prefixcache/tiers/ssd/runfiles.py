@@ -3,7 +3,8 @@
 The writer groups the consecutive blocks of a chain that one batch holds (each
 block's parent the previous one's key, one root and tenant, some tensor (B,
 heads, tokens, dim) alike in all of them: plain and quantized K/V) into files
-of up to ``ssd_run_tokens`` tokens. The file is a normal payload
+of up to ``ssd_run_tokens`` tokens (or ``ssd_run_growth`` times the tokens
+before the run's first block, where that is more: ``run_length.py``). The file is a normal payload
 (``payload.py``: checksum, per-tensor digests, atomic write) named by a key
 derived from its blocks' keys; each K/V tensor (B, heads, tokens, dim) every
 block has alike is its blocks' tensors one after another on the token axis, (B,
@@ -28,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import lmdb
 import xxhash
 
 from ...blocks import BlockMeta
+from ..run_length import run_blocks
 from ..writer import WriteItem
 from .run_layout import EXTRA, joined
 
@@ -66,13 +68,15 @@ def metadata(block_size: int, keys: Sequence[bytes]) -> str:
 # -- the writer's side ------------------------------------------------------------
 
 
-def _spec(item: WriteItem) -> tuple[bytes, str, frozenset] | None:
-    """(root, tenant, the block's tensors on the token axis), or None: it cannot be
-    in a run (none on the token axis)."""
+def _spec(item: WriteItem, whole: tuple[str, ...] = ()) -> tuple[bytes, str, frozenset] | None:
+    """(root, tenant, the block's tensors joined on the token axis), or None: it
+    cannot be in a run (none on the token axis)."""
     n = item.block.num_tokens
     if not n or any(EXTRA in t.name for t in item.tensors):
         return None
-    spec = frozenset((t.name, t.dtype, t.shape) for t in item.tensors if joined(t.name, t.shape, n))
+    spec = frozenset(
+        (t.name, t.dtype, t.shape) for t in item.tensors if joined(t.name, t.shape, n, whole)
+    )
     return (item.block.root, item.block.tenant, spec) if spec else None
 
 
@@ -84,9 +88,16 @@ def _joins(spec: tuple | None, mine: tuple | None) -> tuple | None:
     return (*spec[:2], spec[2] & mine[2])
 
 
-def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
-    """``items`` cut into runs (lists of two blocks or more, in chain order) and
-    single blocks (lists of one), whatever order the batch holds them in."""
+def group(
+    items: Sequence[WriteItem],
+    run_tokens: int,
+    growth: float = 0.0,
+    whole: Mapping[bytes, tuple[str, ...]] | None = None,
+) -> list[list[WriteItem]]:
+    """``items`` cut into runs (lists of two blocks or more, in chain order, each
+    at most ``run_blocks`` from its first block) and single blocks (lists
+    of one), whatever order the batch holds them in. ``whole``: per root, the
+    layers kept whole in its run files (``run_layout.joined``)."""
     if run_tokens <= 0 or len(items) < 2:
         return [[it] for it in items]
     by_key = {it.block.key: it for it in items}
@@ -99,13 +110,15 @@ def group(items: Sequence[WriteItem], run_tokens: int) -> list[list[WriteItem]]:
         item: WriteItem | None = heads.popleft()
         current: list[WriteItem] = []
         spec = None
+        most = 0  # blocks the current run may hold
         while item is not None:
-            mine = _spec(item)
-            tokens = item.block.num_tokens * (len(current) + 1)
+            mine = _spec(item, whole.get(item.block.root, ()) if whole else ())
             both = _joins(spec, mine)
-            if both is None or tokens > run_tokens:
+            if both is None or len(current) >= most:
                 out.extend(_cut(current))
                 current, both = [], mine
+                first = item.block
+                most = run_blocks(first.index, first.num_tokens, run_tokens, growth)
             spec = both
             current.append(item)
             # the child of a full block's size goes on (a tail or a branch: their own)

@@ -106,6 +106,7 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
             housekeeping=self._housekeeping,
             hold=writer_hold,
             run_tokens=config.ssd_run_tokens,
+            run_growth=config.ssd_run_growth,
             linger=_LINGER if config.ssd_run_tokens else 0.0,
         )
         self.reads = SsdReads(self.index, self.writer, self._payloads, self._counts, self._writes)
@@ -200,8 +201,10 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
 
         return SsdReader(self.reads, keys)
 
-    def note_namespace(self, root: bytes, namespace_json: str) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
         self.records.note_namespace(root, namespace_json)
+        if whole:  # kept whole in its run files
+            self._writes.whole[root] = tuple(whole)
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         self.records.add_counters(root, delta)

@@ -56,6 +56,8 @@ class SsdWrites:
         self.max_bytes, self.min_free_bytes = config.ssd_max_bytes, config.ssd_min_free_bytes
         self.write_budget = config.ssd_write_budget
         self.run_tokens = config.ssd_run_tokens
+        self.run_growth = config.ssd_run_growth
+        self.whole: dict[bytes, tuple[str, ...]] = {}  # per root: layers kept whole in runs
         self.limits = Limits(*tier_shares(config, "ssd"))
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
@@ -161,8 +163,10 @@ class SsdWrites:
         """The batch's payload files: its runs of blocks (runfiles.py), one file
         each, and every other block in a file of its own."""
         files = []
-        for run in runfiles.group(self._unindexed(items), self.run_tokens):
-            if len(run) > 1 and (of_run := PayloadFile.of_run(run)) is not None:
+        runs = runfiles.group(self._unindexed(items), self.run_tokens, self.run_growth, self.whole)
+        for run in runs:
+            whole = self.whole.get(run[0].block.root, ())
+            if len(run) > 1 and (of_run := PayloadFile.of_run(run, whole)) is not None:
                 files.append(of_run)
                 continue
             for item in run:  # a block alone (or a run whose header would be too long)
@@ -216,7 +220,7 @@ class SsdWrites:
         for f in files:
             header, tensors = f.header, f.items[0].tensors
             if f.run is not None:
-                tensors = run_layout.tensors(f.items)
+                tensors = run_layout.tensors(f.items, f.whole)
                 header = encode_header(tensors, f.key, run=f.run)
             file_bytes, checksum = write_payload(
                 payload_path(self.payloads, f.key), header, tensors
@@ -238,14 +242,15 @@ class PayloadFile:
     file_bytes: int  # as reserved
     header: bytes = b""  # a block's own file's (a run file's is made as it is written)
     run: str | None = None
+    whole: tuple[str, ...] = ()  # a run file's layers kept whole (run_layout.joined)
 
     @classmethod
-    def of_run(cls, items: list[WriteItem]) -> PayloadFile | None:
+    def of_run(cls, items: list[WriteItem], whole: tuple[str, ...] = ()) -> PayloadFile | None:
         """The run file of ``items``; None if its header would be too long for readers."""
         keys = [it.block.key for it in items]
         key = runfiles.file_key(keys)
         run = runfiles.metadata(items[0].block.num_tokens, keys)
-        specs = run_layout.layout(items)
+        specs = run_layout.layout(items, whole)
         try:
             header = encode_header(specs, key, [(0, 0)] * len(specs), run)  # fixed width digests
         except ValueError:
@@ -255,7 +260,7 @@ class PayloadFile:
         # reserved: the run's header bound by its tensors' with no data (their offsets
         # take a few more digits each), the file's size once written
         size = len(header) + 24 * len(specs) + sum(it.nbytes for it in items)
-        return cls(key, items, size, run=run)
+        return cls(key, items, size, run=run, whole=whole)
 
     def refs(self) -> dict[bytes, tuple[RunRef, tuple[bytes, ...]]]:
         """Each block's run reference and the run's keys (none for a block's own file)."""
