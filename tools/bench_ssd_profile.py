@@ -17,11 +17,14 @@ fetch itself (medians):
     rest         the remainder: thread start and join, headroom zeroing, eval
 
 and ``file``: ONE file of the same bytes read into fresh memory (wall and CPU),
-alternating with the fetches. Only names that every version of the restore path
+alternating with the fetches. ``--shape`` profiles a preset of tools/shapes.py
+instead (its 4,096-token chain, the bytes its restore copies), ``--mx-cache-limit``
+lets MLX keep freed buffers. Only names that every version of the restore path
 keeps are wrapped, so the same command profiles the code before a change and
 after it.
 
     python tools/bench_ssd_profile.py [--block-sizes 16 32 64 256] [--repeat 9]
+        [--shape gpt-oss-20b] [--mx-cache-limit 4G]
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 from benchlib import add_chain_args, shaped_model, synthetic_cache, tier_config
+from shapes import model_for, named, stored_chain
 
 from prefixcache import PrefixCache
 from prefixcache.cache import restore as restore_module
 from prefixcache.cache.lookup import Lookup
+from prefixcache.config import parse_bytes
 from prefixcache.tiers.ssd import readers as readers_module
 
 PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"]
@@ -52,6 +57,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_chain_args(p, [16, 32, 64, 256], 9)
     p.add_argument("--dir", default=None)
+    p.add_argument("--shape", default=None, help="a preset of tools/shapes.py")
+    p.add_argument("--mx-cache-limit", type=parse_bytes, help="MLX's buffer cache limit, e.g. 4G")
     return p
 
 
@@ -132,15 +139,18 @@ def file_read(path: str, nbytes: int) -> tuple[float, float]:
 
 
 def run(args, model, block_size: int, root: str) -> dict[str, object]:
-    tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
-    probe = [*tokens, 1]
     cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
-        cache = synthetic_cache(args, args.tokens)
-        pc.store(tokens, cache)
-        pc.flush()
-        nbytes = sum(c.keys[..., : args.tokens, :].nbytes * 2 for c in cache)
-        del cache
+        if args.shape:
+            probe, nbytes = stored_chain(pc, named([args.shape])[0], model, args.tokens)
+        else:
+            tokens = np.random.default_rng(0).integers(0, 512, args.tokens).tolist()
+            probe = [*tokens, 1]
+            cache = synthetic_cache(args, args.tokens)
+            pc.store(tokens, cache)
+            pc.flush()
+            nbytes = sum(c.keys[..., : args.tokens, :].nbytes * 2 for c in cache)
+            del cache
         path = os.path.join(root, "one.file")
         with open(path, "wb") as f:
             f.write(os.urandom(nbytes))
@@ -165,7 +175,9 @@ def run(args, model, block_size: int, root: str) -> dict[str, object]:
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
-    model = shaped_model(args)
+    model = model_for(named([args.shape])[0]) if args.shape else shaped_model(args)
+    if args.mx_cache_limit is not None:
+        mx.set_cache_limit(args.mx_cache_limit)
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
