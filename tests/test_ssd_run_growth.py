@@ -101,7 +101,7 @@ def test_a_chain_in_growing_run_files_restores_exactly_and_grows(tmp_path):
 
 
 @pytest.mark.parametrize("growth", [0.0, 0.5])
-def test_growth_0_keeps_every_run_its_tokens(tmp_path, growth):
+def test_growth_0_keeps_every_run_its_tokens_and_the_default_grows_them(tmp_path, growth):
     """The control; and the default growth, 0.5: runs from twice ``ssd_run_tokens`` on grow."""
     model = tiny_model("llama")
     tokens = prompt(3, 12 * BLOCK)
