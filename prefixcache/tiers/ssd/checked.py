@@ -215,7 +215,9 @@ def _verify_apart(
         step = steps[cut]
         at += step if type(step) is int else step[1]
         cut += 1
-    if lead is None or digests is None or at != spans[gap][3] or type(steps[cut]) is not int:
+    if lead is None or digests is None or at != spans[gap][3] or cut == len(steps):
+        return False
+    if type(steps[cut]) is not int:  # tensor ``gap``'s bytes are read with others
         return False
     read_lead(fd, steps[:cut], len(prefix), spans[:gap], lead, bufs)
     tensor_digests.read_used(fd, [(spans[i], apart[i]) for i in later], len(prefix), digests)
