@@ -210,15 +210,14 @@ def _verify_apart(
     text = prefix[8:]
     lead = tensor_digests.lead(text, spans, spans[gap - 1][0])
     digests = tensor_digests.parse(text, spans, [spans[i] for i in later])
-    cut, at = 0, 0  # the steps before tensor ``gap`` (it starts with one only hashed)
-    while cut < len(steps) and at < spans[gap][3]:
+    if lead is None or digests is None:
+        return False
+    cut, at = 0, 0  # the steps before tensor ``gap``, whose own step only hashes it
+    while at < spans[gap][3]:
         step = steps[cut]
         at += step if type(step) is int else step[1]
         cut += 1
-    if lead is None or digests is None or at != spans[gap][3] or cut == len(steps):
-        return False
-    if type(steps[cut]) is not int:  # tensor ``gap``'s bytes are read with others
-        return False
+    assert at == spans[gap][3] and type(steps[cut]) is int, "a skipped tensor was read"
     read_lead(fd, steps[:cut], len(prefix), spans[:gap], lead, bufs)
     tensor_digests.read_used(fd, [(spans[i], apart[i]) for i in later], len(prefix), digests)
     return True

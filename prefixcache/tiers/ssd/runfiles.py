@@ -4,8 +4,8 @@ The writer groups the consecutive blocks of a chain that one batch holds (each
 block's parent the previous one's key, one root and tenant, some tensor (B,
 heads, tokens, dim) alike in all of them: plain and quantized K/V) into files
 of up to ``ssd_run_tokens`` tokens (or ``ssd_run_growth`` times the tokens
-before the run's first block, where that is more: ``run_length.py``). The file is a normal payload
-(``payload.py``: checksum, per-tensor digests, atomic write) named by a key
+before the run's first block, where that is more: ``run_length.py``). The file
+is a normal payload (``payload.py``: checksum, per-tensor digests, atomic write) named by a key
 derived from its blocks' keys; each K/V tensor (B, heads, tokens, dim) every
 block has alike is its blocks' tensors one after another on the token axis, (B,
 heads, k * block_size, dim), so a restore reads each (batch, head) row of a run
