@@ -16,15 +16,23 @@ fetch itself (medians):
                  (_add_block: split by layer, checks)
     rest         the remainder: thread start and join, headroom zeroing, eval
 
+and, in wall time from the fetch's start (where the readers have ``_outcomes``):
+
+  start        until the first reader begins its first run of files (the lookup,
+               the buffers, the readers' start: the serial part of a fetch)
+  reading      from then until the last reader ends its last run
+  tail         from then until the fetch returns, its cache evaluated
+
 and ``file``: ONE file of the same bytes read into fresh memory (wall and CPU),
 alternating with the fetches. ``--shape`` profiles a preset of tools/shapes.py
 instead (its 4,096-token chain, the bytes its restore copies), ``--mx-cache-limit``
-lets MLX keep freed buffers. Only names that every version of the restore path
-keeps are wrapped, so the same command profiles the code before a change and
-after it.
+lets MLX keep freed buffers, ``--readers 1 2`` runs each block size with that many
+reader threads on a warm chain (``threads``: what the second reader buys). Only names that
+every version of the restore path keeps are wrapped, so the same command profiles
+the code before a change and after it.
 
     python tools/bench_ssd_profile.py [--block-sizes 16 32 64 256] [--repeat 9]
-        [--shape gpt-oss-20b] [--mx-cache-limit 4G]
+        [--shape gpt-oss-20b] [--mx-cache-limit 4G] [--readers 1 2]
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from prefixcache.config import parse_bytes
 from prefixcache.tiers.ssd import readers as readers_module
 
 PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"]
+PHASES = ["start", "reading", "tail"]
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -59,6 +68,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None)
     p.add_argument("--shape", default=None, help="a preset of tools/shapes.py")
     p.add_argument("--mx-cache-limit", type=parse_bytes, help="MLX's buffer cache limit, e.g. 4G")
+    p.add_argument("--readers", type=int, nargs="+", default=[0], help="warm reader threads")
     return p
 
 
@@ -67,6 +77,7 @@ class Meter:
 
     def __init__(self) -> None:
         self.cpu: dict[str, float] = {}
+        self.runs: list[tuple[float, float]] = []  # each reader run's (start, end), wall
         self._lock = threading.Lock()
 
     def add(self, name: str, seconds: float) -> None:
@@ -84,6 +95,20 @@ class Meter:
                 self.add(name, time.thread_time() - began)
 
         setattr(owner, attr, timed)
+
+    def mark_runs(self, owner: object, attr: str) -> None:
+        """Record the wall start and end of each call of generator method ``attr``."""
+        real: Callable = getattr(owner, attr)
+
+        def marked(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                yield from real(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.runs.append((began, time.perf_counter()))
+
+        setattr(owner, attr, marked)
 
 
 @contextlib.contextmanager
@@ -106,6 +131,9 @@ def metered() -> Iterator[Meter]:
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in wrapped]
     for owner, attr, name in wrapped:
         meter.wrap(owner, attr, name)
+    if hasattr(readers_module.Readers, "_outcomes"):
+        saved.append((readers_module.Readers, "_outcomes", readers_module.Readers._outcomes))
+        meter.mark_runs(readers_module.Readers, "_outcomes")
     try:
         yield meter
     finally:
@@ -116,15 +144,19 @@ def metered() -> Iterator[Meter]:
 def profile(pc: PrefixCache, probe: list[int], meter: Meter) -> dict[str, float]:
     gc.collect()
     meter.cpu.clear()
-    wall, cpu, caller = time.perf_counter(), time.process_time(), time.thread_time()
+    meter.runs.clear()
+    began, cpu, caller = time.perf_counter(), time.process_time(), time.thread_time()
     cache, num = pc.fetch(probe)
     mx.eval([c.state for c in cache])
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    ended, cpu = time.perf_counter(), time.process_time() - cpu
     caller = time.thread_time() - caller
     assert num == len(probe) - 1, (num, len(probe))
     del cache
-    out = {"wall": wall, "cpu": cpu, "caller": caller, **meter.cpu}
+    out = {"wall": ended - began, "cpu": cpu, "caller": caller, **meter.cpu}
     out["rest"] = caller - sum(meter.cpu.get(k, 0.0) for k in ("lookup", "alloc", "blocks"))
+    if meter.runs:
+        first, last = min(s for s, _ in meter.runs), max(e for _, e in meter.runs)
+        out |= {"start": first - began, "reading": last - first, "tail": ended - last}
     return out
 
 
@@ -138,7 +170,9 @@ def file_read(path: str, nbytes: int) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def run(args, model, block_size: int, root: str) -> dict[str, object]:
+def run(args, model, block_size: int, readers: int, root: str) -> dict[str, object]:
+    if readers:
+        readers_module._WARM_READERS = readers
     cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
         if args.shape:
@@ -166,7 +200,8 @@ def run(args, model, block_size: int, root: str) -> dict[str, object]:
                     refs.append(file_read(path, nbytes))
         os.remove(path)
     out: dict[str, object] = {"block": block_size, "num_blocks": args.tokens // block_size}
-    for part in PARTS:
+    out["threads"] = readers or readers_module._WARM_READERS
+    for part in PARTS + PHASES:
         out[part] = statistics.median(r.get(part, 0.0) for r in rows) * 1e3
     out["file_wall"] = statistics.median(w for w, _ in refs) * 1e3
     out["file_cpu"] = statistics.median(c for _, c in refs) * 1e3
@@ -182,15 +217,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         for block_size in args.block_sizes:
-            rows.append(row := run(args, model, block_size, root))
-            print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
-    head = ["block", "num blocks", *PARTS, "file wall", "file cpu"]
-    print("\nms per fetch (medians); readers, caller and its parts are CPU time")
+            for readers in args.readers:
+                rows.append(row := run(args, model, block_size, readers, root))
+                print(" ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+    head = ["block", "num blocks", "threads", *PARTS, *PHASES, "file wall", "file cpu"]
+    print("\nms per fetch (medians); readers, caller and its parts are CPU time, the phases wall")
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     for r in rows:
-        cells = [str(r["block"]), str(r["num_blocks"])]
-        cells += [f"{r[k]:.1f}" for k in [*PARTS, "file_wall", "file_cpu"]]
+        cells = [str(r["block"]), str(r["num_blocks"]), str(r["threads"])]
+        cells += [f"{r[k]:.1f}" for k in [*PARTS, *PHASES, "file_wall", "file_cpu"]]
         print("| " + " | ".join(cells) + " |")
     end, cores = os.getloadavg(), os.cpu_count()
     print(f"\nload average (1 min) at start {load[0]:.2f}, at end {end[0]:.2f} on {cores} cores.")
