@@ -102,6 +102,12 @@ class BlockPlaces:
             parts.append((i, 1, got, rows))
         return parts
 
+    def has(self, i: int) -> bool:
+        """Whether block ``i`` of the job has a tensor read into its own place (a window
+        layer's K/V in the last blocks of a chain's last run file; its blocks before
+        the window have none, and are handed over as the run's others are)."""
+        return any(got[i] is not None for got in self.placed.values())
+
     def of(self, name: str, i: int) -> Placed | None:
         """Block ``i``'s tensor ``name`` where it was read into its place, else None."""
         got = self.placed.get(name)

@@ -273,7 +273,7 @@ def _block(
     tensors, and its part of each loose tensor, in file order, then its extras."""
     n = loose.n
     tokens = (i * n, (i + 1) * n)
-    if not loose.loose and not extras and not each.placed:
+    if not loose.loose and not extras and not each.has(i):
         return PlacedRun(whole, tokens)
     out: dict[str, HostArray | Placed] = {}
     for name, *_ in spans:
