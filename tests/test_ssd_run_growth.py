@@ -26,9 +26,8 @@ from test_ssd_digests import flip_in, spans_of
 from test_ssd_run_files import payload, runs_of, ssd_config
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.cache.restore import ChainLoad
 from prefixcache.errors import ConfigError
-from prefixcache.memory.host import PlacedRun, tensors_of
+from prefixcache.memory.host import tensors_of
 from prefixcache.tiers import run_length
 from prefixcache.tiers.ssd import checked, digests, run_layout, runfiles
 from prefixcache.tiers.writer import WriteItem
@@ -189,44 +188,3 @@ def test_a_window_longer_than_a_block_stays_joined(tmp_path):
         last = runs_of(pc, 8)[-1].file_key
         names = window_names(pc, last)
         assert names and not any(run_layout.split_extra(n) for n in names)
-
-
-def test_a_run_files_blocks_before_the_window_come_as_the_run_the_window_s_on_their_own(
-    tmp_path, monkeypatch
-):
-    """A chain in one run file of 12 blocks of 4 tokens: its last 4 blocks hold the
-    window (16 tokens), each read into its own place; the 8 before it have none of
-    their own and are handed over as run blocks (one object for all of them), so
-    the restore checks them once. The restore is exact and grows."""
-    model = tiny_model("gemma3_text")
-    tokens = prompt(23, 12 * 4)
-    cfg = ssd_config(tmp_path, block_size=4, ssd_run_tokens=12 * 4)
-    handed: list[list] = []
-    real = ChainLoad.payloads
-
-    def payloads(self, index, limit):
-        got = real(self, index, limit)
-        handed.append(got[0])
-        return got
-
-    monkeypatch.setattr(ChainLoad, "payloads", payloads)
-    with PrefixCache(model, cfg, model_id="t") as pc:
-        cache = make_prompt_cache(model)
-        prefill(model, tokens, cache, step=len(tokens))
-        pc.store(tokens, cache)
-        pc.flush()
-        assert [r.count for r in runs_of(pc, 4)] == [12] * 12
-        asked = tokens + prompt(24, 9)
-        restored, num = pc.fetch(asked)
-    assert num == len(tokens)
-    blocks = [block for batch in handed for block in batch]
-    assert len(blocks) == 12
-    assert all(type(b) is PlacedRun for b in blocks[:8])
-    assert len({id(b.run) for b in blocks[:8]}) == 1  # one run: checked once
-    assert not any(type(b) is PlacedRun for b in blocks[8:])  # the window's blocks
-    assert all(any(n.startswith(WINDOW) for n in b) for b in blocks[8:])
-    live = make_prompt_cache(model)
-    prefill(model, asked[:num], live, step=len(tokens))
-    want = grow(model, live, asked[num:], 3, step=4)
-    got = grow(model, restored, asked[num:], 3, step=4)
-    assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 4

@@ -12,7 +12,9 @@ a byte flipped in a tensor the fetch uses fails the file's blocks.
 
 The last run file's window K/V are used by its last blocks only (no region
 holds all the run's blocks): each block's part goes straight into its own
-place, never through a loose buffer, and the restore is exact and grows. A
+place, never through a loose buffer, the run's blocks before the window are
+handed over as the run's regions (as every other run file's blocks: checked
+once), and the restore is exact and grows. A
 byte flipped in such a placed part fails the file's blocks; with the per-block
 places turned off the same tensors go through the loose buffer (the control
 that the observation tells the two apart).
@@ -150,8 +152,8 @@ def test_the_last_run_files_window_tensors_go_straight_into_their_blocks_places(
         for i in (10, 11):  # the window's blocks: their window K/V each in its place
             assert {n: kinds[i][n] for n in WINDOW} == dict.fromkeys(WINDOW, "Placed")
             assert set(kinds[i].values()) == {"Placed"}, kinds[i]
-        for i in (8, 9):  # before the window: full layers only
-            assert not WINDOW & set(kinds[i]) and set(kinds[i].values()) == {"Placed"}
+        for i in (8, 9):  # before the window: full layers only, as the run's other blocks
+            assert not WINDOW & set(kinds[i]) and set(kinds[i].values()) == {"PlacedRun"}
         live = make_prompt_cache(model)
         prefill(model, tokens, live, step=TOKENS)
         rest = asked[num:] + prompt(25, 13)  # past the restored length, then decode
