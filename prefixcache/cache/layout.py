@@ -28,6 +28,7 @@ from ..blocks import Block
 from ..codecs import Codec, UnusedKVCache, codec_for
 from ..config import CacheConfig
 from ..errors import LayoutMismatchError, MissReason
+from ..tiers.run_length import RunHints
 from .costs import RecomputeCost
 from .points import RestorePoints
 from .window import WindowPolicy, window_tokens, windows
@@ -60,6 +61,10 @@ class ModelLayout:
         # window layers whose K/V a restore takes from its last block only
         sizes = zip(self.window_prefixes, self.window_sizes, strict=True)
         self.whole_windows = tuple(p for p, size in sizes if size <= config.block_size)
+        # blocks the widest longer window needs at a chain's end (its tokens after the front)
+        longer = [w for _, w, k in windows(probe) if w + k > config.block_size]
+        self.window_blocks = -(-max(longer) // config.block_size) if longer else 0
+        self.run_hints = RunHints(self.whole_windows, self.window_blocks)
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None

@@ -584,6 +584,6 @@ class PrefixCache:
             namespace = self.namespace.with_extra(extra)
             root = self._roots[items] = namespace.root_key()
             # once per root per process: `prefixcache stats` per model
-            self.tiers.note_namespace(root, namespace.to_json(), self.layout.whole_windows)
+            self.tiers.note_namespace(root, namespace.to_json(), self.layout.run_hints)
             self.services.note_namespace(root, items)
         return root

@@ -26,6 +26,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..errors import MissReason
+from .run_length import NO_HINTS, RunHints
 
 if TYPE_CHECKING:
     import numpy as np
@@ -212,11 +213,10 @@ class Persistent(ABC):
     the caches' counters, and names the blocks a warm start loads first."""
 
     @abstractmethod
-    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
-        """Record which model and layout ``root`` stands for (for inspection). ``whole``:
-        the payload-name prefixes of its layers whose K/V a restore takes from one
-        block only (a window no longer than a block): a tier joining blocks' K/V
-        (the SSD tier's run files) keeps theirs whole per block."""
+    def note_namespace(self, root: bytes, namespace_json: str, runs: RunHints = NO_HINTS) -> None:
+        """Record which model and layout ``root`` stands for (for inspection). ``runs``:
+        what a tier joining blocks' K/V (the SSD tier's run files) needs to know of
+        the layout (``run_length.RunHints``)."""
 
     @abstractmethod
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:

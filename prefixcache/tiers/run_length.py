@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from ..blocks import BlockHeader
@@ -13,6 +14,23 @@ class _Queued(Protocol):
 
 
 Item = TypeVar("Item", bound=_Queued)  # a writer's queued block (writer.WriteItem)
+
+
+@dataclass(frozen=True, slots=True)
+class RunHints:
+    """What the writer of run files needs to know of a namespace's layout.
+
+    ``whole``: the payload-name prefixes of its layers whose K/V a restore takes
+    from one block only (a window no longer than a block), kept whole per block.
+    ``window_blocks``: the blocks its widest longer window needs at a chain's
+    end, written in a run file of their own (``runfiles._split_end``).
+    """
+
+    whole: tuple[str, ...] = ()
+    window_blocks: int = 0
+
+
+NO_HINTS = RunHints()
 
 
 def run_blocks(index: int, block_tokens: int, run_tokens: int, growth: float = 0.0) -> int:

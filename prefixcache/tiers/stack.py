@@ -1,14 +1,13 @@
 """TierStack: the hot tier, then the lower tiers (ssd, remote) in order, and how blocks move.
 
-Read path: a chain is matched through the tiers in order (``chain``,
-``children``), and lower-tier hits are promoted upward (``promote``, called off
-the request's path). Write path: new blocks go into hot (``place``); under
-``write_back`` a dirty block spills to the lower tiers when hot evicts it (its
-dirty ancestors first), under ``write_through`` it is put there at once, and an
-``eager`` tier takes every block at once. With no lower tier (``hot_cache_only``)
-an evicted block is discarded. A ``persist=False`` block stays hot only (private).
-A metered tier's writes pass the stack's governor (admission and the write budget).
-Which tier lost which block, and why, is remembered to explain misses (losses.py).
+Read path: a chain is matched through the tiers in order (``chain``, ``children``), and
+lower-tier hits are promoted upward (``promote``, called off the request's path). Write
+path: new blocks go into hot (``place``); under ``write_back`` a dirty block spills to the
+lower tiers when hot evicts it (its dirty ancestors first), under ``write_through`` it is
+put there at once, and an ``eager`` tier takes every block at once. With no lower tier
+(``hot_cache_only``) an evicted block is discarded. A ``persist=False`` block stays hot only
+(private). A metered tier's writes pass the stack's governor (admission, the write budget);
+which tier lost which block, and why, is remembered to explain misses (losses.py).
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from .hot.tenants import hot_shares
 from .hot.tier import CostHook, HotTier, ShedHook
 from .losses import EVICTED, NOT_ADMITTED, Losses
 from .pins import Pins
+from .run_length import NO_HINTS, RunHints
 
 _EVICTED_MEMORY = 65536  # keys remembered to tell "evicted" from "never stored"
 
@@ -266,10 +266,10 @@ class TierStack:
             if isinstance(tier, CostGated):
                 tier.note_prefill(num_tokens, seconds)
 
-    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, runs: RunHints = NO_HINTS) -> None:
         for tier in self.lower:
             if isinstance(tier, Persistent):
-                tier.note_namespace(root, namespace_json, whole)
+                tier.note_namespace(root, namespace_json, runs)
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         for tier in self.lower:

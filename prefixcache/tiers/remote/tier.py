@@ -36,6 +36,7 @@ from ...errors import MissReason, PayloadError
 from ...hashing import TOKEN_BYTES
 from ...memory.host import tensors_of
 from ..base import CostGated, ListsChildren, Persistent, SharesTenants, Tier, TierReader
+from ..run_length import NO_HINTS, RunHints
 from ..writer import WriteItem, Writer
 from .chain import children_of, look_up
 from .client import RemoteClient, RemoteUnavailable
@@ -189,7 +190,7 @@ class RemoteTier(ListsChildren, Persistent, CostGated, SharesTenants, Tier):
         self.writer.wake()
         return num
 
-    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, runs: RunHints = NO_HINTS) -> None:
         with self._lock:
             self._namespaces[root] = namespace_json
         self.writer.wake()

@@ -36,7 +36,7 @@ import lmdb
 import xxhash
 
 from ...blocks import BlockMeta
-from ..run_length import run_blocks
+from ..run_length import RunHints, run_blocks
 from ..writer import WriteItem
 from .run_layout import EXTRA, joined
 
@@ -92,12 +92,15 @@ def group(
     items: Sequence[WriteItem],
     run_tokens: int,
     growth: float = 0.0,
-    whole: Mapping[bytes, tuple[str, ...]] | None = None,
+    hints: Mapping[bytes, RunHints] | None = None,
 ) -> list[list[WriteItem]]:
     """``items`` cut into runs (lists of two blocks or more, in chain order, each
     at most ``run_blocks`` from its first block) and single blocks (lists
-    of one), whatever order the batch holds them in. ``whole``: per root, the
-    layers kept whole in its run files (``run_layout.joined``)."""
+    of one), whatever order the batch holds them in. ``hints``: per root, the
+    layers kept whole in its run files (``run_layout.joined``) and the blocks
+    its widest longer window needs at a chain's end: where a run ends the
+    chain's full blocks short of a whole run, those get a file of their own
+    (``_split_end``)."""
     if run_tokens <= 0 or len(items) < 2:
         return [[it] for it in items]
     by_key = {it.block.key: it for it in items}
@@ -112,10 +115,11 @@ def group(
         spec = None
         most = 0  # blocks the current run may hold
         while item is not None:
-            mine = _spec(item, whole.get(item.block.root, ()) if whole else ())
+            mine = _spec(item, hint.whole if (hint := _hint(hints, item)) else ())
             both = _joins(spec, mine)
             if both is None or len(current) >= most:
-                out.extend(_cut(current))
+                ends = bool(current) and item.block.num_tokens != current[-1].block.num_tokens
+                out.extend(_split_end(current, most, hints) if ends else _cut(current))
                 current, both = [], mine
                 first = item.block
                 most = run_blocks(first.index, first.num_tokens, run_tokens, growth)
@@ -126,7 +130,7 @@ def group(
             below = sorted(kids.get(item.block.key, []), key=lambda c: c.block.num_tokens != size)
             heads.extend(below[1:])
             item = below[0] if below else None
-        out.extend(_cut(current))
+        out.extend(_split_end(current, most, hints))
     if sum(map(len, out)) != len(items):  # not a forest of chains: each block alone
         return [[it] for it in items]
     return out
@@ -135,6 +139,26 @@ def group(
 def _cut(run: list[WriteItem]) -> list[list[WriteItem]]:
     """A run of two blocks or more as one file; one block as its own."""
     return [run] if len(run) > 1 else [[it] for it in run]
+
+
+def _hint(hints: Mapping[bytes, RunHints] | None, item: WriteItem) -> RunHints | None:
+    return hints.get(item.block.root) if hints else None
+
+
+def _split_end(
+    run: list[WriteItem], most: int, hints: Mapping[bytes, RunHints] | None
+) -> list[list[WriteItem]]:
+    """A run that ends its chain's full blocks, cut as ``_cut`` does, its last blocks a
+    window layer needs at that end in a file of their own: a restore of the whole
+    chain uses a window layer's K/V of those blocks only (every block's is joined
+    on the token axis), so it reads that file whole and of the one before only the
+    full layers' K/V, which lead it (the window's are neither read nor hashed).
+    Left whole where it is a whole run (``most`` blocks: where the writer's batch
+    was cut, the chain goes on in the next)."""
+    n = hint.window_blocks if run and (hint := _hint(hints, run[0])) else 0
+    if 0 < n < len(run) < most:
+        return _cut(run[:-n]) + _cut(run[-n:])
+    return _cut(run)
 
 
 # -- the index's side ------------------------------------------------------------

@@ -42,6 +42,7 @@ from ..base import (
     Tier,
     TierReader,
 )
+from ..run_length import NO_HINTS, RunHints
 from ..writer import WriteItem, Writer
 from .directory import open_dir
 from .health import Counts, Health
@@ -201,10 +202,10 @@ class SsdTier(ListsChildren, KeepsPins, Persistent, Metered, ReportsEvents, Shar
 
         return SsdReader(self.reads, keys)
 
-    def note_namespace(self, root: bytes, namespace_json: str, whole: tuple[str, ...] = ()) -> None:
+    def note_namespace(self, root: bytes, namespace_json: str, runs: RunHints = NO_HINTS) -> None:
         self.records.note_namespace(root, namespace_json)
-        if whole:  # kept whole in its run files
-            self._writes.whole[root] = tuple(whole)
+        if runs != NO_HINTS:
+            self._writes.hints[root] = runs
 
     def save_counters(self, root: bytes, delta: Mapping[str, object]) -> None:
         self.records.add_counters(root, delta)

@@ -23,6 +23,7 @@ from ...blocks import BlockMeta
 from ...config import CacheConfig
 from ...shares_config import tier_shares
 from ..base import BlockListener
+from ..run_length import RunHints
 from ..writer import WriteItem
 from . import run_layout, runfiles
 from .batch_order import newest_first
@@ -57,7 +58,7 @@ class SsdWrites:
         self.write_budget = config.ssd_write_budget
         self.run_tokens = config.ssd_run_tokens
         self.run_growth = config.ssd_run_growth
-        self.whole: dict[bytes, tuple[str, ...]] = {}  # per root: layers kept whole in runs
+        self.hints: dict[bytes, RunHints] = {}  # per root: how its run files are cut
         self.limits = Limits(*tier_shares(config, "ssd"))
         self.listener: BlockListener | None = None  # hears what is indexed and evicted
         self.counts, self.health = counts, health
@@ -163,9 +164,10 @@ class SsdWrites:
         """The batch's payload files: its runs of blocks (runfiles.py), one file
         each, and every other block in a file of its own."""
         files = []
-        runs = runfiles.group(self._unindexed(items), self.run_tokens, self.run_growth, self.whole)
+        runs = runfiles.group(self._unindexed(items), self.run_tokens, self.run_growth, self.hints)
         for run in runs:
-            whole = self.whole.get(run[0].block.root, ())
+            hints = self.hints.get(run[0].block.root)
+            whole = () if hints is None else hints.whole
             if len(run) > 1 and (of_run := PayloadFile.of_run(run, whole)) is not None:
                 files.append(of_run)
                 continue
