@@ -3,13 +3,14 @@
 gemma3_text (window 16) at block 8 needs its window layers' K/V of a chain's
 last two blocks. Prefilled in one chunk, every block keeps window K/V, joined on
 the token axis with its run's. Where the chain's last run is short of a whole
-run, the writer puts those two blocks in a file of their own (``window_blocks``),
-so a fetch of the whole chain reads that file whole and of the file before it
-only the full layers' K/V: a byte flipped in that file's window K/V is never
-read, and the restore is exact and grows. The control: without the split, the
-same byte lies in the last run file, whose window K/V the fetch reads for its
-last blocks, and it fails the file's blocks. A whole last run (where the
-writer's batch was cut: the chain may go on) stays one file.
+run and holds twice those blocks at least, the writer puts them in a file of
+their own (``window_blocks``), so a fetch of the whole chain reads that file
+whole and of the file before it only the full layers' K/V: a byte flipped in
+that file's window K/V is never read, and the restore is exact and grows. The
+control: without the split, the same byte lies in the last run file, whose
+window K/V the fetch reads for its last blocks, and it fails the file's blocks.
+A whole last run (where the writer's batch was cut: the chain may go on) and a
+short one stay one file.
 """
 
 from __future__ import annotations
@@ -26,24 +27,25 @@ from prefixcache.tiers.run_length import RunHints
 from prefixcache.tiers.ssd import runfiles
 
 BLOCK = 8
-TOKENS = 11 * BLOCK  # runs of four blocks: 4, 4 and a short one of 3
+RUN = 6  # blocks
+TOKENS = 11 * BLOCK  # runs of six blocks: 6 and a short one of 5
 
 
 def test_the_writer_puts_a_chains_last_window_blocks_in_a_file_of_their_own():
     batch = items(11)
     ends = {batch[0].block.root: RunHints(window_blocks=2)}
-    assert [len(r) for r in runfiles.group(batch, 64, 0.0, ends)] == [4, 4, 1, 2]
-    assert [len(r) for r in runfiles.group(batch, 64)] == [4, 4, 3]  # the control
+    assert [len(r) for r in runfiles.group(batch, 96, 0.0, ends)] == [6, 3, 2]
+    assert [len(r) for r in runfiles.group(batch, 96)] == [6, 5]  # the control
     whole = items(12)  # a whole last run: as is
-    assert [len(r) for r in runfiles.group(whole, 64, 0.0, ends)] == [4, 4, 4]
-    short = items(10)  # a last run no longer than the window's blocks: as is
-    assert [len(r) for r in runfiles.group(short, 64, 0.0, ends)] == [4, 4, 2]
+    assert [len(r) for r in runfiles.group(whole, 96, 0.0, ends)] == [6, 6]
+    short = items(9)  # a last run shorter than twice the window's blocks: as is
+    assert [len(r) for r in runfiles.group(short, 96, 0.0, ends)] == [6, 3]
 
 
 def stored(tmp_path):
     model = tiny_model("gemma3_text")
     tokens = prompt(31, TOKENS)
-    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=4 * BLOCK)
+    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=RUN * BLOCK)
     pc = PrefixCache(model, cfg, model_id="t")
     assert pc.layout.window_blocks == 2
     assert pc.fetch(tokens)[1] == 0  # its quiet window: one writer batch
@@ -52,11 +54,6 @@ def stored(tmp_path):
     pc.store(tokens, cache)
     pc.flush()
     return pc, model, tokens
-
-
-def block_keys(pc: PrefixCache) -> list[bytes]:
-    metas = [m for m in pc.tiers.named("ssd").iter_meta() if m.num_tokens == BLOCK]
-    return [m.key for m in sorted(metas, key=lambda m: m.index)]
 
 
 def flip_first_bytes(path: str, key: bytes, name: str) -> None:
@@ -81,9 +78,9 @@ def test_a_chains_window_blocks_alone_leave_the_file_before_unread_behind_its_fu
     pc, model, tokens = stored(tmp_path)
     with pc:
         runs = runs_of(pc, BLOCK)
-        assert [None if r is None else r.count for r in runs] == [4] * 8 + [None, 2, 2]
-        key = block_keys(pc)[8]  # the block before the window's two: a file of its own
-        flip_first_bytes(payload(pc, key), key, "2.values")  # a window layer's, last
+        assert [r.count for r in runs] == [6] * 6 + [3] * 3 + [2] * 2
+        before = runs[6].file_key  # blocks 6-8, before the window's two
+        flip_first_bytes(payload(pc, before), before, "2.values")  # a window layer's, last
         asked = tokens + prompt(32, 5)
         restored, num = pc.fetch(asked)
         assert num == TOKENS and corrupt(pc) == 0  # never read
@@ -100,8 +97,8 @@ def test_without_the_split_the_same_byte_is_read_and_fails_the_last_run(tmp_path
     pc, _, tokens = stored(tmp_path)
     with pc:
         runs = runs_of(pc, BLOCK)
-        assert [r.count for r in runs] == [4] * 8 + [3] * 3
-        last = runs[8].file_key  # blocks 8-10: block 8's part leads each row
+        assert [r.count for r in runs] == [6] * 6 + [5] * 5
+        last = runs[6].file_key  # blocks 6-10: block 6's part leads each row
         flip_first_bytes(payload(pc, last), last, "2.values")
-        assert pc.fetch([*tokens, 1])[1] == 8 * BLOCK  # the blocks before it
-        assert corrupt(pc) == 3  # the file quarantined: its three blocks
+        assert pc.fetch([*tokens, 1])[1] == 6 * BLOCK  # the blocks before it
+        assert corrupt(pc) == 5  # the file quarantined: its five blocks
