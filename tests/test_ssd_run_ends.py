@@ -11,6 +11,11 @@ control: without the split, the same byte lies in the last run file, whose
 window K/V the fetch reads for its last blocks, and it fails the file's blocks.
 A whole last run (where the writer's batch was cut: the chain may go on) and a
 short one stay one file.
+
+The lookup asks for the window's blocks' payload names (whether they keep window
+K/V) from their file's header: each file's header is read once while the
+checksum its blocks' entries name holds, the next lookups read none (the
+control: with the kept headers cleared, they are read again).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from test_ssd_run_growth import items
 
 from prefixcache import PrefixCache
 from prefixcache.tiers.run_length import RunHints
-from prefixcache.tiers.ssd import runfiles
+from prefixcache.tiers.ssd import reads, runfiles
 
 BLOCK = 8
 RUN = 6  # blocks
@@ -102,3 +107,26 @@ def test_without_the_split_the_same_byte_is_read_and_fails_the_last_run(tmp_path
         flip_first_bytes(payload(pc, last), last, "2.values")
         assert pc.fetch([*tokens, 1])[1] == 6 * BLOCK  # the blocks before it
         assert corrupt(pc) == 5  # the file quarantined: its five blocks
+
+
+def test_a_lookup_reads_each_files_header_once(tmp_path, monkeypatch):
+    pc, _, tokens = stored(tmp_path)
+    with pc:
+        read = reads.read_header
+        asked: list[bytes] = []
+
+        def spy(path, key):
+            asked.append(key)
+            return read(path, key)
+
+        monkeypatch.setattr(reads, "read_header", spy)
+        assert pc.match([*tokens, 1]) == TOKENS
+        first = list(asked)
+        assert first and len(set(first)) == len(first)  # each file's once
+        assert runs_of(pc, BLOCK)[-1].file_key in first  # the window's blocks' file
+        asked.clear()
+        assert pc.match([*tokens, 1]) == TOKENS
+        assert asked == []  # kept
+        pc.tiers.named("ssd").reads._headers.clear()  # the control
+        assert pc.match([*tokens, 1]) == TOKENS
+        assert sorted(asked) == sorted(first)

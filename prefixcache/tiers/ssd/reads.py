@@ -28,6 +28,7 @@ from .run_reads import LastRunFile
 from .writes import SsdWrites, TierError
 
 logger = logging.getLogger(__name__)
+_HEADERS = 64  # payload headers kept parsed (``SsdReads._header``)
 
 _MAX_TOUCHES = 4096  # pending LRU touches that wake the writer (else they ride with writes)
 
@@ -51,6 +52,7 @@ class SsdReads:
         self._lock = threading.Lock()  # touches
         self._touches: set[bytes] = set()
         self._runs = LastRunFile()  # single-block loads of run files
+        self._headers: dict[tuple[bytes, int], list] = {}  # (file key, checksum) -> specs
 
     def payload_file(self, key: bytes) -> str:
         """Where ``key``'s payload file is (whether or not it exists)."""
@@ -64,10 +66,11 @@ class SsdReads:
             OSError: the file cannot be read.
             PayloadError: the header is bad, or the block is not indexed.
         """
-        run = self.index.get_runs([key])[0][1]
+        raw, run = self.index.get_runs([key])[0]
+        meta = decode_or_none(key, raw) if raw is not None else None
         if run is None:
-            return read_header(self.payload_file(key), key)
-        specs = read_header(self.payload_file(run.file_key), run.file_key)
+            return self._header(key, meta)
+        specs = self._header(run.file_key, meta)
         out = []
         for name, dt, shape in specs:
             extra = run_layout.split_extra(name)
@@ -80,6 +83,21 @@ class SsdReads:
                 b, h, t, d = shape
                 out.append((name, dt, (b, h, t // run.count, d)))
         return out
+
+    def _header(self, file_key: bytes, meta: BlockMeta | None) -> list:
+        """``read_header`` of the file, each file's once while the checksum its block's
+        entry (``meta``) names holds: a lookup asks of a window's blocks, one run file."""
+        if meta is None:
+            return read_header(self.payload_file(file_key), file_key)
+        which = (file_key, meta.checksum)
+        specs = self._headers.get(which)
+        if specs is None:
+            specs = read_header(self.payload_file(file_key), file_key)
+            with self._lock:
+                self._headers[which] = specs
+                if len(self._headers) > _HEADERS:
+                    self._headers.pop(next(iter(self._headers)))
+        return specs
 
     def decoded(self, key: bytes, raw: bytes | None) -> BlockMeta | None:
         """The decoded entry; None if absent or unreadable (then quarantined)."""
