@@ -20,14 +20,11 @@ control: with the kept headers cleared, they are read again).
 
 from __future__ import annotations
 
-from conftest import max_diff, prefill, prompt, tiny_model
-from mlx_lm.models.cache import make_prompt_cache
-from test_restore_grows import grow
-from test_ssd_digests import spans_of
-from test_ssd_run_files import payload, runs_of, ssd_config
+from conftest import prompt
+from test_ssd_run_files import payload, runs_of
 from test_ssd_run_growth import items
+from test_ssd_run_skips import corrupt, flip_placed, grows_like_the_live_run, stored
 
-from prefixcache import PrefixCache
 from prefixcache.tiers.run_length import RunHints
 from prefixcache.tiers.ssd import reads, runfiles
 
@@ -47,70 +44,37 @@ def test_the_writer_puts_a_chains_last_window_blocks_in_a_file_of_their_own():
     assert [len(r) for r in runfiles.group(short, 96, 0.0, ends)] == [6, 3]
 
 
-def stored(tmp_path):
-    model = tiny_model("gemma3_text")
-    tokens = prompt(31, TOKENS)
-    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=RUN * BLOCK)
-    pc = PrefixCache(model, cfg, model_id="t")
-    assert pc.layout.window_blocks == 2
-    assert pc.fetch(tokens)[1] == 0  # its quiet window: one writer batch
-    cache = make_prompt_cache(model)
-    prefill(model, tokens, cache, step=TOKENS)
-    pc.store(tokens, cache)
-    pc.flush()
-    return pc, model, tokens
-
-
-def flip_first_bytes(path: str, key: bytes, name: str) -> None:
-    """Invert a byte near the start of tensor ``name``: its first block's part."""
-    prefix, spans = spans_of(path, key)
-    start = next(s for n, _, _, s, _ in spans if n == name)
-    at = len(prefix) + start + 5
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-def corrupt(pc: PrefixCache) -> int:
-    return pc.tiers.named("ssd").stats()["num_corrupt"]
-
-
 def test_a_chains_window_blocks_alone_leave_the_file_before_unread_behind_its_full_layers(
     tmp_path,
 ):
-    pc, model, tokens = stored(tmp_path)
+    pc, model, tokens = stored(tmp_path, TOKENS, RUN * BLOCK, 31)
     with pc:
+        assert pc.layout.window_blocks == 2
         runs = runs_of(pc, BLOCK)
         assert [r.count for r in runs] == [6] * 6 + [3] * 3 + [2] * 2
         before = runs[6].file_key  # blocks 6-8, before the window's two
-        flip_first_bytes(payload(pc, before), before, "2.values")  # a window layer's, last
+        flip_placed(payload(pc, before), before, "2.values", 0)  # a window layer's, last
         asked = tokens + prompt(32, 5)
         restored, num = pc.fetch(asked)
         assert num == TOKENS and corrupt(pc) == 0  # never read
-        live = make_prompt_cache(model)
-        prefill(model, tokens, live, step=TOKENS)
         rest = asked[num:] + prompt(33, 13)  # past the restored length, then decode
-        want = grow(model, live, rest, 6, step=4)
-        got = grow(model, restored, rest, 6, step=4)
-        assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 7
+        assert grows_like_the_live_run(model, tokens, restored, rest)
 
 
 def test_without_the_split_the_same_byte_is_read_and_fails_the_last_run(tmp_path, monkeypatch):
     monkeypatch.setattr(runfiles, "_split_end", lambda run, most, ends: runfiles._cut(run))
-    pc, _, tokens = stored(tmp_path)
+    pc, _, tokens = stored(tmp_path, TOKENS, RUN * BLOCK, 31)
     with pc:
         runs = runs_of(pc, BLOCK)
         assert [r.count for r in runs] == [6] * 6 + [5] * 5
         last = runs[6].file_key  # blocks 6-10: block 6's part leads each row
-        flip_first_bytes(payload(pc, last), last, "2.values")
+        flip_placed(payload(pc, last), last, "2.values", 0)
         assert pc.fetch([*tokens, 1])[1] == 6 * BLOCK  # the blocks before it
         assert corrupt(pc) == 5  # the file quarantined: its five blocks
 
 
 def test_a_lookup_reads_each_files_header_once(tmp_path, monkeypatch):
-    pc, _, tokens = stored(tmp_path)
+    pc, _, tokens = stored(tmp_path, TOKENS, RUN * BLOCK, 31)
     with pc:
         read = reads.read_header
         asked: list[bytes] = []

@@ -40,11 +40,11 @@ TOKENS = 12 * BLOCK  # three run files
 WINDOW = {"0.keys", "0.values", "2.keys", "2.values"}  # layers 0 and 2 (window 16: 2 blocks)
 
 
-def stored(tmp_path):
-    """A PrefixCache holding the chain in three run files, and the chain."""
+def stored(tmp_path, num_tokens: int = TOKENS, run_tokens: int = RUN, seed: int = 21):
+    """A PrefixCache holding the chain (by default in three run files), and the chain."""
     model = tiny_model("gemma3_text")
-    tokens = prompt(21, TOKENS)
-    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=RUN)
+    tokens = prompt(seed, num_tokens)
+    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=run_tokens)
     pc = PrefixCache(model, cfg, model_id="t")
     assert pc.fetch(tokens)[1] == 0  # its quiet window: one writer batch
     cache = make_prompt_cache(model)
@@ -124,13 +124,14 @@ def spy_reads(monkeypatch) -> tuple[list[set[str]], dict[int, dict[str, str]]]:
     return loose, kinds
 
 
-def flip_placed(path: str, key: bytes, name: str) -> None:
-    """Invert a byte of tensor ``name`` of a run file of four blocks in its last
-    block's part of its first (batch, head) row: bytes read into their place."""
+def flip_placed(path: str, key: bytes, name: str, quarters: int = 3) -> None:
+    """Invert a byte of tensor ``name`` of a run file in its first (batch, head) row,
+    ``quarters`` of the row in (3 of four blocks: the last block's part, bytes read
+    into their place; 0: the first block's)."""
     prefix, spans = spans_of(path, key)
     _, _, shape, start, end = next(s for s in spans if s[0] == name)
     row = (end - start) // (shape[0] * shape[1])
-    at = len(prefix) + start + row * 3 // 4 + 5
+    at = len(prefix) + start + row * quarters // 4 + 5
     with open(path, "r+b") as f:
         f.seek(at)
         byte = f.read(1)
@@ -154,12 +155,18 @@ def test_the_last_run_files_window_tensors_go_straight_into_their_blocks_places(
             assert set(kinds[i].values()) == {"Placed"}, kinds[i]
         for i in (8, 9):  # before the window: full layers only, as the run's other blocks
             assert not WINDOW & set(kinds[i]) and set(kinds[i].values()) == {"PlacedRun"}
-        live = make_prompt_cache(model)
-        prefill(model, tokens, live, step=TOKENS)
         rest = asked[num:] + prompt(25, 13)  # past the restored length, then decode
-        want = grow(model, live, rest, 6, step=4)
-        got = grow(model, restored, rest, 6, step=4)
-        assert [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 7
+        assert grows_like_the_live_run(model, tokens, restored, rest)
+
+
+def grows_like_the_live_run(model, tokens: list[int], restored: list, rest: list[int]) -> bool:
+    """Whether ``restored`` (holding ``tokens``) prefills ``rest`` and decodes six steps
+    with the logits of a cache that prefilled ``tokens`` in one chunk, bit for bit."""
+    live = make_prompt_cache(model)
+    prefill(model, tokens, live, step=len(tokens))
+    want = grow(model, live, rest, 6, step=4)
+    got = grow(model, restored, rest, 6, step=4)
+    return [max_diff(g, w) for g, w in zip(got, want, strict=True)] == [0.0] * 7
 
 
 def test_a_byte_flipped_in_a_placed_window_part_fails_the_run_files_blocks(tmp_path):
