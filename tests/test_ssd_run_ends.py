@@ -20,11 +20,13 @@ control: with the kept headers cleared, they are read again).
 
 from __future__ import annotations
 
-from conftest import prompt
-from test_ssd_run_files import payload, runs_of
+from conftest import max_diff, prefill, prompt, tiny_model
+from mlx_lm.models.cache import make_prompt_cache
+from test_ssd_run_files import payload, runs_of, ssd_config
 from test_ssd_run_growth import items
 from test_ssd_run_skips import corrupt, flip_placed, grows_like_the_live_run, stored
 
+from prefixcache import PrefixCache
 from prefixcache.tiers.run_length import RunHints
 from prefixcache.tiers.ssd import reads, runfiles
 
@@ -35,13 +37,15 @@ TOKENS = 11 * BLOCK  # runs of six blocks: 6 and a short one of 5
 
 def test_the_writer_puts_a_chains_last_window_blocks_in_a_file_of_their_own():
     batch = items(11)
-    ends = {batch[0].block.root: RunHints(window_blocks=2)}
+    ends = {batch[0].block.root: RunHints(window_blocks=2, windows=("1.",))}
     assert [len(r) for r in runfiles.group(batch, 96, 0.0, ends)] == [6, 3, 2]
     assert [len(r) for r in runfiles.group(batch, 96)] == [6, 5]  # the control
     whole = items(12)  # a whole last run: as is
     assert [len(r) for r in runfiles.group(whole, 96, 0.0, ends)] == [6, 6]
     short = items(9)  # a last run shorter than twice the window's blocks: as is
     assert [len(r) for r in runfiles.group(short, 96, 0.0, ends)] == [6, 3]
+    unjoined = {batch[0].block.root: RunHints(window_blocks=2, windows=("2.",))}
+    assert [len(r) for r in runfiles.group(batch, 96, 0.0, unjoined)] == [6, 5]  # not in the run
 
 
 def test_a_chains_window_blocks_alone_leave_the_file_before_unread_behind_its_full_layers(
@@ -62,7 +66,7 @@ def test_a_chains_window_blocks_alone_leave_the_file_before_unread_behind_its_fu
 
 
 def test_without_the_split_the_same_byte_is_read_and_fails_the_last_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(runfiles, "_split_end", lambda run, most, ends: runfiles._cut(run))
+    monkeypatch.setattr(runfiles, "_split_end", lambda run, *rest: runfiles._cut(run))
     pc, _, tokens = stored(tmp_path, TOKENS, RUN * BLOCK, 31)
     with pc:
         runs = runs_of(pc, BLOCK)
@@ -94,3 +98,26 @@ def test_a_lookup_reads_each_files_header_once(tmp_path, monkeypatch):
         pc.tiers.named("ssd").reads._headers.clear()  # the control
         assert pc.match([*tokens, 1]) == TOKENS
         assert sorted(asked) == sorted(first)
+
+
+def test_a_chain_whose_window_rolled_keeps_its_last_run_whole(tmp_path):
+    """Decoded since its prefill, the cache's window layers hold their last 16 tokens
+    only: the last blocks keep window K/V as extras (read apart already), no split."""
+    model = tiny_model("gemma3_text")
+    tokens = prompt(34, TOKENS)
+    cfg = ssd_config(tmp_path, block_size=BLOCK, ssd_run_tokens=RUN * BLOCK)
+    with PrefixCache(model, cfg, model_id="t") as pc:
+        assert pc.fetch(tokens)[1] == 0  # its quiet window: one writer batch
+        cache = make_prompt_cache(model)
+        prefill(model, tokens[:-3], cache, step=TOKENS)
+        prefill(model, tokens[-3:], cache, step=1)  # one token at a time: the window rolls
+        pc.store(tokens, cache)
+        pc.flush()
+        assert [r.count for r in runs_of(pc, BLOCK)] == [6] * 6 + [5] * 5
+        restored, num = pc.fetch([*tokens, *prompt(35, 5)])
+        assert num == TOKENS and corrupt(pc) == 0
+        live = make_prompt_cache(model)  # the same chunks: the same sums
+        prefill(model, tokens[:-3], live, step=TOKENS)
+        prefill(model, tokens[-3:], live, step=1)
+        got = prefill(model, prompt(35, 5), restored, step=4)
+        assert max_diff(got, prefill(model, prompt(35, 5), live, step=4)) == 0.0

@@ -23,11 +23,13 @@ class RunHints:
     ``whole``: the payload-name prefixes of its layers whose K/V a restore takes
     from one block only (a window no longer than a block), kept whole per block.
     ``window_blocks``: the blocks its widest longer window needs at a chain's
-    end, written in a run file of their own (``runfiles._split_end``).
+    end, written in a run file of their own where a run joins the K/V of those
+    longer windows' layers (``windows``: their prefixes; ``runfiles._split_end``).
     """
 
     whole: tuple[str, ...] = ()
     window_blocks: int = 0
+    windows: tuple[str, ...] = ()
 
 
 NO_HINTS = RunHints()

@@ -119,7 +119,7 @@ def group(
             both = _joins(spec, mine)
             if both is None or len(current) >= most:
                 ends = bool(current) and item.block.num_tokens != current[-1].block.num_tokens
-                out.extend(_split_end(current, most, hints) if ends else _cut(current))
+                out.extend(_split_end(current, spec, most, hints) if ends else _cut(current))
                 current, both = [], mine
                 first = item.block
                 most = run_blocks(first.index, first.num_tokens, run_tokens, growth)
@@ -130,7 +130,7 @@ def group(
             below = sorted(kids.get(item.block.key, []), key=lambda c: c.block.num_tokens != size)
             heads.extend(below[1:])
             item = below[0] if below else None
-        out.extend(_split_end(current, most, hints))
+        out.extend(_split_end(current, spec, most, hints))
     if sum(map(len, out)) != len(items):  # not a forest of chains: each block alone
         return [[it] for it in items]
     return out
@@ -146,18 +146,23 @@ def _hint(hints: Mapping[bytes, RunHints] | None, item: WriteItem) -> RunHints |
 
 
 def _split_end(
-    run: list[WriteItem], most: int, hints: Mapping[bytes, RunHints] | None
+    run: list[WriteItem], spec: tuple | None, most: int, hints: Mapping[bytes, RunHints] | None
 ) -> list[list[WriteItem]]:
     """A run that ends its chain's full blocks, cut as ``_cut`` does, its last blocks a
-    window layer needs at that end in a file of their own: a restore of the whole
-    chain uses a window layer's K/V of those blocks only (every block's is joined
-    on the token axis), so it reads that file whole and of the one before only the
-    full layers' K/V, which lead it (the window's are neither read nor hashed).
-    Left whole where it is a whole run (``most`` blocks: where the writer's batch
-    was cut, the chain goes on in the next). A batch the writer took before a
-    store had queued the rest of its chain is cut so too: one more file inside
-    the chain (gpt-oss-20b's shape at block 16: 10 files for 4,096 tokens, not 8)."""
-    n = hint.window_blocks if run and (hint := _hint(hints, run[0])) else 0
+    window layer needs at that end in a file of their own where the run joins that
+    layer's K/V on the token axis (``spec``: every block has it, as a cache prefilled
+    in one chunk gives them): a restore of the whole chain uses those blocks' only,
+    so it reads that file whole and of the one before only the full layers' K/V,
+    which lead it (the window's are neither read nor hashed). Where only the last
+    blocks keep window K/V (a cache that decoded since: its window rolled), they are
+    extras read apart already, and the run stays whole; so it does where it is a
+    whole run (``most`` blocks: where the writer's batch was cut, the chain goes on
+    in the next). A batch the writer took before a store had queued the rest of its
+    chain is cut so too: one more file inside the chain (gpt-oss-20b's shape at
+    block 16: 10 files for 4,096 tokens, not 8)."""
+    hint = _hint(hints, run[0]) if run and spec else None
+    joins = hint is not None and any(name.startswith(hint.windows) for name, _, _ in spec[2])
+    n = hint.window_blocks if joins else 0
     if 0 < 2 * n <= len(run) < most:  # no shorter a file before it than its own
         return _cut(run[:-n]) + _cut(run[-n:])
     return _cut(run)
