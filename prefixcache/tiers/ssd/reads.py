@@ -49,10 +49,10 @@ class SsdReads:
         self.path = payloads
         self._counts = counts
         self._writes = writes
-        self._lock = threading.Lock()  # touches
+        self._lock = threading.Lock()  # touches, kept headers
         self._touches: set[bytes] = set()
         self._runs = LastRunFile()  # single-block loads of run files
-        self._headers: dict[tuple[bytes, int], list] = {}  # (file key, checksum) -> specs
+        self._headers: dict[tuple[bytes, int], tuple] = {}  # (file key, checksum) -> specs
 
     def payload_file(self, key: bytes) -> str:
         """Where ``key``'s payload file is (whether or not it exists)."""
@@ -69,7 +69,7 @@ class SsdReads:
         raw, run = self.index.get_runs([key])[0]
         meta = decode_or_none(key, raw) if raw is not None else None
         if run is None:
-            return self._header(key, meta)
+            return list(self._header(key, meta))
         specs = self._header(run.file_key, meta)
         out = []
         for name, dt, shape in specs:
@@ -84,15 +84,15 @@ class SsdReads:
                 out.append((name, dt, (b, h, t // run.count, d)))
         return out
 
-    def _header(self, file_key: bytes, meta: BlockMeta | None) -> list:
-        """``read_header`` of the file, each file's once while the checksum its block's
-        entry (``meta``) names holds: a lookup asks of a window's blocks, one run file."""
+    def _header(self, file_key: bytes, meta: BlockMeta | None) -> tuple:
+        """``read_header`` of the file, parsed once while the checksum its block's entry
+        (``meta``) names holds (a lookup asks for each of a window's blocks: one run file)."""
         if meta is None:
-            return read_header(self.payload_file(file_key), file_key)
+            return tuple(read_header(self.payload_file(file_key), file_key))
         which = (file_key, meta.checksum)
         specs = self._headers.get(which)
         if specs is None:
-            specs = read_header(self.payload_file(file_key), file_key)
+            specs = tuple(read_header(self.payload_file(file_key), file_key))
             with self._lock:
                 self._headers[which] = specs
                 if len(self._headers) > _HEADERS:
