@@ -155,6 +155,32 @@ def test_a_batch_cut_inside_a_chain_ends_at_a_whole_run(writers, run_tokens):
     assert [k for batch in sink.batches for k in batch] == [it.block.key for it in chain]
 
 
+@pytest.mark.parametrize("run_tokens", [0, 64])
+def test_a_batch_full_while_a_store_still_queues_ends_at_a_whole_run(writers, run_tokens):
+    """A batch full at its byte bound with nothing after it in the queue, while items
+    keep coming (the last within ``linger``, nothing urgent: a store still queuing),
+    ends at its chain's last whole run; the rest goes with the next batch (here the
+    flush's). With 0 (the control) it takes all it holds."""
+    hold, written, sink = threading.Event(), threading.Event(), Sink()
+    write = sink.write
+
+    def signalled(items):
+        write(items)
+        written.set()
+
+    sink.write = signalled
+    writer = writers(
+        sink, max_bytes=10_000, batch_bytes=700, run_tokens=run_tokens, hold=hold, linger=60.0
+    )
+    chain = [item(i) for i in range(7)]  # 100 bytes a block: the batch's bound
+    assert all(writer.submit(it) for it in chain)
+    hold.set()
+    assert written.wait(30)  # the first batch, taken before the flush below
+    writer.flush()
+    assert [len(batch) for batch in sink.batches] == ([4, 3] if run_tokens else [7])
+    assert [k for batch in sink.batches for k in batch] == [it.block.key for it in chain]
+
+
 def test_a_batch_ends_at_the_bound_where_the_chain_stops_or_holds_no_whole_run(writers):
     hold, sink = threading.Event(), Sink()
     writer = writers(sink, max_bytes=10_000, batch_bytes=300, run_tokens=64, hold=hold)

@@ -44,12 +44,14 @@ def run_blocks(index: int, block_tokens: int, run_tokens: int, growth: float = 0
     return max(1, max(run_tokens, int(growth * index * tokens)) // tokens)
 
 
-def whole_runs(batch: list[Item], after: Item, run_tokens: int, growth: float = 0.0) -> list[Item]:
+def whole_runs(
+    batch: list[Item], after: Item | None, run_tokens: int, growth: float = 0.0
+) -> list[Item]:
     """``batch`` without the blocks of its last chain past its last whole run
     (``run_blocks`` from the chain's first block in it), where that chain goes on
-    with ``after`` (they are the next batch's first run); as is where the chain
-    stops there or holds no whole run."""
-    if after.block.parent != batch[-1].block.key:
+    with ``after`` (None: may go on, a store still queuing); they are the next
+    batch's first run. As is where the chain stops there or holds no whole run."""
+    if after is not None and after.block.parent != batch[-1].block.key:
         return batch
     start = len(batch) - 1  # the chain's first block in the batch
     while start and batch[start].block.parent == batch[start - 1].block.key:

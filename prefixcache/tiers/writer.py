@@ -67,10 +67,11 @@ class Writer:
         hold: if given, the thread waits for this event before each batch; lets
             tests keep blocks pending with a real thread.
         batch_bytes: a batch is cut once it holds this many bytes.
-        run_tokens: where a batch is cut inside a chain that goes on in the queue,
+        run_tokens: where a batch is cut inside a chain that goes on in the queue
+            (or at the linger's cap while items keep coming: a store still queuing),
             it ends at the last whole run (``run_blocks``) from the chain's first
-            block in it (the SSD tier's run files: a cut at the byte bound made a
-            short file); 0: where the bound falls.
+            block in it (the SSD tier's run files: a cut at the bound made a short
+            file); 0: where the bound falls.
         run_growth: a run also holds up to this share of the tokens before it
             (``run_blocks``).
         linger: seconds a batch waits for more items while they keep coming (each
@@ -254,7 +255,7 @@ class Writer:
         over half full."""
         until = quiet.deadline()
         while (left := quiet.wait_left(until)) > 0:
-            if self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes:
+            if self._urgent():
                 return
             self._cond.wait(left)
 
@@ -266,7 +267,7 @@ class Writer:
             return
         until = time.monotonic() + 8 * self._linger
         while len(self._queue) < _BATCH_ITEMS and self._queue_bytes < self._batch_bytes:
-            if self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes:
+            if self._urgent():
                 return
             now = time.monotonic()
             left = min(self._last_in + self._linger, until) - now
@@ -282,7 +283,18 @@ class Writer:
                 break
             batch.append(item)
             nbytes += item.nbytes
-        if self._run_tokens and len(batch) < len(self._queue):  # cut at a bound
-            after = self._queue[len(batch)]
-            return whole_runs(batch, after, self._run_tokens, self._run_growth)
+        if not self._run_tokens:
+            return batch
+        if len(batch) < len(self._queue):  # cut at a bound
+            return whole_runs(batch, self._queue[len(batch)], self._run_tokens, self._run_growth)
+        if self._coming():  # cut at a bound or the linger's cap while a store still queues
+            return whole_runs(batch, None, self._run_tokens, self._run_growth)
         return batch
+
+    def _coming(self) -> bool:
+        """Whether items keep coming (the last within ``linger``) and nothing is urgent."""
+        return time.monotonic() - self._last_in < self._linger and not self._urgent()
+
+    def _urgent(self) -> bool:
+        """A flush waits, the writer stops, or the queue is over half full (under ``_cond``)."""
+        return self._stop or self._flushing > self._done or 2 * self._queue_bytes > self.max_bytes

@@ -157,9 +157,9 @@ def _split_end(
     blocks keep window K/V (a cache that decoded since: its window rolled), they are
     extras read apart already, and the run stays whole; so it does where it is a
     whole run (``most`` blocks: where the writer's batch was cut, the chain goes on
-    in the next). A batch the writer took before a store had queued the rest of its
-    chain is cut so too: one more file inside the chain (gpt-oss-20b's shape at
-    block 16: 10 files for 4,096 tokens, not 8)."""
+    in the next). A batch the writer took where a store paused longer than its
+    linger is cut so too: one more file inside the chain (gpt-oss-20b's shape at
+    block 16: 10 files for 4,096 tokens, not 9)."""
     hint = _hint(hints, run[0]) if run and spec else None
     joins = hint is not None and any(name.startswith(hint.windows) for name, _, _ in spec[2])
     n = hint.window_blocks if joins else 0
