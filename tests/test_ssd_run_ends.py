@@ -53,7 +53,7 @@ def test_a_chains_window_blocks_alone_leave_the_file_before_unread_behind_its_fu
 ):
     pc, model, tokens = stored(tmp_path, TOKENS, RUN * BLOCK, 31)
     with pc:
-        assert pc.layout.window_blocks == 2
+        assert pc.layout.run_hints.window_blocks == 2
         runs = runs_of(pc, BLOCK)
         assert [r.count for r in runs] == [6] * 6 + [3] * 3 + [2] * 2
         before = runs[6].file_key  # blocks 6-8, before the window's two

@@ -60,6 +60,7 @@ from prefixcache.tiers.ssd import readers as readers_module
 
 PARTS = ["wall", "cpu", "readers", "caller", "lookup", "alloc", "blocks", "rest"]
 PHASES = ["start", "reading", "tail"]
+DEFAULT_READERS = readers_module._WARM_READERS
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -171,8 +172,7 @@ def file_read(path: str, nbytes: int) -> tuple[float, float]:
 
 
 def run(args, model, block_size: int, readers: int, root: str) -> dict[str, object]:
-    if readers:
-        readers_module._WARM_READERS = readers
+    readers_module._WARM_READERS = readers or DEFAULT_READERS
     cfg = tier_config("ssd", block_size, os.path.join(root, f"ssd{block_size}"))
     with PrefixCache(model, cfg, model_id="bench") as pc:
         if args.shape:
@@ -200,7 +200,7 @@ def run(args, model, block_size: int, readers: int, root: str) -> dict[str, obje
                     refs.append(file_read(path, nbytes))
         os.remove(path)
     out: dict[str, object] = {"block": block_size, "num_blocks": args.tokens // block_size}
-    out["threads"] = readers or readers_module._WARM_READERS
+    out["threads"] = readers_module._WARM_READERS
     for part in PARTS + PHASES:
         out[part] = statistics.median(r.get(part, 0.0) for r in rows) * 1e3
     out["file_wall"] = statistics.median(w for w, _ in refs) * 1e3

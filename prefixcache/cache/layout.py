@@ -61,12 +61,10 @@ class ModelLayout:
         # window layers whose K/V a restore takes from its last block only
         sizes = zip(self.window_prefixes, self.window_sizes, strict=True)
         self.whole_windows = tuple(p for p, size in sizes if size <= config.block_size)
-        # blocks the widest longer window needs at a chain's end (its tokens after the front)
+        # and the blocks the widest longer one needs at a chain's end (after its front)
         longer = [(p, w) for p, w, k in windows(probe) if w + k > config.block_size]
-        self.window_blocks = -(-max(w for _, w in longer) // config.block_size) if longer else 0
-        self.run_hints = RunHints(
-            self.whole_windows, self.window_blocks, tuple(p for p, _ in longer)
-        )
+        ends = -(-max(w for _, w in longer) // config.block_size) if longer else 0
+        self.run_hints = RunHints(self.whole_windows, ends, tuple(p for p, _ in longer))
         cfg = config
         self.kv_quant = (
             (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start) if cfg.kv_bits else None

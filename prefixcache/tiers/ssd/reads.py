@@ -67,7 +67,7 @@ class SsdReads:
             PayloadError: the header is bad, or the block is not indexed.
         """
         raw, run = self.index.get_runs([key])[0]
-        meta = decode_or_none(key, raw) if raw is not None else None
+        meta = decode_or_none(key, raw)
         if run is None:
             return list(self._header(key, meta))
         specs = self._header(run.file_key, meta)
