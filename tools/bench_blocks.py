@@ -10,18 +10,19 @@ the hot tier and from the SSD tier, alternating with the references, in one run:
              for huge pages on a buffer this large), the hot restore's reference
   file       ONE file of the same bytes read into ONE fresh buffer
              (``readinto``), the SSD restore's reference (``--kept-ref``: one kept)
+  file64     the same file into ONE kept page-aligned buffer: the memory's copy speed
+             (numpy's start 16 bytes past a page: tools/bench_read_align.py)
 
-SSD modes: ``warm`` (page cache warm) and ``cold`` (the payload files, and the reference
-file, evicted from the page cache before each read: only those, so other processes' caches
-are left alone). Each round runs the fetch and its reference back to back, in turn first.
+SSD modes: ``warm`` (page cache warm) and ``cold`` (the payload files and the references'
+evicted from the page cache before each read: only those). Each round runs the fetch and
+its reference back to back, in turn first.
 
 Per shape and block size: the medians of fetch time / reference time (per
 round) with their range, the medians of both times, the fixed part of a fetch
 (its time minus the reference's), the median of the fetch's CPU time (this
-process, every thread) / the reference's (on a loaded machine wall times
-follow the share of the cores a process gets, its CPU time much less), and
+process, every thread) / the reference's (steadier than wall time on a loaded machine), and
 whether the median meets its target: hot <= 1.2x memcpy + 1 ms, SSD <= 1.5x
-file. The load average is printed: the ratios are only as steady as the machine.
+file; SSD rows also the fetch / file64. The load average is printed.
 
 ``--base-root DIR`` also runs the same measurements with the prefixcache of
 another checkout (``git worktree add DIR COMMIT``), back to back with this one
@@ -42,6 +43,7 @@ import tempfile
 
 import mlx.core as mx
 import numpy as np
+from bench_read_align import aligned_buffer
 from benchlib import (
     Clock,
     add_chain_args,
@@ -50,15 +52,7 @@ from benchlib import (
     rows_in,
     tier_config,
 )
-from shapes import (
-    cache_bytes,
-    custom,
-    filled_cache,
-    model_for,
-    named,
-    shape_from_json,
-    shape_json,
-)
+from shapes import cache_bytes, custom, filled_cache, model_for, named, shape_from_json, shape_json
 
 from prefixcache import PrefixCache
 
@@ -140,6 +134,7 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
         files = payload_files(cfg.ssd_path) if tier == "ssd" else []
         cold = mode == "cold"
         kept = np.ones(nbytes, np.uint8) if args.kept_ref and tier == "ssd" else None
+        paged = aligned_buffer(nbytes) if tier == "ssd" else None
 
         def reference() -> Clock:
             if tier == "hot":
@@ -147,6 +142,11 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
             if cold:
                 evict([path])
             return file_read(path, nbytes, kept)
+
+        def read64() -> Clock | None:  # SSD rows: the same file into a page-aligned buffer
+            if paged is not None and cold:
+                evict([path])
+            return None if paged is None else file_read(path, nbytes, paged)
 
         def restore() -> Clock:
             if cold:
@@ -160,15 +160,16 @@ def run(args, shape, model, tier: str, mode: str, block_size: int, root: str) ->
                 took, ref = restore(), reference()
             else:
                 ref, took = reference(), restore()
-            rounds.append((took, ref))
+            rounds.append((took, ref, read64()))
         os.remove(path)
     return _row(shape.name, tier, mode, block_size, args.tokens, nbytes, rounds, len(files))
 
 
 def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds, files) -> dict[str, object]:
-    ratios = [t.wall / r.wall for t, r in rounds]
-    fetch_ms = statistics.median(t.wall for t, _ in rounds) * 1e3
-    ref_ms = statistics.median(r.wall for _, r in rounds) * 1e3
+    ratios = [t.wall / r.wall for t, r, _ in rounds]
+    fetch_ms = statistics.median(t.wall for t, *_ in rounds) * 1e3
+    ref_ms = statistics.median(r.wall for _, r, _ in rounds) * 1e3
+    paged = [(t.wall, p.wall) for t, _, p in rounds if p is not None]
     target = 1.2 * ref_ms + 1 if tier == "hot" else 1.5 * ref_ms
     return {
         "shape": name,
@@ -183,10 +184,12 @@ def _row(name, tier, mode, block_size, num_tokens, nbytes, rounds, files) -> dic
         "ratio": statistics.median(ratios),
         "lo": min(ratios),
         "hi": max(ratios),
-        "over_ms": statistics.median((t.wall - r.wall) * 1e3 for t, r in rounds),
-        "cpu_ratio": statistics.median(t.cpu / max(r.cpu, 1e-6) for t, r in rounds),
-        "faults": statistics.median(t.faults for t, _ in rounds),
-        "ref_faults": statistics.median(r.faults for _, r in rounds),
+        "over_ms": statistics.median((t.wall - r.wall) * 1e3 for t, r, _ in rounds),
+        "cpu_ratio": statistics.median(t.cpu / max(r.cpu, 1e-6) for t, r, _ in rounds),
+        "faults": statistics.median(t.faults for t, *_ in rounds),
+        "ref_faults": statistics.median(r.faults for _, r, _ in rounds),
+        "ref64_ms": statistics.median(p for _, p in paged) * 1e3 if paged else float("nan"),
+        "ratio64": statistics.median(t / p for t, p in paged) if paged else float("nan"),
         "target_ms": target,
         "meets": fetch_ms <= target,
     }
@@ -264,7 +267,7 @@ def print_table(rows: list[dict[str, object]], load: tuple[float, ...]) -> None:
     print()
     head = ["shape", "code", "tier", "mode", "block", "blocks", "files", "MiB", "fetch ms"]
     head += ["ref ms", "fetch / ref", "range", "over ms", "cpu / ref cpu", "faults / ref"]
-    head += ["target ms", "meets"]
+    head += ["target ms", "meets", "ref64 ms", "fetch / ref64"]
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     for r in rows:
@@ -274,14 +277,16 @@ def print_table(rows: list[dict[str, object]], load: tuple[float, ...]) -> None:
             f"| {r['ref_ms']:.1f} "
             f"| {r['ratio']:.2f} | {r['lo']:.2f}-{r['hi']:.2f} | {r['over_ms']:.1f} "
             f"| {r['cpu_ratio']:.2f} | {r['faults']:.0f} / {r['ref_faults']:.0f} "
-            f"| {r['target_ms']:.1f} | {'yes' if r['meets'] else 'no'} |"
+            f"| {r['target_ms']:.1f} | {'yes' if r['meets'] else 'no'} "
+            f"| {r['ref64_ms']:.1f} | {r['ratio64']:.2f} |".replace("nan", "-")
         )
     end = os.getloadavg()
     print(
         "\nreference: hot = one memcpy into one fresh buffer; ssd = one file read into one;"
         " over = fetch minus reference (medians); target: hot 1.2x ref + 1 ms, ssd 1.5x ref"
         " (of the medians); faults: page faults of each (a fresh 2 MiB huge page is one,"
-        " a fresh 4 KiB page one; pages malloc recycled none), the medians."
+        " a fresh 4 KiB page one; pages malloc recycled none), the medians; ref64: the file"
+        " into a kept page-aligned buffer (ssd), the memory's copy speed."
         f"\nload average (1 min) at start {load[0]:.2f}, at end {end[0]:.2f}"
         f" on {os.cpu_count()} cores."
     )

@@ -13,13 +13,31 @@ one byte left out). Then, alternating in one process, each round:
   read      ONE file of the bytes the fetch read, into ONE kept buffer
   fresh     the replay into new buffers each round (numpy's ``empty``, as the
             fetch's restore buffers are new): the page faults of fresh memory
+  floor     the replay into buffers of the sizes the fetch restores, made each
+            round as the restore makes its own (MLX arrays, huge pages asked
+            for: ``benchlib.restore_like_buffers``), their making included, the
+            bytes landing in them in order (one iovec per buffer a read spans):
+            the least any verified restore into MLX arrays does, with no lookup
+            and no placement by layer; over 1.5 x ``read`` in a round, the SSD
+            target is out of reach in that round whatever the fetch does
+  floor64   ``floor`` with each read landing at its file offset's alignment (a
+            little slack per buffer; the placing not timed): the floor of a
+            restore whose files and buffers were laid out for the fastest copy
+  read64    ``read`` into a kept buffer starting on a 64-byte boundary, as the
+            file's bytes do: the memory's copy speed. numpy's buffer (``read``)
+            starts 16 bytes past one, which halves the kernel's copy speed on
+            some CPUs (tools/bench_read_align.py)
 
 Per shape and block: the bytes the fetch read (MiB) against those it restored,
-the reads it made, the medians of the three times, fetch / read, replay / read
-fetch / replay (what our code adds to its own I/O) and fetch / fresh. A fetch near its replay
+the reads it made, the medians of the times, fetch / read, replay / read,
+fetch / replay (what our code adds to its own I/O), fetch / fresh, floor / read and
+the rounds in which the floor alone was over 1.5 x read, then read64 and the fetch
+and the floor over it. A fetch near its replay
 is bound by the I/O its layout needs; one well above it has overhead of ours.
+``--mx-cache-limit`` as in bench_blocks (freed restore buffers reused).
 
     python tools/bench_ssd_replay.py [--shape all] [--blocks 16,64,256] [--repeat 5]
+        [--mx-cache-limit 4G]
 """
 
 from __future__ import annotations
@@ -28,20 +46,19 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
-import time
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 from bench_blocks import fetch, file_read
+from bench_read_align import aligned_buffer
 from benchlib import tier_config
+from mlx.utils import tree_flatten
+from read_replay import Recorder, Replay
 from shapes import RESTORE_SHAPES, model_for, named, stored_chain
 
 from prefixcache import PrefixCache
 
 MiB = 1 << 20
-Read = tuple[str, int, int]  # path, offset, bytes
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -52,88 +69,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dir", default=None)
+    p.add_argument(
+        "--mx-cache-limit",
+        type=lambda v: int(float(v.rstrip("G")) * (1 << 30)) if v.endswith("G") else int(v),
+        help="MLX's buffer cache limit (e.g. 4G); default: MLX's",
+    )
     return p
-
-
-class Recorder:
-    """Every ``os.preadv`` / ``os.pread`` of more than one byte while active."""
-
-    def __init__(self) -> None:
-        self.reads: list[Read] = []
-        self._lock = threading.Lock()
-        self._real = (os.preadv, os.pread)
-
-    def __enter__(self) -> Recorder:
-        preadv, pread = self._real
-
-        def rec_preadv(fd, buffers, offset, *flags):
-            n = preadv(fd, buffers, offset, *flags)
-            self._add(fd, offset, n)
-            return n
-
-        def rec_pread(fd, length, offset):
-            data = pread(fd, length, offset)
-            self._add(fd, offset, len(data))
-            return data
-
-        os.preadv, os.pread = rec_preadv, rec_pread
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.preadv, os.pread = self._real
-
-    def _add(self, fd: int, offset: int, n: int) -> None:
-        if n > 1:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-            with self._lock:
-                self.reads.append((path, offset, n))
-
-
-class Replay:
-    """The recorded reads in file order, cut into ``threads`` contiguous shares,
-    each read into its kept buffer and hashed."""
-
-    def __init__(self, reads: list[Read], threads: int) -> None:
-        reads = sorted(reads)
-        total = sum(n for *_, n in reads)
-        self.shares: list[list[Read]] = [[] for _ in range(threads)]
-        done = 0
-        for r in reads:
-            self.shares[min(threads - 1, done * threads // max(total, 1))].append(r)
-            done += r[2]
-        self.bufs = [np.ones(max(sum(n for *_, n in s), 1), np.uint8) for s in self.shares]
-
-    def run(self, fresh: bool = False) -> float:
-        """Seconds to replay; ``fresh``: into new buffers (numpy's), not the kept ones."""
-        began = time.perf_counter()
-        bufs = [np.empty_like(b) for b in self.bufs] if fresh else self.bufs
-        threads = [
-            threading.Thread(target=_replay, args=(s, b))
-            for s, b in zip(self.shares, bufs, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - began
-
-
-def _replay(reads: list[Read], buf: np.ndarray) -> None:
-    fds: dict[str, int] = {}
-    hasher = xxhash.xxh3_64()
-    at = 0
-    try:
-        for path, offset, n in reads:
-            fd = fds.get(path)
-            if fd is None:
-                fd = fds[path] = os.open(path, os.O_RDONLY)
-            view = buf[at : at + n]
-            os.preadv(fd, [view], offset)
-            hasher.update(view)
-            at += n
-    finally:
-        for fd in fds.values():
-            os.close(fd)
 
 
 def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
@@ -141,6 +82,7 @@ def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
     with PrefixCache(model, cfg, model_id="bench") as pc:
         probe, restored = stored_chain(pc, shape, model, args.tokens)
         fetch(pc, probe)  # warm: the page cache, MLX's first allocations
+        sizes = restored_sizes(pc, probe)
         with Recorder() as rec:
             fetch(pc, probe)
         replay = Replay(rec.reads, args.threads)
@@ -149,6 +91,7 @@ def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
         with open(path, "wb") as f:
             f.write(os.urandom(nbytes))
         kept = np.ones(nbytes, np.uint8)
+        aligned = aligned_buffer(nbytes)
         rounds = []
         for i in range(args.repeat):
             ways = [
@@ -156,12 +99,15 @@ def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
                 replay.run,
                 lambda: file_read(path, nbytes, kept).wall,
                 lambda: replay.run(fresh=True),
+                lambda: replay.floor(sizes),
+                lambda: file_read(path, nbytes, aligned).wall,
+                lambda: replay.floor64(sizes),
             ]
             k = i % len(ways)  # rotating order
             took = {(k + j) % len(ways): ways[(k + j) % len(ways)]() for j in range(len(ways))}
             rounds.append([took[j] for j in range(len(ways))])
         os.remove(path)
-    med = [statistics.median(r[j] for r in rounds) * 1e3 for j in range(4)]
+    med = [statistics.median(r[j] for r in rounds) * 1e3 for j in range(7)]
     return {
         "shape": shape.name,
         "block": block_size,
@@ -176,13 +122,40 @@ def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
         "replay_read": statistics.median(r[1] / r[2] for r in rounds),
         "fetch_replay": statistics.median(r[0] / r[1] for r in rounds),
         "fetch_fresh": statistics.median(r[0] / r[3] for r in rounds),
+        "floor_ms": med[4],
+        "floor_read": statistics.median(r[4] / r[2] for r in rounds),
+        "floor_over": sum(r[4] > 1.5 * r[2] for r in rounds),
+        "rounds": len(rounds),
+        "read64_ms": med[5],
+        "fetch_read64": statistics.median(r[0] / r[5] for r in rounds),
+        "floor_read64": statistics.median(r[4] / r[5] for r in rounds),
+        "floor64_ms": med[6],
+        "floor64_read64": statistics.median(r[6] / r[5] for r in rounds),
+        "floor64_over": sum(r[6] > 1.5 * r[5] for r in rounds),
     }
+
+
+def restored_sizes(pc: PrefixCache, probe: list[int]) -> list[int]:
+    """The bytes of each buffer a fetch of ``probe`` restores into."""
+    cache, _ = pc.fetch(probe)
+    sizes = []
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        arrays = (
+            [keys, c.values]
+            if keys is not None
+            else [a for _, a in tree_flatten(c.state) if a is not None]
+        )
+        sizes += [a.nbytes for a in arrays]
+    return sizes
 
 
 def main() -> None:
     args = setup_arg_parser().parse_args()
     shapes = named(RESTORE_SHAPES if args.shape == ["all"] else args.shape)
     blocks = [int(b) for b in args.blocks.split(",")]
+    if args.mx_cache_limit is not None:
+        mx.set_cache_limit(args.mx_cache_limit)
     load = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
@@ -195,6 +168,9 @@ def main() -> None:
             mx.clear_cache()
     head = ["shape", "block", "MiB read / restored", "reads", "fetch ms", "replay ms", "read ms"]
     head += ["fresh ms", "fetch / read", "replay / read", "fetch / replay", "fetch / fresh"]
+    head += ["floor ms", "floor / read", "rounds floor > 1.5 read"]
+    head += ["read64 ms", "fetch / read64", "floor / read64", "floor64 ms", "floor64 / read64"]
+    head += ["rounds floor64 > 1.5 read64"]
     print("\n| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     for r in rows:
@@ -203,6 +179,11 @@ def main() -> None:
         cells += [f"{r[k]:.1f}" for k in ("fetch_ms", "replay_ms", "read_ms", "fresh_ms")]
         ratios = ("fetch_read", "replay_read", "fetch_replay", "fetch_fresh")
         cells += [f"{r[k]:.2f}" for k in ratios]
+        cells += [f"{r['floor_ms']:.1f}", f"{r['floor_read']:.2f}"]
+        cells += [f"{r['floor_over']} of {r['rounds']}"]
+        cells += [f"{r['read64_ms']:.1f}", f"{r['fetch_read64']:.2f}", f"{r['floor_read64']:.2f}"]
+        cells += [f"{r['floor64_ms']:.1f}", f"{r['floor64_read64']:.2f}"]
+        cells += [f"{r['floor64_over']} of {r['rounds']}"]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     end, cores = os.getloadavg(), os.cpu_count()
     print(f"\nreplay: {args.threads} threads, kept buffers, hashed as read; read: one file, kept.")
