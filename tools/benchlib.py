@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.memory.host import host_view
-from prefixcache.memory.restore_buffers import advise_huge, empty
+from prefixcache.memory.restore_buffers import advise_huge, batched, new_buffer, resolve
 from prefixcache.tiny.models import build_model
 
 
@@ -176,12 +176,12 @@ def chain_fetch(model, args, tier: str, block_size: int, ssd_dir: str = ""):
 
 
 def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """uint16 views of new buffers made as a restore makes its own (unwritten MLX
-    arrays, huge pages asked for: ``restore_buffers``), so a bound and a fetch
-    write the same kind of memory: fresh pages, or pages malloc kept from an
-    earlier free, whichever the process's allocator hands both. Each view keeps
-    its MLX array (its memory) alive."""
-    arrays = [empty(shape, mx.uint16, stream=mx.cpu) for shape in shapes]
+    """uint16 views of new buffers made as a restore makes its own (``restore_buffers``:
+    one MLX load of unwritten arrays, zeros under 1 MiB, huge pages asked for), so a
+    bound and a fetch write the same kind of memory. Each view keeps its array alive."""
+    with batched(mx.cpu):
+        made = [new_buffer(shape, mx.uint16) for shape in shapes]
+    arrays = [resolve(x) for x in made]
     mx.eval(arrays)
     out = []
     for a in arrays:
