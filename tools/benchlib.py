@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.memory.host import host_view
-from prefixcache.memory.restore_buffers import advise_huge, batched, new_buffer, resolve
+from prefixcache.memory.restore_buffers import advise_huge, batched, resolve
 from prefixcache.tiny.models import build_model
 
 
@@ -176,9 +176,10 @@ def chain_fetch(model, args, tier: str, block_size: int, ssd_dir: str = ""):
 
 
 def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """uint16 views of new buffers made as a restore makes its own (``restore_buffers``:
-    one MLX load of unwritten arrays, zeros under 1 MiB, huge pages asked for), so a
-    bound and a fetch write the same kind of memory. Each view keeps its array alive."""
+    """uint16 views of new buffers made as a restore makes its own (one MLX load, zeros
+    under 1 MiB, huge pages asked for). Each view keeps its array alive."""
+    from prefixcache.memory.restore_buffers import new_buffer  # (a base checkout may lack it)
+
     with batched(mx.cpu):
         made = [new_buffer(shape, mx.uint16) for shape in shapes]
     arrays = [resolve(x) for x in made]
