@@ -101,7 +101,7 @@ def run(args, shape, model, block_size: int, root: str) -> dict[str, object]:
                 lambda: replay.run(fresh=True),
                 lambda: replay.floor(sizes),
                 lambda: file_read(path, nbytes, aligned).wall,
-                lambda: replay.floor64(sizes),
+                lambda: replay.floor(sizes, 64),
             ]
             k = i % len(ways)  # rotating order
             took = {(k + j) % len(ways): ways[(k + j) % len(ways)]() for j in range(len(ways))}

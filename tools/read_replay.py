@@ -8,8 +8,6 @@ buffers (``floor``) or those with each read landing at its bytes' offset from a
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import mmap
 import os
 import threading
@@ -57,98 +55,70 @@ class Recorder:
 
 
 class Replay:
-    """The recorded reads in file order, cut into ``threads`` contiguous shares,
-    each read into its kept buffer and hashed."""
+    """The recorded reads in file order, cut into ``threads`` contiguous shares, each
+    replayed on its own thread and hashed as it lands. Where each read lands is laid
+    out before the clock starts; the times are the buffers' making and the reads."""
 
     def __init__(self, reads: list[Read], threads: int) -> None:
         reads = sorted(reads)
-        total = sum(n for *_, n in reads)
+        self.total = total = sum(n for *_, n in reads)
         self.shares: list[list[Read]] = [[] for _ in range(threads)]
         done = 0
         for r in reads:
             self.shares[min(threads - 1, done * threads // max(total, 1))].append(r)
             done += r[2]
         self.bufs = [np.ones(max(sum(n for *_, n in s), 1), np.uint8) for s in self.shares]
-        sizes = [sum(n for *_, n in s) for s in self.shares]
-        self.starts = [sum(sizes[:i]) for i in range(threads)]
-        self.total = total
+        self._kept = [_layout([s], [b], 1)[0] for s, b in zip(self.shares, self.bufs, strict=True)]
+        self._spill: np.ndarray | None = None
 
     def run(self, fresh: bool = False) -> float:
         """Seconds to replay; ``fresh``: into new buffers (numpy's), not the kept ones."""
+        if not fresh:
+            return _on_threads(self._kept)
         began = time.perf_counter()
-        bufs = [np.empty_like(b) for b in self.bufs] if fresh else self.bufs
-        threads = [
-            threading.Thread(target=_replay, args=(s, b))
-            for s, b in zip(self.shares, bufs, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - began
+        bufs = [np.empty_like(b) for b in self.bufs]
+        made = time.perf_counter() - began
+        return made + _on_threads(
+            [_layout([s], [b], 1)[0] for s, b in zip(self.shares, bufs, strict=True)]
+        )
 
-    def floor(self, sizes: list[int]) -> float:
-        """Seconds to make restore-like buffers of ``sizes`` bytes and replay into
-        them in order (bytes read beyond their sum land in one kept buffer)."""
-        began = time.perf_counter()
-        bufs = [b.view(np.uint8) for b in restore_like_buffers([(n // 2,) for n in sizes])]
-        bufs.append(self._spill(sizes))
-        threads = [
-            threading.Thread(target=_replay_into, args=(s, bufs, at))
-            for s, at in zip(self.shares, self.starts, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return time.perf_counter() - began
-
-    def floor64(self, sizes: list[int]) -> float:
-        """``floor`` with every read landing where its bytes and the buffer share
-        their offset from a 64-byte boundary (a little slack per buffer; the
-        placing itself is not timed): the least a restore whose files and buffers
-        were laid out for the kernel's fastest copy would do."""
-        slack = 128 * (-(-sum(len(s) for s in self.shares) // max(len(sizes), 1)) + 1)
+    def floor(self, sizes: list[int], align: int = 1) -> float:
+        """Seconds to make restore-like buffers of ``sizes`` bytes (``benchlib``) and
+        replay into them, filled in turn (bytes beyond them land in a kept buffer);
+        ``align`` 64: each read where its bytes and the buffer share their offset
+        from a 64-byte boundary (a little slack per buffer)."""
+        slack = 0 if align == 1 else 2 * align * (-(-len(self._reads()) // max(len(sizes), 1)) + 1)
         began = time.perf_counter()
         made = restore_like_buffers([((n + slack) // 2,) for n in sizes])
         made_s = time.perf_counter() - began
-        bufs = [b.view(np.uint8) for b in made] + [self._spill64()]
-        jobs = _aligned(self.shares, bufs)
-        began = time.perf_counter()
-        threads = [threading.Thread(target=_replay_views, args=(job,)) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return made_s + time.perf_counter() - began
+        bufs = [b.view(np.uint8) for b in made] + [self._spilled()]
+        return made_s + _on_threads(_layout(self.shares, bufs, align))
 
-    def _spill64(self) -> np.ndarray:
-        if getattr(self, "spill64", None) is None:
+    def _reads(self) -> list[Read]:
+        return [r for s in self.shares for r in s]
+
+    def _spilled(self) -> np.ndarray:
+        if self._spill is None:
             area = mmap.mmap(-1, self.total + (self.total >> 4) + (1 << 20))
-            self.spill64 = np.frombuffer(area, np.uint8)
-            self.spill64[:] = 1
-        return self.spill64
-
-    def _spill(self, sizes: list[int]) -> np.ndarray:
-        n = max(self.total - sum(n // 2 * 2 for n in sizes), 1)
-        if getattr(self, "spill", None) is None or self.spill.size != n:
-            self.spill = np.ones(n, np.uint8)
-        return self.spill
+            self._spill = np.frombuffer(area, np.uint8)
+            self._spill[:] = 1
+        return self._spill
 
 
-def _aligned(shares: list[list[Read]], bufs: list[np.ndarray]) -> list[list[tuple]]:
-    """Per share, (path, offset, views) with each view starting at the same offset
-    from a 64-byte boundary as its bytes in the file, the buffers filled in turn."""
+Job = list[tuple[str, int, list[np.ndarray]]]  # (path, offset, views) per read
+
+
+def _layout(shares: list[list[Read]], bufs: list[np.ndarray], align: int) -> list[Job]:
+    """Per share, each read's views: ``bufs`` filled in turn, each view starting at
+    its bytes' offset from an ``align``-byte boundary (1: end to end)."""
     k = pos = 0
     out = []
     for share in shares:
         job = []
         for path, offset, n in share:
-            views = []
-            at = offset
+            views, at = [], offset
             while n:
-                addr = bufs[k].ctypes.data
-                pos += (at - addr - pos) % 64
+                pos += (at - bufs[k].ctypes.data - pos) % align
                 take = min(n, bufs[k].size - pos)
                 if take <= 0:
                     k, pos = k + 1, 0
@@ -160,7 +130,19 @@ def _aligned(shares: list[list[Read]], bufs: list[np.ndarray]) -> list[list[tupl
     return out
 
 
-def _replay_views(job: list[tuple]) -> None:
+def _on_threads(jobs: list[Job]) -> float:
+    """Seconds to replay each job on a thread of its own."""
+    began = time.perf_counter()
+    threads = [threading.Thread(target=_replay, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - began
+
+
+def _replay(job: Job) -> None:
+    """Each read into its views, hashed as it lands."""
     fds: dict[str, int] = {}
     hasher = xxhash.xxh3_64()
     try:
@@ -171,51 +153,6 @@ def _replay_views(job: list[tuple]) -> None:
             os.preadv(fd, views, offset)
             for view in views:
                 hasher.update(view)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _replay_into(reads: list[Read], bufs: list[np.ndarray], at: int) -> None:
-    """``reads`` landing at byte ``at`` of ``bufs`` taken end to end, hashed."""
-    ends = list(itertools.accumulate(b.size for b in bufs))
-    k = bisect.bisect_right(ends, at)
-    pos = at - (ends[k - 1] if k else 0)
-    fds: dict[str, int] = {}
-    hasher = xxhash.xxh3_64()
-    try:
-        for path, offset, n in reads:
-            fd = fds.get(path)
-            if fd is None:
-                fd = fds[path] = os.open(path, os.O_RDONLY)
-            views = []
-            while n:
-                take = min(n, bufs[k].size - pos)
-                views.append(bufs[k][pos : pos + take])
-                n, pos = n - take, pos + take
-                if pos == bufs[k].size:
-                    k, pos = k + 1, 0
-            os.preadv(fd, views, offset)
-            for view in views:
-                hasher.update(view)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _replay(reads: list[Read], buf: np.ndarray) -> None:
-    fds: dict[str, int] = {}
-    hasher = xxhash.xxh3_64()
-    at = 0
-    try:
-        for path, offset, n in reads:
-            fd = fds.get(path)
-            if fd is None:
-                fd = fds[path] = os.open(path, os.O_RDONLY)
-            view = buf[at : at + n]
-            os.preadv(fd, [view], offset)
-            hasher.update(view)
-            at += n
     finally:
         for fd in fds.values():
             os.close(fd)
