@@ -21,19 +21,21 @@ one byte left out). Then, alternating in one process, each round:
             and no placement by layer; over 1.5 x ``read`` in a round, the SSD
             target is out of reach in that round whatever the fetch does
   floor64   ``floor`` with each read landing at its file offset's alignment (a
-            little slack per buffer; the placing not timed): the floor of a
-            restore whose files and buffers were laid out for the fastest copy
-  read64    ``read`` into a kept buffer starting on a 64-byte boundary, as the
-            file's bytes do: the memory's copy speed. numpy's buffer (``read``)
-            starts 16 bytes past one, which halves the kernel's copy speed on
-            some CPUs (tools/bench_read_align.py)
+            little slack per buffer): the floor of a restore whose files and
+            buffers were laid out for the kernel's fastest copy
+  read64    ``read`` into a kept buffer starting on a page, as the file's bytes
+            do: the memory's copy speed. numpy's buffer (``read``) starts 16
+            bytes past one, which halves the kernel's copy speed on some CPUs
+            (tools/bench_read_align.py)
+
+Where each replayed read lands is laid out before the clock starts (``read_replay``).
 
 Per shape and block: the bytes the fetch read (MiB) against those it restored,
 the reads it made, the medians of the times, fetch / read, replay / read,
 fetch / replay (what our code adds to its own I/O), fetch / fresh, floor / read and
-the rounds in which the floor alone was over 1.5 x read, then read64 and the fetch
-and the floor over it. A fetch near its replay
-is bound by the I/O its layout needs; one well above it has overhead of ours.
+the rounds in which the floor alone was over 1.5 x read, then read64, the fetch and
+both floors over it. A fetch near its replay is bound by the I/O its layout needs;
+one well above it has overhead of ours.
 ``--mx-cache-limit`` as in bench_blocks (freed restore buffers reused).
 
     python tools/bench_ssd_replay.py [--shape all] [--blocks 16,64,256] [--repeat 5]
