@@ -69,9 +69,10 @@ def test_empty_leaves_fresh_pages_untouched():
 
 
 def test_empty_keeps_a_reused_buffers_bytes(keep_freed_buffers):
-    """A buffer MLX hands back from its cache is not rewritten: the old bytes show."""
+    """A buffer MLX hands back from its cache is not rewritten: the old bytes show.
+    (A restore buffer is ``ALIGN`` bytes longer than its shape: the old one was too.)"""
     shape = (1, 4, 1024, 64)
-    old = mx.full(shape, 7, mx.int8)
+    old = mx.full((4 * 1024 * 64 + restore_buffers.ALIGN,), 7, mx.int8)
     mx.eval(old)
     del old
     a = restore_buffers.empty(shape, mx.int8)
@@ -84,8 +85,10 @@ NAN_BITS = 0x7FC00000  # a float32 NaN
 
 
 def _dirty_buffers(shape: tuple[int, ...], count: int) -> None:
-    """Leave ``count`` freed buffers of ``shape`` (float32) full of NaN in MLX's cache."""
-    junk = [mx.full(shape, NAN_BITS, mx.uint32) for _ in range(count)]
+    """Leave ``count`` freed buffers of ``shape`` (float32) full of NaN in MLX's cache
+    (``ALIGN`` bytes longer, as a restore buffer of that shape)."""
+    size = int(np.prod(shape)) + restore_buffers.ALIGN // 4
+    junk = [mx.full((size,), NAN_BITS, mx.uint32) for _ in range(count)]
     mx.eval(junk)
     del junk
 
@@ -223,7 +226,7 @@ def test_restore_buffers_get_huge_pages_when_advised(advise):
 _EDGES_CHILD = """
 import ctypes, mmap, resource
 import mlx.core as mx
-from prefixcache.memory import restore_buffers
+from prefixcache.memory import huge_pages, restore_buffers
 from prefixcache.memory.host import host_view
 HUGE, PAGE = 2 << 20, 4096
 libc = ctypes.CDLL(None, use_errno=True)
@@ -260,7 +263,7 @@ def edge_pages(host):  # the buffer's pages in its two end regions
 ours, hosts = restore_buffers_of(6)
 mine = inner(hosts)
 for host in hosts:
-    restore_buffers.advise_huge(host)
+    huge_pages.advise_huge(host)
 print([(faults_writing(h), h.nbytes // HUGE + 1) for h, m in zip(hosts, mine) if m])
 control, hosts = restore_buffers_of(6)
 mine = inner(hosts)

@@ -1,6 +1,6 @@
 """A hot restore's huge-page advice, done other ways, in one process.
 
-``memory/restore_buffers.advise_huge`` advises each restore buffer's 2 MiB regions
+``memory/huge_pages.advise_huge`` advises each restore buffer's 2 MiB regions
 for huge pages and collapses (``MADV_COLLAPSE``) an end region partly in memory.
 Here one model-shaped chain (``--shape``, tools/shapes.py) is stored hot at each
 ``--blocks`` size and fetched round after round with the advice done each
@@ -44,7 +44,7 @@ from shapes import cache_bytes, filled_cache, model_for, named
 import prefixcache.codecs.arrays as arrays_codec
 import prefixcache.codecs.buffer as buffer_codec
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.memory import restore_buffers as rb
+from prefixcache.memory import huge_pages as rb
 
 HUGE = 2 << 20
 PAGES = HUGE // mmap.PAGESIZE
@@ -56,7 +56,7 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 class _Counting:
-    """libc's madvise and mincore, counted (``restore_buffers`` calls them through it)."""
+    """libc's madvise and mincore, counted (``huge_pages`` calls them through it)."""
 
     def madvise(self, addr: int, size: int, advice: int) -> int:
         CALLS["collapse" if advice == COLLAPSE else "madvise"] += 1

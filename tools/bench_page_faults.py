@@ -2,7 +2,7 @@
 
 A restore buffer's end regions hold a page written before any advice (the allocator's
 chunk header), and a region where a small page is mapped never takes a huge page on a
-fault (``memory/restore_buffers.advise_huge``). This writes ``--regions`` 2 MiB regions
+fault (``memory/huge_pages.advise_huge``). This writes ``--regions`` 2 MiB regions
 of fresh anonymous memory, each with one small page mapped first, four ways:
 
   small      advised (``MADV_HUGEPAGE``), then written: 511 faults of 4 KiB per region

@@ -1,8 +1,7 @@
 """Pieces the benchmarks share: the chain's shape and tiers, a model-shaped cache,
 page-cache dropping and readahead, RSS.
 
-Imported by the scripts beside it (``python tools/bench_*.py`` puts tools/ on
-sys.path).
+Imported by the scripts beside it (``python tools/bench_*.py`` puts tools/ on sys.path).
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.memory.host import host_view
-from prefixcache.memory.restore_buffers import advise_huge, batched, resolve
+from prefixcache.memory.huge_pages import advise_huge
+from prefixcache.memory.restore_buffers import batched, resolve
 from prefixcache.tiny.models import build_model
 
 

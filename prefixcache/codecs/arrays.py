@@ -31,7 +31,8 @@ from mlx_lm.models.cache import ArraysCache
 from ..errors import LayoutMismatchError, MissReason
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Placed, host_bytes, host_view
-from ..memory.restore_buffers import SMALL, advise_huge, new_buffer, resolve
+from ..memory.huge_pages import advise_huge
+from ..memory.restore_buffers import SMALL, new_buffer, resolve
 from .base import Builder, Codec, Payload, num_blocks, owned
 from .kv import dtype_name
 

@@ -27,7 +27,8 @@ import numpy as np
 from ..errors import LayoutMismatchError
 from ..memory.copies import Copies
 from ..memory.host import HostArray, Placed, host_bytes, host_view
-from ..memory.restore_buffers import SMALL, Slot, advise_huge, new_buffer, resolve
+from ..memory.huge_pages import advise_huge
+from ..memory.restore_buffers import SMALL, Slot, new_buffer, resolve
 
 
 class TokenBuffer:

@@ -1,5 +1,6 @@
-"""Restore buffers: MLX arrays whose memory MLX allocates but does not write,
-on huge pages where Linux gives them.
+"""Restore buffers: MLX arrays whose memory MLX allocates but does not write, each
+starting on a 64-byte boundary, as a payload's data does (their huge pages:
+``huge_pages.py``).
 
 MLX has no ``empty``: ``mx.zeros`` writes every byte, and a restore then
 writes them all again with the blocks. ``mx.load`` reads a safetensors
@@ -25,12 +26,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import math
-import mmap
-import os
 import struct
 import threading
 import time
@@ -45,6 +43,11 @@ from .host import SAFETENSORS_DTYPES
 logger = logging.getLogger(__name__)
 
 _works = True  # until mx.load refuses the stream once
+# bytes: an unwritten buffer starts on this boundary, as a payload's data does
+# (tiers/ssd/payload.py): MLX's allocator puts a buffer 24 bytes past one, and the
+# kernel's copy from the page cache ran at half speed between bytes at different
+# offsets from it (tools/bench_read_align.py)
+ALIGN = 64
 
 
 class _Unwritten:
@@ -139,17 +142,29 @@ def _usable(shape: tuple[int, ...], dtype: mx.Dtype) -> bool:
 
 
 def _load(specs: list[tuple[tuple[int, ...], mx.Dtype]], stream) -> list[mx.array]:
-    """Lazy arrays of ``specs`` (shape, dtype), unwritten where ``mx.load`` allows."""
+    """Arrays of ``specs`` (shape, dtype), unwritten where ``mx.load`` allows, each
+    starting on an ``ALIGN`` boundary."""
     global _works
     if all(_usable(*spec) for spec in specs):
         _wait_at_exit()
         try:
-            loaded = mx.load(_Unwritten(specs), format="safetensors", stream=stream)
-            return [loaded[str(i)] for i in range(len(specs))]
+            padded = [((math.prod(shape) + ALIGN // dtype.size,), dtype) for shape, dtype in specs]
+            loaded = mx.load(_Unwritten(padded), format="safetensors", stream=stream)
+            return [_aligned(loaded[str(i)], shape) for i, (shape, _) in enumerate(specs)]
         except (ValueError, RuntimeError) as err:
             _works = False
             logger.info("restore buffers are zero-filled: mx.load refused a stream (%s)", err)
     return [mx.zeros(shape, dtype, stream=stream) for shape, dtype in specs]
+
+
+def _aligned(flat: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """``shape`` of ``flat`` (its size plus ``ALIGN`` bytes) from its first element on
+    an ``ALIGN`` boundary: a view, the rest of the allocation unused. MLX writes such
+    a view in place as it does a whole buffer (it holds the allocation alone)."""
+    mx.eval(flat)  # a stream's load has read it already: nothing to do
+    at = np.frombuffer(memoryview(flat), np.uint8).__array_interface__["data"][0]
+    first = -at % ALIGN // flat.dtype.size
+    return flat[first : first + math.prod(shape)].reshape(shape)
 
 
 class Slot:
@@ -240,59 +255,3 @@ def new_buffer(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array | Slot:
     if batch is not None and batch.takes(shape, dtype, mx.cpu):
         return batch.add(shape, dtype)
     return empty(shape, dtype, stream=mx.cpu)
-
-
-_HUGE = 2 << 20
-_MADV_COLLAPSE = 25  # Linux's value (6.1 on); Python's mmap names it from 3.13 on
-_libc = None
-
-
-def advise_huge(host: np.ndarray) -> None:
-    """Put a new, untouched buffer on transparent huge pages, where Linux gives them.
-
-    A restore writes a whole buffer at once, so 2 MiB pages waste little, and
-    they make its fresh pages several times cheaper to fault in (one fault per
-    2 MiB) and the copies into them faster (tools/bench_ssd_restore.py: warm
-    fetch of 1 GiB ~1.35x, with reused buffers ~1.6x). The 2 MiB regions inside
-    the buffer are advised (``MADV_HUGEPAGE``). The two at its ends are shared
-    with its neighbours (a restore's buffers lie one after the other), and the
-    first holds the allocator's chunk header (and MLX's size), written before
-    any advice: a region where a small page is mapped never gets a huge page on
-    a fault, so a 4.25 MiB buffer had half its memory in small pages (~15,600
-    faults per fetch of a 128 MiB chain; tools/bench_blocks.py). Such a region,
-    partly in memory (``mincore``), is collapsed into a huge page at once
-    (``MADV_COLLAPSE``, Linux 6.1; the bytes already there are kept): about 5x
-    cheaper than faulting in 512 small pages (tools/bench_page_faults.py). A
-    region all in memory (recycled, or a huge page already) has nothing left
-    to fault and is left alone: a collapse waits for every CPU's page lists to
-    drain, a wait that grows on a busy machine. A region shared with another
-    mapping stays as it is. Hints the kernel may decline (THP "never", no 2 MiB
-    page free, an older kernel); ``PREFIXCACHE_HUGE_PAGES=0`` turns them off.
-    """
-    global _libc
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if host.nbytes < _HUGE or advice is None or os.environ.get("PREFIXCACHE_HUGE_PAGES") == "0":
-        return  # (the size first: numpy's ``ctypes.data`` costs ~10 us)
-    data = host.ctypes.data
-    stop = data + host.nbytes
-    start, end = -(-data // _HUGE) * _HUGE, stop // _HUGE * _HUGE  # the regions inside
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        _libc = libc
-    if end > start:  # a failure only loses the hint
-        _libc.madvise(start, end - start, advice)
-    for edge in {start - _HUGE if data < start else None, end if stop > end else None}:
-        if edge is not None and _partly_in_memory(edge):
-            _libc.madvise(edge, _HUGE, _MADV_COLLAPSE)
-
-
-def _partly_in_memory(region: int) -> bool:
-    """Whether some pages of the 2 MiB ``region`` are in memory and some are not
-    (False where it is not all mapped)."""
-    pages = np.empty(_HUGE // mmap.PAGESIZE, np.uint8)  # mincore's answer: a byte a page
-    if _libc.mincore(region, _HUGE, pages.ctypes.data) != 0:
-        return False
-    present = int(np.count_nonzero(pages & 1))
-    return 0 < present < len(pages)

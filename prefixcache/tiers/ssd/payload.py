@@ -42,7 +42,7 @@ from .files import create_temp, open_sized, parent_fd, temp_path
 PAYLOAD_FORMAT = "prefixcache-block/1"
 # Our headers take ~100 bytes per tensor (a few hundred tensors a block): far
 # below this; a longer one is refused unread (safetensors itself allows 100 MiB).
-MAX_HEADER = 1 << 20
+MAX_HEADER, DATA_ALIGN = 1 << 20, 64  # DATA_ALIGN: the data's start, as restore_buffers.ALIGN
 _MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
@@ -63,7 +63,7 @@ def encode_header(
     digests: Sequence[tuple[int, int | None]] | None = None,
     run: str | None = None,
 ) -> bytes:
-    """The safetensors prefix: u64 length + JSON header padded to 8 bytes, each
+    """The safetensors prefix: u64 length + JSON header padded to ``DATA_ALIGN``, each
     tensor's entry with its digest and lead digest (``digests.py``).
 
     Args:
@@ -91,7 +91,7 @@ def encode_header(
         entries[t.name] = entry
         offset = end
     text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % DATA_ALIGN)
     if len(text) > MAX_HEADER:
         raise ValueError(f"payload header of {len(text)} bytes is over {MAX_HEADER}")
     return struct.pack("<Q", len(text)) + text

@@ -30,7 +30,7 @@ from .batch_order import newest_first
 from .files import create_temp, parent_fd, payload_path, unlink
 from .health import Counts, Health
 from .index import SsdIndex
-from .payload import MAX_HEADER, encode_header, write_payload
+from .payload import DATA_ALIGN, MAX_HEADER, encode_header, write_payload
 from .runfiles import RunRef
 from .shares import Limits
 
@@ -257,11 +257,13 @@ class PayloadFile:
             header = encode_header(specs, key, [(0, 0)] * len(specs), run)  # fixed width digests
         except ValueError:
             return None
-        if len(header) + 24 * len(specs) > MAX_HEADER:  # as written: a few digits more
+        bound = len(header) + 24 * len(specs) + DATA_ALIGN  # as written: a few digits more
+        if bound > MAX_HEADER:
             return None
         # reserved: the run's header bound by its tensors' with no data (their offsets
-        # take a few more digits each), the file's size once written
-        size = len(header) + 24 * len(specs) + sum(it.nbytes for it in items)
+        # take a few more digits each, the padding up to one boundary more), the
+        # file's size once written
+        size = bound + sum(it.nbytes for it in items)
         return cls(key, items, size, run=run, whole=whole)
 
     def refs(self) -> dict[bytes, tuple[RunRef, tuple[bytes, ...]]]:
