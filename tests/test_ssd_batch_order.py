@@ -16,7 +16,7 @@ from prefixcache import CacheConfig
 from prefixcache.blocks import Block
 from prefixcache.tiers.ssd.tier import SsdTier
 
-FILE = 3664  # file bytes of one ssd_child block in a file of its own
+FILE = 3712  # file bytes of one ssd_child block in a file of its own (data 64-byte aligned)
 
 
 def one_batch(tmp_path, blocks: list[Block], max_bytes: int, run_tokens: int) -> SsdTier:

@@ -29,7 +29,7 @@ from prefixcache.tiers.ssd.tier import SsdTier
 
 HERE = Path(__file__).parent
 V1_INDEX = HERE / "data" / "ssd_v1"  # written by the SSD format of version 1 (no tenants)
-FILE = 3664  # file bytes of one ssd_child block (digests and lead digests in its header)
+FILE = 3712  # file bytes of one ssd_child block (digests and lead digests in its header)
 
 
 @pytest.fixture
