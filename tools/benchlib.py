@@ -18,7 +18,6 @@ from mlx_lm.models.cache import KVCache
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.memory.host import host_view
-from prefixcache.memory.huge_pages import advise_huge
 from prefixcache.memory.restore_buffers import batched, resolve
 from prefixcache.tiny.models import build_model
 
@@ -178,7 +177,8 @@ def chain_fetch(model, args, tier: str, block_size: int, ssd_dir: str = ""):
 def restore_like_buffers(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     """uint16 views of new buffers made as a restore makes its own (one MLX load, zeros
     under 1 MiB, huge pages asked for). Each view keeps its array alive."""
-    from prefixcache.memory.restore_buffers import new_buffer  # (a base checkout may lack it)
+    from prefixcache.memory.huge_pages import advise_huge  # (a base checkout may lack these)
+    from prefixcache.memory.restore_buffers import new_buffer
 
     with batched(mx.cpu):
         made = [new_buffer(shape, mx.uint16) for shape in shapes]
