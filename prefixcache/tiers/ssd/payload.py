@@ -36,13 +36,13 @@ import xxhash
 
 from ...errors import PayloadError
 from ...memory.host import ITEMSIZE, MX_DTYPES, Tensor
+from ...memory.restore_buffers import ALIGN
 from . import digests as tensor_digests
 from .files import create_temp, open_sized, parent_fd, temp_path
 
 PAYLOAD_FORMAT = "prefixcache-block/1"
-# Our headers take ~100 bytes per tensor (a few hundred tensors a block): far
-# below this; a longer one is refused unread (safetensors itself allows 100 MiB).
-MAX_HEADER, DATA_ALIGN = 1 << 20, 64  # DATA_ALIGN: the data's start, as restore_buffers.ALIGN
+# Headers take ~100 bytes a tensor: far below MAX_HEADER; a longer one is refused unread
+MAX_HEADER, DATA_ALIGN = 1 << 20, ALIGN  # DATA_ALIGN: where the data starts, as a buffer
 _MAX_DIM = (1 << 31) - 1  # MLX shapes are int32
 
 _Span = tuple[str, str, tuple[int, ...], int, int]  # name, dtype, shape, start, end
